@@ -1,0 +1,1 @@
+"""Benchmarks run by `livemig bench ...`; each prints figures measured side by side."""

@@ -1,0 +1,88 @@
+"""`livemig` command line: run, status, inject, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+from livemig import logs
+from livemig.config import validate_job_name
+from livemig.errors import LivemigError
+
+
+def _add_etcd(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--etcd",
+        help="etcd endpoints http://HOST:PORT[,...] (default: $LIVEMIG_ETCD, or the local run of --job)",
+    )
+    p.add_argument(
+        "--etcd-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an etcd call may take, failover included (default 5)",
+    )
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    from livemig.jobs import resolve_etcd
+    from livemig.rdzv.client import EtcdClient
+    from livemig.status import collect, render
+
+    job = validate_job_name(a.job)
+    client = EtcdClient(resolve_etcd(job, a.etcd), timedelta(seconds=a.etcd_timeout))
+    try:
+        print(render(collect(client, job), a.json))
+    finally:
+        client.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="livemig",
+        description="Live-migration recovery with hot spares for PyTorch training.",
+    )
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default; or $LIVEMIG_LOG_LEVEL)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("status", help="show a job's generation, members, spares and leader")
+    s.add_argument("--job", required=True)
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_etcd(s)
+    s.set_defaults(fn=cmd_status)
+
+    b = sub.add_parser("bench", help="benchmarks: figures measured side by side in one run")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from livemig.bench import etcd_bench
+
+    be = bsub.add_parser("etcd", help="latency of put, generation CAS commit, watch delivery")
+    etcd_bench.add_arguments(be)
+    be.set_defaults(fn=etcd_bench.run)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return p
+
+
+# Commands defined in other modules add themselves here (keeps this file small).
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    logs.setup(a.log_level, role="cli")
+    try:
+        return int(a.fn(a) or 0)
+    except LivemigError as exc:
+        print(f"livemig: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("livemig: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

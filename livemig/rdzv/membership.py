@@ -1,0 +1,236 @@
+"""Generation CAS, the member table, and fencing.
+
+The generation number (key `generation`, decimal) is the fencing token.
+It changes only in a transaction that compares its current value, and the
+same transaction writes the new member table (one msgpack value, so even a
+table for thousands of ranks stays within etcd's 128-op / 1.5 MiB limits)
+and the fenced incarnations. Every state-changing call of a worker or spare
+presents (generation, incarnation); a stale generation or a fenced
+incarnation makes the transaction's compare fail and the caller gets
+`FencedError` / `StaleGenerationError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from livemig.config import Timeouts
+from livemig.errors import FencedError, StaleGenerationError
+from livemig.rdzv.client import EtcdClient, decode, encode
+from livemig.rdzv.keys import JobKeys
+from livemig.rdzv.lease import LeaseKeeper
+
+log = logging.getLogger("livemig.rdzv.membership")
+
+
+def new_incarnation(role: str) -> str:
+    """A process's identity for fencing: unique per process start."""
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class GenState(StrEnum):
+    """Life cycle of one generation, moved only by the coordinator.
+
+        FORMING ──► COMMITTED ──(failure: fence, g+1)──► RECOVERING
+                        ▲                                     │ agree + claim
+                        └──────── COMMITTED ◄── BUILDING ◄────┘
+        any ──► FAILED (recovery impossible)   COMMITTED ──► DONE
+
+    FORMING: initial workers build the first group. RECOVERING: a member was
+    fenced; survivors report their last committed step. BUILDING: the resume
+    step is agreed and a spare claimed; the spare streams state and every
+    member builds the group (phase 1). COMMITTED: phase 2, members switch.
+    """
+
+    FORMING = "forming"
+    RECOVERING = "recovering"
+    BUILDING = "building"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    DONE = "done"
+
+
+@dataclass
+class Member:
+    rank: int
+    incarnation: str
+    host: str = ""
+    pid: int = 0
+    addr: str = ""  # state-transfer endpoint, tcp://host:port
+    role: str = "worker"  # "worker", or "spare" for a claimed spare
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Member:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass
+class Membership:
+    generation: int = 0
+    state: str = GenState.FORMING.value
+    world_size: int = 0
+    members: dict[int, Member] = field(default_factory=dict)
+    store: str = ""  # host:port of the TCPStore the group of this generation builds from
+    resume_step: int | None = None
+    sources: list[int] = field(default_factory=list)  # ranks holding the boundary state
+    kind: str = ""  # "failure" | "migration" | "" (initial)
+    failed_rank: int | None = None
+    fenced: list[str] = field(default_factory=list)
+    reason: str = ""
+    leader: str = ""
+    updated: float = 0.0
+    nonce: str = ""  # unique per write: tells an ambiguous retry that it landed
+
+    def to_bytes(self) -> bytes:
+        d = asdict(self)
+        d["members"] = {int(r): asdict(m) for r, m in self.members.items()}
+        return encode(d)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes | None) -> Membership:
+        if not raw:
+            return cls()
+        d = decode(raw)
+        d["members"] = {int(r): Member.from_dict(m) for r, m in d.get("members", {}).items()}
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def rank_of(self, incarnation: str) -> int | None:
+        for r, m in self.members.items():
+            if m.incarnation == incarnation:
+                return r
+        return None
+
+
+class Rendezvous:
+    """A job's view of etcd: membership, fencing, registrations."""
+
+    def __init__(self, client: EtcdClient, job: str, timeouts: Timeouts | None = None) -> None:
+        self.client = client
+        self.keys = JobKeys(job)
+        self.timeouts = timeouts or Timeouts.from_env()
+        self.t = client.txn_ops
+
+    # -- reads ---------------------------------------------------------------------
+    def read(self) -> Membership:
+        """The current membership; generation 0 means the job has not formed."""
+        kv = self.client.get(self.keys.membership)
+        return Membership.from_bytes(kv.value if kv else None)
+
+    def generation(self) -> int:
+        kv = self.client.get(self.keys.generation)
+        return int(kv.value) if kv else 0
+
+    def is_fenced(self, incarnation: str) -> bool:
+        return self.client.get(self.keys.fenced(incarnation)) is not None
+
+    # -- compare building blocks ---------------------------------------------------------
+    def gen_is(self, generation: int) -> Any:
+        if generation == 0:
+            return self.t.version(self.keys.generation) == 0
+        return self.t.value(self.keys.generation) == str(generation)
+
+    def not_fenced(self, incarnation: str) -> Any:
+        return self.t.version(self.keys.fenced(incarnation)) == 0
+
+    # -- coordinator writes ------------------------------------------------------------------
+    def commit_change(
+        self,
+        expected: int,
+        new: Membership,
+        fence: Iterable[str] = (),
+        guard: Iterable[Any] = (),
+        extra: Iterable[Any] = (),
+    ) -> bool:
+        """Generation `expected` -> `expected + 1`, the new table and fences, atomically.
+
+        guard: more compares (the leader check); extra: more puts. Returns
+        False if someone else changed the generation first (re-read and retry).
+        """
+        new.generation = expected + 1
+        fence = list(fence)
+        new.fenced = fence
+        new.updated = now = time.time()
+        new.nonce = uuid.uuid4().hex
+        ops = [
+            self.t.put(self.keys.generation, str(expected + 1)),
+            self.t.put(self.keys.membership, new.to_bytes()),
+        ]
+        for inc in fence:
+            ops.append(
+                self.t.put(
+                    self.keys.fenced(inc),
+                    encode({"generation": expected + 1, "time": now, "reason": new.reason}),
+                )
+            )
+        ok, _ = self.client.txn([self.gen_is(expected), *guard], ops + list(extra))
+        if not ok:
+            # A retry after a lost reply sees its own write as a failed compare.
+            ok = self.read().nonce == new.nonce
+        if ok:
+            log.info(
+                "generation committed",
+                extra={"generation": expected + 1, "state": new.state, "fenced": fence},
+            )
+        return ok
+
+    def update(self, m: Membership, guard: Iterable[Any] = (), extra: Iterable[Any] = ()) -> bool:
+        """Rewrite the table of the *current* generation (state transitions)."""
+        m.updated = time.time()
+        m.nonce = uuid.uuid4().hex
+        ok, _ = self.client.txn(
+            [self.gen_is(m.generation), *guard],
+            [self.t.put(self.keys.membership, m.to_bytes()), *extra],
+        )
+        return ok or self.read().nonce == m.nonce
+
+    # -- fenced writes of members ----------------------------------------------------------
+    def check(self, generation: int, incarnation: str) -> None:
+        """Raise if `incarnation` is fenced or `generation` is not current."""
+        if self.is_fenced(incarnation):
+            raise FencedError(
+                f"incarnation {incarnation} is fenced: it was replaced in the job and must stop"
+            )
+        current = self.generation()
+        if current != generation:
+            raise StaleGenerationError(
+                f"stale generation {generation} (current is {current}): re-read the membership"
+            )
+
+    def fenced_put(
+        self, generation: int | None, incarnation: str, key: str, value: bytes, lease: int | None = None
+    ) -> None:
+        """Put `key` only if the caller is not fenced (and, if given, `generation` is current)."""
+        compare = [self.not_fenced(incarnation)]
+        if generation is not None:
+            compare.append(self.gen_is(generation))
+        ok, _ = self.client.txn(compare, [self.t.put(key, value, lease)])
+        if not ok:
+            self.check(generation if generation is not None else self.generation(), incarnation)
+            raise StaleGenerationError(f"write of {key} refused: generation changed meanwhile")
+
+    def register(
+        self,
+        key: str,
+        value: dict,
+        incarnation: str,
+        on_lost: Callable[[str], None] | None = None,
+        ttl_s: int | None = None,
+    ) -> LeaseKeeper:
+        """Put `value` at `key` under a kept-alive lease; refused if fenced."""
+        keeper = LeaseKeeper(
+            self.client, ttl_s or self.timeouts.lease_ttl_s, on_lost, name=key.rsplit("/", 2)[-2]
+        )
+        try:
+            self.fenced_put(None, incarnation, key, encode(value), lease=keeper.lease_id)
+        except Exception:
+            keeper.stop(revoke=True)
+            raise
+        return keeper

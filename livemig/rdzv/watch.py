@@ -1,0 +1,181 @@
+"""Watches that survive an etcd member failover without losing events.
+
+pyetcd delivers a stream error to the callback and forgets the watch. We
+remember the last revision delivered and re-create the watch from the next
+one on whichever endpoint answers, so no event is skipped or repeated. If
+the revision was compacted meanwhile, the owner gets `resync()`: re-read.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pyetcd import events as etcd_events
+from pyetcd import exceptions as etcd_exc
+
+from livemig.rdzv.client import EtcdClient
+
+log = logging.getLogger("livemig.rdzv.watch")
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    kind: str  # "put" or "delete"
+    key: str
+    value: bytes
+    mod_revision: int
+
+
+class PrefixWatch:
+    """Calls `callback(list[WatchEvent])` for every change under `prefix`.
+
+    start_revision: first revision to deliver (usually read revision + 1).
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        callback: Callable[[list[WatchEvent]], None],
+        start_revision: int | None = None,
+        on_resync: Callable[[], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.callback = callback
+        self.on_resync = on_resync
+        self.last_revision = (start_revision - 1) if start_revision else 0
+        self.reconnects = 0
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._watch_id: Any = None
+        self._gen = 0
+        self._establish()
+
+    def _establish(self) -> None:
+        while not self._stopped:
+            with self._lock:
+                self._gen += 1
+                gen = self._gen
+            start = self.last_revision + 1 if self.last_revision else None
+            try:
+                self._watch_id = self.client.call(
+                    f"watch {self.prefix}", functools.partial(self._add, gen, start)
+                )
+                return
+            except etcd_exc.RevisionCompactedError:
+                self._resync()
+            except Exception as exc:  # noqa: BLE001 - keep trying until stopped
+                log.warning("watch re-establish failed", extra={"prefix": self.prefix, "err": str(exc)})
+                time.sleep(0.2)
+
+    def _add(self, gen: int, start: int | None) -> Any:
+        return self.client.raw.add_watch_prefix_callback(
+            self.prefix, functools.partial(self._on_response, gen), start_revision=start
+        )
+
+    def _resync(self) -> None:
+        self.last_revision = self.client.revision()
+        if self.on_resync:
+            self.on_resync()
+
+    def _on_response(self, gen: int, resp: Any) -> None:
+        if gen != self._gen or self._stopped:
+            return
+        if resp is None or isinstance(resp, Exception):
+            if isinstance(resp, etcd_exc.RevisionCompactedError):
+                self._resync()
+            else:
+                self.client.mark_failed()
+            self.reconnects += 1
+            log.info(
+                "watch stream broke; resuming",
+                extra={"prefix": self.prefix, "from_revision": self.last_revision + 1},
+            )
+            threading.Thread(target=self._establish, daemon=True, name="livemig-watch").start()
+            return
+        out = []
+        for ev in resp.events:
+            if ev.mod_revision <= self.last_revision:
+                continue  # already delivered before a reconnect
+            kind = "delete" if isinstance(ev, etcd_events.DeleteEvent) else "put"
+            out.append(WatchEvent(kind, ev.key.decode(), ev.value, ev.mod_revision))
+        if out:
+            self.last_revision = max(e.mod_revision for e in out)
+            try:
+                self.callback(out)
+            except Exception:  # noqa: BLE001
+                log.exception("watch callback failed", extra={"prefix": self.prefix})
+
+    def cancel(self) -> None:
+        self._stopped = True
+        try:
+            if self._watch_id is not None:
+                self.client.raw.cancel_watch(self._watch_id)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def wait_for(
+    client: EtcdClient,
+    prefix: str,
+    predicate: Callable[[dict[str, bytes]], Any],
+    timeout: float,
+    what: str = "",
+    abort: Callable[[], bool] | None = None,
+) -> Any:
+    """Block until `predicate(state)` is truthy; returns its value.
+
+    state maps every key under `prefix` to its value, kept current by a watch
+    started at the read revision, so no change between read and watch is lost.
+    Raises TimeoutError naming `what` after `timeout` seconds; `abort` is
+    polled and, when true, ends the wait with InterruptedError.
+    """
+    kvs, rev = client.get_prefix(prefix)
+    state = {kv.key: kv.value for kv in kvs}
+    cond = threading.Condition()
+
+    def on_events(events: list[WatchEvent]) -> None:
+        with cond:
+            for e in events:
+                if e.kind == "put":
+                    state[e.key] = e.value
+                else:
+                    state.pop(e.key, None)
+            cond.notify_all()
+
+    def on_resync() -> None:
+        fresh, _ = client.get_prefix(prefix)
+        with cond:
+            state.clear()
+            state.update({kv.key: kv.value for kv in fresh})
+            cond.notify_all()
+
+    deadline = time.monotonic() + timeout
+    watch = None
+    try:
+        with cond:
+            result = predicate(dict(state))
+            if result:
+                return result
+        watch = PrefixWatch(client, prefix, on_events, start_revision=rev + 1, on_resync=on_resync)
+        with cond:
+            while True:
+                result = predicate(dict(state))
+                if result:
+                    return result
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what or prefix}")
+                if abort is not None and abort():
+                    raise InterruptedError(f"wait for {what or prefix} aborted")
+                cond.wait(min(left, 0.2))
+    finally:
+        if watch is not None:
+            watch.cancel()

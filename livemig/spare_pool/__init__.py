@@ -1,0 +1,1 @@
+"""Hot-spare daemons and pool bookkeeping."""

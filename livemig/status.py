@@ -1,0 +1,91 @@
+"""`livemig status`: read a job's keys and show them (table or JSON)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from livemig.rdzv.client import EtcdClient, decode
+from livemig.rdzv.keys import JobKeys
+from livemig.rdzv.membership import Membership
+
+
+def collect(client: EtcdClient, job: str) -> dict[str, Any]:
+    keys = JobKeys(job)
+    kvs, _ = client.get_prefix(keys.prefix)
+    by_key = {kv.key: kv for kv in kvs}
+    m = Membership.from_bytes(by_key[keys.membership].value if keys.membership in by_key else None)
+    members = []
+    for rank in sorted(m.members):
+        mem = m.members[rank]
+        reg = by_key.get(keys.member(rank))
+        live = decode(reg.value) if reg else None
+        prog = by_key.get(keys.progress(rank))
+        progress = decode(prog.value) if prog else {}
+        alive = bool(live and live.get("incarnation") == mem.incarnation)
+        members.append(
+            {
+                "rank": rank,
+                "host": mem.host,
+                "pid": mem.pid,
+                "incarnation": mem.incarnation,
+                "state": (live or {}).get("state", "running") if alive else "missing",
+                "step": progress.get("step"),
+            }
+        )
+    spares = []
+    for kv in kvs:
+        if kv.key.startswith(keys.spares_prefix):
+            s = decode(kv.value)
+            spares.append(
+                {
+                    "id": kv.key[len(keys.spares_prefix) :],
+                    "state": s.get("state"),
+                    "host": s.get("host"),
+                    "pid": s.get("pid"),
+                    "warmup_s": s.get("warmup_s"),
+                    "claim": s.get("claim"),
+                }
+            )
+    leader = by_key.get(keys.leader)
+    result = by_key.get(keys.result)
+    return {
+        "job": job,
+        "generation": m.generation,
+        "state": m.state,
+        "world_size": m.world_size,
+        "members": members,
+        "spares": spares,
+        "leader": leader.value.decode() if leader else None,
+        "fenced": sorted(k[len(keys.fenced_prefix) :] for k in by_key if k.startswith(keys.fenced_prefix)),
+        "result": decode(result.value) if result else None,
+        "read_at": time.time(),
+    }
+
+
+def render(info: dict[str, Any], as_json: bool) -> str:
+    if as_json:
+        return json.dumps(info, indent=2, sort_keys=True)
+    lines = [
+        f"job {info['job']}  generation {info['generation']}  state {info['state']}  "
+        f"world {info['world_size']}  leader {info['leader'] or '-'}",
+    ]
+    if info["result"]:
+        lines.append(f"result: {info['result']}")
+    lines.append(f"{'RANK':>4}  {'STATE':<9} {'STEP':>6}  {'HOST':<16} {'PID':>7}  INCARNATION")
+    for m in info["members"]:
+        step = "-" if m["step"] is None else str(m["step"])
+        lines.append(
+            f"{m['rank']:>4}  {m['state']:<9} {step:>6}  {m['host']:<16} {m['pid']:>7}  {m['incarnation']}"
+        )
+    if not info["members"]:
+        lines.append("  (no members: the job has not formed)")
+    lines.append(f"{'SPARE':<28} {'STATE':<9} {'WARMUP_S':>8}  {'HOST':<16} {'PID':>7}")
+    for s in info["spares"]:
+        w = "-" if s["warmup_s"] is None else f"{s['warmup_s']:.2f}"
+        state, host = s["state"] or "-", s["host"] or "-"
+        lines.append(f"{s['id']:<28} {state:<9} {w:>8}  {host:<16} {s['pid'] or 0:>7}")
+    if not info["spares"]:
+        lines.append("  (no spares)")
+    return "\n".join(lines)

@@ -1,0 +1,73 @@
+"""Shared fixtures: real etcd servers, cleaned up even when a test fails."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from livemig.rdzv.embedded import EtcdCluster
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+logging.getLogger("livemig").setLevel(logging.INFO)
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[EtcdCluster]:
+    with EtcdCluster(size=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def etcd3() -> Iterator[EtcdCluster]:
+    with EtcdCluster(size=3) as cluster:
+        yield cluster
+
+
+class Procs:
+    """Child processes in their own process groups; all killed at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, args: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = REPO + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env.update(env or {})
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        p = subprocess.Popen(args, env=full_env, start_new_session=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def python(self, *args: str, **kw) -> subprocess.Popen:
+        return self.spawn([sys.executable, *args], **kw)
+
+    def cleanup(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            for f in (p.stdout, p.stderr):
+                if f:
+                    f.close()
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.cleanup()

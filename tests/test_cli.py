@@ -1,0 +1,71 @@
+"""The CLI's bad-input paths: one clear line on stderr, non-zero exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "livemig.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one error line, got: {err!r}"
+    return lines[0]
+
+
+def test_unreachable_etcd_names_endpoint_and_timeout():
+    t0 = time.monotonic()
+    r = run_cli("status", "--job", "j", "--etcd", "http://127.0.0.1:9", "--etcd-timeout", "1")
+    assert r.returncode == 2
+    line = one_line(r.stderr)
+    assert "http://127.0.0.1:9" in line and "1.0s" in line
+    assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.parametrize("url", ["foo:bar", "http://", "ftp://h:1", "http://h:notaport", "http://h"])
+def test_malformed_url(url):
+    r = run_cli("status", "--job", "j", "--etcd", url)
+    assert r.returncode == 2
+    assert "etcd URL" in one_line(r.stderr)
+
+
+@pytest.mark.parametrize("job", ["bad/name", "", "-x", "a" * 80, "sp ace"])
+def test_invalid_job_name(job):
+    r = run_cli("status", f"--job={job}", "--etcd", "http://127.0.0.1:9")
+    assert r.returncode == 2
+    assert "invalid job name" in one_line(r.stderr)
+
+
+def test_unknown_job_without_etcd(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIVEMIG_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("LIVEMIG_ETCD", raising=False)
+    r = run_cli("status", "--job", "nosuchjob")
+    assert r.returncode == 2
+    assert "--etcd" in one_line(r.stderr)
+
+
+def test_status_reads_job_keys(etcd):
+    from livemig.rdzv.client import EtcdClient
+    from livemig.rdzv.membership import Member, Membership, Rendezvous
+
+    rdzv = Rendezvous(EtcdClient(etcd.endpoints), "statusjob")
+    rdzv.commit_change(
+        0, Membership(world_size=1, state="committed", members={0: Member(0, "worker-h-1-x", "h", 1)})
+    )
+    r = run_cli("status", "--job", "statusjob", "--etcd", etcd.endpoints, "--json")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    info = json.loads(r.stdout)
+    assert info["generation"] == 1 and info["members"][0]["incarnation"] == "worker-h-1-x"
+    assert info["members"][0]["state"] == "missing"  # no live registration
+    r = run_cli("status", "--job", "statusjob", "--etcd", etcd.endpoints)
+    assert "generation 1" in r.stdout

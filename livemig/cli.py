@@ -66,8 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# Commands defined in other modules add themselves here (keeps this file small).
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+def _run_parser(sub: argparse._SubParsersAction) -> None:
+    from livemig.launch import add_parser
+
+    add_parser(sub)
+
+
+# Commands defined in other modules (keeps this file small).
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_run_parser]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

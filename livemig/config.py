@@ -101,3 +101,16 @@ class Timeouts:
             ENV_RECOVERY_TIMEOUT: str(self.recovery.total_seconds()),
             ENV_SPARE_WAIT: str(self.spare_wait.total_seconds()),
         }
+
+
+# Set by `livemig run` / `livemig-spare start` for the processes they start.
+ENV_ROLE = "LIVEMIG_ROLE"  # "worker" or "spare"
+ENV_RANK = "LIVEMIG_RANK"
+ENV_WORLD_SIZE = "LIVEMIG_WORLD_SIZE"
+ENV_SPARE_ID = "LIVEMIG_SPARE_ID"
+ENV_INCARNATION = "LIVEMIG_INCARNATION"
+ENV_HOST = "LIVEMIG_HOST"  # address peers reach this process at (default 127.0.0.1)
+ENV_BACKEND = "LIVEMIG_BACKEND"  # "gloo" (default) or "nccl"
+# Faults injected from inside a worker, for tests and `--fault ...:during=...`:
+# "selfkill:step=S:at=allreduce" or "drop_avg:step=S" (see livemig/faults.py).
+ENV_SELF_FAULT = "LIVEMIG_SELF_FAULT"

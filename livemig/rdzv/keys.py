@@ -105,6 +105,14 @@ class JobKeys:
         return f"{self.progress_prefix}{rank}"
 
     @property
+    def final_prefix(self) -> str:
+        return self.prefix + "final/"
+
+    def final(self, rank: int) -> str:
+        """A member's end-of-run record: steps, state digest, commit times."""
+        return f"{self.final_prefix}{rank}"
+
+    @property
     def config(self) -> str:
         """Job settings written once at creation (world size, signature)."""
         return self.prefix + "config"

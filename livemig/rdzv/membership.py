@@ -66,6 +66,7 @@ class Member:
     pid: int = 0
     addr: str = ""  # state-transfer endpoint, tcp://host:port
     role: str = "worker"  # "worker", or "spare" for a claimed spare
+    spare_id: str = ""
 
     @classmethod
     def from_dict(cls, d: dict) -> Member:

@@ -1,0 +1,415 @@
+"""The user's view: `@livemig.elastic()` and `Context`.
+
+A worker runs the user's function once. A spare runs it in standby: the
+model and optimizer are built (warm process, allocator, kernels), then
+`ctx.steps()` blocks until the coordinator claims the spare for a rank; the
+function is then unwound and entered again with that rank, so everything
+user code derives from `ctx.rank` before the loop is exactly what a worker
+started with that rank would have; the streamed state is loaded and the loop
+starts at the agreed step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from livemig import logs
+from livemig.comm.group import (
+    CollectiveAborted,
+    allreduce_mean,
+    flatten_grads,
+    release_all,
+    retire,
+    write_back,
+)
+from livemig.config import (
+    ENV_INCARNATION,
+    ENV_RANK,
+    ENV_ROLE,
+    ENV_SELF_FAULT,
+    ENV_SPARE_ID,
+    ENV_WORLD_SIZE,
+    Timeouts,
+)  # fmt: skip
+from livemig.data import step_seed
+from livemig.errors import ConfigError, FencedError, LivemigError, RecoveryError, TransferError
+from livemig.faults import parse_self_fault
+from livemig.rdzv.client import decode
+from livemig.rdzv.membership import GenState, Membership, new_incarnation
+from livemig.rdzv.watch import wait_for
+from livemig.state import digest, flatten, signature
+from livemig.transfer.client import pull
+
+log = logging.getLogger("livemig.api")
+
+
+class _Activate(BaseException):
+    """Unwinds the user's function in a spare once it is claimed (never caught by user code
+    that catches Exception)."""
+
+    def __init__(self, generation: int, rank: int) -> None:
+        self.generation, self.rank = generation, rank
+
+
+class Context:
+    """What the training function sees. Attributes are valid after set-up:
+
+    rank, world_size: this process's place in the job (a spare in standby
+    sees rank 0 until it is claimed). generation: the membership generation
+    whose process group it trains in.
+    """
+
+    def __init__(self, seed: int = 0, timeouts: Timeouts | None = None) -> None:
+        self.seed = seed
+        self.role = os.environ.get(ENV_ROLE, "local")
+        if self.role not in ("worker", "spare", "local"):
+            raise ConfigError(f"{ENV_ROLE}={self.role!r}: expected worker or spare")
+        self.incarnation = os.environ.get(ENV_INCARNATION) or new_incarnation(self.role)
+        self.timeouts = timeouts or Timeouts.from_env()
+        self.runtime: Any = None
+        self.rank = int(os.environ.get(ENV_RANK, "0"))
+        self.world_size = int(os.environ.get(ENV_WORLD_SIZE, "1"))
+        self.spare_id = os.environ.get(ENV_SPARE_ID, "")
+        self._joining: _Activate | None = None
+        self._started = time.monotonic()
+        self._warm_s: float | None = None
+        self._reset_user_state()
+        self._self_fault = parse_self_fault(os.environ[ENV_SELF_FAULT]) if os.environ.get(
+            ENV_SELF_FAULT) else None  # fmt: skip
+        if self.role != "local":
+            from livemig.member import MemberRuntime
+
+            self.runtime = MemberRuntime(self.incarnation, self.timeouts)
+
+    def _reset_user_state(self) -> None:
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.extra: dict[str, Any] = {}
+        self._params: list[torch.nn.Parameter] = []
+        self.committed = -1  # last step whose optimizer update is applied here
+        self._current: int | None = None  # step being run (between yield and ctx.step())
+        self._avg: tuple[int, list] | None = None  # averaged gradient of the last commit
+        self._commits: list[list[float]] = []
+        self._last_metrics: dict[str, float] = {}
+        self._total = 0
+        self._loaded_step: int | None = None
+        self._stream_info: dict[str, Any] = {}
+
+    @property
+    def generation(self) -> int:
+        return self.runtime.gen if self.runtime else 0
+
+    # -- registration --------------------------------------------------------------------
+    def register(self, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:  # fmt: skip
+        """Name what moves on migration: anything with state_dict/load_state_dict."""
+        for name, obj in extra.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ConfigError(f"ctx.register({name}=...): object has no state_dict/load_state_dict")
+        self.model, self.optimizer, self.extra = model, optimizer, extra
+        self._params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+
+    def signature(self) -> list:
+        return signature(self.model.state_dict()) if self.model is not None else []
+
+    def state_obj(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict() if self.model is not None else {},
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
+            "extra": {k: v.state_dict() for k, v in self.extra.items()},
+        }
+
+    def state_digest(self) -> str:
+        tensors: list[torch.Tensor] = []
+        s = self.state_obj()
+        flatten({"model": s["model"], "optimizer": s["optimizer"]}, tensors)
+        return digest(tensors)
+
+    def log(self, **metrics: float) -> None:
+        """Metrics shown in `livemig run`'s progress lines (e.g. loss=...)."""
+        self._last_metrics = {k: float(v) for k, v in metrics.items()}
+
+    # -- the loop ------------------------------------------------------------------------------
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step indices, from the agreed resume step after a recovery."""
+        if self.model is None and self.optimizer is None:
+            raise ConfigError("call ctx.register(model=..., optimizer=...) before ctx.steps()")
+        self._total = total
+        start = 0
+        if self.role == "worker":
+            self.runtime.register(self.rank)
+            self._register_signature()
+            self.runtime.follow(1, self)
+        elif self.role == "spare":
+            if self._joining is None:
+                self._standby()  # raises _Activate
+            m = self.runtime.follow(self._joining.generation, self)
+            start = self.committed + 1
+            if m.state == GenState.DONE:
+                start = total
+        for step in range(start, total):
+            self._current = step
+            torch.manual_seed(step_seed(self.seed, step, self.rank))
+            yield step
+            if self.committed != step:
+                raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
+        self._current = None
+
+    def step(self) -> None:
+        """Average gradients over the live group, then optimizer.step() and zero_grad().
+
+        The commit point. If the collective fails, the member joins the
+        recovery: either a peer completed this step's average (we fetch it
+        and commit, so user code around ctx.step() still runs exactly once)
+        or nobody did (we redo the collective in the new group).
+        """
+        t = self._current
+        if t is None:
+            raise ConfigError("ctx.step() called outside `for step in ctx.steps(...)`")
+        if self.role == "local" or self.world_size == 1 and self.runtime is None:
+            self._commit(t, None)
+            return
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        while True:
+            self.runtime.check_fenced()
+            buckets = flatten_grads(self._params)
+            try:
+                self._maybe_self_fault(t, "allreduce")
+                allreduce_mean(self.runtime.pg, buckets, self.world_size, self.timeouts.collective,
+                               should_abort=self.runtime.moved_on)  # fmt: skip
+                if self._drop_avg(t):
+                    raise CollectiveAborted("test fault: average dropped")
+            except CollectiveAborted as exc:
+                log.warning(
+                    "collective failed; joining recovery",
+                    extra={"step": t, "generation": self.runtime.gen, "why": str(exc)},
+                )
+                retire(self.runtime.pg)
+                self.runtime.pg = None
+                self.runtime.follow(self.runtime.gen + 1, self)
+                if self.committed == t:
+                    return  # a peer's completed average was fetched and applied
+                continue
+            write_back(self._params, buckets)
+            self._commit(t, [flat for _, flat in buckets])
+            return
+
+    def _commit(self, t: int, avg: list | None) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        self.committed = t
+        self._avg = (t, avg) if avg is not None else None
+        self._commits.append([t, time.time()])
+        if self.runtime is not None:
+            self.runtime.progress(t, generation=self.runtime.gen, **self._last_metrics)
+
+    # -- test faults ----------------------------------------------------------------------
+    def _maybe_self_fault(self, t: int, at: str) -> None:
+        f = self._self_fault
+        if f and f[0] == "selfkill" and f[1] == t and f[2] == at and self.role == "worker":
+            import signal
+            import threading
+
+            # Die while our gradients are in flight: peers may or may not complete.
+            threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+    def _drop_avg(self, t: int) -> bool:
+        f = self._self_fault
+        if f and f[0] == "drop_avg" and f[1] == t and self.role == "worker":
+            self._self_fault = None
+            return True
+        return False
+
+    # -- called by MemberRuntime.follow ----------------------------------------------------
+    def committed_step(self) -> int | None:
+        if self.role == "spare" and self._loaded_step is None:
+            return None  # holds no state yet
+        return self.committed
+
+    def avg_step(self) -> int | None:
+        return self._avg[0] if self._avg else None
+
+    def catch_up(self, m: Membership) -> dict[str, Any] | None:
+        """Reach the agreed boundary (resume_step) of generation m."""
+        if m.resume_step is None:
+            return None
+        target = m.resume_step - 1  # last step that must be committed here
+        if self.committed_step() == target:
+            return self._stream_info if self.role == "spare" else None
+        if self.committed_step() is None or (self.role == "spare" and self._current is None):
+            return self._pull_state(m)
+        if self.committed == target - 1 and self._current == target:
+            self._fetch_avg(m, target)
+            return None
+        raise RecoveryError(
+            f"rank {self.rank} committed step {self.committed} and cannot reach the agreed "
+            f"resume step {m.resume_step}"
+        )
+
+    def serve(self, m: Membership) -> None:
+        srv = self.runtime.server
+        if srv is None or m.resume_step is None or self.committed_step() != m.resume_step - 1:
+            return
+        srv.publish(m.generation, "state", lambda: (self.committed + 1, self.state_obj()))
+        if self._avg is not None and self._avg[0] == self.committed:
+            avg = self._avg
+            srv.publish(m.generation, "avg", lambda: (avg[0], {"flat": avg[1]}))
+
+    def _sources(self, m: Membership) -> list[str]:
+        return [m.members[r].addr for r in m.sources if r in m.members and m.members[r].addr]
+
+    def _pull_any(self, m: Membership, item: str, alloc: Callable | None = None) -> Any:
+        """Pull `item` from the first source that serves it, retrying until the deadline."""
+        secret = self.runtime.secret()
+        deadline = time.monotonic() + self.timeouts.recovery.total_seconds()
+        errors: list[str] = []
+        while time.monotonic() < deadline:
+            for addr in self._sources(m):
+                if self.runtime.m.generation != m.generation:
+                    raise CollectiveAborted("generation moved on during the transfer")
+                try:
+                    return addr, pull(addr, self.runtime.job, secret, m.generation, item,
+                                      self.timeouts.collective.total_seconds(), alloc)  # fmt: skip
+                except TransferError as exc:
+                    errors.append(str(exc))
+            time.sleep(0.02)
+        raise RecoveryError(f"could not pull {item} from any source: {errors[-3:]}")
+
+    def _fetch_avg(self, m: Membership, t: int) -> None:
+        _, got = self._pull_any(m, "avg")
+        if got.step != t:
+            raise RecoveryError(f"source holds the average of step {got.step}, need {t}")
+        offsets = flatten_grads(self._params)  # same bucket layout as the source
+        write_back(self._params, [(idx, flat) for (idx, _), flat in zip(offsets, got.state["flat"],
+                                                                         strict=True)])  # fmt: skip
+        log.info("fetched the averaged gradient of a step a peer completed", extra={"step": t})
+        self._commit(t, got.state["flat"])
+
+    def _pull_state(self, m: Membership) -> dict[str, Any]:
+        model_tensors = list(self.model.state_dict().values()) if self.model is not None else []
+
+        def alloc(i: int, meta: dict) -> torch.Tensor | None:
+            if i < len(model_tensors) and list(model_tensors[i].shape) == meta["shape"]:
+                return model_tensors[i]  # receive in place into the spare's parameters
+            return None
+
+        t0 = time.monotonic()
+        addr, got = self._pull_any(m, "state", alloc)
+        state = got.state
+        if self.model is not None:
+            self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        for k, v in self.extra.items():
+            v.load_state_dict(state["extra"][k])
+        self.committed = got.step - 1
+        self._loaded_step = got.step
+        self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
+        log.info("state loaded", extra={"resume_step": got.step, "bytes": got.nbytes,
+                                        "seconds": round(got.seconds, 4)})  # fmt: skip
+        return self._stream_info
+
+    # -- spare standby ----------------------------------------------------------------------
+    def _register_signature(self) -> None:
+        rt = self.runtime
+        rt.put(
+            rt.keys.prefix + f"signatures/{self.rank}",
+            {"incarnation": self.incarnation, "signature": self.signature()},
+        )
+
+    def _standby(self) -> None:
+        import socket
+
+        import psutil
+
+        rt = self.runtime
+        self._warm_s = time.monotonic() - self._started
+        info = {
+            "incarnation": self.incarnation, "host": socket.gethostname(), "pid": os.getpid(),
+            "state": "warm", "signature": self.signature(), "warmup_s": self._warm_s,
+            "peak_rss_mb": psutil.Process().memory_info().rss / 2**20,
+        }  # fmt: skip
+        keeper = rt.rdzv.register(rt.keys.spare(self.spare_id), info, self.incarnation, rt._on_lost)
+        rt.start_server()
+        log.info("spare warm", extra={"spare": self.spare_id, "warmup_s": round(self._warm_s, 3)})
+        key = rt.keys.assignment(self.spare_id)
+        while True:
+            try:
+                raw = wait_for(rt.client, key, lambda s: s.get(key), 60.0, "a claim",
+                               abort=rt.fenced.is_set)  # fmt: skip
+                break
+            except TimeoutError:
+                continue
+            except InterruptedError:
+                rt.check_fenced()
+        a = decode(raw)
+        if a.get("refused"):
+            keeper.stop(revoke=True)
+            raise ConfigError(f"spare {self.spare_id} refused by the job: {a['refused']}")
+        raise _Activate(int(a["generation"]), int(a["rank"]))
+
+    def write_final(self) -> None:
+        rt = self.runtime
+        rt.put(rt.keys.final(self.rank), {
+            "incarnation": self.incarnation, "steps": self.committed + 1, "digest": self.state_digest(),
+            "commits": self._commits, "generation": rt.gen, "role": self.role,
+            "joined_at_step": self._loaded_step})  # fmt: skip
+
+    def _finish(self) -> None:
+        if self.runtime is None:
+            return
+        self.write_final()
+        self.runtime.wait_result(self)
+
+
+def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
+    """Wrap a training function `fn(ctx, *args, **kwargs)`.
+
+    Outside `livemig run` (no LIVEMIG_ROLE) the function runs as a single
+    local process, so the same script works without livemig's launcher.
+    """
+
+    def deco(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            who = os.environ.get(ENV_RANK) or os.environ.get(ENV_SPARE_ID, "")
+            logs.setup(role=f"{os.environ.get(ENV_ROLE, 'local')}:{who}")
+            ctx = None
+            try:
+                ctx = Context(seed, timeouts)
+                try:
+                    result = fn(ctx, *args, **kwargs)
+                except _Activate as act:
+                    log.info("claimed", extra={"rank": act.rank, "generation": act.generation})
+                    ctx._reset_user_state()
+                    ctx.rank, ctx._joining = act.rank, act
+                    result = fn(ctx, *args, **kwargs)
+                ctx._finish()
+                return result
+            except FencedError as exc:
+                print(f"livemig: {exc}", file=sys.stderr, flush=True)
+                os._exit(exc.exit_code)  # touch nothing: this process was replaced
+            except LivemigError as exc:
+                print(f"livemig: error: {exc}", file=sys.stderr, flush=True)
+                os._exit(exc.exit_code)
+            finally:
+                if ctx is not None and ctx.runtime is not None:
+                    retire(ctx.runtime.pg)
+                    ctx.runtime.pg = None
+                    ctx.runtime.close()
+                release_all()
+
+        return wrapper
+
+    return deco

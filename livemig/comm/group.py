@@ -1,0 +1,137 @@
+"""Reconfigurable process groups and fault-aware collectives.
+
+A group is built directly from a c10d store namespaced by generation
+(`PrefixStore(f"gen{g}", TCPStore)`), so it can be rebuilt inside a running
+process. Builds and collectives run asynchronously and the caller polls
+them, so a wait can end early when the generation moves on (the
+coordinator fenced a hung peer) instead of sitting out the full timeout.
+
+Broken groups are never destroyed while a gloo thread may still be inside a
+collective on them: they go to a graveyard that lives until process exit,
+where `release_all()` drops them before the interpreter shuts down (a gloo
+group with a dead peer alive at exit aborts the process).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("livemig.comm")
+
+_GRAVEYARD: list[Any] = []
+BUCKET_BYTES = 32 << 20
+
+
+class CollectiveAborted(RuntimeError):
+    """A collective or build was abandoned: peer failure, timeout, or a new generation."""
+
+
+def _store_for(addr: str, gen: int, timeout: timedelta) -> dist.Store:
+    host, port = addr.rsplit(":", 1)
+    tcp = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore(f"gen{gen}", tcp)
+
+
+def build_group(
+    store_addr: str, gen: int, rank: int, world: int, timeout: timedelta,
+    backend: str = "gloo", should_abort: Callable[[], bool] | None = None,
+) -> Any:  # fmt: skip
+    """Build the group of generation `gen`; raises CollectiveAborted if aborted."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            store = _store_for(store_addr, gen, timeout)
+            if backend == "nccl":  # pragma: no cover - needs GPUs
+                opts = dist.ProcessGroupNCCL.Options()
+                box["pg"] = dist.ProcessGroupNCCL(store, rank, world, opts)
+            else:
+                box["pg"] = dist.ProcessGroupGloo(store, rank, world, timeout)
+        except Exception as exc:  # noqa: BLE001
+            box["err"] = exc
+
+    t = threading.Thread(target=work, name=f"livemig-build-g{gen}", daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout.total_seconds()
+    while t.is_alive():
+        t.join(0.005)
+        if should_abort is not None and should_abort():
+            raise CollectiveAborted(f"build of generation {gen} abandoned: generation moved on")
+        if time.monotonic() > deadline:
+            raise CollectiveAborted(f"build of generation {gen} timed out after {timeout}")
+    if "err" in box:
+        raise CollectiveAborted(f"build of generation {gen} failed: {box['err']}")
+    return box["pg"]
+
+
+def retire(pg: Any) -> None:
+    """Keep a broken or replaced group alive until exit (see module doc)."""
+    if pg is not None:
+        _GRAVEYARD.append(pg)
+
+
+def release_all() -> None:
+    _GRAVEYARD.clear()
+    gc.collect()
+
+
+def flatten_grads(params: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """Copy gradients into flat buckets (never reduce .grad in place, so a
+    failed collective leaves every .grad exactly as backward produced it)."""
+    buckets: list[tuple[list[int], torch.Tensor]] = []
+    cur: list[int] = []
+    size = 0
+    for i, p in enumerate(params):
+        cur.append(i)
+        size += p.numel() * p.element_size()
+        if size >= BUCKET_BYTES:
+            buckets.append((cur, _cat(params, cur)))
+            cur, size = [], 0
+    if cur:
+        buckets.append((cur, _cat(params, cur)))
+    return buckets
+
+
+def _cat(params: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
+    return torch.cat([params[i].grad.reshape(-1) for i in idx])
+
+
+def allreduce_mean(
+    pg: Any, buckets: list[tuple[list[int], torch.Tensor]], world: int, timeout: timedelta,
+    should_abort: Callable[[], bool] | None = None,
+) -> None:  # fmt: skip
+    """Sum-allreduce every bucket, then divide by `world`; raises CollectiveAborted."""
+    works = [pg.allreduce([flat]) for _, flat in buckets]
+    deadline = time.monotonic() + timeout.total_seconds()
+    for w in works:
+        while not w.is_completed():
+            if should_abort is not None and should_abort():
+                raise CollectiveAborted("collective abandoned: generation moved on")
+            if time.monotonic() > deadline:
+                raise CollectiveAborted(f"collective timed out after {timeout} (watchdog)")
+            time.sleep(0.0002)
+        try:
+            w.wait()
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError on a dead peer
+            raise CollectiveAborted(f"collective failed: {str(exc).splitlines()[0][:200]}") from exc
+    for _, flat in buckets:
+        flat.div_(world)
+
+
+def write_back(params: list[torch.Tensor], buckets: list[tuple[list[int], torch.Tensor]]) -> None:
+    for idx, flat in buckets:
+        off = 0
+        for i in idx:
+            g = params[i].grad
+            n = g.numel()
+            g.copy_(flat[off : off + n].view_as(g))
+            off += n

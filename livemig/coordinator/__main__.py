@@ -1,0 +1,5 @@
+import sys
+
+from livemig.coordinator.coordinator import main
+
+sys.exit(main())

@@ -1,0 +1,361 @@
+"""The coordinator: leader-elected, drives every generation change.
+
+It is a loop over snapshots of the job's keys (woken by a watch, at least
+every 0.2 s): each pass looks at the current generation's state and does the
+one thing that moves it forward. All writes carry the leader guard, so a
+deposed coordinator cannot change the job; a standby that takes over
+continues from the state in etcd.
+
+    gen 0 --all N workers registered--> g1 FORMING --all ready--> COMMITTED
+    COMMITTED --member dead (agent report, lease gone)--> g+1 RECOVERING (fenced)
+    RECOVERING --all survivors reported--> agree resume step, claim spare(s): BUILDING
+    BUILDING --all ready (spare streamed, groups built)--> COMMITTED (phase 2)
+    COMMITTED --every member wrote its final record--> DONE
+    no warm spare within spare_wait, no state left, timeouts --> FAILED
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+from livemig.config import Timeouts
+from livemig.coordinator.timeline import Timeline
+from livemig.errors import NotLeaderError
+from livemig.rdzv.client import KV, EtcdClient, decode, encode
+from livemig.rdzv.election import LeaderElection
+from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, new_incarnation
+from livemig.rdzv.watch import PrefixWatch
+from livemig.state import first_mismatch
+
+log = logging.getLogger("livemig.coordinator")
+
+
+class Snapshot:
+    """All keys of the job at one revision, with typed accessors."""
+
+    def __init__(self, kvs: list[KV], rdzv: Rendezvous) -> None:
+        self.kv = {kv.key: kv for kv in kvs}
+        self.keys = rdzv.keys
+        raw = self.kv.get(self.keys.membership)
+        self.m = Membership.from_bytes(raw.value if raw else None)
+
+    def get(self, key: str) -> Any:
+        kv = self.kv.get(key)
+        return decode(kv.value) if kv else None
+
+    def under(self, prefix: str) -> dict[str, Any]:
+        return {k[len(prefix) :]: decode(v.value) for k, v in self.kv.items() if k.startswith(prefix)}
+
+    def alive(self, rank: int, member: Member) -> bool:
+        if self.kv.get(self.keys.suspect(member.incarnation)) is not None:
+            return False
+        if self.kv.get(self.keys.fenced(member.incarnation)) is not None:
+            return False
+        reg = self.get(self.keys.member(rank))
+        if reg and reg.get("incarnation") == member.incarnation:
+            return True
+        if member.role == "spare" and member.spare_id:  # claimed, not yet registered as member
+            sp = self.get(self.keys.spare(member.spare_id))
+            return bool(sp and sp.get("incarnation") == member.incarnation)
+        return False
+
+
+class Coordinator:
+    def __init__(self, client: EtcdClient, job: str, world_size: int,
+                 timeouts: Timeouts | None = None, host: str = "127.0.0.1") -> None:  # fmt: skip
+        self.client = client
+        self.timeouts = timeouts or Timeouts.from_env()
+        self.rdzv = Rendezvous(client, job, self.timeouts)
+        self.keys = self.rdzv.keys
+        self.job = job
+        self.world_size = world_size
+        self.host = host
+        self.id = new_incarnation("coordinator")
+        self.election = LeaderElection(client, job, self.id, self.timeouts.lease_ttl_s, self._lost)
+        self.timeline = Timeline(client, self.keys)
+        self.store: Any = None
+        self.store_addr = ""
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._since: dict[tuple[int, str], float] = {}  # when we first saw (generation, state)
+
+    def _lost(self, reason: str) -> None:
+        log.error("lost leadership; stopping", extra={"reason": reason})
+        self._stop.set()
+        self._wake.set()
+
+    # -- set-up ------------------------------------------------------------------------------
+    def run(self) -> str:
+        """Lead until the job is done or failed; returns the final state."""
+        self.election.campaign(stop=self._stop.is_set)
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=self.timeouts.collective)  # fmt: skip
+        self.store_addr = f"{self.host}:{self.store.port}"
+        t = self.client.txn_ops
+        self.client.txn([t.version(self.keys.secret) == 0],
+                        [t.put(self.keys.secret, secrets.token_bytes(32))])  # fmt: skip
+        self._takeover()
+        _, rev = self.client.get_prefix(self.keys.prefix)
+        watch = PrefixWatch(self.client, self.keys.prefix, lambda ev: self._wake.set(), rev + 1)
+        try:
+            while not self._stop.is_set():
+                kvs, _ = self.client.get_prefix(self.keys.prefix)
+                snap = Snapshot(kvs, self.rdzv)
+                if snap.m.state in (GenState.DONE, GenState.FAILED) and snap.get(self.keys.result):
+                    return snap.m.state
+                try:
+                    self.step(snap)
+                except NotLeaderError:
+                    return "deposed"
+                self._wake.wait(0.2)
+                self._wake.clear()
+            return "deposed"
+        finally:
+            watch.cancel()
+            self.election.resign()
+
+    def _takeover(self) -> None:
+        """A new leader re-issues an in-flight build against its own store."""
+        m = self.rdzv.read()
+        if (
+            m.generation > 0
+            and m.state in (GenState.FORMING, GenState.BUILDING)
+            and m.store != self.store_addr
+        ):
+            new = replace(m, store=self.store_addr, reason="coordinator takeover")
+            self.rdzv.commit_change(m.generation, new, guard=[self.election.guard()])
+            self.timeline.record(new.generation, "takeover", [self.election.guard()], leader=self.id)
+
+    # -- one pass ----------------------------------------------------------------------------
+    def step(self, s: Snapshot) -> None:
+        m = s.m
+        key = (m.generation, m.state)
+        first_seen = self._since.setdefault(key, time.monotonic())
+        if m.generation == 0:
+            return self._form(s)
+        if m.state in (GenState.FORMING, GenState.BUILDING, GenState.COMMITTED, GenState.RECOVERING):
+            dead = [r for r, mem in m.members.items() if not s.alive(r, mem)]
+            if dead:
+                return self._fence(s, dead)
+        if m.state in (GenState.FORMING, GenState.BUILDING):
+            return self._phase2(s, first_seen)
+        if m.state == GenState.RECOVERING:
+            return self._agree_and_claim(s, first_seen)
+        if m.state == GenState.COMMITTED:
+            return self._maybe_done(s)
+        if m.state in (GenState.DONE, GenState.FAILED) and not s.get(self.keys.result):
+            self._write_result(m)
+
+    def _guard(self) -> list:
+        return [self.election.guard()]
+
+    def _form(self, s: Snapshot) -> None:
+        regs = {r: s.get(self.keys.member(r)) for r in range(self.world_size)}
+        sigs = s.under(self.keys.prefix + "signatures/")
+        if not all(regs.values()) or len(sigs) < self.world_size:
+            return
+        ref = sigs["0"]["signature"]
+        for r in range(1, self.world_size):
+            diff = first_mismatch(ref, sigs[str(r)]["signature"])
+            if diff:
+                return self._fail(s.m, f"rank {r}'s model differs from rank 0's ({diff}); "
+                                  "every worker must build the same model")  # fmt: skip
+        members = {r: Member(r, x["incarnation"], x["host"], x["pid"], x["addr"]) for r, x in regs.items()}
+        m = Membership(state=GenState.FORMING, world_size=self.world_size, members=members,
+                       store=self.store_addr, leader=self.id)  # fmt: skip
+        cfg = encode({"world_size": self.world_size, "signature": ref, "created": time.time()})
+        if self.rdzv.commit_change(0, m, guard=self._guard(),
+                                   extra=[self.client.txn_ops.put(self.keys.config, cfg)]):  # fmt: skip
+            self.timeline.record(1, "form", self._guard())
+
+    def _fence(self, s: Snapshot, dead: list[int]) -> None:
+        m = s.m
+        incs = [m.members[r].incarnation for r in dead]
+        suspects = [s.get(self.keys.suspect(i)) for i in incs]
+        detected = min((x["time"] for x in suspects if x), default=time.time())
+        fault = min((x.get("fault_time") or x["time"] for x in suspects if x), default=detected)
+        members = {r: mem for r, mem in m.members.items() if r not in dead}
+        new = Membership(state=GenState.RECOVERING, world_size=m.world_size, members=members,
+                         kind="failure", failed_rank=dead[0], leader=self.id,
+                         reason=f"rank(s) {dead} failed in generation {m.generation}")  # fmt: skip
+        t = self.client.txn_ops
+        cleanup = [t.delete(self.keys.suspect(i)) for i in incs]
+        if not self.rdzv.commit_change(m.generation, new, fence=incs, guard=self._guard(), extra=cleanup):
+            return
+        for r in dead:  # revoke: the fenced process learns it within one keep-alive
+            kv = s.kv.get(self.keys.member(r))
+            if kv is not None and kv.lease:
+                self.client.revoke(kv.lease)
+        g = new.generation
+        self.timeline.record(g, "detect", self._guard(), at=detected, ranks=dead, fault_time=fault,
+                             reasons=[x.get("reason") for x in suspects if x])  # fmt: skip
+        self.timeline.record(g, "fence", self._guard(), ranks=dead, fenced=incs)
+        log.warning("fenced", extra={"generation": g, "ranks": dead})
+
+    def _phase2(self, s: Snapshot, since: float) -> None:
+        m = s.m
+        ready = s.under(self.keys.recovery_prefix(m.generation) + "ready/")
+        ok = all(
+            str(r) in ready and ready[str(r)].get("incarnation") == mem.incarnation
+            for r, mem in m.members.items()
+        )
+        if not ok:
+            if time.monotonic() - since > self.timeouts.recovery.total_seconds():
+                missing = [r for r in m.members if str(r) not in ready]
+                self._fail(m, f"rank(s) {missing} did not build generation {m.generation} within "
+                              f"{self.timeouts.recovery.total_seconds():.0f}s")  # fmt: skip
+            return
+        new = replace(m, state=GenState.COMMITTED)
+        if self.rdzv.update(new, guard=self._guard()):
+            streams = [x for x in ready.values() if "stream_s" in x]
+            if m.state == GenState.BUILDING:
+                for x in streams:
+                    self.timeline.record(
+                        m.generation,
+                        "stream",
+                        self._guard(),
+                        at=x["time"] - x.get("build_s", 0.0),
+                        seconds=x["stream_s"],
+                        bytes=x["bytes"],
+                        source=x["source"],
+                    )
+                last = max(x["time"] for x in ready.values())
+                self.timeline.record(m.generation, "build", self._guard(), at=last)
+            self.timeline.record(m.generation, "commit", self._guard())
+
+    def _agree_and_claim(self, s: Snapshot, since: float) -> None:
+        m = s.m
+        reports = s.under(self.keys.recovery_prefix(m.generation) + "report/")
+        waiting = [r for r, mem in m.members.items()
+                   if reports.get(str(r), {}).get("incarnation") != mem.incarnation]  # fmt: skip
+        if waiting:
+            if time.monotonic() - since > self.timeouts.recovery.total_seconds():
+                self._fence(s, waiting)  # silent survivors are treated as failed
+            return
+        holding = {r: reports[str(r)]["committed"] for r in m.members
+                   if reports[str(r)]["committed"] is not None}  # fmt: skip
+        if not holding:
+            return self._fail(m, "no surviving member holds the training state; restart from a checkpoint")
+        resume = max(holding.values()) + 1
+        behind = [r for r, c in holding.items() if c < resume - 2]
+        if behind:
+            return self._fail(m, f"rank(s) {behind} are more than one step behind (invariant broken)")
+        sources = sorted(r for r, c in holding.items() if c == resume - 1)
+        # A source must hold the average of step resume-1 for members one step behind.
+        if any(c == resume - 2 for c in holding.values()) and not any(
+            reports[str(r)].get("avg_step") == resume - 1 for r in sources
+        ):
+            return self._fail(m, f"no member holds the averaged gradient of step {resume - 1}")
+        if not self._since.get((m.generation, "agreed")):
+            self._since[(m.generation, "agreed")] = time.monotonic()
+            self.timeline.record(m.generation, "agree", self._guard(), resume_step=resume, sources=sources)
+        vacant = [r for r in range(m.world_size) if r not in m.members]
+        self._claim(s, vacant, resume, sources, since)
+
+    def _claim(self, s: Snapshot, vacant: list[int], resume: int, sources: list[int], since: float) -> None:
+        m = s.m
+        t = self.client.txn_ops
+        cfg = s.get(self.keys.config) or {}
+        refusals, picks = [], []
+        spares = sorted(
+            (kv for k, kv in s.kv.items() if k.startswith(self.keys.spares_prefix)),
+            key=lambda kv: kv.create_revision,
+        )
+        for kv in spares:
+            sid = kv.key[len(self.keys.spares_prefix) :]
+            info = decode(kv.value)
+            if info.get("state") != "warm" or s.kv.get(self.keys.assignment(sid)) is not None:
+                continue
+            if s.kv.get(self.keys.fenced(info["incarnation"])) is not None:
+                continue
+            diff = first_mismatch(cfg.get("signature", []), info.get("signature", []))
+            if diff:
+                reason = f"its model differs from the job's: {diff}"
+                refusals.append(t.put(self.keys.assignment(sid), encode({"refused": reason})))
+                log.error("spare refused", extra={"spare": sid, "reason": reason})
+                continue
+            if len(picks) < len(vacant):
+                picks.append((sid, kv, info))
+        if refusals:
+            self.client.txn(self._guard(), refusals)
+        if len(picks) < len(vacant):
+            waited = time.monotonic() - since
+            if waited > self.timeouts.spare_wait.total_seconds():
+                self._fail(m, f"no warm spare for rank(s) {vacant[len(picks):]} within "
+                              f"{self.timeouts.spare_wait.total_seconds():.0f}s: start one with "
+                              f"`livemig-spare start --job {self.job} SCRIPT` (LIVEMIG_SPARE_WAIT)")  # fmt: skip
+            return
+        members = dict(m.members)
+        compare = [self.rdzv.gen_is(m.generation), *self._guard()]
+        ops = []
+        for rank, (sid, kv, info) in zip(vacant, picks, strict=True):
+            members[rank] = Member(rank, info["incarnation"], info.get("host", ""), info.get("pid", 0),
+                                   "", role="spare", spare_id=sid)  # fmt: skip
+            compare += [t.mod(kv.key) == kv.mod_revision, t.version(self.keys.assignment(sid)) == 0]
+            claimed = dict(info, state="claimed", claim={"generation": m.generation, "rank": rank})
+            ops += [t.put(self.keys.assignment(sid), encode({"generation": m.generation, "rank": rank})),
+                    t.put(kv.key, encode(claimed), kv.lease)]  # fmt: skip
+        new = replace(m, state=GenState.BUILDING, members=members, resume_step=resume,
+                      sources=sources, store=self.store_addr, updated=time.time(),
+                      nonce=secrets.token_hex(8))  # fmt: skip
+        ok, _ = self.client.txn(compare, [t.put(self.keys.membership, new.to_bytes()), *ops])
+        if ok:
+            self.timeline.record(m.generation, "claim", self._guard(),
+                                 spares=[p[0] for p in picks], ranks=vacant)  # fmt: skip
+            log.info("claimed", extra={"generation": m.generation, "spares": [p[0] for p in picks]})
+
+    def _maybe_done(self, s: Snapshot) -> None:
+        m = s.m
+        finals = s.under(self.keys.final_prefix)
+        if m.members and all(
+            finals.get(str(r), {}).get("incarnation") == mem.incarnation for r, mem in m.members.items()
+        ):
+            new = replace(m, state=GenState.DONE)
+            if self.rdzv.update(new, guard=self._guard()):
+                self._write_result(new)
+
+    def _fail(self, m: Membership, reason: str) -> None:
+        log.error("job failed", extra={"reason": reason})
+        new = replace(m, state=GenState.FAILED, reason=reason)
+        if m.generation == 0:
+            self.rdzv.commit_change(0, new, guard=self._guard())
+        else:
+            self.rdzv.update(new, guard=self._guard())
+        self._write_result(new)
+
+    def _write_result(self, m: Membership) -> None:
+        res = {"state": str(m.state), "reason": m.reason if m.state == GenState.FAILED else "",
+               "generation": m.generation, "time": time.time()}  # fmt: skip
+        self.client.txn(self._guard(), [self.client.txn_ops.put(self.keys.result, encode(res))])
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    from livemig import logs
+    from livemig.errors import LivemigError
+
+    p = argparse.ArgumentParser(prog="python -m livemig.coordinator")
+    p.add_argument("--etcd", required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="address members reach the group store at")
+    a = p.parse_args(argv)
+    logs.setup(role="coordinator")
+    try:
+        timeouts = Timeouts.from_env()
+        client = EtcdClient(a.etcd, timeouts.etcd)
+        state = Coordinator(client, a.job, a.world_size, timeouts, a.host or socket.gethostname()).run()
+    except LivemigError as exc:
+        print(f"livemig coordinator: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0 if state in (GenState.DONE, "deposed") else 4

@@ -1,0 +1,39 @@
+"""The recovery timeline: one event per phase, written once, read by tests,
+logs and `livemig bench` alike."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from livemig.rdzv.client import EtcdClient, decode, encode
+from livemig.rdzv.keys import JobKeys
+
+log = logging.getLogger("livemig.timeline")
+
+# Phases of a recovery, in order (names as in the design brief).
+PHASES = ("detect", "fence", "agree", "claim", "stream", "build", "commit", "resume")
+
+
+class Timeline:
+    def __init__(self, client: EtcdClient, keys: JobKeys) -> None:
+        self.client = client
+        self.keys = keys
+        self._seq = int(time.time() * 1000) % 1_000_000
+
+    def record(self, generation: int, phase: str, guard: list | None = None,
+               at: float | None = None, **details: Any) -> None:  # fmt: skip
+        ev = {"phase": phase, "generation": generation, "time": at or time.time(), **details}
+        self._seq += 1
+        key = self.keys.timeline(generation, self._seq, phase)
+        if guard:
+            self.client.txn(guard, [self.client.txn_ops.put(key, encode(ev))])
+        else:
+            self.client.put(key, encode(ev))
+        log.info("phase", extra={"phase": phase, "generation": generation})
+
+
+def read_events(client: EtcdClient, keys: JobKeys) -> list[dict[str, Any]]:
+    kvs, _ = client.get_prefix(keys.timeline_prefix)
+    return sorted((decode(kv.value) for kv in kvs), key=lambda e: e["time"])

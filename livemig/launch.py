@@ -1,0 +1,419 @@
+"""`livemig run`: start etcd (if none given), a coordinator, N workers and K
+spares on this machine; act as their local agent (report a dead child to
+etcd at once, inject planned faults); print progress; clean up everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from livemig.config import (
+    ENV_ETCD,
+    ENV_INCARNATION,
+    ENV_JOB,
+    ENV_RANK,
+    ENV_ROLE,
+    ENV_SELF_FAULT,
+    ENV_SPARE_ID,
+    ENV_WORLD_SIZE,
+    Timeouts,
+    validate_job_name,
+)  # fmt: skip
+from livemig.errors import ConfigError, LivemigError
+from livemig.faults import Fault, parse_fault
+from livemig.jobs import remove_job_file, state_dir, write_job_file
+from livemig.rdzv.client import EtcdClient, decode, encode
+from livemig.rdzv.keys import JobKeys
+from livemig.rdzv.membership import Membership, new_incarnation
+
+log = logging.getLogger("livemig.launch")
+
+
+@dataclass
+class Child:
+    name: str
+    role: str  # worker | spare | coordinator
+    incarnation: str
+    proc: subprocess.Popen
+    log_path: str
+    reported: bool = False
+    rank: int | None = None
+
+
+@dataclass
+class RunConfig:
+    script: str
+    args: list[str]
+    nproc: int
+    spares: int = 0
+    coordinators: int = 1
+    job: str = ""
+    etcd: str | None = None
+    etcd_bin: str | None = None
+    faults: list[Fault] = field(default_factory=list)
+    report: str | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts.from_env)
+    log_every: int = 10
+    quiet: bool = False
+    max_wall: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.spares < 0 or self.coordinators < 1:
+            raise ConfigError("--spares must be >= 0 and --coordinators >= 1")
+        if not os.path.isfile(self.script):
+            raise ConfigError(f"training script {self.script!r} not found")
+        for f in self.faults:
+            if f.rank >= self.nproc:
+                raise ConfigError(f"fault targets rank {f.rank}, but --nproc is {self.nproc}")
+        self.job = validate_job_name(self.job or os.path.splitext(os.path.basename(self.script))[0])
+
+
+class Launcher:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.keys = JobKeys(cfg.job)
+        self.children: list[Child] = []
+        self.cluster: Any = None
+        self.client: EtcdClient | None = None
+        self.logdir = os.path.join(state_dir(), "runs", f"{cfg.job}-{int(time.time())}")
+        self.pending = list(cfg.faults)
+        self.injected: list[dict] = []
+        self._last_print = -1
+        self._t_print = time.monotonic()
+
+    def say(self, msg: str) -> None:
+        if not self.cfg.quiet:
+            print(msg, flush=True)
+
+    # -- processes --------------------------------------------------------------------------
+    def _spawn(self, name: str, role: str, argv: list[str], env: dict[str, str],
+               rank: int | None = None) -> Child:  # fmt: skip
+        inc = new_incarnation(role)
+        full = dict(os.environ)
+        full.update(self.cfg.timeouts.to_env())
+        full.update({ENV_ETCD: self.etcd, ENV_JOB: self.cfg.job, ENV_INCARNATION: inc, **env})
+        path = os.path.join(self.logdir, f"{name}.log")
+        with open(path, "ab") as logf:
+            proc = subprocess.Popen(argv, env=full, stdout=logf, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        child = Child(name, role, inc, proc, path, rank=rank)
+        self.children.append(child)
+        return child
+
+    def start(self) -> None:
+        os.makedirs(self.logdir, exist_ok=True)
+        cfg = self.cfg
+        if cfg.etcd:
+            self.etcd = cfg.etcd
+        else:
+            from livemig.rdzv.embedded import EtcdCluster
+
+            self.cluster = EtcdCluster(1, cfg.etcd_bin).start()
+            self.etcd = self.cluster.endpoints
+        self.client = EtcdClient(self.etcd, cfg.timeouts.etcd)
+        self._fresh_job()
+        write_job_file(cfg.job, self.etcd)
+        for i in range(cfg.coordinators):
+            self._spawn(f"coordinator-{i}", "coordinator",
+                        [sys.executable, "-m", "livemig.coordinator", "--etcd", self.etcd,
+                         "--job", cfg.job, "--world-size", str(cfg.nproc)], {})  # fmt: skip
+        by_rank: dict[int, str] = {}
+        for f in cfg.faults:
+            if f.in_process:
+                by_rank[f.rank] = f.self_spec()
+        base = [sys.executable, cfg.script, *cfg.args]
+        for r in range(cfg.nproc):
+            env = {ENV_ROLE: "worker", ENV_RANK: str(r), ENV_WORLD_SIZE: str(cfg.nproc)}
+            if r in by_rank:
+                env[ENV_SELF_FAULT] = by_rank[r]
+            self._spawn(f"worker-{r}", "worker", base, env, rank=r)
+        for i in range(cfg.spares):
+            self._spawn(
+                f"spare-{i}",
+                "spare",
+                base,
+                {ENV_ROLE: "spare", ENV_SPARE_ID: f"spare-{i}", ENV_WORLD_SIZE: str(cfg.nproc)},
+            )
+        self.pending = [f for f in cfg.faults if not f.in_process]
+        self.say(f"livemig: job {cfg.job}: {cfg.nproc} workers, {cfg.spares} spare(s), etcd {self.etcd}; "
+                 f"logs in {self.logdir}")  # fmt: skip
+
+    def _fresh_job(self) -> None:
+        assert self.client is not None
+        if self.client.get(self.keys.generation) is None:
+            self.client.delete_prefix(self.keys.prefix)  # leftovers of a job that never formed
+            return
+        if self.client.get(self.keys.result) is None:
+            raise ConfigError(
+                f"job {self.cfg.job!r} is still running in etcd {self.etcd}: pick another --job, "
+                f"or check it with `livemig status --job {self.cfg.job}`"
+            )
+        self.client.delete_prefix(self.keys.prefix)  # a finished job of the same name
+
+    # -- the agent loop ----------------------------------------------------------------------
+    def supervise(self) -> dict[str, Any]:
+        assert self.client is not None
+        t0 = time.time()
+        deadline = time.monotonic() + self.cfg.max_wall
+        result = None
+        result_seen_at = None
+        while time.monotonic() < deadline:
+            self._reap()
+            kvs, _ = self.client.get_prefix(self.keys.prefix)
+            by_key = {kv.key: kv for kv in kvs}
+            self._faults(by_key)
+            self._progress(by_key)
+            res = by_key.get(self.keys.result)
+            if res is not None and result is None:
+                result = decode(res.value)
+                result_seen_at = time.monotonic()
+            if result is not None:
+                workers_alive = [c for c in self.children if c.role in ("worker", "spare")
+                                 and c.proc.poll() is None and self._is_member(c, by_key)]  # fmt: skip
+                if not workers_alive or time.monotonic() - (result_seen_at or 0) > 30:
+                    break
+            if self._all_dead():
+                result = {"state": "failed", "reason": "every process exited before the job finished"}
+                break
+            time.sleep(0.02)
+        else:
+            result = {"state": "failed", "reason": f"run exceeded {self.cfg.max_wall:.0f}s"}
+        wall = time.time() - t0
+        from livemig import report
+
+        rep = report.build(self.client, self.cfg.job, self.cfg.nproc, wall)
+        if result is not None and rep["result"] is None:
+            rep["result"] = result
+        return rep
+
+    def _is_member(self, c: Child, by_key: dict) -> bool:
+        raw = by_key.get(self.keys.membership)
+        m = Membership.from_bytes(raw.value if raw else None)
+        return m.rank_of(c.incarnation) is not None
+
+    def _all_dead(self) -> bool:
+        return all(c.proc.poll() is not None for c in self.children if c.role != "spare")
+
+    def _reap(self) -> None:
+        """Report a child that died to etcd at once: the fast detection path."""
+        assert self.client is not None
+        for c in self.children:
+            code = c.proc.poll()
+            if code is None or c.reported or c.role == "coordinator":
+                continue
+            c.reported = True
+            if code == 0:
+                continue
+            why = f"signal {-code}" if code < 0 else f"exit code {code}"
+            self.client.put(self.keys.suspect(c.incarnation), encode({
+                "time": time.time(), "reason": f"{c.name} exited ({why})", "by": "agent"}))  # fmt: skip
+            log.warning("child died", extra={"child": c.name, "why": why})
+
+    def _holder(self, rank: int, by_key: dict) -> Child | None:
+        raw = by_key.get(self.keys.membership)
+        m = Membership.from_bytes(raw.value if raw else None)
+        mem = m.members.get(rank)
+        return next((c for c in self.children if mem and c.incarnation == mem.incarnation), None)
+
+    def _faults(self, by_key: dict) -> None:
+        for f in list(self.pending):
+            prog = by_key.get(self.keys.progress(f.rank))
+            step = decode(prog.value).get("step", -1) if prog else -1
+            if step < f.step:
+                continue
+            target = self._holder(f.rank, by_key)
+            if target is None or target.proc.poll() is not None:
+                continue
+            self.pending.remove(f)
+            self.signal_fault(f.kind, target, step)
+
+    def signal_fault(self, kind: str, target: Child, step: int) -> None:
+        assert self.client is not None
+        sig = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}[kind]
+        now = time.time()
+        os.killpg(target.proc.pid, sig)
+        record_fault(self.client, self.keys, kind, target.rank, step, now)
+        self.injected.append({"kind": kind, "rank": target.rank, "step": step, "time": now})
+        self.say(f"livemig: injected {kind} of {target.name} (rank {target.rank}) after step {step}")
+
+    def _progress(self, by_key: dict) -> None:
+        steps = {}
+        for k, kv in by_key.items():
+            if k.startswith(self.keys.progress_prefix):
+                steps[k] = decode(kv.value)
+        if not steps:
+            return
+        low = min(s["step"] for s in steps.values())
+        window = self.cfg.log_every
+        if (low + 1) // window > (self._last_print + 1) // window:
+            now = time.monotonic()
+            rate = (low - self._last_print) / max(1e-6, now - self._t_print) if self._last_print >= 0 else 0
+            loss = steps.get(self.keys.progress(0), {}).get("loss")
+            gen = max(s.get("generation", 0) for s in steps.values())
+            loss_s = f"  loss {loss:.5f}" if isinstance(loss, float) else ""
+            self.say(f"step {low + 1:>6}{loss_s}  {rate:.2f} steps/s  generation {gen}")
+            self._last_print, self._t_print = low, now
+
+    # -- shutdown -----------------------------------------------------------------------------
+    def stop(self) -> None:
+        for c in self.children:
+            if c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGCONT)
+                    os.killpg(c.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                c.proc.wait()
+        if self.client is not None:
+            self.client.close()
+        if self.cluster is not None:
+            self.cluster.stop()
+        remove_job_file(self.cfg.job)
+
+    def failure_tail(self) -> str:
+        """The last lines of a failed worker's log, to show the user."""
+        for c in self.children:
+            if c.role == "worker" and c.proc.returncode not in (0, None, -9, -19):
+                try:
+                    with open(c.log_path) as f:
+                        return f"{c.name}: " + "".join(f.readlines()[-5:]).strip()
+                except OSError:
+                    pass
+        return ""
+
+
+def record_fault(client: EtcdClient, keys: JobKeys, kind: str, rank: int | None, step: int,
+                 at: float) -> None:  # fmt: skip
+    """A timeline 'fault' event: the start of the downtime a report measures."""
+    gen_kv = client.get(keys.generation)
+    gen = int(gen_kv.value) if gen_kv else 0
+    client.put(keys.timeline(gen, int(at * 1000) % 1_000_000, "fault"),
+               encode({"phase": "fault", "generation": gen, "time": at, "kind": kind, "rank": rank,
+                       "step": step}))  # fmt: skip
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    launcher = Launcher(cfg)
+    old = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        launcher.start()
+        rep = launcher.supervise()
+        rep["faults_injected"] = launcher.injected
+        if rep["result"] and rep["result"].get("state") != "done":
+            tail = launcher.failure_tail()
+            if tail:
+                rep["result"]["log_tail"] = tail
+        return rep
+    finally:
+        launcher.stop()
+        signal.signal(signal.SIGTERM, old)
+
+
+def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
+    res = rep["result"] or {}
+    print(f"livemig: job {rep['job']} {res.get('state', '?')}"
+          f"{': ' + res['reason'] if res.get('reason') else ''}; {rep['steps_completed']} steps in "
+          f"{rep['wall_s']:.1f}s, median step {rep['step_time_s_median'] * 1e3:.0f} ms")  # fmt: skip
+    for r in rep["recoveries"]:
+        phases = "  ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
+        print(f"recovery of rank {r['rank']} (generation {r['generation']}): downtime {r['downtime_s']:.2f} s; "
+              f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed\n  phases (s): {phases}")  # fmt: skip
+    print(f"state digest {rep['state_digest'][:16]}…  replicas identical: "
+          f"{'yes' if rep['replicas_identical'] else 'no'}")  # fmt: skip
+    if reference is not None:
+        same = reference == rep["state_digest"]
+        print(f"bit-identical to a fault-free run: {'yes' if same else 'no'}")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run a training script with workers, spares and a coordinator")
+    p.add_argument("--nproc", type=int, required=True, help="number of workers (the world size)")
+    p.add_argument("--spares", type=int, default=0, help="warm spares to start (default 0)")
+    p.add_argument("--coordinators", type=int, default=1, help="coordinator candidates (default 1)")
+    p.add_argument("--job", default="", help="job name (default: the script's name)")
+    p.add_argument("--etcd", help="etcd endpoints; default: start an embedded etcd for this run")
+    p.add_argument("--etcd-bin", help="etcd binary for the embedded etcd")
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="PLAN",
+        help="kill|hang|drop_avg:rank=R:step=S[:during=allreduce]; repeatable",
+    )
+    p.add_argument("--report", help="write the run report (JSON) here")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="also run the job without faults or spares and compare final state digests",
+    )
+    p.add_argument("--log-every", type=int, default=10, help="print progress every N steps (default 10)")
+    p.add_argument("--lease-ttl", type=float, help="lease TTL seconds (default 5, or $LIVEMIG_LEASE_TTL)")
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        help="watchdog timeout of a collective / group build, s (default 30)",
+    )
+    p.add_argument("--spare-wait", type=float, help="wait this long for a warm spare, s (default 60)")
+    p.add_argument("--max-wall", type=float, default=3600.0, help="abort the run after this long, s")
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_run)
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    t = Timeouts.from_env()
+    t = Timeouts(
+        lease_ttl=timedelta(seconds=a.lease_ttl) if a.lease_ttl else t.lease_ttl,
+        etcd=t.etcd,
+        collective=timedelta(seconds=a.collective_timeout) if a.collective_timeout else t.collective,
+        recovery=t.recovery,
+        spare_wait=timedelta(seconds=a.spare_wait) if a.spare_wait else t.spare_wait,
+    )
+    cfg = RunConfig(script=a.script, args=a.args, nproc=a.nproc, spares=a.spares,
+                    coordinators=a.coordinators, job=a.job, etcd=a.etcd, etcd_bin=a.etcd_bin,
+                    faults=[parse_fault(f) for f in a.fault], report=a.report, timeouts=t,
+                    log_every=a.log_every, max_wall=a.max_wall)  # fmt: skip
+    reference = None
+    if a.verify:
+        print("livemig: reference run without faults or spares ...", flush=True)
+        ref_cfg = RunConfig(script=a.script, args=a.args, nproc=a.nproc, job=cfg.job + "-ref",
+                            etcd=a.etcd, etcd_bin=a.etcd_bin, timeouts=t, quiet=True,
+                            max_wall=a.max_wall)  # fmt: skip
+        ref = run(ref_cfg)
+        if (ref["result"] or {}).get("state") != "done":
+            raise LivemigError(f"the fault-free reference run failed: {ref['result']}")
+        reference = ref["state_digest"]
+    rep = run(cfg)
+    if reference is not None:
+        rep["reference_digest"] = reference
+        rep["bit_identical"] = reference == rep["state_digest"]
+    if a.report:
+        with open(a.report, "w") as f:
+            json.dump(rep, f, indent=2)
+    print_summary(rep, reference)
+    ok = (rep["result"] or {}).get("state") == "done"
+    if not ok and (rep["result"] or {}).get("log_tail"):
+        print(rep["result"]["log_tail"], file=sys.stderr)
+    return 0 if ok and rep.get("bit_identical", True) else 1

@@ -1,0 +1,266 @@
+"""A member's side of the recovery protocol (worker, or a claimed spare).
+
+The Context (api.py) owns the tensors; this module owns everything a
+member says to etcd and how it follows the coordinator's generations:
+
+    follow(min_gen):
+      RECOVERING  -> report (last committed step, averaged step held)
+      FORMING/BUILDING -> catch up to the agreed boundary (fetch the averaged
+                   gradient, or for a spare pull the state), serve state if a
+                   source, build the group (phase 1), write ready
+      COMMITTED   -> swap to the new group, stop serving (phase 2)
+      FAILED      -> RecoveryError;   fenced -> FencedError
+
+Every put goes through `Rendezvous.fenced_put`, so a fenced or stale
+member's writes are refused by etcd.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from livemig.comm.group import CollectiveAborted, build_group, retire
+from livemig.config import ENV_BACKEND, ENV_ETCD, ENV_HOST, ENV_JOB, Timeouts
+from livemig.errors import ConfigError, FencedError, RecoveryError
+from livemig.rdzv.client import EtcdClient, encode
+from livemig.rdzv.lease import LeaseKeeper
+from livemig.rdzv.membership import GenState, Membership, Rendezvous
+from livemig.rdzv.watch import PrefixWatch, wait_for
+from livemig.transfer.server import StateServer
+
+log = logging.getLogger("livemig.member")
+
+
+class MemberRuntime:
+    def __init__(self, incarnation: str, timeouts: Timeouts | None = None) -> None:
+        etcd = os.environ.get(ENV_ETCD)
+        job = os.environ.get(ENV_JOB)
+        if not etcd or not job:
+            raise ConfigError(
+                f"{ENV_ETCD} and {ENV_JOB} are not set: start training with `livemig run` "
+                "or a spare with `livemig-spare start`"
+            )
+        self.timeouts = timeouts or Timeouts.from_env()
+        self.client = EtcdClient(etcd, self.timeouts.etcd)
+        self.rdzv = Rendezvous(self.client, job, self.timeouts)
+        self.keys = self.rdzv.keys
+        self.job = job
+        self.incarnation = incarnation
+        self.host = os.environ.get(ENV_HOST, "127.0.0.1")
+        self.backend = os.environ.get(ENV_BACKEND, "gloo")
+        self.fenced = threading.Event()
+        self.fence_reason = ""
+        self._cond = threading.Condition()
+        self.m = Membership()
+        self.pg: Any = None
+        self.gen = 0  # generation whose group we train in
+        self.rank: int | None = None
+        self.keeper: LeaseKeeper | None = None
+        self.server: StateServer | None = None
+        self._progress: queue.Queue = queue.Queue(maxsize=1)
+        kv, rev = self.client.get_with_revision(self.keys.membership)
+        self.m = Membership.from_bytes(kv.value if kv else None)
+        self._watch = PrefixWatch(self.client, self.keys.membership, self._on_membership, rev + 1)
+        threading.Thread(target=self._progress_loop, daemon=True, name="livemig-progress").start()
+
+    # -- etcd plumbing -----------------------------------------------------------------
+    def secret(self) -> bytes:
+        kv = wait_for(
+            self.client, self.keys.secret, lambda s: s.get(self.keys.secret),
+            self.timeouts.recovery.total_seconds(), "the job secret (is a coordinator running?)",
+        )  # fmt: skip
+        return kv
+
+    def start_server(self) -> StateServer:
+        if self.server is None:
+            self.server = StateServer(self.job, self.secret(), self.host)
+        return self.server
+
+    def _on_membership(self, events: list) -> None:
+        for e in events:
+            if e.kind == "put":
+                m = Membership.from_bytes(e.value)
+                with self._cond:
+                    self.m = m
+                    self._cond.notify_all()
+
+    def _on_lost(self, reason: str) -> None:
+        self.mark_fenced(f"lease lost ({reason})")
+
+    def mark_fenced(self, reason: str) -> None:
+        self.fence_reason = reason
+        self.fenced.set()
+        if self.server is not None:
+            self.server.fence()
+        with self._cond:
+            self._cond.notify_all()
+
+    def check_fenced(self) -> None:
+        if self.fenced.is_set():
+            raise FencedError(f"incarnation {self.incarnation} is fenced ({self.fence_reason}); stopping")
+
+    def moved_on(self) -> bool:
+        """True when the job's generation is no longer the one we train in."""
+        return self.fenced.is_set() or self.m.generation != self.gen
+
+    def wait_membership(self, pred: Callable[[Membership], bool], what: str) -> Membership:
+        deadline = time.monotonic() + self.timeouts.recovery.total_seconds()
+        with self._cond:
+            while True:
+                self.check_fenced()
+                if pred(self.m):
+                    return self.m
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RecoveryError(
+                        f"waited {self.timeouts.recovery.total_seconds():.0f}s for {what}; "
+                        "is the coordinator running? (LIVEMIG_RECOVERY_TIMEOUT)"
+                    )
+                self._cond.wait(min(left, 0.5))
+
+    def register(self, rank: int) -> None:
+        """Register as the live holder of `rank` (refused if fenced)."""
+        self.rank = rank
+        info = {"incarnation": self.incarnation, "host": socket.gethostname(), "pid": os.getpid(),
+                "addr": self.start_server().addr, "rank": rank, "state": "running"}  # fmt: skip
+        if self.keeper is not None:
+            self.keeper.stop(revoke=True)
+        try:
+            self.keeper = self.rdzv.register(self.keys.member(rank), info, self.incarnation, self._on_lost)
+        except FencedError as exc:
+            self.mark_fenced(str(exc))
+            raise
+
+    def put(self, key: str, value: dict) -> None:
+        try:
+            self.rdzv.fenced_put(None, self.incarnation, key, encode(value))
+        except FencedError as exc:
+            self.mark_fenced(str(exc))
+            raise
+
+    def progress(self, step: int, **info: Any) -> None:
+        """Publish the last committed step off the training thread (latest wins)."""
+        item = {"step": step, "time": time.time(), "incarnation": self.incarnation, **info}
+        try:
+            self._progress.get_nowait()
+        except queue.Empty:
+            pass
+        self._progress.put_nowait(item)
+
+    def _progress_loop(self) -> None:
+        while True:
+            item = self._progress.get()
+            if self.rank is None or self.fenced.is_set():
+                continue
+            try:
+                self.put(self.keys.progress(self.rank), item)
+            except Exception:  # noqa: BLE001 - progress is advisory
+                log.debug("progress write failed", exc_info=True)
+
+    # -- the protocol ---------------------------------------------------------------------
+    def follow(self, min_gen: int, member: Any) -> Membership:
+        """Move into the newest committed generation >= min_gen.
+
+        `member` is the Context: it supplies committed_step(), avg_step(),
+        catch_up(m) and serve(m)."""
+        reported: set[int] = set()
+        while True:
+            m = self.wait_membership(
+                lambda m: m.generation >= min_gen or m.state in (GenState.FAILED, GenState.DONE),
+                f"generation >= {min_gen}",
+            )
+            if m.state == GenState.FAILED:
+                raise RecoveryError(f"job failed: {m.reason}")
+            if m.rank_of(self.incarnation) is None and m.state != GenState.DONE:
+                if self.rdzv.is_fenced(self.incarnation):
+                    self.mark_fenced(f"fenced in generation {m.generation}")
+                    self.check_fenced()
+                if m.state == GenState.RECOVERING:  # not (yet) given a rank: wait
+                    self._wait_change(m)
+                    continue
+                self.mark_fenced(f"not a member of generation {m.generation}")
+                self.check_fenced()
+            if m.state == GenState.DONE or (m.state == GenState.COMMITTED and m.generation == self.gen):
+                return m
+            if m.state == GenState.RECOVERING:
+                if m.generation not in reported:
+                    rank = m.rank_of(self.incarnation)
+                    self.put(self.keys.report(m.generation, rank), {
+                        "incarnation": self.incarnation, "committed": member.committed_step(),
+                        "avg_step": member.avg_step(), "time": time.time()})  # fmt: skip
+                    reported.add(m.generation)
+                self._wait_change(m)
+                continue
+            if m.state in (GenState.FORMING, GenState.BUILDING):
+                self._build(m, member)
+                continue
+            self._wait_change(m)
+
+    def _wait_change(self, m: Membership) -> None:
+        self.wait_membership(
+            lambda x: (x.generation, x.state, x.nonce) != (m.generation, m.state, m.nonce),
+            f"the coordinator to move past generation {m.generation} ({m.state})",
+        )
+
+    def _build(self, m: Membership, member: Any) -> None:
+        g, rank = m.generation, m.rank_of(self.incarnation)
+        assert rank is not None
+        if self.rank != rank or self.keeper is None:
+            self.register(rank)
+        stream = member.catch_up(m) or {}
+        member.serve(m)
+        t0 = time.monotonic()
+        try:
+            pg = build_group(
+                m.store, g, rank, m.world_size, self.timeouts.collective, self.backend,
+                should_abort=lambda: self.fenced.is_set() or self.m.generation != g,
+            )  # fmt: skip
+        except CollectiveAborted as exc:
+            log.info("group build abandoned", extra={"generation": g, "why": str(exc)})
+            self.check_fenced()
+            if self.m.generation == g:
+                self._wait_change(m)
+            return
+        self.put(self.keys.ready(g, rank), {
+            "incarnation": self.incarnation, "build_s": time.monotonic() - t0,
+            "time": time.time(), **stream})  # fmt: skip
+        committed = self.wait_membership(
+            lambda x: x.generation != g or x.state == GenState.COMMITTED,
+            f"phase 2 (commit) of generation {g}",
+        )
+        if committed.generation == g and committed.state == GenState.COMMITTED:
+            retire(self.pg)
+            self.pg, self.gen = pg, g
+            if self.server is not None:
+                self.server.withdraw()
+            log.info("switched group", extra={"generation": g, "rank": rank})
+        else:
+            retire(pg)
+
+    def wait_result(self, member: Any) -> Membership:
+        """After the last step: stay a member (serving, rebuilding) until DONE."""
+        while True:
+            m = self.wait_membership(
+                lambda x: x.state == GenState.DONE or x.generation != self.gen or x.state == GenState.FAILED,
+                "the job to finish",
+            )
+            if m.state == GenState.DONE:
+                return m
+            m = self.follow(self.gen + 1, member)
+            if m.state == GenState.DONE:
+                return m
+            member.write_final()
+
+    def close(self) -> None:
+        self._watch.cancel()
+        if self.keeper is not None:
+            self.keeper.stop(revoke=False)
+        if self.server is not None:
+            self.server.close()

@@ -1,0 +1,102 @@
+"""The run report (`--report FILE`): one format read by the README demo,
+tests and benchmarks.
+
+Downtime of a recovery = first group-wide commit after the fault minus the
+last group-wide commit before it, minus one median step (the step that
+would have run anyway). A step is committed group-wide when its last rank
+commits it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from livemig.coordinator.timeline import PHASES, read_events
+from livemig.rdzv.client import EtcdClient, decode
+from livemig.rdzv.keys import JobKeys
+
+
+def _group_commits(finals: dict[str, Any]) -> list[tuple[int, float]]:
+    by_step: dict[int, float] = {}
+    for f in finals.values():
+        for step, t in f.get("commits", []):
+            by_step[int(step)] = max(by_step.get(int(step), 0.0), float(t))
+    return sorted(by_step.items())
+
+
+def build(client: EtcdClient, job: str, world_size: int, wall_s: float) -> dict[str, Any]:
+    keys = JobKeys(job)
+    kvs, _ = client.get_prefix(keys.final_prefix)
+    finals = {kv.key[len(keys.final_prefix) :]: decode(kv.value) for kv in kvs}
+    commits = _group_commits(finals)
+    times = [t for _, t in commits]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    median_step = statistics.median(gaps) if gaps else 0.0
+    digests = {r: f["digest"] for r, f in finals.items()}
+    events = read_events(client, keys)
+    result = client.get(keys.result)
+    return {
+        "job": job,
+        "world_size": world_size,
+        "result": decode(result.value) if result else None,
+        "steps_completed": min((f["steps"] for f in finals.values()), default=0),
+        "wall_s": wall_s,
+        "step_time_s_median": median_step,
+        "state_digest": digests.get("0", ""),
+        "replicas_identical": len(set(digests.values())) == 1 and len(digests) == world_size,
+        "recoveries": recoveries(events, commits, median_step),
+        "timeline": events,
+    }
+
+
+def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step: float) -> list[dict]:
+    out: list[dict] = []
+    cur: dict[str, Any] | None = None
+    last_fault: float | None = None
+    for ev in events:
+        ph = ev["phase"]
+        if ph == "fault":
+            last_fault = ev["time"]
+        elif ph == "detect" and cur is None:
+            fault_t = last_fault if last_fault is not None and last_fault <= ev["time"] else ev["time"]
+            cur = {"kind": "failure", "rank": ev.get("ranks", [None])[0], "t": {"fault": fault_t,
+                   "detect": ev["time"]}, "bytes_streamed": 0, "stream_s": 0.0}  # fmt: skip
+            last_fault = None
+        elif cur is not None and ph in PHASES:
+            if ph == "stream":
+                cur["bytes_streamed"] += ev.get("bytes", 0)
+                cur["stream_s"] = max(cur["stream_s"], ev.get("seconds", 0.0))
+            cur["t"].setdefault(ph, ev["time"])
+            cur["generation"] = ev["generation"]
+            if ph == "commit":
+                out.append(_finish(cur, commits, median_step))
+                cur = None
+    return out
+
+
+def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float) -> dict:
+    t = cur["t"]
+    before = [c for _, c in commits if c <= t["fault"]]
+    after = [c for _, c in commits if c > t["commit"]]
+    last_before = before[-1] if before else t["fault"]
+    first_after = after[0] if after else t["commit"]
+    t["resume"] = first_after
+    order = ["fault", "detect", "fence", "agree", "claim", "build", "commit", "resume"]
+    seen = [(k, t[k]) for k in order if k in t]
+    phases = {}
+    for (_, a), (name, b) in zip(seen, seen[1:], strict=False):
+        phases[name] = max(0.0, b - a)
+    # The claimed spare streams inside the build window: split it out.
+    if "build" in phases:
+        phases["stream"] = min(cur["stream_s"], phases["build"])
+        phases["build"] -= phases["stream"]
+    phases = {k: round(phases.get(k, 0.0), 4) for k in PHASES}
+    return {
+        "kind": cur["kind"],
+        "rank": cur["rank"],
+        "generation": cur.get("generation"),
+        "downtime_s": round(max(0.0, first_after - last_before - median_step), 4),
+        "phases": phases,
+        "bytes_streamed": cur["bytes_streamed"],
+    }

@@ -1,0 +1,92 @@
+"""The registered state as data: flatten to (skeleton, tensors) and back.
+
+A state dict (model, optimizer, any `state_dict()` object) is split into a
+msgpack-able skeleton, where each tensor is replaced by `{"__t__": i}`, and
+a flat list of tensors. The skeleton travels in a transfer header; the
+tensors travel as raw bytes. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from livemig.errors import ConfigError
+
+_T = "__t__"
+
+
+def flatten(obj: Any, tensors: list[torch.Tensor], path: str = "") -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach())
+        return {_T: len(tensors) - 1}
+    if isinstance(obj, Mapping):
+        return {k: flatten(v, tensors, f"{path}.{k}") for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [flatten(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, bool | int | float | str | bytes):
+        return obj
+    raise ConfigError(
+        f"registered state at {path or '<root>'} holds a {type(obj).__name__}, which livemig "
+        "cannot stream without pickle: keep state_dict() values to tensors, numbers, strings, "
+        "lists and dicts"
+    )
+
+
+def unflatten(skel: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(skel, dict):
+        if set(skel) == {_T}:
+            return tensors[skel[_T]]
+        return {k: unflatten(v, tensors) for k, v in skel.items()}
+    if isinstance(skel, list):
+        return [unflatten(v, tensors) for v in skel]
+    return skel
+
+
+def tensor_meta(t: torch.Tensor) -> dict[str, Any]:
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "nbytes": t.nbytes}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in transfer header")
+    return dt
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view sharing memory with `t` (contiguous CPU tensors only)."""
+    if not t.is_contiguous():
+        raise ValueError("state tensors must be contiguous")
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    """sha256 over dtype, shape and bytes of each tensor, in order."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(as_bytes(t).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def signature(model_sd: Mapping[str, torch.Tensor]) -> list[list[Any]]:
+    """(name, dtype, shape) of every model tensor: what a spare must match."""
+    return [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in model_sd.items()]
+
+
+def first_mismatch(expected: list, got: list) -> str | None:
+    """A one-line description of the first difference between two signatures."""
+    for i, (e, g) in enumerate(zip(expected, got, strict=False)):
+        if list(e) != list(g):
+            return f"entry {i}: job has {e[0]} {e[1]}{tuple(e[2])}, spare has {g[0]} {g[1]}{tuple(g[2])}"
+    if len(expected) != len(got):
+        n = min(len(expected), len(got))
+        extra = (expected if len(expected) > n else got)[n]
+        who = "job" if len(expected) > n else "spare"
+        return f"only the {who} has {extra[0]} ({len(expected)} vs {len(got)} tensors)"
+    return None

@@ -1,0 +1,141 @@
+"""Serves a member's registered state to spares (and averaged gradients to
+peers that missed them), from a background thread.
+
+Consistency: the owner calls `publish(gen, item, provider)` only while it is
+paused at a step boundary inside a recovery, and `withdraw()` before it
+trains on; a request for any other generation or item is refused. So the
+bytes served are exactly the boundary state, without a copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zmq
+
+from livemig.state import as_bytes, flatten, tensor_meta
+from livemig.transfer import protocol as P
+
+log = logging.getLogger("livemig.transfer.server")
+
+# provider() -> (step, state object to flatten)
+Provider = Callable[[], tuple[int, Any]]
+
+
+class _Snapshot:
+    def __init__(self, step: int, obj: Any) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.skeleton = flatten(obj, self.tensors)
+        self.step = step
+        self.bytes = [as_bytes(t.contiguous()) for t in self.tensors]
+        self.chunks = P.plan([b.numel() for b in self.bytes])
+        self.crcs = [zlib.crc32(self._view(c)) for c in self.chunks]
+
+    def _view(self, c: P.Chunk) -> memoryview:
+        return memoryview(self.bytes[c.tensor][c.offset : c.offset + c.length].numpy())
+
+
+class StateServer:
+    def __init__(self, job: str, secret: bytes, host: str = "127.0.0.1") -> None:
+        self.job = job
+        self.secret = secret
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.addr = f"tcp://{host}:{port}"
+        self._lock = threading.Lock()
+        self._items: dict[str, tuple[int, Provider]] = {}
+        self._snaps: dict[tuple[int, str], _Snapshot] = {}
+        self._fenced = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="livemig-transfer", daemon=True)
+        self._thread.start()
+
+    # -- owner API ----------------------------------------------------------------
+    def publish(self, gen: int, item: str, provider: Provider) -> None:
+        with self._lock:
+            self._items[item] = (gen, provider)
+            self._snaps = {k: v for k, v in self._snaps.items() if k[1] != item}
+
+    def withdraw(self, item: str | None = None) -> None:
+        with self._lock:
+            if item is None:
+                self._items.clear()
+                self._snaps.clear()
+            else:
+                self._items.pop(item, None)
+                self._snaps = {k: v for k, v in self._snaps.items() if k[1] != item}
+
+    def fence(self) -> None:
+        """Never serve again: this process was replaced."""
+        self._fenced = True
+        self.withdraw()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    # -- serving -----------------------------------------------------------------------
+    def _snapshot(self, gen: int, item: str) -> _Snapshot:
+        with self._lock:
+            if self._fenced:
+                raise PermissionError("this member is fenced and serves no state")
+            if item not in self._items:
+                raise LookupError(f"item {item!r} is not being served now")
+            g, provider = self._items[item]
+            if gen != g:
+                raise PermissionError(f"stale or unknown generation {gen} (serving generation {g})")
+            snap = self._snaps.get((gen, item))
+            if snap is None:
+                step, obj = provider()
+                snap = self._snaps[(gen, item)] = _Snapshot(step, obj)
+            return snap
+
+    def _handle(self, frames: list[bytes]) -> list[Any]:
+        if len(frames) != 2 or not P.verify(self.secret, frames[1], frames[0]):
+            log.warning("refused unauthenticated transfer request")
+            return [P.pack({"ok": False, "error": "authentication failed: wrong job secret"})]
+        req = P.unpack(frames[1])
+        if req.get("job") != self.job:
+            return [P.pack({"ok": False, "error": f"wrong job {req.get('job')!r}"})]
+        try:
+            snap = self._snapshot(int(req["gen"]), str(req["item"]))
+        except (PermissionError, LookupError) as exc:
+            return [P.pack({"ok": False, "error": str(exc)})]
+        if req["op"] == "header":
+            return [P.pack({
+                "ok": True,
+                "step": snap.step,
+                "gen": req["gen"],
+                "skeleton": snap.skeleton,
+                "tensors": [tensor_meta(t) for t in snap.tensors],
+                "chunk": P.CHUNK_BYTES,
+                "crcs": snap.crcs,
+                "digest": P.combine(snap.crcs),
+            })]  # fmt: skip
+        if req["op"] == "chunk":
+            seq = int(req["seq"])
+            c = snap.chunks[seq]
+            return [P.pack({"ok": True, "seq": seq}), snap._view(c)]
+        return [P.pack({"ok": False, "error": f"unknown op {req['op']!r}"})]
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            ident, *frames = self._sock.recv_multipart(copy=True)
+            try:
+                reply = self._handle(frames)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop serving
+                log.exception("transfer request failed")
+                reply = [P.pack({"ok": False, "error": f"server error: {exc}"})]
+            self._sock.send_multipart([ident, *reply], copy=False)
+        self._sock.close(0)

@@ -38,6 +38,7 @@ from livemig.config import (
     ENV_SPARE_ID,
     ENV_WORLD_SIZE,
     Timeouts,
+    exit_with_parent,
 )  # fmt: skip
 from livemig.data import step_seed
 from livemig.errors import ConfigError, FencedError, LivemigError, RecoveryError, TransferError
@@ -57,6 +58,10 @@ class _Activate(BaseException):
 
     def __init__(self, generation: int, rank: int) -> None:
         self.generation, self.rank = generation, rank
+
+
+class _Stop(BaseException):
+    """A standby spare was asked to exit (`livemig-spare stop`)."""
 
 
 class Context:
@@ -87,6 +92,7 @@ class Context:
         if self.role != "local":
             from livemig.member import MemberRuntime
 
+            exit_with_parent()
             self.runtime = MemberRuntime(self.incarnation, self.timeouts)
 
     def _reset_user_state(self) -> None:
@@ -187,6 +193,7 @@ class Context:
                 self._maybe_self_fault(t, "allreduce")
                 allreduce_mean(self.runtime.pg, buckets, self.world_size, self.timeouts.collective,
                                should_abort=self.runtime.moved_on)  # fmt: skip
+                self._maybe_self_fault(t, "before_commit")
                 if self._drop_avg(t):
                     raise CollectiveAborted("test fault: average dropped")
             except CollectiveAborted as exc:
@@ -221,6 +228,8 @@ class Context:
             import signal
             import threading
 
+            if at == "before_commit":
+                os.kill(os.getpid(), signal.SIGKILL)
             # Die while our gradients are in flight: peers may or may not complete.
             threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
@@ -253,8 +262,7 @@ class Context:
             self._fetch_avg(m, target)
             return None
         raise RecoveryError(
-            f"rank {self.rank} committed step {self.committed} and cannot reach the agreed "
-            f"resume step {m.resume_step}"
+            f"rank {self.rank} committed step {self.committed} and cannot reach the agreed resume step {m.resume_step}"
         )
 
     def serve(self, m: Membership) -> None:
@@ -354,6 +362,10 @@ class Context:
             except InterruptedError:
                 rt.check_fenced()
         a = decode(raw)
+        if a.get("stop"):
+            keeper.stop(revoke=True)
+            log.info("spare stopped on request", extra={"spare": self.spare_id})
+            raise _Stop()
         if a.get("refused"):
             keeper.stop(revoke=True)
             raise ConfigError(f"spare {self.spare_id} refused by the job: {a['refused']}")
@@ -397,6 +409,8 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                     result = fn(ctx, *args, **kwargs)
                 ctx._finish()
                 return result
+            except _Stop:
+                return None
             except FencedError as exc:
                 print(f"livemig: {exc}", file=sys.stderr, flush=True)
                 os._exit(exc.exit_code)  # touch nothing: this process was replaced

@@ -72,8 +72,14 @@ def _run_parser(sub: argparse._SubParsersAction) -> None:
     add_parser(sub)
 
 
+def _inject_parser(sub: argparse._SubParsersAction) -> None:
+    from livemig.inject import add_parser
+
+    add_parser(sub)
+
+
 # Commands defined in other modules (keeps this file small).
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_run_parser]
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_run_parser, _inject_parser]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,8 +29,7 @@ JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 def validate_job_name(job: str) -> str:
     if not isinstance(job, str) or not JOB_NAME_RE.match(job):
         raise ConfigError(
-            f"invalid job name {job!r}: use 1-63 characters from [A-Za-z0-9_.-], "
-            "starting with a letter or digit"
+            f"invalid job name {job!r}: use 1-63 characters from [A-Za-z0-9_.-], starting with a letter or digit"
         )
     return job
 
@@ -114,3 +113,24 @@ ENV_BACKEND = "LIVEMIG_BACKEND"  # "gloo" (default) or "nccl"
 # Faults injected from inside a worker, for tests and `--fault ...:during=...`:
 # "selfkill:step=S:at=allreduce" or "drop_avg:step=S" (see livemig/faults.py).
 ENV_SELF_FAULT = "LIVEMIG_SELF_FAULT"
+ENV_PARENT_PID = "LIVEMIG_PARENT_PID"  # exit when this process (the launcher) is gone
+
+
+def exit_with_parent() -> None:
+    """If started by a launcher, exit as soon as it is gone (even SIGKILLed),
+    so no worker, spare or coordinator outlives the run that started it."""
+    import threading
+    import time
+
+    raw = os.environ.get(ENV_PARENT_PID)
+    if not raw:
+        return
+    parent = int(raw)
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(70)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True, name="livemig-parent-watch").start()

@@ -1,10 +1,13 @@
 """Fault plans: `kill:rank=1:step=10`, `kill:rank=1:step=10:during=allreduce`,
-`hang:rank=1:step=10`, `drop_avg:rank=1:step=10`.
+`hang:rank=1:step=10[:resume=SECONDS]`, `drop_avg:rank=1:step=10`.
 
 - kill / hang: the launcher SIGKILLs / SIGSTOPs the worker holding `rank`
-  right after it reports committing `step`.
+  right after it reports committing `step` (hang with resume=S: SIGCONT
+  after S seconds, to watch a fenced process stop itself).
 - kill with during=allreduce: the worker kills itself inside ctx.step() of
   `step`, after its gradients entered the collective (a peer may complete).
+- kill with during=before_commit: the worker kills itself after the
+  collective of `step` completed, before its optimizer step.
 - drop_avg: the worker discards its completed average of `step` and enters
   recovery as if its collective failed; combined with a kill at the same
   step this reproduces "the collective completed on some ranks only".
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from livemig.errors import ConfigError
 
 KINDS = ("kill", "hang", "drop_avg")
-DURING = ("allreduce", "")
+DURING = ("allreduce", "before_commit", "")
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class Fault:
     rank: int
     step: int
     during: str = ""
+    resume_after: float | None = None  # hang only: SIGCONT after this many seconds
 
     @property
     def in_process(self) -> bool:
@@ -53,12 +57,19 @@ def parse_fault(spec: str) -> Fault:
         raise ConfigError(f"bad fault {spec!r}: rank=R and step=S are required integers") from None
     during = fields.pop("during", "")
     if during not in DURING:
-        raise ConfigError(f"bad fault {spec!r}: during must be 'allreduce'")
+        raise ConfigError(f"bad fault {spec!r}: during must be allreduce or before_commit")
+    resume = fields.pop("resume", None)
+    if resume is not None and kind != "hang":
+        raise ConfigError(f"bad fault {spec!r}: resume=SECONDS applies to hang only")
     if fields:
         raise ConfigError(f"bad fault {spec!r}: unknown field(s) {', '.join(fields)}")
     if rank < 0 or step < 0:
         raise ConfigError(f"bad fault {spec!r}: rank and step must be >= 0")
-    return Fault(kind, rank, step, during)
+    try:
+        resume_after = float(resume) if resume is not None else None
+    except ValueError:
+        raise ConfigError(f"bad fault {spec!r}: resume must be a number of seconds") from None
+    return Fault(kind, rank, step, during, resume_after)
 
 
 def parse_self_fault(spec: str) -> tuple[str, int, str]:

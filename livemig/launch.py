@@ -21,6 +21,7 @@ from livemig.config import (
     ENV_ETCD,
     ENV_INCARNATION,
     ENV_JOB,
+    ENV_PARENT_PID,
     ENV_RANK,
     ENV_ROLE,
     ENV_SELF_FAULT,
@@ -90,6 +91,7 @@ class Launcher:
         self.logdir = os.path.join(state_dir(), "runs", f"{cfg.job}-{int(time.time())}")
         self.pending = list(cfg.faults)
         self.injected: list[dict] = []
+        self._resumes: list[tuple[float, Child]] = []
         self._last_print = -1
         self._t_print = time.monotonic()
 
@@ -103,7 +105,8 @@ class Launcher:
         inc = new_incarnation(role)
         full = dict(os.environ)
         full.update(self.cfg.timeouts.to_env())
-        full.update({ENV_ETCD: self.etcd, ENV_JOB: self.cfg.job, ENV_INCARNATION: inc, **env})
+        full.update({ENV_ETCD: self.etcd, ENV_JOB: self.cfg.job, ENV_INCARNATION: inc,
+                     ENV_PARENT_PID: str(os.getpid()), **env})  # fmt: skip
         path = os.path.join(self.logdir, f"{name}.log")
         with open(path, "ab") as logf:
             proc = subprocess.Popen(argv, env=full, stdout=logf, stderr=subprocess.STDOUT,
@@ -184,8 +187,8 @@ class Launcher:
                                  and c.proc.poll() is None and self._is_member(c, by_key)]  # fmt: skip
                 if not workers_alive or time.monotonic() - (result_seen_at or 0) > 30:
                     break
-            if self._all_dead():
-                result = {"state": "failed", "reason": "every process exited before the job finished"}
+            elif all(c.proc.poll() is not None for c in self.children if c.role == "coordinator"):
+                result = {"state": "failed", "reason": "every coordinator exited before the job finished"}
                 break
             time.sleep(0.02)
         else:
@@ -198,13 +201,15 @@ class Launcher:
             rep["result"] = result
         return rep
 
+    def processes(self) -> list[dict[str, Any]]:
+        return [{"name": c.name, "role": c.role, "rank": c.rank, "incarnation": c.incarnation,
+                 "pid": c.proc.pid, "exit_code": c.proc.returncode, "log": c.log_path}
+                for c in self.children]  # fmt: skip
+
     def _is_member(self, c: Child, by_key: dict) -> bool:
         raw = by_key.get(self.keys.membership)
         m = Membership.from_bytes(raw.value if raw else None)
         return m.rank_of(c.incarnation) is not None
-
-    def _all_dead(self) -> bool:
-        return all(c.proc.poll() is not None for c in self.children if c.role != "spare")
 
     def _reap(self) -> None:
         """Report a child that died to etcd at once: the fast detection path."""
@@ -238,6 +243,14 @@ class Launcher:
                 continue
             self.pending.remove(f)
             self.signal_fault(f.kind, target, step)
+            if f.kind == "hang" and f.resume_after is not None:
+                self._resumes.append((time.monotonic() + f.resume_after, target))
+        for due, target in list(self._resumes):
+            if time.monotonic() >= due:
+                self._resumes.remove((due, target))
+                if target.proc.poll() is None:
+                    os.killpg(target.proc.pid, signal.SIGCONT)
+                    self.say(f"livemig: resumed {target.name} (SIGCONT)")
 
     def signal_fault(self, kind: str, target: Child, step: int) -> None:
         assert self.client is not None
@@ -315,6 +328,7 @@ def record_fault(client: EtcdClient, keys: JobKeys, kind: str, rank: int | None,
 
 def run(cfg: RunConfig) -> dict[str, Any]:
     launcher = Launcher(cfg)
+    rep: dict[str, Any] | None = None
     old = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -328,6 +342,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         return rep
     finally:
         launcher.stop()
+        if rep is not None:
+            rep["processes"] = launcher.processes()
         signal.signal(signal.SIGTERM, old)
 
 

@@ -104,7 +104,7 @@ class MemberRuntime:
 
     def check_fenced(self) -> None:
         if self.fenced.is_set():
-            raise FencedError(f"incarnation {self.incarnation} is fenced ({self.fence_reason}); stopping")
+            raise FencedError(f"incarnation {self.incarnation} must stop: {self.fence_reason}")
 
     def moved_on(self) -> bool:
         """True when the job's generation is no longer the one we train in."""

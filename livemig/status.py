@@ -76,9 +76,7 @@ def render(info: dict[str, Any], as_json: bool) -> str:
     lines.append(f"{'RANK':>4}  {'STATE':<9} {'STEP':>6}  {'HOST':<16} {'PID':>7}  INCARNATION")
     for m in info["members"]:
         step = "-" if m["step"] is None else str(m["step"])
-        lines.append(
-            f"{m['rank']:>4}  {m['state']:<9} {step:>6}  {m['host']:<16} {m['pid']:>7}  {m['incarnation']}"
-        )
+        lines.append(f"{m['rank']:>4}  {m['state']:<9} {step:>6}  {m['host']:<16} {m['pid']:>7}  {m['incarnation']}")
     if not info["members"]:
         lines.append("  (no members: the job has not formed)")
     lines.append(f"{'SPARE':<28} {'STATE':<9} {'WARMUP_S':>8}  {'HOST':<16} {'PID':>7}")

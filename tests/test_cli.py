@@ -10,9 +10,7 @@ import pytest
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "livemig.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, "-m", "livemig.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def one_line(err: str) -> str:
@@ -57,9 +55,7 @@ def test_status_reads_job_keys(etcd):
     from livemig.rdzv.membership import Member, Membership, Rendezvous
 
     rdzv = Rendezvous(EtcdClient(etcd.endpoints), "statusjob")
-    rdzv.commit_change(
-        0, Membership(world_size=1, state="committed", members={0: Member(0, "worker-h-1-x", "h", 1)})
-    )
+    rdzv.commit_change(0, Membership(world_size=1, state="committed", members={0: Member(0, "worker-h-1-x", "h", 1)}))
     r = run_cli("status", "--job", "statusjob", "--etcd", etcd.endpoints, "--json")
     assert r.returncode == 0, r.stderr
     import json

@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from livemig.config import Timeouts
+from livemig.config import Timeouts, exit_with_parent
 from livemig.coordinator.timeline import Timeline
 from livemig.errors import NotLeaderError
 from livemig.rdzv.client import KV, EtcdClient, decode, encode
@@ -125,11 +125,7 @@ class Coordinator:
     def _takeover(self) -> None:
         """A new leader re-issues an in-flight build against its own store."""
         m = self.rdzv.read()
-        if (
-            m.generation > 0
-            and m.state in (GenState.FORMING, GenState.BUILDING)
-            and m.store != self.store_addr
-        ):
+        if m.generation > 0 and m.state in (GenState.FORMING, GenState.BUILDING) and m.store != self.store_addr:
             new = replace(m, store=self.store_addr, reason="coordinator takeover")
             self.rdzv.commit_change(m.generation, new, guard=[self.election.guard()])
             self.timeline.record(new.generation, "takeover", [self.election.guard()], leader=self.id)
@@ -204,8 +200,7 @@ class Coordinator:
         m = s.m
         ready = s.under(self.keys.recovery_prefix(m.generation) + "ready/")
         ok = all(
-            str(r) in ready and ready[str(r)].get("incarnation") == mem.incarnation
-            for r, mem in m.members.items()
+            str(r) in ready and ready[str(r)].get("incarnation") == mem.incarnation for r, mem in m.members.items()
         )
         if not ok:
             if time.monotonic() - since > self.timeouts.recovery.total_seconds():
@@ -213,7 +208,13 @@ class Coordinator:
                 self._fail(m, f"rank(s) {missing} did not build generation {m.generation} within "
                               f"{self.timeouts.recovery.total_seconds():.0f}s")  # fmt: skip
             return
-        new = replace(m, state=GenState.COMMITTED)
+        members = {}
+        for r, mem in m.members.items():  # a claimed spare's address is known only now
+            reg = s.get(self.keys.member(r)) or {}
+            if reg.get("incarnation") == mem.incarnation:
+                mem = replace(mem, addr=reg["addr"], host=reg["host"], pid=reg["pid"])
+            members[r] = mem
+        new = replace(m, state=GenState.COMMITTED, members=members)
         if self.rdzv.update(new, guard=self._guard()):
             streams = [x for x in ready.values() if "stream_s" in x]
             if m.state == GenState.BUILDING:
@@ -351,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address members reach the group store at")
     a = p.parse_args(argv)
     logs.setup(role="coordinator")
+    exit_with_parent()
     try:
         timeouts = Timeouts.from_env()
         client = EtcdClient(a.etcd, timeouts.etcd)

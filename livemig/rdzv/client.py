@@ -73,8 +73,7 @@ def parse_endpoints(urls: str | Iterable[str]) -> list[Endpoint]:
             port = None
         if parts.scheme == "https":
             raise ConfigError(
-                f"etcd URL {u!r} uses https, which livemig does not support yet: "
-                "use http:// on a trusted network"
+                f"etcd URL {u!r} uses https, which livemig does not support yet: use http:// on a trusted network"
             )
         if (
             parts.scheme != "http"
@@ -86,9 +85,7 @@ def parse_endpoints(urls: str | Iterable[str]) -> list[Endpoint]:
                 "/",
             )
         ):
-            raise ConfigError(
-                f"malformed etcd URL {u!r}: expected http://HOST:PORT, several separated by commas"
-            )
+            raise ConfigError(f"malformed etcd URL {u!r}: expected http://HOST:PORT, several separated by commas")
         out.append(Endpoint(parts.hostname, port))
     return out
 

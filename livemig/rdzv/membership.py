@@ -196,14 +196,10 @@ class Rendezvous:
     def check(self, generation: int, incarnation: str) -> None:
         """Raise if `incarnation` is fenced or `generation` is not current."""
         if self.is_fenced(incarnation):
-            raise FencedError(
-                f"incarnation {incarnation} is fenced: it was replaced in the job and must stop"
-            )
+            raise FencedError(f"incarnation {incarnation} is fenced: it was replaced in the job and must stop")
         current = self.generation()
         if current != generation:
-            raise StaleGenerationError(
-                f"stale generation {generation} (current is {current}): re-read the membership"
-            )
+            raise StaleGenerationError(f"stale generation {generation} (current is {current}): re-read the membership")
 
     def fenced_put(
         self, generation: int | None, incarnation: str, key: str, value: bytes, lease: int | None = None
@@ -226,9 +222,7 @@ class Rendezvous:
         ttl_s: int | None = None,
     ) -> LeaseKeeper:
         """Put `value` at `key` under a kept-alive lease; refused if fenced."""
-        keeper = LeaseKeeper(
-            self.client, ttl_s or self.timeouts.lease_ttl_s, on_lost, name=key.rsplit("/", 2)[-2]
-        )
+        keeper = LeaseKeeper(self.client, ttl_s or self.timeouts.lease_ttl_s, on_lost, name=key.rsplit("/", 2)[-2])
         try:
             self.fenced_put(None, incarnation, key, encode(value), lease=keeper.lease_id)
         except Exception:

@@ -65,9 +65,7 @@ class PrefixWatch:
                 gen = self._gen
             start = self.last_revision + 1 if self.last_revision else None
             try:
-                self._watch_id = self.client.call(
-                    f"watch {self.prefix}", functools.partial(self._add, gen, start)
-                )
+                self._watch_id = self.client.call(f"watch {self.prefix}", functools.partial(self._add, gen, start))
                 return
             except etcd_exc.RevisionCompactedError:
                 self._resync()

@@ -76,8 +76,7 @@ def pull(
                 t = torch.empty(m["shape"], dtype=dtype_of(m["dtype"]))
             elif list(t.shape) != list(m["shape"]) or str(t.dtype).removeprefix("torch.") != m["dtype"]:
                 raise TransferError(
-                    f"tensor {i}: source has {m['dtype']}{tuple(m['shape'])}, "
-                    f"destination {t.dtype}{tuple(t.shape)}"
+                    f"tensor {i}: source has {m['dtype']}{tuple(m['shape'])}, destination {t.dtype}{tuple(t.shape)}"
                 )
             dests.append(t)
         views = [as_bytes(t) for t in dests]

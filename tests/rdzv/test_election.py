@@ -13,9 +13,7 @@ HELPER = os.path.join(os.path.dirname(__file__), "..", "helpers", "rdzv_proc.py"
 
 
 def _leader_proc(procs, etcd, name):
-    return procs.python(
-        HELPER, "leader", "--etcd", etcd.endpoints, "--job", "elect", "--name", name, "--ttl", "1"
-    )
+    return procs.python(HELPER, "leader", "--etcd", etcd.endpoints, "--job", "elect", "--name", name, "--ttl", "1")
 
 
 def test_leader_failover_within_ttl(etcd, procs):

@@ -120,9 +120,7 @@ def test_generation_record_roundtrip_large_world(etcd):
     client = EtcdClient(etcd.endpoints, timedelta(seconds=10))
     rdzv = Rendezvous(client, "big")
     members = {
-        r: Member(
-            r, f"worker-host{r}-{r}-abcdef12", f"host{r}", 1000 + r, f"tcp://10.0.{r // 256}.{r % 256}:29500"
-        )
+        r: Member(r, f"worker-host{r}-{r}-abcdef12", f"host{r}", 1000 + r, f"tcp://10.0.{r // 256}.{r % 256}:29500")
         for r in range(4096)
     }
     m = Membership(world_size=4096, members=members)

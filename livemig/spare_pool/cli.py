@@ -1,0 +1,172 @@
+"""`livemig-spare`: hot-spare daemons on standby nodes.
+
+    livemig-spare start --job J [--etcd URL] [--pool P] [--id ID] SCRIPT [ARGS...]
+    livemig-spare status --job J [--etcd URL] [--json]
+    livemig-spare stop --job J [--etcd URL] (--id ID | --all)
+
+`start` runs SCRIPT as a spare in the foreground (use your process
+supervisor, or `--detach`): the decorator builds the model, registers the
+spare as warm under a lease and blocks until the coordinator claims it.
+`stop` asks an unclaimed spare to exit through etcd, so it works for spares
+on any host; a claimed spare is a member and is not stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+
+from livemig import logs
+from livemig.config import (
+    ENV_ETCD,
+    ENV_INCARNATION,
+    ENV_JOB,
+    ENV_ROLE,
+    ENV_SPARE_ID,
+    ENV_WORLD_SIZE,
+    Timeouts,
+    validate_job_name,
+)  # fmt: skip
+from livemig.errors import ConfigError, LivemigError
+from livemig.jobs import resolve_etcd, state_dir
+from livemig.rdzv.client import EtcdClient, decode, encode
+from livemig.rdzv.keys import JobKeys
+from livemig.rdzv.membership import new_incarnation
+from livemig.rdzv.watch import wait_for
+
+
+def _client(a: argparse.Namespace) -> tuple[EtcdClient, str]:
+    job = validate_job_name(a.job)
+    etcd = resolve_etcd(job, a.etcd)
+    return EtcdClient(etcd, timedelta(seconds=a.etcd_timeout)), etcd
+
+
+def cmd_start(a: argparse.Namespace) -> int:
+    if not os.path.isfile(a.script):
+        raise ConfigError(f"training script {a.script!r} not found")
+    client, etcd = _client(a)
+    keys = JobKeys(a.job)
+    world = a.world_size
+    if world is None:
+        raw = wait_for(client, keys.config, lambda s: s.get(keys.config), a.wait_job,
+                       f"job {a.job} to form (its config key)")  # fmt: skip
+        world = decode(raw)["world_size"]
+    sid = a.id or f"{a.pool}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    env = dict(os.environ)
+    env.update(Timeouts.from_env().to_env())
+    env.update({ENV_ETCD: etcd, ENV_JOB: a.job, ENV_ROLE: "spare", ENV_SPARE_ID: sid,
+                ENV_WORLD_SIZE: str(world), ENV_INCARNATION: new_incarnation("spare")})  # fmt: skip
+    argv = [sys.executable, a.script, *a.args]
+    if a.detach:
+        path = os.path.join(state_dir(), "spares", f"{sid}.log")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "ab") as f:
+            p = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        print(f"spare {sid} started (pid {p.pid}); log {path}")
+        return 0
+    print(f"spare {sid}: standby for job {a.job} (world size {world})", flush=True)
+    return subprocess.call(argv, env=env)
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    from livemig.status import collect
+
+    client, _ = _client(a)
+    spares = collect(client, a.job)["spares"]
+    if a.json:
+        print(json.dumps(spares, indent=2))
+        return 0
+    print(f"{'SPARE':<32} {'STATE':<9} {'WARMUP_S':>8}  {'HOST':<16} {'PID':>7}  CLAIM")
+    for s in spares:
+        w = "-" if s["warmup_s"] is None else f"{s['warmup_s']:.2f}"
+        claim = s["claim"] or "-"
+        print(f"{s['id']:<32} {s['state'] or '-':<9} {w:>8}  {s['host'] or '-':<16} {s['pid'] or 0:>7}  {claim}")
+    if not spares:
+        print("(no spares registered)")
+    return 0
+
+
+def cmd_stop(a: argparse.Namespace) -> int:
+    client, _ = _client(a)
+    keys = JobKeys(a.job)
+    kvs, _ = client.get_prefix(keys.spares_prefix)
+    ids = [kv.key[len(keys.spares_prefix) :] for kv in kvs]
+    targets = ids if a.all else [a.id]
+    if not a.all and a.id not in ids:
+        raise ConfigError(f"no spare {a.id!r} in job {a.job}; see `livemig-spare status --job {a.job}`")
+    t = client.txn_ops
+    stopped = 0
+    for sid in targets:
+        ok, _ = client.txn(
+            [t.version(keys.assignment(sid)) == 0],
+            [t.put(keys.assignment(sid), encode({"stop": True, "time": time.time()}))],
+        )
+        if ok:
+            stopped += 1
+        else:
+            print(f"spare {sid} is claimed (a member now): not stopped", file=sys.stderr)
+    print(f"asked {stopped} spare(s) to stop")
+    return 0 if stopped == len(targets) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="livemig-spare", description="hot-spare daemons for livemig jobs")
+    p.add_argument("--log-level", default=None)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--job", required=True)
+        sp.add_argument("--etcd", help="etcd endpoints (default: $LIVEMIG_ETCD or the local run of --job)")
+        sp.add_argument("--etcd-timeout", type=float, default=5.0)
+
+    s = sub.add_parser("start", help="run SCRIPT as a warm spare of the job")
+    common(s)
+    s.add_argument("--pool", default="spare", help="pool label, prefix of the spare id (default spare)")
+    s.add_argument("--id", help="spare id (default POOL-HOST-RANDOM)")
+    s.add_argument("--world-size", type=int, help="default: read from the job's config in etcd")
+    s.add_argument("--wait-job", type=float, default=300.0, help="wait this long for the job to form, s")
+    s.add_argument("--detach", action="store_true", help="run in the background, log to a file")
+    s.add_argument("script")
+    s.add_argument("args", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=cmd_start)
+
+    st = sub.add_parser("status", help="list the job's spares")
+    common(st)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_status)
+
+    sp = sub.add_parser("stop", help="ask unclaimed spares to exit")
+    common(sp)
+    g = sp.add_mutually_exclusive_group(required=True)
+    g.add_argument("--id")
+    g.add_argument("--all", action="store_true")
+    sp.set_defaults(fn=cmd_stop)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logs.setup(a.log_level, role="spare-cli")
+    try:
+        return int(a.fn(a) or 0)
+    except LivemigError as exc:
+        print(f"livemig-spare: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except TimeoutError as exc:
+        print(f"livemig-spare: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""End-to-end runs: real `livemig run` launcher, etcd, workers, spares, gloo.
+
+The workload is examples/mlp.py shrunk (2 x Linear(1024,1024)) so a run
+takes seconds; the reference digest of a fault-free run is computed once
+per world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MLP = os.path.join(REPO, "examples", "mlp.py")
+STEPS = 24
+WORKLOAD = ["--steps", str(STEPS), "--layers", "2", "--batch", "32"]
+
+
+@dataclass
+class Run:
+    rc: int
+    report: dict[str, Any]
+    stdout: str
+    stderr: str
+
+
+def livemig_run(tmp_path, nproc: int, spares: int = 0, faults: tuple[str, ...] = (),
+                extra: tuple[str, ...] = (), env: dict | None = None, timeout: float = 240,
+                workload: list[str] | None = None, job: str = "t") -> Run:  # fmt: skip
+    report = tmp_path / f"report-{job}.json"
+    cmd = [sys.executable, "-m", "livemig.cli", "run", "--nproc", str(nproc), "--spares", str(spares),
+           "--job", job, "--report", str(report), "--lease-ttl", "1", *extra]  # fmt: skip
+    for f in faults:
+        cmd += ["--fault", f]
+    cmd += [MLP, *(workload or WORKLOAD)]
+    full_env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path), LIVEMIG_LOG_LEVEL="INFO",
+                    LIVEMIG_RECOVERY_TIMEOUT="60", **(env or {}))  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    rep = json.loads(report.read_text()) if report.exists() else {}
+    return Run(p.returncode, rep, p.stdout, p.stderr)
+
+
+def explain(run: Run) -> str:
+    """What to print when an assertion fails: output and process logs."""
+    out = [run.stdout[-3000:], run.stderr[-3000:]]
+    for proc in run.report.get("processes", []):
+        try:
+            with open(proc["log"]) as f:
+                out.append(f"--- {proc['name']} (exit {proc['exit_code']})\n" + "".join(f.readlines()[-25:]))
+        except OSError:
+            pass
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="session")
+def reference_digest(tmp_path_factory):
+    cache: dict[int, str] = {}
+
+    def get(nproc: int) -> str:
+        if nproc not in cache:
+            run = livemig_run(tmp_path_factory.mktemp(f"ref{nproc}"), nproc, job=f"ref{nproc}")
+            assert run.rc == 0, explain(run)
+            assert run.report["steps_completed"] == STEPS
+            cache[nproc] = run.report["state_digest"]
+        return cache[nproc]
+
+    return get

@@ -360,7 +360,7 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
           f"{'yes' if rep['replicas_identical'] else 'no'}")  # fmt: skip
     if reference is not None:
         same = reference == rep["state_digest"]
-        print(f"bit-identical to a fault-free run: {'yes' if same else 'no'}")
+        print(f"bit-identical: {'yes' if same else 'no'} (final state digest vs a fault-free run)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

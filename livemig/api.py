@@ -278,21 +278,23 @@ class Context:
         return [m.members[r].addr for r in m.sources if r in m.members and m.members[r].addr]
 
     def _pull_any(self, m: Membership, item: str, alloc: Callable | None = None) -> Any:
-        """Pull `item` from the first source that serves it, retrying until the deadline."""
+        """Pull `item`, striped over every source, retrying until the recovery deadline."""
         secret = self.runtime.secret()
         deadline = time.monotonic() + self.timeouts.recovery.total_seconds()
-        errors: list[str] = []
+        last = ""
         while time.monotonic() < deadline:
-            for addr in self._sources(m):
-                if self.runtime.m.generation != m.generation:
-                    raise CollectiveAborted("generation moved on during the transfer")
+            if self.runtime.m.generation != m.generation:
+                raise CollectiveAborted("generation moved on during the transfer")
+            addrs = self._sources(m)
+            if addrs:
                 try:
-                    return addr, pull(addr, self.runtime.job, secret, m.generation, item,
-                                      self.timeouts.collective.total_seconds(), alloc)  # fmt: skip
+                    got = pull(addrs, self.runtime.job, secret, m.generation, item,
+                               self.timeouts.collective.total_seconds(), alloc)  # fmt: skip
+                    return ",".join(got.sources_used), got
                 except TransferError as exc:
-                    errors.append(str(exc))
+                    last = str(exc)
             time.sleep(0.02)
-        raise RecoveryError(f"could not pull {item} from any source: {errors[-3:]}")
+        raise RecoveryError(f"could not pull {item} from the sources of generation {m.generation}: {last}")
 
     def _fetch_avg(self, m: Membership, t: int) -> None:
         _, got = self._pull_any(m, "avg")

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     be = bsub.add_parser("etcd", help="latency of put, generation CAS commit, watch delivery")
     etcd_bench.add_arguments(be)
     be.set_defaults(fn=etcd_bench.run)
+    from livemig.bench import transfer_bench
+
+    bt = bsub.add_parser("transfer", help="state transfer throughput next to the raw zmq link")
+    transfer_bench.add_arguments(bt)
+    bt.set_defaults(fn=transfer_bench.run)
 
     for register in _EXTRA_COMMANDS:
         register(sub)

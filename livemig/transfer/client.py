@@ -1,19 +1,30 @@
-"""Pulls a peer's served state into the caller's tensors.
+"""Pulls a served state from one or more peers, striped, pipelined, verified.
 
-The header gives the skeleton, tensor metadata and one CRC32 per chunk;
-chunks are then requested with a window of outstanding requests (no
-stop-and-wait), checked, and copied straight into the destination tensor.
-A source that refuses, stalls past `timeout` or sends a bad chunk fails the
-pull with TransferError; the caller tries the next source.
+1. Ask every source for the header. Sources must agree on the state digest
+   (replicas of one boundary); a source that disagrees with the majority is
+   dropped.
+2. Split the chunk plan into contiguous stripes, one per source, and pull
+   them in parallel from a single thread (one DEALER socket per source,
+   `WINDOW` requests outstanding on each: no stop-and-wait).
+3. Each chunk's data frame is received with `recv_into` straight into the
+   destination tensor's bytes, then checked against the header's xxh3. A
+   bad chunk is refetched from another source; a source that errors, sends
+   bad data repeatedly, or stalls past `timeout` is dropped and its
+   outstanding and remaining chunks go to the others.
+4. The state is returned only when every chunk verified: a caller never
+   sees (or commits) a half-loaded state.
+
+Peak extra memory on the receiver is what zmq holds between arrival and
+`recv_into`: at most WINDOW x CHUNK_BYTES per source.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
-import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +36,7 @@ from livemig.transfer import protocol as P
 
 log = logging.getLogger("livemig.transfer.client")
 
-WINDOW = 4
+MAX_BAD_CHUNKS = 3
 
 
 @dataclass
@@ -35,70 +46,181 @@ class Pulled:
     nbytes: int
     seconds: float
     digest: str
+    sources_used: list[str] = field(default_factory=list)
+    refetched: int = 0
 
 
 # alloc(index, meta) -> destination tensor (pre-allocated by the caller, or None to allocate)
 Alloc = Callable[[int, dict], torch.Tensor | None]
 
 
+class _Source:
+    def __init__(self, ctx: zmq.Context, addr: str) -> None:
+        self.addr = addr
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self.queue: collections.deque[int] = collections.deque()
+        self.inflight: dict[int, float] = {}
+        self.last_reply = time.monotonic()
+        self.bad = 0
+        self.served = 0
+        self.error = ""
+
+    def request(self, job: str, secret: bytes, gen: int, item: str, op: str, **kw: Any) -> None:
+        body = P.pack({"op": op, "job": job, "gen": gen, "item": item, **kw})
+        self.sock.send_multipart([P.mac(secret, body), body])
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
 def pull(
-    addr: str, job: str, secret: bytes, gen: int, item: str, timeout: float,
+    addrs: str | list[str], job: str, secret: bytes, gen: int, item: str, timeout: float,
     alloc: Alloc | None = None,
 ) -> Pulled:  # fmt: skip
+    """Pull `item` of generation `gen`; raises TransferError if it cannot complete."""
     t0 = time.monotonic()
+    addrs = [addrs] if isinstance(addrs, str) else list(dict.fromkeys(addrs))
+    if not addrs:
+        raise TransferError("no source to pull from")
     ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(addr)
+    sources = [_Source(ctx, a) for a in addrs]
+    dropped: list[str] = []
     try:
-
-        def send(op: str, **kw: Any) -> None:
-            body = P.pack({"op": op, "job": job, "gen": gen, "item": item, **kw})
-            sock.send_multipart([P.mac(secret, body), body])
-
-        def recv() -> list[zmq.Frame]:
-            if not sock.poll(int(timeout * 1000)):
-                raise TransferError(f"source {addr} did not answer within {timeout:.1f}s")
-            frames = sock.recv_multipart(copy=False)
-            meta = P.unpack(frames[0].bytes)
-            if not meta.get("ok"):
-                raise TransferError(f"source {addr} refused: {meta.get('error')}")
-            frames[0] = meta  # type: ignore[call-overload]
-            return frames
-
-        send("header")
-        header = recv()[0]
+        header, alive = _headers(sources, job, secret, gen, item, timeout, dropped)
         metas = header["tensors"]
-        dests: list[torch.Tensor] = []
-        for i, m in enumerate(metas):
-            t = alloc(i, m) if alloc else None
-            if t is None:
-                t = torch.empty(m["shape"], dtype=dtype_of(m["dtype"]))
-            elif list(t.shape) != list(m["shape"]) or str(t.dtype).removeprefix("torch.") != m["dtype"]:
-                raise TransferError(
-                    f"tensor {i}: source has {m['dtype']}{tuple(m['shape'])}, destination {t.dtype}{tuple(t.shape)}"
-                )
-            dests.append(t)
-        views = [as_bytes(t) for t in dests]
+        dests = _destinations(metas, alloc)
+        views = [as_bytes(t).numpy() for t in dests]
         chunks = P.plan([m["nbytes"] for m in metas], header["chunk"])
-        crcs = header["crcs"]
-        if len(crcs) != len(chunks) or P.combine(crcs) != header["digest"]:
-            raise TransferError(f"source {addr} sent an inconsistent header")
-        nxt, done = 0, 0
-        while done < len(chunks):
-            while nxt < len(chunks) and nxt - done < WINDOW:
-                send("chunk", seq=nxt)
-                nxt += 1
-            meta, data = recv()
+        hashes = header["hashes"]
+        if len(hashes) != len(chunks) or P.combine(hashes) != header["digest"]:
+            raise TransferError(f"source {alive[0].addr} sent an inconsistent header")
+        for src, rng in zip(alive, P.stripes(len(chunks), len(alive)), strict=True):
+            src.queue.extend(rng)
+        refetched = _stream(alive, chunks, hashes, views, job, secret, gen, item, timeout, dropped)
+        state = unflatten(header["skeleton"], dests)
+        return Pulled(
+            header["step"], state, sum(m["nbytes"] for m in metas), time.monotonic() - t0,
+            header["digest"], [s.addr for s in alive if s.served], refetched,
+        )  # fmt: skip
+    finally:
+        for s in sources:
+            s.close()
+
+
+def _headers(sources: list[_Source], job: str, secret: bytes, gen: int, item: str, timeout: float,
+             dropped: list[str]) -> tuple[dict, list[_Source]]:  # fmt: skip
+    for s in sources:
+        s.request(job, secret, gen, item, "header")
+    headers: dict[str, dict] = {}
+    poller = zmq.Poller()
+    for s in sources:
+        poller.register(s.sock, zmq.POLLIN)
+    deadline = time.monotonic() + timeout
+    pending = {s.sock: s for s in sources}
+    while pending and time.monotonic() < deadline:
+        for sock, _ in poller.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            s = pending.pop(sock)
+            poller.unregister(sock)
+            meta = P.unpack(sock.recv_multipart()[0])
+            if meta.get("ok"):
+                headers[s.addr] = meta
+            else:
+                s.error = f"refused: {meta.get('error')}"
+    for s in pending.values():
+        s.error = f"did not answer within {timeout:.1f}s"
+    ok = [s for s in sources if s.addr in headers]
+    if not ok:
+        raise TransferError("no source served the state: " + "; ".join(f"source {s.addr} {s.error}" for s in sources))
+    votes = collections.Counter(headers[s.addr]["digest"] for s in ok)
+    digest = votes.most_common(1)[0][0]
+    for s in ok:
+        if headers[s.addr]["digest"] != digest:
+            log.error("source disagrees on the state digest; dropped", extra={"source": s.addr})
+            dropped.append(s.addr)
+    alive = [s for s in ok if headers[s.addr]["digest"] == digest]
+    return headers[alive[0].addr], alive
+
+
+def _destinations(metas: list[dict], alloc: Alloc | None) -> list[torch.Tensor]:
+    dests = []
+    for i, m in enumerate(metas):
+        t = alloc(i, m) if alloc else None
+        if t is None:
+            t = torch.empty(m["shape"], dtype=dtype_of(m["dtype"]))
+        elif list(t.shape) != list(m["shape"]) or str(t.dtype).removeprefix("torch.") != m["dtype"]:
+            raise TransferError(
+                f"tensor {i}: source has {m['dtype']}{tuple(m['shape'])}, destination {t.dtype}{tuple(t.shape)}"
+            )
+        dests.append(t)
+    return dests
+
+
+def _stream(alive: list[_Source], chunks: list[P.Chunk], hashes: list[int], views: list, job: str,
+            secret: bytes, gen: int, item: str, timeout: float, dropped: list[str]) -> int:  # fmt: skip
+    remaining = len(chunks)
+    done = [False] * len(chunks)
+    refetched = 0
+    poller = zmq.Poller()
+    by_sock = {s.sock: s for s in alive}
+    for s in alive:
+        poller.register(s.sock, zmq.POLLIN)
+
+    def drop(s: _Source, why: str) -> None:
+        s.error = why
+        log.warning("transfer source dropped", extra={"source": s.addr, "why": why})
+        poller.unregister(s.sock)
+        del by_sock[s.sock]
+        alive.remove(s)
+        dropped.append(s.addr)
+        orphans = sorted(set(s.inflight) | set(s.queue))
+        s.inflight.clear()
+        s.queue.clear()
+        if not alive:
+            raise TransferError(f"transfer failed: every source dropped ({'; '.join(dropped)}; last: {why})")
+        for k, seq in enumerate(c for c in orphans if not done[c]):
+            alive[k % len(alive)].queue.append(seq)
+
+    while remaining:
+        now = time.monotonic()
+        for s in list(alive):
+            while s.queue and len(s.inflight) < P.WINDOW:
+                seq = s.queue.popleft()
+                if done[seq]:
+                    continue
+                if not s.inflight:
+                    s.last_reply = now  # the stall clock runs only while requests are outstanding
+                s.request(job, secret, gen, item, "chunk", seq=seq)
+                s.inflight[seq] = now
+            if s.inflight and now - s.last_reply > timeout:
+                drop(s, f"source {s.addr} stalled for {timeout:.1f}s")
+        for sock, _ in poller.poll(50):
+            s = by_sock.get(sock)
+            if s is None:
+                continue
+            meta = P.unpack(sock.recv())
+            s.last_reply = time.monotonic()
+            if not meta.get("ok"):
+                drop(s, f"source {s.addr} refused: {meta.get('error')}")
+                continue
             seq = meta["seq"]
             c = chunks[seq]
-            buf = data.buffer
-            if len(buf) != c.length or zlib.crc32(buf) != crcs[seq]:
-                raise TransferError(f"chunk {seq} from {addr} failed its checksum")
-            views[c.tensor][c.offset : c.offset + c.length].numpy()[:] = memoryview(buf)
-            done += 1
-        state = unflatten(header["skeleton"], dests)
-        nbytes = sum(m["nbytes"] for m in metas)
-        return Pulled(header["step"], state, nbytes, time.monotonic() - t0, header["digest"])
-    finally:
-        sock.close(0)
+            dest = views[c.tensor][c.offset : c.offset + c.length]
+            n = sock.recv_into(dest) if sock.getsockopt(zmq.RCVMORE) else -1
+            s.inflight.pop(seq, None)
+            if done[seq]:
+                continue  # a duplicate after a reassignment: already verified
+            if n != c.length or P.chunk_hash(dest) != hashes[seq]:
+                s.bad += 1
+                refetched += 1
+                log.warning("chunk failed its checksum; refetching", extra={"seq": seq, "source": s.addr})
+                others = [x for x in alive if x is not s] or [s]
+                others[seq % len(others)].queue.appendleft(seq)
+                if s.bad >= MAX_BAD_CHUNKS:
+                    drop(s, f"source {s.addr} sent {s.bad} corrupted chunks")
+                continue
+            done[seq] = True
+            s.served += 1
+            remaining -= 1
+    return refetched

@@ -10,8 +10,8 @@ bytes served are exactly the boundary state, without a copy.
 from __future__ import annotations
 
 import logging
+import os
 import threading
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -34,14 +34,24 @@ class _Snapshot:
         self.step = step
         self.bytes = [as_bytes(t.contiguous()) for t in self.tensors]
         self.chunks = P.plan([b.numel() for b in self.bytes])
-        self.crcs = [zlib.crc32(self._view(c)) for c in self.chunks]
+        self.hashes = [P.chunk_hash(self._view(c)) for c in self.chunks]
 
     def _view(self, c: P.Chunk) -> memoryview:
         return memoryview(self.bytes[c.tensor][c.offset : c.offset + c.length].numpy())
 
 
+class Hooks:
+    """Test-only fault hooks (set by tests on a server object, never by env)."""
+
+    def __init__(self) -> None:
+        self.corrupt: set[int] = set()  # chunk seqs sent once with one byte flipped
+        self.die_after: int | None = None  # exit the process after serving N chunks
+
+
 class StateServer:
     def __init__(self, job: str, secret: bytes, host: str = "127.0.0.1") -> None:
+        self.hooks = Hooks()
+        self.served_chunks = 0
         self.job = job
         self.secret = secret
         self._ctx = zmq.Context.instance()
@@ -116,13 +126,23 @@ class StateServer:
                 "skeleton": snap.skeleton,
                 "tensors": [tensor_meta(t) for t in snap.tensors],
                 "chunk": P.CHUNK_BYTES,
-                "crcs": snap.crcs,
-                "digest": P.combine(snap.crcs),
+                "hashes": snap.hashes,
+                "digest": P.combine(snap.hashes),
             })]  # fmt: skip
         if req["op"] == "chunk":
             seq = int(req["seq"])
-            c = snap.chunks[seq]
-            return [P.pack({"ok": True, "seq": seq}), snap._view(c)]
+            if not 0 <= seq < len(snap.chunks):
+                return [P.pack({"ok": False, "error": f"no chunk {seq}"})]
+            self.served_chunks += 1
+            if self.hooks.die_after is not None and self.served_chunks > self.hooks.die_after:
+                os._exit(9)  # test hook: a source dying mid-transfer
+            data: object = snap._view(snap.chunks[seq])
+            if seq in self.hooks.corrupt:
+                self.hooks.corrupt.discard(seq)
+                flipped = bytearray(data)  # type: ignore[arg-type]
+                flipped[len(flipped) // 2] ^= 0xFF
+                data = bytes(flipped)
+            return [P.pack({"ok": True, "seq": seq}), data]
         return [P.pack({"ok": False, "error": f"unknown op {req['op']!r}"})]
 
     def _run(self) -> None:

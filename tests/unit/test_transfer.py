@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import zmq
@@ -11,6 +13,9 @@ from livemig.state import first_mismatch, flatten, signature, unflatten
 from livemig.transfer import protocol as P
 from livemig.transfer.client import pull
 from livemig.transfer.server import StateServer
+from tests.helpers.source_proc import make_state
+
+HELPER = os.path.join(os.path.dirname(__file__), "..", "helpers", "source_proc.py")
 
 
 @pytest.fixture
@@ -59,7 +64,16 @@ def test_fenced_server_serves_nothing(served):
         pull(srv.addr, "job", b"secret", 5, "state", 2.0)
 
 
-def test_corrupted_chunk_detected(served, monkeypatch):
+def test_corrupted_chunk_refetched_and_exact(served):
+    srv, model, _ = served
+    srv.hooks.corrupt = {0, 3}
+    got = pull(srv.addr, "job", b"secret", 5, "state", 5.0)
+    assert got.refetched == 2
+    for a, b in zip(model.state_dict().values(), got.state["model"].values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_source_corrupting_everything_is_dropped(served, monkeypatch):
     srv, *_ = served
     orig = StateServer._handle
 
@@ -72,7 +86,7 @@ def test_corrupted_chunk_detected(served, monkeypatch):
         return reply
 
     monkeypatch.setattr(StateServer, "_handle", corrupt)
-    with pytest.raises(TransferError, match="failed its checksum"):
+    with pytest.raises(TransferError, match="every source dropped.*corrupted chunks"):
         pull(srv.addr, "job", b"secret", 5, "state", 2.0)
 
 
@@ -103,3 +117,36 @@ def test_signature_mismatch_names_first_difference():
     assert first_mismatch(a, b) == "entry 0: job has weight float32(3, 4), spare has weight float32(2, 4)"
     assert first_mismatch(a, a) is None
     assert "only the job has bias" in first_mismatch(a, a[:1])
+
+
+def _equal_state(a, b) -> None:
+    for k, v in a.items():
+        if isinstance(v, torch.Tensor):
+            assert v.dtype == b[k].dtype and v.shape == b[k].shape and torch.equal(v, b[k]), k
+        else:
+            assert v == b[k], k
+
+
+def test_mixed_dtypes_odd_sizes_striped_over_two_processes(procs):
+    srcs = [procs.python(HELPER, "--mb", "20") for _ in range(2)]
+    addrs = [p.stdout.readline().decode().strip() for p in srcs]
+    got = pull(addrs, "job", b"s3cret", 1, "state", 10.0)
+    _equal_state(make_state(20), got.state)
+    assert sorted(got.sources_used) == sorted(addrs), "both sources should serve a stripe"
+
+
+def test_source_killed_mid_transfer_completes_from_the_other(procs):
+    dying = procs.python(HELPER, "--mb", "40", "--die-after", "2")
+    healthy = procs.python(HELPER, "--mb", "40")
+    addrs = [dying.stdout.readline().decode().strip(), healthy.stdout.readline().decode().strip()]
+    got = pull(addrs, "job", b"s3cret", 1, "state", 2.0)
+    _equal_state(make_state(40), got.state)
+    assert dying.wait(timeout=10) == 9, "the dying source should have exited mid-transfer"
+    assert got.sources_used == [addrs[1]] or addrs[1] in got.sources_used
+
+
+def test_every_source_dead_fails_clearly(procs):
+    dying = procs.python(HELPER, "--mb", "20", "--die-after", "1")
+    addr = dying.stdout.readline().decode().strip()
+    with pytest.raises(TransferError, match="stalled"):
+        pull([addr], "job", b"s3cret", 1, "state", 1.0)

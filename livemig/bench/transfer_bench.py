@@ -1,0 +1,218 @@
+"""`livemig bench transfer`: livemig's state transfer next to the raw link.
+
+In one run, interleaved R times: (a) the raw link, a plain zmq PUSH/PULL of
+the same byte count over loopback between two processes; (b) livemig's
+pull of a synthetic state of M MB (tensors of mixed sizes and dtypes, like a
+model plus optimizer) from S source processes into pre-allocated tensors;
+(c) the checksum's own speed. Receiver peak extra memory is read from the
+kernel (VmHWM after resetting it via /proc/self/clear_refs), over the RSS
+with the destination tensors already allocated and touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import zmq
+
+from livemig.transfer import protocol as P
+from livemig.transfer.client import pull
+
+SECRET = b"bench-secret"
+
+
+def synthetic_state(mb: int) -> dict[str, torch.Tensor]:
+    """Deterministic tensors of mixed sizes/dtypes totalling ~mb MiB."""
+    sizes = [16 << 20, 4 << 20, 64 << 10, 4 << 10, 33 << 20, 1 << 20, 8 << 20, 512]
+    out: dict[str, torch.Tensor] = {}
+    total, i = 0, 0
+    target = mb << 20
+    while total < target:
+        n = min(sizes[i % len(sizes)], target - total)
+        dtype = torch.bfloat16 if i % 3 == 2 else torch.float32
+        numel = max(1, n // (2 if dtype == torch.bfloat16 else 4))
+        out[f"t{i}"] = torch.full((numel,), float(i % 7), dtype=dtype)
+        total += numel * (2 if dtype == torch.bfloat16 else 4)
+        i += 1
+    return out
+
+
+def _serve(mb: int) -> None:
+    from livemig.transfer.server import StateServer
+
+    state = synthetic_state(mb)
+    srv = StateServer("bench", SECRET)
+    srv.publish(1, "state", lambda: (0, state))
+    print(srv.addr, flush=True)
+    sys.stdin.read()  # until the parent closes our stdin
+
+
+def _push(port: int, mb: int) -> None:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.PUSH)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    buf = memoryview(bytearray(P.CHUNK_BYTES))
+    n = (mb << 20) // P.CHUNK_BYTES
+    for _ in range(n):
+        s.send(buf, copy=False)
+    s.send(b"")
+    s.close(linger=-1)
+    ctx.term()  # flush: exiting with zero-copy frames in flight frees their memory under zmq
+
+
+def _spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "livemig.bench.transfer_bench", *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+
+
+def link_once(mb: int) -> float:
+    ctx = zmq.Context.instance()
+    pull_sock = ctx.socket(zmq.PULL)
+    port = pull_sock.bind_to_random_port("tcp://127.0.0.1")
+    p = _spawn("--role", "push", "--port", str(port), "--size-mb", str(mb))
+    first = pull_sock.recv(copy=False)
+    t0 = time.perf_counter()
+    nbytes = len(first.buffer)
+    while True:
+        f = pull_sock.recv(copy=False)
+        if not len(f.buffer):
+            break
+        nbytes += len(f.buffer)
+    dt = time.perf_counter() - t0
+    p.wait()
+    pull_sock.close(0)
+    # the first chunk's time is not measured: scale to the bytes after it
+    return (nbytes - P.CHUNK_BYTES) / dt / 1e9
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _hwm_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def livemig_once(addrs: list[str], mb: int) -> tuple[float, float]:
+    """One pull in a fresh receiver process, so its peak memory is its own."""
+    p = _spawn("--role", "recv", "--size-mb", str(mb), "--addrs", ",".join(addrs))
+    out, _ = p.communicate(timeout=600)
+    r = json.loads(out.decode().strip().splitlines()[-1])
+    return r["gbps"], r["extra_mb"]
+
+
+def _recv(addrs: list[str], mb: int) -> None:
+    template = synthetic_state(mb)
+    dests = [torch.zeros_like(t) for t in template.values()]  # allocated and touched
+    del template
+    base = _rss_mb()
+    reset = _reset_hwm()
+    t0 = time.perf_counter()
+    got = pull(addrs, "bench", SECRET, 1, "state", 30.0, lambda i, m: dests[i])
+    dt = time.perf_counter() - t0
+    extra = (_hwm_mb() - base) if reset else float("nan")
+    print(json.dumps({"gbps": got.nbytes / dt / 1e9, "extra_mb": extra, "seconds": dt}), flush=True)
+
+
+def checksum_gbps(template: dict[str, torch.Tensor]) -> float:
+    bufs = [t.reshape(-1).view(torch.uint8).numpy() for t in template.values()]
+    total = sum(b.nbytes for b in bufs)
+    t0 = time.perf_counter()
+    for b in bufs:
+        for off in range(0, b.nbytes, P.CHUNK_BYTES):
+            P.chunk_hash(b[off : off + P.CHUNK_BYTES])
+    return total / (time.perf_counter() - t0) / 1e9
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size-mb", type=int, default=1024, help="state size in MiB (default 1024)")
+    p.add_argument("--sources", type=int, default=1, help="source processes (default 1)")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions (default 3)")
+    p.add_argument("--json", help="write the figures here")
+
+
+def run(a: argparse.Namespace) -> int:
+    template = synthetic_state(a.size_mb)
+    servers = [_spawn("--role", "serve", "--size-mb", str(a.size_mb)) for _ in range(a.sources)]
+    try:
+        addrs = [s.stdout.readline().decode().strip() for s in servers]
+        t0 = time.perf_counter()
+        pull(addrs, "bench", SECRET, 1, "state", 60.0, lambda i, m: None)  # warm: snapshot hashes
+        warm_s = time.perf_counter() - t0
+        links, ours, extras = [], [], []
+        for _ in range(a.repeat):
+            links.append(link_once(a.size_mb))
+            g, extra = livemig_once(addrs, a.size_mb)
+            ours.append(g)
+            extras.append(extra)
+        ck = checksum_gbps(template)
+    finally:
+        for s in servers:
+            s.stdin.close()
+            s.terminate()
+            s.wait()
+    res = {
+        "size_mb": a.size_mb,
+        "sources": a.sources,
+        "tensors": len(template),
+        "link_gbps": statistics.median(links),
+        "livemig_gbps": statistics.median(ours),
+        "ratio_to_link": statistics.median(o / link for o, link in zip(ours, links, strict=True)),
+        "checksum_gbps": ck,
+        "receiver_peak_extra_mb": max(extras),
+        "first_pull_with_snapshot_s": warm_s,
+        "window": P.WINDOW,
+        "chunk_mb": P.CHUNK_BYTES / 2**20,
+        "samples": {"link_gbps": links, "livemig_gbps": ours, "receiver_peak_extra_mb": extras},
+    }
+    print(f"transfer of {a.size_mb} MiB ({len(template)} tensors) from {a.sources} source(s), "
+          f"{a.repeat} interleaved runs (GB/s = 1e9 bytes/s)")  # fmt: skip
+    spread = f"min {min(links):.2f} max {max(links):.2f}"
+    print(f"  link_gbps               {res['link_gbps']:.2f}   (raw zmq PUSH/PULL, {spread})")
+    print(f"  livemig_gbps            {res['livemig_gbps']:.2f}   (min {min(ours):.2f} max {max(ours):.2f})")
+    print(f"  ratio_to_link           {res['ratio_to_link']:.2f}")
+    print(f"  checksum_gbps           {ck:.2f}   (xxh3-64, one thread)")
+    print(f"  receiver_peak_extra_mb  {res['receiver_peak_extra_mb']:.1f}")
+    print(f"  first pull incl. source snapshot hashing: {warm_s:.3f} s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", choices=["serve", "push", "recv"], required=True)
+    p.add_argument("--addrs", default="")
+    p.add_argument("--size-mb", type=int, default=1024)
+    p.add_argument("--port", type=int)
+    a = p.parse_args()
+    if a.role == "serve":
+        _serve(a.size_mb)
+    elif a.role == "recv":
+        _recv(a.addrs.split(","), a.size_mb)
+    else:
+        _push(a.port, a.size_mb)

@@ -11,6 +11,7 @@ starts at the agreed step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -25,11 +26,10 @@ from livemig import logs
 from livemig.comm.group import (
     CollectiveAborted,
     allreduce_mean,
-    flatten_grads,
     release_all,
     retire,
-    write_back,
 )
+from livemig.comm.reducer import GradReducer
 from livemig.config import (
     ENV_INCARNATION,
     ENV_RANK,
@@ -100,6 +100,9 @@ class Context:
         self.optimizer: torch.optim.Optimizer | None = None
         self.extra: dict[str, Any] = {}
         self._params: list[torch.nn.Parameter] = []
+        if getattr(self, "_reducer", None) is not None:
+            self._reducer.remove()
+        self._reducer: GradReducer | None = None
         self.committed = -1  # last step whose optimizer update is applied here
         self._current: int | None = None  # step being run (between yield and ctx.step())
         self._avg: tuple[int, list] | None = None  # averaged gradient of the last commit
@@ -122,6 +125,9 @@ class Context:
                 raise ConfigError(f"ctx.register({name}=...): object has no state_dict/load_state_dict")
         self.model, self.optimizer, self.extra = model, optimizer, extra
         self._params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        if self._reducer is not None:
+            self._reducer.remove()
+        self._reducer = GradReducer(self._params) if self._params and self.role != "local" else None
 
     def signature(self) -> list:
         return signature(self.model.state_dict()) if self.model is not None else []
@@ -164,6 +170,8 @@ class Context:
         for step in range(start, total):
             self._current = step
             torch.manual_seed(step_seed(self.seed, step, self.rank))
+            if self._reducer is not None:
+                self._reducer.arm(self.runtime.pg)
             yield step
             if self.committed != step:
                 raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
@@ -186,30 +194,50 @@ class Context:
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        red = self._reducer
+        assert red is not None
+        first = True
         while True:
             self.runtime.check_fenced()
-            buckets = flatten_grads(self._params)
             try:
                 self._maybe_self_fault(t, "allreduce")
-                allreduce_mean(self.runtime.pg, buckets, self.world_size, self.timeouts.collective,
-                               should_abort=self.runtime.moved_on)  # fmt: skip
+                if first:  # the overlapped reduction launched during backward
+                    flats = red.finish(self.world_size, self.timeouts.collective, self.runtime.moved_on)
+                else:
+                    flats = red.flatten()
+                    allreduce_mean(self.runtime.pg, [(i, f) for i, f in enumerate(flats)], self.world_size,
+                                   self.timeouts.collective, should_abort=self.runtime.moved_on)  # fmt: skip
                 self._maybe_self_fault(t, "before_commit")
                 if self._drop_avg(t):
                     raise CollectiveAborted("test fault: average dropped")
             except CollectiveAborted as exc:
-                log.warning(
-                    "collective failed; joining recovery",
-                    extra={"step": t, "generation": self.runtime.gen, "why": str(exc)},
-                )
+                first = False
+                red.disarm()
+                log.warning("collective failed; joining recovery",
+                            extra={"step": t, "generation": self.runtime.gen, "why": str(exc)})  # fmt: skip
                 retire(self.runtime.pg)
                 self.runtime.pg = None
                 self.runtime.follow(self.runtime.gen + 1, self)
                 if self.committed == t:
                     return  # a peer's completed average was fetched and applied
                 continue
-            write_back(self._params, buckets)
-            self._commit(t, [flat for _, flat in buckets])
+            red.write_back(flats)
+            # No copy needed for the kept average: the reducer double-buffers, so these
+            # buffers are reused only after the next step's commit replaced self._avg.
+            self._commit(t, flats)
             return
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally (as DDP's no_sync)."""
+        if self._reducer is None:
+            yield
+            return
+        self._reducer.sync = True
+        try:
+            yield
+        finally:
+            self._reducer.sync = False
 
     def _commit(self, t: int, avg: list | None) -> None:
         if self.optimizer is not None:
@@ -300,9 +328,8 @@ class Context:
         _, got = self._pull_any(m, "avg")
         if got.step != t:
             raise RecoveryError(f"source holds the average of step {got.step}, need {t}")
-        offsets = flatten_grads(self._params)  # same bucket layout as the source
-        write_back(self._params, [(idx, flat) for (idx, _), flat in zip(offsets, got.state["flat"],
-                                                                         strict=True)])  # fmt: skip
+        assert self._reducer is not None
+        self._reducer.write_back(got.state["flat"])  # same canonical bucket layout as the source
         log.info("fetched the averaged gradient of a step a peer completed", extra={"step": t})
         self._commit(t, got.state["flat"])
 

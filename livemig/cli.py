@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     bt = bsub.add_parser("transfer", help="state transfer throughput next to the raw zmq link")
     transfer_bench.add_arguments(bt)
     bt.set_defaults(fn=transfer_bench.run)
+    from livemig.bench import downtime_bench
+
+    bd = bsub.add_parser("downtime", help="downtime next to checkpoint-restart, plain DDP, fault-free")
+    downtime_bench.add_downtime_arguments(bd)
+    bd.set_defaults(fn=downtime_bench.run_downtime)
+    bo = bsub.add_parser("overhead", help="steady-state step time of livemig vs plain DDP")
+    downtime_bench.add_overhead_arguments(bo)
+    bo.set_defaults(fn=downtime_bench.run_overhead)
 
     for register in _EXTRA_COMMANDS:
         register(sub)

@@ -111,20 +111,36 @@ def allreduce_mean(
 ) -> None:  # fmt: skip
     """Sum-allreduce every bucket, then divide by `world`; raises CollectiveAborted."""
     works = [pg.allreduce([flat]) for _, flat in buckets]
-    deadline = time.monotonic() + timeout.total_seconds()
-    for w in works:
-        while not w.is_completed():
-            if should_abort is not None and should_abort():
-                raise CollectiveAborted("collective abandoned: generation moved on")
-            if time.monotonic() > deadline:
-                raise CollectiveAborted(f"collective timed out after {timeout} (watchdog)")
-            time.sleep(0.0002)
-        try:
-            w.wait()
-        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError on a dead peer
-            raise CollectiveAborted(f"collective failed: {str(exc).splitlines()[0][:200]}") from exc
+    wait_all(works, timeout, should_abort)
     for _, flat in buckets:
         flat.div_(world)
+
+
+def wait_all(works: list[Any], timeout: timedelta, should_abort: Callable[[], bool] | None = None) -> None:
+    """Wait for gloo works without spinning: a helper thread blocks in
+    `wait()` (GIL released), the caller sleeps on an Event and wakes every
+    50 ms only to check `should_abort` and the watchdog deadline."""
+    done = threading.Event()
+    box: dict[str, BaseException] = {}
+
+    def waiter() -> None:
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["err"] = exc
+        done.set()
+
+    threading.Thread(target=waiter, daemon=True, name="livemig-collective").start()
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not done.wait(0.05):
+        if should_abort is not None and should_abort():
+            raise CollectiveAborted("collective abandoned: generation moved on")
+        if time.monotonic() > deadline:
+            raise CollectiveAborted(f"collective timed out after {timeout} (watchdog)")
+    if "err" in box:
+        first = str(box["err"]).splitlines()[0][:200] if str(box["err"]) else type(box["err"]).__name__
+        raise CollectiveAborted(f"collective failed: {first}") from box["err"]
 
 
 def write_back(params: list[torch.Tensor], buckets: list[tuple[list[int], torch.Tensor]]) -> None:

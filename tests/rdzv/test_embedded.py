@@ -39,6 +39,7 @@ def test_parent_death_stops_etcd(procs, sig):
     pid = int(pid)
     assert psutil.pid_exists(pid)
     os.kill(p.pid, sig)
+
     def alive(pid: int) -> bool:
         try:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

@@ -1,0 +1,86 @@
+"""The reference workload in plain DDP, launched by torchrun: the baseline
+livemig is compared with (`livemig bench downtime` / `overhead`).
+
+Checkpoint-restart as users practise it today: with --ckpt-every K, rank 0
+saves model + optimizer + step every K steps (atomically), and on start
+every rank resumes from the latest checkpoint; torchrun --max-restarts
+restarts the whole group when a worker dies.
+
+    torchrun --nproc-per-node 2 --max-restarts 3 examples/ddp_baseline.py --steps 40 --ckpt-dir /tmp/ck --ckpt-every 10
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import livemig
+from livemig.data import step_seed
+
+
+def build_model(width: int, layers: int) -> torch.nn.Module:
+    mods: list[torch.nn.Module] = []
+    for i in range(layers):
+        mods.append(torch.nn.Linear(width, width))
+        if i < layers - 1:
+            mods.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*mods)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--ckpt-dir", default="")
+    p.add_argument("--ckpt-every", type=int, default=0)
+    p.add_argument("--out-dir", default="", help="progress, commit times and final digest go here")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234)
+    model = DDP(build_model(a.width, a.layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    start = 0
+    ckpt = os.path.join(a.ckpt_dir, "latest.pt") if a.ckpt_dir else ""
+    if ckpt and os.path.exists(ckpt):
+        state = torch.load(ckpt, weights_only=True)
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    out = a.out_dir
+    prog = open(os.path.join(out, f"progress-{rank}"), "a") if out else None
+    for step in range(start, a.steps):
+        torch.manual_seed(step_seed(0, step, rank))
+        g = livemig.batch_generator(step, rank, world)
+        x = torch.randn(a.batch, a.width, generator=g)
+        y = torch.randn(a.batch, a.width, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if prog:
+            prog.write(json.dumps({"step": step, "time": time.time(), "pid": os.getpid()}) + "\n")
+            prog.flush()
+        if ckpt and rank == 0 and (step + 1) % a.ckpt_every == 0:
+            tmp = ckpt + ".tmp"
+            torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": step + 1}, tmp)
+            os.replace(tmp, ckpt)
+    if out and rank == 0:
+        from livemig.state import digest, flatten
+
+        tensors: list[torch.Tensor] = []
+        flatten({"model": model.module.state_dict(), "optimizer": opt.state_dict()}, tensors)
+        with open(os.path.join(out, "final.json"), "w") as f:
+            json.dump({"digest": digest(tensors), "steps": a.steps}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""`livemig bench downtime` and `livemig bench overhead`.
+
+One invocation runs every approach on the same workload, interleaved
+(A B C D A B C D ...) so machine noise hits all alike:
+
+- fault_free: `livemig run` without faults;
+- plain_ddp: the same loop in plain DDP under torchrun (examples/ddp_baseline.py);
+- livemig: SIGKILL of rank 1 after the failure step, warm spare;
+- restart: torchrun --max-restarts with the c10d rendezvous, the DDP script
+  checkpointing every K steps and resuming from the latest; same SIGKILL.
+
+Lost time = wall minus the fault-free twin's wall (fault_free for livemig,
+plain_ddp for restart). Downtime = first step committed after the fault that
+was not committed before it, minus the last commit before the fault, minus
+one median step (the same definition as the run report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+from livemig.faults import parse_fault
+from livemig.launch import RunConfig, run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MLP = os.path.join(ROOT, "examples", "mlp.py")
+DDP = os.path.join(ROOT, "examples", "ddp_baseline.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_livemig(a: argparse.Namespace, fault: bool, workload: list[str]) -> dict[str, Any]:
+    cfg = RunConfig(
+        script=MLP, args=workload, nproc=a.workers, spares=a.spares if fault else 0,
+        job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True,
+        faults=[parse_fault(f"kill:rank=1:step={a.fail_at}")] if fault else [],
+    )  # fmt: skip
+    t0 = time.monotonic()
+    rep = run(cfg)
+    wall = time.monotonic() - t0
+    rec = rep["recoveries"][0] if rep["recoveries"] else {}
+    return {
+        "wall_s": wall, "steps": rep["steps_completed"], "digest": rep["state_digest"],
+        "median_step_s": rep["step_time_s_median"], "downtime_s": rec.get("downtime_s"),
+        "phases": rec.get("phases", {}), "ok": (rep["result"] or {}).get("state") == "done",
+    }  # fmt: skip
+
+
+def _commits(out: str) -> list[tuple[int, float, int]]:
+    rows = []
+    for path in glob.glob(os.path.join(out, "progress-*")):
+        rank = int(path.rsplit("-", 1)[1])
+        with open(path) as f:
+            for line in f:
+                d = json.loads(line)
+                rows.append((d["step"], d["time"], rank, d["pid"]))
+    return rows
+
+
+def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str]) -> dict[str, Any]:
+    out = tempfile.mkdtemp(prefix="livemig-ddp-")
+    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(a.workers),
+            "--max-restarts", "3" if fault else "0", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", DDP, *workload, "--out-dir", out]  # fmt: skip
+    if fault:
+        args += ["--ckpt-dir", out, "--ckpt-every", str(a.ckpt_every)]
+    t0 = time.monotonic()
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    kill_t = None
+    try:
+        while p.poll() is None:
+            if fault and kill_t is None:
+                rows = [r for r in _commits(out) if r[2] == 1 and r[0] >= a.fail_at]
+                if rows:
+                    kill_t = time.time()
+                    os.kill(rows[0][3], signal.SIGKILL)
+            time.sleep(0.01)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    wall = time.monotonic() - t0
+    rows = _commits(out)
+    by_step: dict[int, list[float]] = {}
+    for step, t, _, _ in rows:
+        by_step.setdefault(step, []).append(t)
+    res: dict[str, Any] = {"wall_s": wall, "ok": p.returncode == 0}
+    try:
+        with open(os.path.join(out, "final.json")) as f:
+            final = json.load(f)
+        res["digest"], res["steps"] = final["digest"], final["steps"]
+    except OSError:
+        res["digest"], res["steps"] = "", 0
+    first_commit = sorted(min(v) for v in by_step.values())
+    gaps = [b - a for a, b in zip(first_commit, first_commit[1:], strict=False)]
+    res["median_step_s"] = statistics.median(gaps) if gaps else 0.0
+    if fault and kill_t is not None:
+        before = [t for _, t, _, _ in rows if t <= kill_t]
+        done_before = max((s for s, t, _, _ in rows if t <= kill_t), default=-1)
+        after_any = [t for _, t, _, _ in rows if t > kill_t]
+        after_new = [t for s, t, _, _ in rows if t > kill_t and s > done_before]
+        last_before = max(before) if before else kill_t
+        if after_new:
+            res["downtime_s"] = max(0.0, min(after_new) - last_before - res["median_step_s"])
+            restart = (min(after_any) - kill_t) if after_any else 0.0
+            res["phases"] = {"detect+restart": restart, "redo": max(0.0, min(after_new) - kill_t - restart)}
+            res["steps_redone"] = len({s for s, t, _, _ in rows if t > kill_t and s <= done_before})
+    return res
+
+
+def _fmt(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def add_downtime_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--spares", type=int, default=1)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--fail-at", type=int, default=25, help="kill rank 1 after this step (default 25)")
+    p.add_argument("--ckpt-every", type=int, default=10, help="restart's checkpoint interval (default 10)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--json", help="write every figure and raw sample here")
+    p.add_argument("--plot", help="write a PNG of the phase breakdown (needs matplotlib)")
+
+
+def run_downtime(a: argparse.Namespace) -> int:
+    if a.workers < 2 or not 0 <= a.fail_at < a.steps - 1:
+        raise SystemExit("livemig bench downtime: need --workers >= 2 and 0 <= --fail-at < --steps - 1")
+    workload = ["--steps", str(a.steps), "--width", str(a.width), "--layers", str(a.layers)]
+    approaches = {
+        "fault_free": lambda: run_livemig(a, False, workload),
+        "plain_ddp": lambda: run_ddp(a, False, workload),
+        "livemig": lambda: run_livemig(a, True, workload),
+        "restart": lambda: run_ddp(a, True, workload),
+    }
+    samples: dict[str, list[dict]] = {k: [] for k in approaches}
+    for r in range(a.repeat):
+        for name, fn in approaches.items():
+            print(f"  round {r + 1}/{a.repeat}: {name} ...", flush=True)
+            samples[name].append(fn())
+    for i in range(a.repeat):
+        lm, ff = samples["livemig"][i], samples["fault_free"][i]
+        lm["lost_s"] = lm["wall_s"] - ff["wall_s"]
+        lm["bit_identical"] = lm["digest"] == ff["digest"]
+        rs, dd = samples["restart"][i], samples["plain_ddp"][i]
+        rs["lost_s"] = rs["wall_s"] - dd["wall_s"]
+        rs["bit_identical"] = rs["digest"] == dd["digest"]
+    summary = {}
+    print(f"\nworkload: examples/mlp.py, {a.workers} workers, {a.steps} steps, rank 1 SIGKILLed after step "
+          f"{a.fail_at}; restart checkpoints every {a.ckpt_every}; {a.repeat} interleaved rounds; "
+          "median (min-max)")  # fmt: skip
+    print(f"{'approach':<11} {'wall_s':>18} {'lost_s':>18} {'downtime_s':>18} {'step_ms':>8}  bit-identical")
+    for name, rows in samples.items():
+        col = {k: [x.get(k) for x in rows] for k in ("wall_s", "lost_s", "downtime_s", "median_step_s")}
+        ident = [x.get("bit_identical") for x in rows]
+        ident_s = "-" if ident[0] is None else ("yes" if all(ident) else f"{sum(map(bool, ident))}/{len(ident)}")
+        step_ms = statistics.median(col["median_step_s"]) * 1e3
+        print(f"{name:<11} {_fmt(col['wall_s']):>18} {_fmt(col['lost_s']):>18} {_fmt(col['downtime_s']):>18} "
+              f"{step_ms:>8.0f}  {ident_s}")  # fmt: skip
+        summary[name] = {k: (statistics.median([v for v in vs if v is not None]) if any(
+            v is not None for v in vs) else None) for k, vs in col.items()}  # fmt: skip
+        summary[name]["all_ok"] = all(x.get("ok") for x in rows)
+        summary[name]["bit_identical"] = ident_s
+    lost_ratio = None
+    if summary["restart"]["lost_s"] and summary["livemig"]["lost_s"] is not None:
+        lost_ratio = summary["livemig"]["lost_s"] / summary["restart"]["lost_s"]
+        print(f"livemig lost / restart lost: {lost_ratio:.3f}")
+    phases = {k: statistics.median([x["phases"].get(k, 0.0) for x in samples["livemig"]])
+              for k in (samples["livemig"][0].get("phases") or {})}  # fmt: skip
+    if phases:
+        print("livemig phases (median s): " + "  ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+    print("torchft: not measured (optional torchft package not installed)" if not _has_torchft() else
+          "torchft: installed, but its row is not implemented yet")  # fmt: skip
+    result = {"config": vars(a) | {"fn": None}, "summary": summary, "samples": samples,
+              "livemig_lost_over_restart_lost": lost_ratio, "livemig_phases_median": phases}  # fmt: skip
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    if a.plot:
+        _plot(a.plot, samples)
+    return 0
+
+
+def _has_torchft() -> bool:
+    try:
+        import torchft  # type: ignore[import-not-found]  # noqa: F401
+
+        return True
+    except ImportError:
+        return False
+
+
+def _plot(path: str, samples: dict[str, list[dict]]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("livemig bench: --plot needs matplotlib (pip install 'livemig[bench]'); no chart written")
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    names = ["livemig", "restart"]
+    for i, name in enumerate(names):
+        rows = [x for x in samples[name] if x.get("phases")]
+        if not rows:
+            continue
+        keys = list(rows[0]["phases"])
+        bottom = 0.0
+        for k in keys:
+            v = statistics.median([x["phases"].get(k, 0.0) for x in rows])
+            ax.bar(i, v, bottom=bottom, label=f"{name}: {k}")
+            if v > 0.05:
+                ax.text(i, bottom + v / 2, f"{k} {v:.2f}s", ha="center", va="center", fontsize=7)
+            bottom += v
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("seconds from the fault to the first new step")
+    ax.set_title("Recovery time by phase (median of rounds)")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"chart written to {path}")
+
+
+def add_overhead_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--json")
+
+
+def run_overhead(a: argparse.Namespace) -> int:
+    workload = ["--steps", str(a.steps), "--width", str(a.width), "--layers", str(a.layers)]
+    a.spares, a.fail_at, a.ckpt_every = 0, 0, 0
+    lm, dd, ratios = [], [], []
+    for r in range(a.repeat):
+        print(f"  round {r + 1}/{a.repeat} ...", flush=True)
+        x = run_livemig(a, False, workload)["median_step_s"]
+        y = run_ddp(a, False, workload)["median_step_s"]
+        lm.append(x)
+        dd.append(y)
+        ratios.append(x / y if y else float("nan"))
+    print(f"steady-state step time, {a.workers} workers, {a.steps} steps, {a.repeat} interleaved rounds")
+    print(f"  livemig     {statistics.median(lm) * 1e3:.1f} ms  ({min(lm) * 1e3:.1f}-{max(lm) * 1e3:.1f})")
+    print(f"  plain DDP   {statistics.median(dd) * 1e3:.1f} ms  ({min(dd) * 1e3:.1f}-{max(dd) * 1e3:.1f})")
+    print(f"  ratio       {statistics.median(ratios):.3f}  ({min(ratios):.3f}-{max(ratios):.3f})")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"livemig_step_s": lm, "ddp_step_s": dd, "ratio": ratios}, f, indent=2)
+    return 0

@@ -1,0 +1,151 @@
+"""Gradient averaging in fixed buckets, overlapped with backward.
+
+Buckets follow the parameters in reverse order (the order backward produces
+their gradients). A post-accumulate-grad hook copies each gradient into its
+bucket's flat buffer; when a bucket is full its allreduce is launched while
+backward goes on, as DDP does. `.grad` itself is never reduced in place:
+the averaged buckets are written back only after every bucket completed, so
+a failed collective leaves `.grad` untouched and the step can be redone.
+
+The bucket layout is the one canonical layout: the overlapped first attempt,
+a retry in a new group, and a fetched average all use it, so the summation
+order (and so the bits) never depends on which path a step took.
+
+Gradient accumulation: wrap all but the last micro-batch's backward in
+`ctx.no_sync()`, as with DDP. A gradient that changes after its bucket was
+launched makes the step fall back to a synchronous reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from livemig.comm.group import BUCKET_BYTES, CollectiveAborted, wait_all
+
+
+def bucket_layout(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+    layout: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, p in enumerate(params):
+        cur.append(i)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            layout.append(cur)
+            cur, size = [], 0
+    if cur:
+        layout.append(cur)
+    return layout
+
+
+class GradReducer:
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = list(reversed(params))
+        self.layout = bucket_layout(self.params)
+        self.bucket_of = {i: b for b, idx in enumerate(self.layout) for i in idx}
+        self.offset: dict[int, int] = {}
+        for idx in self.layout:
+            off = 0
+            for i in idx:
+                self.offset[i] = off
+                off += self.params[i].numel()
+        self.sizes = [sum(self.params[i].numel() for i in idx) for idx in self.layout]
+        self._sets: list[list[torch.Tensor] | None] = [None, None]
+        self._flip = 0
+        self.sync = False  # inside ctx.no_sync(): copy nothing, launch nothing
+        self._armed = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+
+    # -- per step ----------------------------------------------------------------------
+    def arm(self, pg: Any) -> None:
+        """Start overlapping for one step on group `pg` (None: no overlap)."""
+        self._pg = pg
+        self._armed = pg is not None
+        self._flip ^= 1
+        if self._sets[self._flip] is None:
+            dtype = self.params[0].dtype if self.params else torch.float32
+            self._sets[self._flip] = [torch.empty(n, dtype=dtype) for n in self.sizes]
+        self._flats = self._sets[self._flip]
+        self._filled = [False] * len(self.params)
+        self._count = [0] * len(self.layout)
+        self._works: list[Any] = [None] * len(self.layout)
+        self._dirty = False
+        self._launch_error: BaseException | None = None
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if not self._armed or self.sync or p.grad is None:
+                return
+            b = self.bucket_of[i]
+            if self._works[b] is not None:
+                self._dirty = True  # accumulated again after launch
+                return
+            self._copy_in(i)
+            if self._count[b] == len(self.layout[b]):
+                self._launch(b)
+
+        return hook
+
+    def _copy_in(self, i: int) -> None:
+        p = self.params[i]
+        b = self.bucket_of[i]
+        off = self.offset[i]
+        self._flats[b][off : off + p.numel()].copy_(p.grad.reshape(-1))
+        if not self._filled[i]:
+            self._filled[i] = True
+            self._count[b] += 1
+
+    def _launch(self, b: int) -> None:
+        try:
+            self._works[b] = self._pg.allreduce([self._flats[b]])
+        except Exception as exc:  # noqa: BLE001 - surfaced by finish()
+            self._launch_error = exc
+            self._works[b] = False
+
+    def finish(self, world: int, timeout: timedelta, should_abort: Callable[[], bool]) -> list[torch.Tensor]:
+        """Complete the overlapped reduction; returns the averaged buckets."""
+        self._armed = False
+        if self._launch_error is not None:
+            raise CollectiveAborted(f"collective failed at launch: {self._launch_error}")
+        if self._dirty:
+            wait_all([w for w in self._works if w], timeout, should_abort)  # keep collective order
+            flats = self.flatten()
+            wait_all([self._pg.allreduce([f]) for f in flats], timeout, should_abort)
+        else:
+            for i in range(len(self.params)):
+                if not self._filled[i]:
+                    self._copy_in(i)
+            for b, w in enumerate(self._works):
+                if w is None:
+                    self._launch(b)
+            if self._launch_error is not None:
+                raise CollectiveAborted(f"collective failed at launch: {self._launch_error}")
+            wait_all(self._works, timeout, should_abort)
+            flats = self._flats
+        for f in flats:
+            f.div_(world)
+        return flats
+
+    # -- synchronous paths (retry in a new group, fetched average) ------------------------------
+    def flatten(self) -> list[torch.Tensor]:
+        return [torch.cat([self.params[i].grad.reshape(-1) for i in idx]) for idx in self.layout]
+
+    def write_back(self, flats: list[torch.Tensor]) -> None:
+        for idx, flat in zip(self.layout, flats, strict=True):
+            off = 0
+            for i in idx:
+                g = self.params[i].grad
+                n = g.numel()
+                g.copy_(flat[off : off + n].view_as(g))
+                off += n
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,16 @@ def main() -> None:
     p.add_argument("--out-dir", default="", help="progress, commit times and final digest go here")
     a = p.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # A bounded wait: a restarted group that cannot connect fails (and torchrun
+    # restarts it again) instead of sitting out gloo's 30-minute default.
+    # torchrun's agent store outlives a restart: namespace this attempt's keys so a
+    # restarted group never reads the dead group's addresses.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timedelta(seconds=60))  # fmt: skip
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234)
     model = DDP(build_model(a.width, a.layers))

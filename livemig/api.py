@@ -298,6 +298,11 @@ class Context:
         if srv is None or m.resume_step is None or self.committed_step() != m.resume_step - 1:
             return
         srv.publish(m.generation, "state", lambda: (self.committed + 1, self.state_obj()))
+        key = self.runtime.keys.inject_corrupt(self.rank)
+        if self.runtime.client.get(key) is not None:  # fault injection (`livemig inject corrupt`)
+            self.runtime.client.delete(key)
+            srv.hooks.corrupt_next = True
+            log.warning("fault injection: the first chunk served will be corrupted", extra={"rank": self.rank})
         if self._avg is not None and self._avg[0] == self.committed:
             avg = self._avg
             srv.publish(m.generation, "avg", lambda: (avg[0], {"flat": avg[1]}))

@@ -73,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     bo = bsub.add_parser("overhead", help="steady-state step time of livemig vs plain DDP")
     downtime_bench.add_overhead_arguments(bo)
     bo.set_defaults(fn=downtime_bench.run_overhead)
+    from livemig.bench import scale_bench
+
+    bs = bsub.add_parser("scale", help="coordinator recovery time with N simulated members on real etcd")
+    scale_bench.add_arguments(bs)
+    bs.set_defaults(fn=scale_bench.run)
+    from livemig.bench import faults_bench
+
+    bf = bsub.add_parser("faults", help="the reliability matrix: one row per fault case")
+    faults_bench.add_arguments(bf)
+    bf.set_defaults(fn=faults_bench.run_matrix)
 
     for register in _EXTRA_COMMANDS:
         register(sub)

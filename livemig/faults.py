@@ -1,16 +1,27 @@
-"""Fault plans: `kill:rank=1:step=10`, `kill:rank=1:step=10:during=allreduce`,
-`hang:rank=1:step=10[:resume=SECONDS]`, `drop_avg:rank=1:step=10`.
+"""Fault plans, shared by `livemig run --fault PLAN`, `livemig inject` and
+`livemig bench faults`.
 
-- kill / hang: the launcher SIGKILLs / SIGSTOPs the worker holding `rank`
-  right after it reports committing `step` (hang with resume=S: SIGCONT
-  after S seconds, to watch a fenced process stop itself).
-- kill with during=allreduce: the worker kills itself inside ctx.step() of
-  `step`, after its gradients entered the collective (a peer may complete).
-- kill with during=before_commit: the worker kills itself after the
-  collective of `step` completed, before its optimizer step.
-- drop_avg: the worker discards its completed average of `step` and enters
-  recovery as if its collective failed; combined with a kill at the same
-  step this reproduces "the collective completed on some ranks only".
+    KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I]
+
+| kind | target | what happens |
+|---|---|---|
+| kill | rank R | SIGKILL the process holding R |
+| hang | rank R | SIGSTOP it (resume=S: SIGCONT after S seconds) |
+| slow | rank R | its steps made `factor` times slower (SIGSTOP/SIGCONT duty cycle) |
+| drop_avg | rank R | in-process: discard its completed average of step S, join recovery |
+| corrupt | rank R | its state server alters one byte of the next chunk it serves (asked through etcd) |
+| etcd-kill | member I | SIGKILL one member of the embedded etcd cluster (`--etcd-members 3`) |
+| coordinator-kill | - | SIGKILL the leader coordinator (run `--coordinators 2` for a standby) |
+| spare-kill | - | SIGKILL the spare claimed in the current recovery (else any spare) |
+
+Trigger: once rank R (or, without a rank, any rank) has committed step S.
+`during` delays it further:
+- allreduce / before_commit (kill only): the worker kills itself inside
+  ctx.step() of step S, with its gradients in flight / after the collective
+  completed but before its optimizer step;
+- fence / agree / claim / stream / build / commit: the first recovery after
+  step S reaches that phase (stream = right after the claim, when the spare
+  starts pulling; build = when the first member reports its group built).
 """
 
 from __future__ import annotations
@@ -19,21 +30,31 @@ from dataclasses import dataclass
 
 from livemig.errors import ConfigError
 
-KINDS = ("kill", "hang", "drop_avg")
-DURING = ("allreduce", "before_commit", "")
+RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt")
+UNRANKED = ("etcd-kill", "coordinator-kill", "spare-kill")
+KINDS = RANKED + UNRANKED
+IN_PROCESS_DURING = ("allreduce", "before_commit")
+PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit")
+USAGE = "KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I]"
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    rank: int
+    rank: int | None
     step: int
     during: str = ""
-    resume_after: float | None = None  # hang only: SIGCONT after this many seconds
+    resume_after: float | None = None  # hang: SIGCONT after this many seconds
+    factor: float = 4.0  # slow: steps this many times slower
+    member: int = 0  # etcd-kill: which etcd member
 
     @property
     def in_process(self) -> bool:
-        return self.kind == "drop_avg" or bool(self.during)
+        return self.kind == "drop_avg" or self.during in IN_PROCESS_DURING
+
+    @property
+    def phase(self) -> str:
+        return self.during if self.during in PHASE_DURING else ""
 
     def self_spec(self) -> str:
         """What the worker reads from LIVEMIG_SELF_FAULT."""
@@ -42,34 +63,45 @@ class Fault:
 
 
 def parse_fault(spec: str) -> Fault:
-    parts = spec.split(":")
-    kind, fields = parts[0], {}
-    for p in parts[1:]:
+    kind, *parts = spec.split(":")
+    fields: dict[str, str] = {}
+    for p in parts:
         k, sep, v = p.partition("=")
         if not sep:
-            raise ConfigError(f"bad fault {spec!r}: expected KIND:rank=R:step=S[:during=allreduce]")
+            raise ConfigError(f"bad fault {spec!r}: expected {USAGE}")
         fields[k] = v
     if kind not in KINDS:
         raise ConfigError(f"bad fault {spec!r}: kind must be one of {', '.join(KINDS)}")
-    try:
-        rank, step = int(fields.pop("rank")), int(fields.pop("step"))
-    except (KeyError, ValueError):
-        raise ConfigError(f"bad fault {spec!r}: rank=R and step=S are required integers") from None
+
+    def num(name: str, cast: type, default: object = None) -> object:
+        if name not in fields:
+            return default
+        try:
+            return cast(fields.pop(name))
+        except ValueError:
+            raise ConfigError(f"bad fault {spec!r}: {name} must be a number") from None
+
+    rank = num("rank", int)
+    step = num("step", int, 0)
+    if kind in RANKED and rank is None:
+        raise ConfigError(f"bad fault {spec!r}: {kind} needs rank=R")
+    if kind in UNRANKED and rank is not None:
+        raise ConfigError(f"bad fault {spec!r}: {kind} takes no rank")
     during = fields.pop("during", "")
-    if during not in DURING:
-        raise ConfigError(f"bad fault {spec!r}: during must be allreduce or before_commit")
-    resume = fields.pop("resume", None)
+    if during and during not in IN_PROCESS_DURING + PHASE_DURING:
+        raise ConfigError(f"bad fault {spec!r}: during must be one of {', '.join(IN_PROCESS_DURING + PHASE_DURING)}")
+    if during in IN_PROCESS_DURING and kind != "kill":
+        raise ConfigError(f"bad fault {spec!r}: during={during} applies to kill only")
+    resume = num("resume", float)
     if resume is not None and kind != "hang":
         raise ConfigError(f"bad fault {spec!r}: resume=SECONDS applies to hang only")
+    factor = num("factor", float, 4.0)
+    member = num("member", int, 0)
     if fields:
         raise ConfigError(f"bad fault {spec!r}: unknown field(s) {', '.join(fields)}")
-    if rank < 0 or step < 0:
-        raise ConfigError(f"bad fault {spec!r}: rank and step must be >= 0")
-    try:
-        resume_after = float(resume) if resume is not None else None
-    except ValueError:
-        raise ConfigError(f"bad fault {spec!r}: resume must be a number of seconds") from None
-    return Fault(kind, rank, step, during, resume_after)
+    if (rank is not None and rank < 0) or step < 0 or factor < 1:  # type: ignore[operator]
+        raise ConfigError(f"bad fault {spec!r}: rank and step must be >= 0, factor >= 1")
+    return Fault(kind, rank, step, during, resume, factor, member)  # type: ignore[arg-type]
 
 
 def parse_self_fault(spec: str) -> tuple[str, int, str]:

@@ -1,5 +1,6 @@
-"""`livemig inject kill|hang|resume --job J --rank R [--at-step S]`: signal
-the process holding a rank, from another shell on the same machine."""
+"""`livemig inject KIND --job J ...`: inject a fault into a running job from
+another shell on the same machine (the same kinds as `--fault` plans; see
+livemig/faults.py and docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -10,58 +11,122 @@ import socket
 import time
 from datetime import timedelta
 
+import psutil
+
 from livemig.config import validate_job_name
 from livemig.errors import ConfigError
+from livemig.faults import KINDS, PHASE_DURING, Fault
 from livemig.jobs import resolve_etcd
-from livemig.launch import record_fault
-from livemig.rdzv.client import EtcdClient, decode
+from livemig.launch import phase_reached, record_fault, step_reached
+from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.membership import Rendezvous
 
-SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "resume": signal.SIGCONT}
+CLI_KINDS = tuple(k for k in KINDS if k != "drop_avg") + ("resume",)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inject", help="inject a fault into a running job's rank")
-    p.add_argument("kind", choices=sorted(SIGNALS))
+    p = sub.add_parser("inject", help="inject a fault into a running job")
+    p.add_argument("kind", choices=sorted(CLI_KINDS))
     p.add_argument("--job", required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--at-step", type=int, help="wait until the rank has committed this step")
-    p.add_argument("--timeout", type=float, default=600.0, help="give up waiting for --at-step after this, s")
+    p.add_argument("--rank", type=int, help="target rank (kill, hang, resume, slow, corrupt)")
+    p.add_argument("--at-step", type=int, default=0, help="wait until the rank (any rank) committed this step")
+    p.add_argument("--during", choices=PHASE_DURING, help="wait until a recovery reaches this phase")
+    p.add_argument("--factor", type=float, default=4.0, help="slow: this many times slower (default 4)")
+    p.add_argument("--for", dest="duration", type=float, default=30.0, help="slow: for this long, s (default 30)")
+    p.add_argument("--member", type=int, default=0, help="etcd-kill: index of the etcd member (default 0)")
     p.add_argument("--pid", type=int, help="signal this pid instead (e.g. to resume a fenced process)")
+    p.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this long, s")
     p.add_argument("--etcd")
     p.add_argument("--etcd-timeout", type=float, default=5.0)
     p.set_defaults(fn=cmd_inject)
+
+
+def _local(host: str, what: str) -> None:
+    if host and host not in (socket.gethostname(), "sim"):
+        raise ConfigError(f"{what} runs on host {host}: run `livemig inject` there")
+
+
+def _target_pid(a: argparse.Namespace, rdzv: Rendezvous, client: EtcdClient) -> int:
+    if a.pid is not None:
+        return a.pid
+    m = rdzv.read()
+    if a.kind == "coordinator-kill":
+        kv = client.get(rdzv.keys.leader)
+        if kv is None:
+            raise ConfigError(f"job {a.job} has no coordinator leader right now")
+        parts = kv.value.decode().split("-")  # coordinator-HOST-PID-RANDOM
+        _local("-".join(parts[1:-2]), "the leader coordinator")
+        return int(parts[-2])
+    if a.kind == "spare-kill":
+        claimed = [mem for mem in m.members.values() if mem.role == "spare" and mem.pid]
+        if claimed:
+            return claimed[0].pid
+        kvs, _ = client.get_prefix(rdzv.keys.spares_prefix)
+        for kv in kvs:
+            info = decode(kv.value)
+            _local(info.get("host", ""), "the spare")
+            return int(info["pid"])
+        raise ConfigError(f"job {a.job} has no spare")
+    if a.kind == "etcd-kill":
+        ports = sorted({int(u.rsplit(":", 1)[1]) for e in client.raw.members for u in e.client_urls})
+        if a.member >= len(ports):
+            raise ConfigError(f"etcd has {len(ports)} member(s); --member {a.member} does not exist")
+        for c in psutil.net_connections("tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == ports[a.member] and c.pid:
+                return c.pid
+        raise ConfigError(f"etcd member {a.member} (port {ports[a.member]}) is not a process on this machine")
+    if a.rank is None:
+        raise ConfigError(f"inject {a.kind} needs --rank")
+    mem = m.members.get(a.rank)
+    if mem is None:
+        raise ConfigError(f"job {a.job} has no member with rank {a.rank} (generation {m.generation})")
+    _local(mem.host, f"rank {a.rank}")
+    return mem.pid
 
 
 def cmd_inject(a: argparse.Namespace) -> int:
     job = validate_job_name(a.job)
     client = EtcdClient(resolve_etcd(job, a.etcd), timedelta(seconds=a.etcd_timeout))
     rdzv = Rendezvous(client, job)
-    step = -1
-    if a.at_step is not None:
-        deadline = time.monotonic() + a.timeout
-        while True:
-            kv = client.get(rdzv.keys.progress(a.rank))
-            step = decode(kv.value)["step"] if kv else -1
-            if step >= a.at_step:
+    keys = rdzv.keys
+    f = Fault(a.kind if a.kind != "resume" else "hang", a.rank, a.at_step, a.during or "")
+    deadline = time.monotonic() + a.timeout
+    armed = None
+    while True:
+        kvs, _ = client.get_prefix(keys.prefix)
+        by_key = {kv.key: kv for kv in kvs}
+        step = step_reached(keys, f, by_key)
+        if step >= a.at_step:
+            armed = armed or time.time()
+            if not a.during or phase_reached(keys, f, by_key, armed):
                 break
-            if time.monotonic() > deadline:
-                raise ConfigError(f"rank {a.rank} did not reach step {a.at_step} within {a.timeout:.0f}s")
-            time.sleep(0.005)
-    pid = a.pid
-    if pid is None:
-        m = rdzv.read()
-        mem = m.members.get(a.rank)
-        if mem is None:
-            raise ConfigError(f"job {job} has no member with rank {a.rank} (generation {m.generation})")
-        if mem.host and mem.host != socket.gethostname():
-            raise ConfigError(f"rank {a.rank} runs on host {mem.host}: run inject there")
-        pid = mem.pid
+        if time.monotonic() > deadline:
+            raise ConfigError(f"step {a.at_step}{' / phase ' + a.during if a.during else ''} not reached "
+                              f"within {a.timeout:.0f}s")  # fmt: skip
+        time.sleep(0.01)
+    if a.kind == "corrupt":
+        if a.rank is None:
+            raise ConfigError("inject corrupt needs --rank (the member whose next served chunk is altered)")
+        client.put(keys.inject_corrupt(a.rank), encode({"time": time.time()}))
+        print(f"rank {a.rank} will corrupt the next chunk it serves")
+        return 0
+    pid = _target_pid(a, rdzv, client)
+    sig = {"hang": signal.SIGSTOP, "resume": signal.SIGCONT}.get(a.kind, signal.SIGKILL)
     try:
-        os.kill(pid, SIGNALS[a.kind])
+        if a.kind == "slow":
+            print(f"slowing pid {pid} {a.factor:g}x for {a.duration:g}s", flush=True)
+            end = time.monotonic() + a.duration
+            while time.monotonic() < end:
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(0.1 / a.factor)
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.1 - 0.1 / a.factor)
+            os.kill(pid, signal.SIGCONT)
+        else:
+            os.kill(pid, sig)
     except ProcessLookupError:
-        raise ConfigError(f"process {pid} of rank {a.rank} no longer exists") from None
-    if a.kind != "resume":
-        record_fault(client, rdzv.keys, a.kind, a.rank, step, time.time())
-    print(f"injected {a.kind} into rank {a.rank} (pid {pid}) at step {step}")
+        raise ConfigError(f"process {pid} no longer exists") from None
+    if a.kind not in ("resume", "slow"):
+        record_fault(client, keys, a.kind, a.rank, step, time.time())
+    print(f"injected {a.kind} into pid {pid} at step {step}")
     return 0

@@ -61,6 +61,7 @@ class RunConfig:
     job: str = ""
     etcd: str | None = None
     etcd_bin: str | None = None
+    etcd_members: int = 1
     faults: list[Fault] = field(default_factory=list)
     report: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts.from_env)
@@ -76,7 +77,7 @@ class RunConfig:
         if not os.path.isfile(self.script):
             raise ConfigError(f"training script {self.script!r} not found")
         for f in self.faults:
-            if f.rank >= self.nproc:
+            if f.rank is not None and f.rank >= self.nproc:
                 raise ConfigError(f"fault targets rank {f.rank}, but --nproc is {self.nproc}")
         self.job = validate_job_name(self.job or os.path.splitext(os.path.basename(self.script))[0])
 
@@ -92,6 +93,8 @@ class Launcher:
         self.pending = list(cfg.faults)
         self.injected: list[dict] = []
         self._resumes: list[tuple[float, Child]] = []
+        self._slow: list[tuple[Child, float]] = []
+        self._armed: dict[int, float] = {}
         self._last_print = -1
         self._t_print = time.monotonic()
 
@@ -123,7 +126,7 @@ class Launcher:
         else:
             from livemig.rdzv.embedded import EtcdCluster
 
-            self.cluster = EtcdCluster(1, cfg.etcd_bin).start()
+            self.cluster = EtcdCluster(cfg.etcd_members, cfg.etcd_bin).start()
             self.etcd = self.cluster.endpoints
         self.client = EtcdClient(self.etcd, cfg.timeouts.etcd)
         self._fresh_job()
@@ -134,7 +137,7 @@ class Launcher:
                          "--job", cfg.job, "--world-size", str(cfg.nproc)], {})  # fmt: skip
         by_rank: dict[int, str] = {}
         for f in cfg.faults:
-            if f.in_process:
+            if f.in_process and f.rank is not None:
                 by_rank[f.rank] = f.self_spec()
         base = [sys.executable, cfg.script, *cfg.args]
         for r in range(cfg.nproc):
@@ -233,33 +236,80 @@ class Launcher:
         return next((c for c in self.children if mem and c.incarnation == mem.incarnation), None)
 
     def _faults(self, by_key: dict) -> None:
+        now = time.monotonic()
         for f in list(self.pending):
-            prog = by_key.get(self.keys.progress(f.rank))
-            step = decode(prog.value).get("step", -1) if prog else -1
+            step = step_reached(self.keys, f, by_key)
             if step < f.step:
                 continue
-            target = self._holder(f.rank, by_key)
-            if target is None or target.proc.poll() is not None:
+            armed = self._armed.setdefault(id(f), time.time())
+            if f.phase and not phase_reached(self.keys, f, by_key, armed):
                 continue
-            self.pending.remove(f)
-            self.signal_fault(f.kind, target, step)
-            if f.kind == "hang" and f.resume_after is not None:
-                self._resumes.append((time.monotonic() + f.resume_after, target))
+            if self.inject(f, by_key, step):
+                self.pending.remove(f)
         for due, target in list(self._resumes):
-            if time.monotonic() >= due:
+            if now >= due:
                 self._resumes.remove((due, target))
                 if target.proc.poll() is None:
                     os.killpg(target.proc.pid, signal.SIGCONT)
                     self.say(f"livemig: resumed {target.name} (SIGCONT)")
+        for target, factor in list(self._slow):
+            if target.proc.poll() is not None:
+                self._slow.remove((target, factor))
+                continue
+            # Duty cycle of 100 ms: run 100/factor ms, stopped the rest.
+            phase = (now * 10) % 1.0
+            want_stopped = phase >= 1.0 / factor
+            if want_stopped != getattr(target, "_stopped", False):
+                os.killpg(target.proc.pid, signal.SIGSTOP if want_stopped else signal.SIGCONT)
+                target._stopped = want_stopped  # type: ignore[attr-defined]
 
-    def signal_fault(self, kind: str, target: Child, step: int) -> None:
+    def inject(self, f: Fault, by_key: dict, step: int) -> bool:
+        """Carry out one fault; False if its target is not there (yet)."""
         assert self.client is not None
-        sig = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}[kind]
+        target: Child | None = None
+        if f.kind == "etcd-kill":
+            if self.cluster is None or self.cluster.size < 2:
+                raise ConfigError("etcd-kill needs an embedded etcd cluster: run with --etcd-members 3")
+            self.cluster.kill_member(f.member)
+            what = f"etcd member {f.member}"
+        else:
+            if f.kind == "coordinator-kill":
+                leader = by_key.get(self.keys.leader)
+                lid = leader.value.decode() if leader else ""
+                target = next((c for c in self.children if c.incarnation == lid), None)
+            elif f.kind == "spare-kill":
+                target = self._claimed_spare(by_key)
+            else:
+                target = self._holder(f.rank, by_key)  # type: ignore[arg-type]
+            if target is None or target.proc.poll() is not None:
+                return False
+            what = f"{target.name}" + (f" (rank {target.rank})" if target.rank is not None else "")
+            if f.kind == "slow":
+                self._slow.append((target, f.factor))
+            elif f.kind == "corrupt":
+                self.client.put(self.keys.inject_corrupt(f.rank), encode({"time": time.time()}))  # type: ignore[arg-type]
+            else:
+                sig = signal.SIGSTOP if f.kind == "hang" else signal.SIGKILL
+                os.killpg(target.proc.pid, sig)
+                if f.kind == "hang" and f.resume_after is not None:
+                    self._resumes.append((time.monotonic() + f.resume_after, target))
         now = time.time()
-        os.killpg(target.proc.pid, sig)
-        record_fault(self.client, self.keys, kind, target.rank, step, now)
-        self.injected.append({"kind": kind, "rank": target.rank, "step": step, "time": now})
-        self.say(f"livemig: injected {kind} of {target.name} (rank {target.rank}) after step {step}")
+        if f.kind not in ("slow", "corrupt"):  # these do not start a downtime
+            record_fault(self.client, self.keys, f.kind, f.rank, step, now)
+        self.injected.append({"kind": f.kind, "rank": f.rank, "step": step, "during": f.during, "time": now,
+                              "target": what})  # fmt: skip
+        when = f" during {f.during}" if f.phase else ""
+        self.say(f"livemig: injected {f.kind} of {what} after step {step}{when}")
+        return True
+
+    def _claimed_spare(self, by_key: dict) -> Child | None:
+        raw = by_key.get(self.keys.membership)
+        m = Membership.from_bytes(raw.value if raw else None)
+        claimed = [mem.incarnation for mem in m.members.values() if mem.role == "spare"]
+        for c in self.children:
+            if c.role == "spare" and c.incarnation in claimed and c.proc.poll() is None:
+                return c
+        return next((c for c in self.children if c.role == "spare" and c.proc.poll() is None), None)
 
     def _progress(self, by_key: dict) -> None:
         steps = {}
@@ -314,6 +364,31 @@ class Launcher:
                 except OSError:
                     pass
         return ""
+
+
+def step_reached(keys: JobKeys, f: Fault, by_key: dict) -> int:
+    """The step the fault's target rank (any rank if none) has committed; -1 if none yet."""
+    steps = []
+    for k, kv in by_key.items():
+        if k.startswith(keys.progress_prefix):
+            rank = int(k[len(keys.progress_prefix) :])
+            if f.rank is None or rank == f.rank:
+                steps.append(decode(kv.value).get("step", -1))
+    return max(steps, default=-1)
+
+
+def phase_reached(keys: JobKeys, f: Fault, by_key: dict, since: float) -> bool:
+    """Has a recovery after `since` reached the fault's phase (see livemig/faults.py)?"""
+    want = {"stream": "claim", "build": "ready"}.get(f.phase, f.phase)
+    rec = keys.prefix + "recovery/"
+    for k, kv in by_key.items():
+        if want == "ready" and k.startswith(rec) and "/ready/" in k:
+            if int(k[len(rec) :].split("/")[0]) > 1 and decode(kv.value).get("time", 0) >= since:
+                return True
+        elif k.startswith(keys.timeline_prefix) and k.endswith(f"-{want}"):
+            if decode(kv.value).get("time", 0) >= since:
+                return True
+    return False
 
 
 def record_fault(client: EtcdClient, keys: JobKeys, kind: str, rank: int | None, step: int,
@@ -371,6 +446,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--job", default="", help="job name (default: the script's name)")
     p.add_argument("--etcd", help="etcd endpoints; default: start an embedded etcd for this run")
     p.add_argument("--etcd-bin", help="etcd binary for the embedded etcd")
+    p.add_argument("--etcd-members", type=int, default=1, help="embedded etcd cluster size (default 1; 3 for HA)")
     p.add_argument(
         "--fault",
         action="append",
@@ -409,6 +485,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     )
     cfg = RunConfig(script=a.script, args=a.args, nproc=a.nproc, spares=a.spares,
                     coordinators=a.coordinators, job=a.job, etcd=a.etcd, etcd_bin=a.etcd_bin,
+                    etcd_members=a.etcd_members,
                     faults=[parse_fault(f) for f in a.fault], report=a.report, timeouts=t,
                     log_every=a.log_every, max_wall=a.max_wall)  # fmt: skip
     reference = None

@@ -48,7 +48,7 @@ def _free_port() -> int:
 def run_livemig(a: argparse.Namespace, fault: bool, workload: list[str]) -> dict[str, Any]:
     cfg = RunConfig(
         script=MLP, args=workload, nproc=a.workers, spares=a.spares if fault else 0,
-        job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True,
+        job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True, max_wall=a.run_timeout,
         faults=[parse_fault(f"kill:rank=1:step={a.fail_at}")] if fault else [],
     )  # fmt: skip
     t0 = time.monotonic()
@@ -83,8 +83,9 @@ def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str]) -> dict[str
     t0 = time.monotonic()
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     kill_t = None
+    deadline = time.monotonic() + a.run_timeout
     try:
-        while p.poll() is None:
+        while p.poll() is None and time.monotonic() < deadline:
             if fault and kill_t is None:
                 rows = [r for r in _commits(out) if r[2] == 1 and r[0] >= a.fail_at]
                 if rows:
@@ -112,7 +113,8 @@ def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str]) -> dict[str
     if fault and kill_t is not None:
         before = [t for _, t, _, _ in rows if t <= kill_t]
         done_before = max((s for s, t, _, _ in rows if t <= kill_t), default=-1)
-        after_any = [t for _, t, _, _ in rows if t > kill_t]
+        old_pids = {pid for _, t, _, pid in rows if t <= kill_t}
+        after_any = [t for _, t, _, pid in rows if t > kill_t and pid not in old_pids]  # restarted processes
         after_new = [t for s, t, _, _ in rows if t > kill_t and s > done_before]
         last_before = max(before) if before else kill_t
         if after_new:
@@ -139,6 +141,7 @@ def add_downtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--run-timeout", type=float, default=300.0, help="abandon one run after this long, s")
     p.add_argument("--json", help="write every figure and raw sample here")
     p.add_argument("--plot", help="write a PNG of the phase breakdown (needs matplotlib)")
 
@@ -248,6 +251,7 @@ def add_overhead_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--run-timeout", type=float, default=300.0, help="abandon one run after this long, s")
     p.add_argument("--json")
 
 

@@ -17,6 +17,7 @@ continues from the state in etcd.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -24,9 +25,9 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from livemig.config import Timeouts, exit_with_parent
+from livemig.config import ENV_INCARNATION, Timeouts, exit_with_parent
 from livemig.coordinator.timeline import Timeline
-from livemig.errors import NotLeaderError
+from livemig.errors import EtcdUnavailableError, NotLeaderError
 from livemig.rdzv.client import KV, EtcdClient, decode, encode
 from livemig.rdzv.election import LeaderElection
 from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, new_incarnation
@@ -34,6 +35,19 @@ from livemig.rdzv.watch import PrefixWatch
 from livemig.state import first_mismatch
 
 log = logging.getLogger("livemig.coordinator")
+
+
+def _safe_decode(key: str, raw: bytes) -> Any:
+    """A malformed value under the job's prefix is logged and ignored, never fatal."""
+    try:
+        value = decode(raw)
+    except Exception:  # noqa: BLE001 - msgpack raises several types
+        value = None
+    if not isinstance(value, dict) and value is not None:
+        value = None
+    if value is None and raw:
+        log.error("ignoring a malformed value", extra={"key": key, "bytes": len(raw)})
+    return value
 
 
 class Snapshot:
@@ -47,10 +61,11 @@ class Snapshot:
 
     def get(self, key: str) -> Any:
         kv = self.kv.get(key)
-        return decode(kv.value) if kv else None
+        return _safe_decode(key, kv.value) if kv else None
 
     def under(self, prefix: str) -> dict[str, Any]:
-        return {k[len(prefix) :]: decode(v.value) for k, v in self.kv.items() if k.startswith(prefix)}
+        out = {k[len(prefix) :]: _safe_decode(k, v.value) for k, v in self.kv.items() if k.startswith(prefix)}
+        return {k: v for k, v in out.items() if isinstance(v, dict)}
 
     def alive(self, rank: int, member: Member) -> bool:
         if self.kv.get(self.keys.suspect(member.incarnation)) is not None:
@@ -76,7 +91,7 @@ class Coordinator:
         self.job = job
         self.world_size = world_size
         self.host = host
-        self.id = new_incarnation("coordinator")
+        self.id = os.environ.get(ENV_INCARNATION) or new_incarnation("coordinator")
         self.election = LeaderElection(client, job, self.id, self.timeouts.lease_ttl_s, self._lost)
         self.timeline = Timeline(client, self.keys)
         self.store: Any = None
@@ -107,7 +122,11 @@ class Coordinator:
         watch = PrefixWatch(self.client, self.keys.prefix, lambda ev: self._wake.set(), rev + 1)
         try:
             while not self._stop.is_set():
-                kvs, _ = self.client.get_prefix(self.keys.prefix)
+                try:
+                    kvs, _ = self.client.get_prefix(self.keys.prefix)
+                except EtcdUnavailableError as exc:  # failover in progress; the lease decides leadership
+                    log.warning("etcd unavailable; retrying", extra={"err": str(exc)})
+                    continue
                 snap = Snapshot(kvs, self.rdzv)
                 if snap.m.state in (GenState.DONE, GenState.FAILED) and snap.get(self.keys.result):
                     return snap.m.state
@@ -115,6 +134,9 @@ class Coordinator:
                     self.step(snap)
                 except NotLeaderError:
                     return "deposed"
+                except Exception:  # noqa: BLE001 - a bad pass (odd input, etcd failover) must not end the job
+                    log.exception("coordinator pass failed; retrying")
+                    time.sleep(0.1)
                 self._wake.wait(0.2)
                 self._wake.clear()
             return "deposed"
@@ -156,7 +178,7 @@ class Coordinator:
     def _form(self, s: Snapshot) -> None:
         regs = {r: s.get(self.keys.member(r)) for r in range(self.world_size)}
         sigs = s.under(self.keys.prefix + "signatures/")
-        if not all(regs.values()) or len(sigs) < self.world_size:
+        if not all(regs.values()) or not all(str(r) in sigs for r in range(self.world_size)):
             return
         ref = sigs["0"]["signature"]
         for r in range(1, self.world_size):
@@ -228,7 +250,7 @@ class Coordinator:
                         bytes=x["bytes"],
                         source=x["source"],
                     )
-                last = max(x["time"] for x in ready.values())
+                last = max(x.get("time", 0.0) for x in ready.values()) or time.time()
                 self.timeline.record(m.generation, "build", self._guard(), at=last)
             self.timeline.record(m.generation, "commit", self._guard())
 
@@ -272,7 +294,9 @@ class Coordinator:
         )
         for kv in spares:
             sid = kv.key[len(self.keys.spares_prefix) :]
-            info = decode(kv.value)
+            info = _safe_decode(kv.key, kv.value)
+            if not info or "incarnation" not in info:
+                continue
             if info.get("state") != "warm" or s.kv.get(self.keys.assignment(sid)) is not None:
                 continue
             if s.kv.get(self.keys.fenced(info["incarnation"])) is not None:

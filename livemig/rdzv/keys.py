@@ -112,6 +112,10 @@ class JobKeys:
         """A member's end-of-run record: steps, state digest, commit times."""
         return f"{self.final_prefix}{rank}"
 
+    def inject_corrupt(self, rank: int) -> str:
+        """Fault injection: the member holding `rank` corrupts the next chunk it serves."""
+        return f"{self.prefix}inject/corrupt/{rank}"
+
     @property
     def config(self) -> str:
         """Job settings written once at creation (world size, signature)."""

@@ -45,6 +45,7 @@ class Hooks:
 
     def __init__(self) -> None:
         self.corrupt: set[int] = set()  # chunk seqs sent once with one byte flipped
+        self.corrupt_next = False  # the next chunk served, whichever it is
         self.die_after: int | None = None  # exit the process after serving N chunks
 
 
@@ -137,8 +138,9 @@ class StateServer:
             if self.hooks.die_after is not None and self.served_chunks > self.hooks.die_after:
                 os._exit(9)  # test hook: a source dying mid-transfer
             data: object = snap._view(snap.chunks[seq])
-            if seq in self.hooks.corrupt:
+            if seq in self.hooks.corrupt or self.hooks.corrupt_next:
                 self.hooks.corrupt.discard(seq)
+                self.hooks.corrupt_next = False
                 flipped = bytearray(data)  # type: ignore[arg-type]
                 flipped[len(flipped) // 2] ^= 0xFF
                 data = bytes(flipped)

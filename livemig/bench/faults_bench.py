@@ -1,0 +1,205 @@
+"""`livemig bench faults`: the reliability matrix, run, not claimed.
+
+Each case runs the reference workload (examples/mlp.py, shrunk to two
+layers so a case takes seconds) under `livemig run` with a fault plan, and
+checks: the job completed every step, the final state digest equals the
+fault-free run's with the same world size, the expected recoveries
+happened, and the case's own expectation (a fenced process exited by
+itself, a corrupted chunk was refetched, ...). tests/faults runs the same
+cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from livemig.config import Timeouts
+from livemig.faults import parse_fault
+from livemig.launch import RunConfig, run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MLP = os.path.join(ROOT, "examples", "mlp.py")
+STEPS = 40
+WORKLOAD = ["--steps", str(STEPS), "--layers", "2", "--batch", "32"]
+
+
+def _log_of(rep: dict, name: str) -> str:
+    for p in rep.get("processes", []):
+        if p["name"] == name:
+            try:
+                with open(p["log"]) as f:
+                    return f.read()
+            except OSError:
+                return ""
+    return ""
+
+
+def _exit(rep: dict, name: str) -> int | None:
+    return next((p["exit_code"] for p in rep.get("processes", []) if p["name"] == name), None)
+
+
+@dataclass
+class Case:
+    name: str
+    what: str
+    nproc: int
+    spares: int
+    faults: list[str]
+    recoveries: tuple[int, int] = (1, 1)  # allowed range
+    coordinators: int = 1
+    etcd_members: int = 1
+    lease_ttl: float = 1.0
+    check: Callable[[dict], str] | None = None  # returns "" if fine, else what went wrong
+    slow: bool = False  # skipped by CI's quick subset (LIVEMIG_FAULTS_QUICK=1)
+    tags: list[str] = field(default_factory=list)
+
+
+def _fenced_self_stop(rep: dict) -> str:
+    code = _exit(rep, "worker-1")
+    log = _log_of(rep, "worker-1")
+    if code != 3 or "must stop" not in log:
+        return f"hung worker exited {code}, expected 3 with 'must stop' in its log"
+    return ""
+
+
+def _refetched(rep: dict) -> str:
+    logs = "".join(_log_of(rep, p["name"]) for p in rep.get("processes", []) if p["role"] == "spare")
+    return "" if "chunk failed its checksum; refetching" in logs else "no corrupted chunk was detected"
+
+
+def _spare_replaced(rep: dict) -> str:
+    dead = [p for p in rep.get("processes", []) if p["role"] == "spare" and p["exit_code"] == -9]
+    return "" if dead else "no claimed spare was killed (the fault did not land)"
+
+
+def _coordinator_took_over(rep: dict) -> str:
+    dead = [p for p in rep.get("processes", []) if p["role"] == "coordinator" and p["exit_code"] == -9]
+    return "" if dead else "the leader coordinator was not killed"
+
+
+MATRIX: list[Case] = [
+    Case("kill_between_steps", "SIGKILL a worker between steps", 2, 1, ["kill:rank=1:step=8"]),
+    Case("kill_in_collective", "SIGKILL a worker inside a collective", 2, 1,
+         ["kill:rank=1:step=8:during=allreduce"]),
+    Case("hang_fenced", "SIGSTOP a worker past its lease; SIGCONT: it stops itself", 2, 1,
+         ["hang:rank=1:step=6:resume=3"], check=_fenced_self_stop),
+    Case("source_killed_streaming", "SIGKILL a source peer while it streams to the spare", 3, 2,
+         ["kill:rank=2:step=8", "kill:rank=0:step=8:during=stream"], recoveries=(1, 2)),
+    Case("spare_killed_streaming", "SIGKILL the claimed spare during the transfer", 2, 2,
+         ["kill:rank=1:step=8", "spare-kill:step=8:during=stream"], check=_spare_replaced),
+    *[Case(f"coordinator_killed_{ph}", f"SIGKILL the leader coordinator at phase {ph}", 2, 1,
+           ["kill:rank=1:step=8", f"coordinator-kill:step=8:during={ph}"], coordinators=2,
+           check=_coordinator_took_over, slow=ph in ("fence", "commit"))
+      for ph in ("fence", "claim", "build", "commit")],
+    Case("etcd_member_killed_training", "SIGKILL 1 of 3 etcd members during training", 2, 1,
+         ["etcd-kill:member=0:step=5"], recoveries=(0, 0), etcd_members=3, lease_ttl=3.0),
+    Case("etcd_member_killed_recovery", "SIGKILL 1 of 3 etcd members during a recovery", 2, 1,
+         ["kill:rank=1:step=8", "etcd-kill:member=1:step=8:during=claim"], etcd_members=3, lease_ttl=3.0,
+         slow=True),
+    Case("two_at_once", "two workers fail at once, two spares", 3, 2,
+         ["kill:rank=1:step=8", "kill:rank=2:step=8"], recoveries=(1, 2)),
+    Case("corrupt_chunk", "a transfer chunk corrupted in flight", 2, 1,
+         ["corrupt:rank=0:step=0", "kill:rank=1:step=8"], check=_refetched),
+    Case("slow_worker", "a worker made 3x slower (no failure: nothing to recover)", 2, 0,
+         ["slow:rank=1:step=4:factor=3"], recoveries=(0, 0)),
+]  # fmt: skip
+
+
+def run_case(case: Case, reference: Callable[[int], str]) -> dict[str, Any]:
+    t = Timeouts(lease_ttl=timedelta(seconds=case.lease_ttl), collective=timedelta(seconds=30),
+                 recovery=timedelta(seconds=60), spare_wait=timedelta(seconds=15))  # fmt: skip
+    cfg = RunConfig(script=MLP, args=WORKLOAD, nproc=case.nproc, spares=case.spares,
+                    coordinators=case.coordinators, etcd_members=case.etcd_members,
+                    job=f"f-{case.name[:40]}-{uuid.uuid4().hex[:4]}", timeouts=t, quiet=True,
+                    faults=[parse_fault(f) for f in case.faults], max_wall=300)  # fmt: skip
+    t0 = time.monotonic()
+    rep = run(cfg)
+    wall = time.monotonic() - t0
+    ref = reference(case.nproc)
+    done = (rep["result"] or {}).get("state") == "done"
+    notes = []
+    if not done:
+        notes.append(f"result {rep['result']}")
+    if rep["steps_completed"] != STEPS:
+        notes.append(f"{rep['steps_completed']}/{STEPS} steps")
+    identical = rep["state_digest"] == ref and rep["replicas_identical"]
+    if not identical:
+        notes.append("final state differs from the fault-free run")
+    n = len(rep["recoveries"])
+    lo, hi = case.recoveries
+    if not lo <= n <= hi:
+        notes.append(f"{n} recoveries, expected {lo}..{hi}")
+    missing = [f for f in case.faults if not any(i["kind"] == f.split(":")[0] for i in rep.get("faults_injected", []))]
+    if missing and not all(f.startswith(("drop_avg", "kill:rank=1:step=8:during=allreduce")) for f in missing):
+        notes.append(f"fault(s) not injected: {missing}")
+    if case.check and done:
+        extra = case.check(rep)
+        if extra:
+            notes.append(extra)
+    downtime = max((r["downtime_s"] for r in rep["recoveries"]), default=None)
+    injected_at = ", ".join(f"{i['kind']}@{i['step']}{'/' + i['during'] if i.get('during') else ''}"
+                            for i in rep.get("faults_injected", []))  # fmt: skip
+    return {
+        "case": case.name, "what": case.what, "injected_at": injected_at or "in-process",
+        "recovered": done, "steps_completed": rep["steps_completed"], "bit_identical": identical,
+        "recoveries": n, "downtime_s": downtime, "wall_s": wall, "ok": not notes,
+        "notes": "; ".join(notes), "report": rep,
+    }  # fmt: skip
+
+
+def references() -> Callable[[int], str]:
+    cache: dict[int, str] = {}
+
+    def get(nproc: int) -> str:
+        if nproc not in cache:
+            cfg = RunConfig(script=MLP, args=WORKLOAD, nproc=nproc, job=f"f-ref{nproc}-{uuid.uuid4().hex[:4]}",
+                            quiet=True, max_wall=300)  # fmt: skip
+            rep = run(cfg)
+            if (rep["result"] or {}).get("state") != "done":
+                raise RuntimeError(f"the fault-free reference run with {nproc} workers failed: {rep['result']}")
+            cache[nproc] = rep["state_digest"]
+        return cache[nproc]
+
+    return get
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cases", help="comma-separated case names (default: all)")
+    p.add_argument("--json", help="write the table (and each run's report) here")
+
+
+def run_matrix(a: argparse.Namespace) -> int:
+    cases = MATRIX
+    if a.cases:
+        want = set(a.cases.split(","))
+        unknown = want - {c.name for c in MATRIX}
+        if unknown:
+            raise SystemExit(f"unknown case(s) {sorted(unknown)}; known: {', '.join(c.name for c in MATRIX)}")
+        cases = [c for c in MATRIX if c.name in want]
+    ref = references()
+    rows = []
+    for c in cases:
+        print(f"  {c.name} ...", flush=True)
+        rows.append(run_case(c, ref))
+    print(f"\n{'case':<30} {'injected at':<44} {'recovered':<9} {'steps':>5} {'bit-identical':<13} "
+          f"{'downtime_s':>10}  notes")  # fmt: skip
+    for r in rows:
+        dt = "-" if r["downtime_s"] is None else f"{r['downtime_s']:.2f}"
+        print(f"{r['case']:<30} {r['injected_at'][:44]:<44} {'yes' if r['recovered'] else 'NO':<9} "
+              f"{r['steps_completed']:>5} {'yes' if r['bit_identical'] else 'NO':<13} {dt:>10}  "
+              f"{r['notes'] or 'ok'}")  # fmt: skip
+    failed = [r["case"] for r in rows if not r["ok"]]
+    print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
+    print("not in this matrix: partition (see docs/reliability.md)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=2, default=str)
+    return 1 if failed else 0

@@ -9,6 +9,7 @@
 | hang | rank R | SIGSTOP it (resume=S: SIGCONT after S seconds) |
 | slow | rank R | its steps made `factor` times slower (SIGSTOP/SIGCONT duty cycle) |
 | drop_avg | rank R | in-process: discard its completed average of step S, join recovery |
+| partition | rank R | cut its network (own netns, veth down; heal=S: restore after S seconds); needs root |
 | corrupt | rank R | its state server alters one byte of the next chunk it serves (asked through etcd) |
 | etcd-kill | member I | SIGKILL one member of the embedded etcd cluster (`--etcd-members 3`) |
 | coordinator-kill | - | SIGKILL the leader coordinator (run `--coordinators 2` for a standby) |
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 from livemig.errors import ConfigError
 
-RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt")
+RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition")
 UNRANKED = ("etcd-kill", "coordinator-kill", "spare-kill")
 KINDS = RANKED + UNRANKED
 IN_PROCESS_DURING = ("allreduce", "before_commit")
@@ -44,7 +45,7 @@ class Fault:
     rank: int | None
     step: int
     during: str = ""
-    resume_after: float | None = None  # hang: SIGCONT after this many seconds
+    resume_after: float | None = None  # hang: SIGCONT / partition: heal, after this many seconds
     factor: float = 4.0  # slow: steps this many times slower
     member: int = 0  # etcd-kill: which etcd member
 
@@ -93,7 +94,12 @@ def parse_fault(spec: str) -> Fault:
     if during in IN_PROCESS_DURING and kind != "kill":
         raise ConfigError(f"bad fault {spec!r}: during={during} applies to kill only")
     resume = num("resume", float)
-    if resume is not None and kind != "hang":
+    heal = num("heal", float)
+    if heal is not None:
+        if kind != "partition":
+            raise ConfigError(f"bad fault {spec!r}: heal=SECONDS applies to partition only")
+        resume = heal
+    if resume is not None and kind not in ("hang", "partition"):
         raise ConfigError(f"bad fault {spec!r}: resume=SECONDS applies to hang only")
     factor = num("factor", float, 4.0)
     member = num("member", int, 0)

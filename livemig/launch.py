@@ -19,6 +19,7 @@ from typing import Any
 
 from livemig.config import (
     ENV_ETCD,
+    ENV_HOST,
     ENV_INCARNATION,
     ENV_JOB,
     ENV_PARENT_PID,
@@ -95,6 +96,8 @@ class Launcher:
         self._resumes: list[tuple[float, Child]] = []
         self._slow: list[tuple[Child, float]] = []
         self._armed: dict[int, float] = {}
+        self.partition: Any = None
+        self.net_env: dict[str, str] = {}
         self._last_print = -1
         self._t_print = time.monotonic()
 
@@ -122,19 +125,29 @@ class Launcher:
         os.makedirs(self.logdir, exist_ok=True)
         cfg = self.cfg
         if cfg.etcd:
+            if any(f.kind == "partition" for f in cfg.faults):
+                raise ConfigError("a partition fault needs the embedded etcd (drop --etcd)")
             self.etcd = cfg.etcd
         else:
             from livemig.rdzv.embedded import EtcdCluster
 
-            self.cluster = EtcdCluster(cfg.etcd_members, cfg.etcd_bin).start()
+            part_rank = next((f.rank for f in cfg.faults if f.kind == "partition"), None)
+            if part_rank is not None:
+                from livemig.netns import Partition
+
+                self.partition = Partition().setup()
+                self.net_env = {ENV_HOST: self.partition.host_ip, "GLOO_SOCKET_IFNAME": self.partition.host_if}
+            self.cluster = EtcdCluster(cfg.etcd_members, cfg.etcd_bin,
+                                       extra_host=self.partition.host_ip if self.partition else None).start()
             self.etcd = self.cluster.endpoints
         self.client = EtcdClient(self.etcd, cfg.timeouts.etcd)
         self._fresh_job()
         write_job_file(cfg.job, self.etcd)
         for i in range(cfg.coordinators):
             self._spawn(f"coordinator-{i}", "coordinator",
-                        [sys.executable, "-m", "livemig.coordinator", "--etcd", self.etcd,
-                         "--job", cfg.job, "--world-size", str(cfg.nproc)], {})  # fmt: skip
+                        [sys.executable, "-m", "livemig.coordinator", "--etcd", self.etcd, "--job", cfg.job,
+                         "--world-size", str(cfg.nproc), "--host", self.net_env.get(ENV_HOST, "127.0.0.1")],
+                        dict(self.net_env))  # fmt: skip
         by_rank: dict[int, str] = {}
         for f in cfg.faults:
             if f.in_process and f.rank is not None:
@@ -144,13 +157,20 @@ class Launcher:
             env = {ENV_ROLE: "worker", ENV_RANK: str(r), ENV_WORLD_SIZE: str(cfg.nproc)}
             if r in by_rank:
                 env[ENV_SELF_FAULT] = by_rank[r]
-            self._spawn(f"worker-{r}", "worker", base, env, rank=r)
+            argv = base
+            if self.partition is not None and r == part_rank:
+                argv = self.partition.wrap(base)
+                env.update({ENV_HOST: self.partition.ns_ip, "GLOO_SOCKET_IFNAME": self.partition.ns_if,
+                            ENV_ETCD: self.cluster.endpoints_on(self.partition.host_ip)})  # fmt: skip
+            else:
+                env.update(self.net_env)
+            self._spawn(f"worker-{r}", "worker", argv, env, rank=r)
         for i in range(cfg.spares):
             self._spawn(
                 f"spare-{i}",
                 "spare",
                 base,
-                {ENV_ROLE: "spare", ENV_SPARE_ID: f"spare-{i}", ENV_WORLD_SIZE: str(cfg.nproc)},
+                {ENV_ROLE: "spare", ENV_SPARE_ID: f"spare-{i}", ENV_WORLD_SIZE: str(cfg.nproc), **self.net_env},
             )
         self.pending = [f for f in cfg.faults if not f.in_process]
         self.say(f"livemig: job {cfg.job}: {cfg.nproc} workers, {cfg.spares} spare(s), etcd {self.etcd}; "
@@ -249,7 +269,10 @@ class Launcher:
         for due, target in list(self._resumes):
             if now >= due:
                 self._resumes.remove((due, target))
-                if target.proc.poll() is None:
+                if self.partition is not None and target.name == self.partition_target():
+                    self.partition.heal()
+                    self.say(f"livemig: healed the partition of {target.name}")
+                elif target.proc.poll() is None:
                     os.killpg(target.proc.pid, signal.SIGCONT)
                     self.say(f"livemig: resumed {target.name} (SIGCONT)")
         for target, factor in list(self._slow):
@@ -262,6 +285,10 @@ class Launcher:
             if want_stopped != getattr(target, "_stopped", False):
                 os.killpg(target.proc.pid, signal.SIGSTOP if want_stopped else signal.SIGCONT)
                 target._stopped = want_stopped  # type: ignore[attr-defined]
+
+    def partition_target(self) -> str:
+        rank = next((f.rank for f in self.cfg.faults if f.kind == "partition"), None)
+        return f"worker-{rank}"
 
     def inject(self, f: Fault, by_key: dict, step: int) -> bool:
         """Carry out one fault; False if its target is not there (yet)."""
@@ -286,6 +313,12 @@ class Launcher:
             what = f"{target.name}" + (f" (rank {target.rank})" if target.rank is not None else "")
             if f.kind == "slow":
                 self._slow.append((target, f.factor))
+            elif f.kind == "partition":
+                if self.partition is None or target.rank != f.rank or target.name != f"worker-{f.rank}":
+                    raise ConfigError("partition targets the worker started in the namespace (its first holder)")
+                self.partition.cut()
+                if f.resume_after is not None:
+                    self._resumes.append((time.monotonic() + f.resume_after, target))
             elif f.kind == "corrupt":
                 self.client.put(self.keys.inject_corrupt(f.rank), encode({"time": time.time()}))  # type: ignore[arg-type]
             else:
@@ -352,6 +385,8 @@ class Launcher:
             self.client.close()
         if self.cluster is not None:
             self.cluster.stop()
+        if self.partition is not None:
+            self.partition.teardown()
         remove_job_file(self.cfg.job)
 
     def failure_tail(self) -> str:

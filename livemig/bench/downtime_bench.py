@@ -47,7 +47,7 @@ def _free_port() -> int:
 
 def run_livemig(a: argparse.Namespace, fault: bool, workload: list[str]) -> dict[str, Any]:
     cfg = RunConfig(
-        script=MLP, args=workload, nproc=a.workers, spares=a.spares if fault else 0,
+        script=MLP, args=workload, nproc=a.workers, spares=a.spares,  # an idle spare in fault_free too
         job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True, max_wall=a.run_timeout,
         faults=[parse_fault(f"kill:rank=1:step={a.fail_at}")] if fault else [],
     )  # fmt: skip

@@ -93,6 +93,7 @@ class EtcdCluster:
     start_timeout: timedelta = timedelta(seconds=20)
     members: list[_Member] = field(default_factory=list)
     root: str = ""
+    extra_host: str | None = None  # also listen for clients here (a partition's veth address)
 
     def start(self) -> EtcdCluster:
         binary = find_etcd_binary(self.etcd_bin)
@@ -112,8 +113,8 @@ class EtcdCluster:
             binary,
             "--name", m.name,
             "--data-dir", m.data_dir,
-            "--listen-client-urls", m.client_url,
-            "--advertise-client-urls", m.client_url,
+            "--listen-client-urls", self._client_urls(m),
+            "--advertise-client-urls", self._client_urls(m),
             "--listen-peer-urls", m.peer_url,
             "--initial-advertise-peer-urls", m.peer_url,
             "--initial-cluster", initial,
@@ -134,6 +135,15 @@ class EtcdCluster:
         if not line.isdigit():
             raise LivemigError(f"etcd guard failed to start etcd ({line or 'no output'}): {binary}")
         m.etcd_pid = int(line)
+
+    def _client_urls(self, m: _Member) -> str:
+        if self.extra_host:
+            return f"{m.client_url},http://{self.extra_host}:{m.client_port}"
+        return m.client_url
+
+    def endpoints_on(self, host: str) -> str:
+        """The client endpoints as reached through `host` (see extra_host)."""
+        return ",".join(f"http://{host}:{m.client_port}" for m in self.members if m.guard is not None)
 
     @property
     def endpoints(self) -> str:

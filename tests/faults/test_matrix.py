@@ -9,6 +9,7 @@ LIVEMIG_FAULTS_QUICK=1 to skip the cases marked slow.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -54,6 +55,8 @@ def _explain(row: dict) -> str:
 def test_fault_case(case, reference):
     if case.slow and os.environ.get("LIVEMIG_FAULTS_QUICK"):
         pytest.skip("slow case (LIVEMIG_FAULTS_QUICK=1)")
+    if case.needs_root and (os.geteuid() != 0 or not shutil.which("ip")):
+        pytest.skip("needs root and iproute2 (network namespaces)")
     row = run_case(case, reference)
     assert row["ok"], _explain(row)
 

@@ -17,19 +17,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from mlp import build_model  # the same model as the livemig example (this script's folder)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import livemig
 from livemig.data import step_seed
-
-
-def build_model(width: int, layers: int) -> torch.nn.Module:
-    mods: list[torch.nn.Module] = []
-    for i in range(layers):
-        mods.append(torch.nn.Linear(width, width))
-        if i < layers - 1:
-            mods.append(torch.nn.ReLU())
-    return torch.nn.Sequential(*mods)
 
 
 def main() -> None:

@@ -205,8 +205,8 @@ class Context:
                     flats = red.finish(self.world_size, self.timeouts.collective, self.runtime.moved_on)
                 else:
                     flats = red.flatten()
-                    allreduce_mean(self.runtime.pg, [(i, f) for i, f in enumerate(flats)], self.world_size,
-                                   self.timeouts.collective, should_abort=self.runtime.moved_on)  # fmt: skip
+                    allreduce_mean(self.runtime.pg, flats, self.world_size, self.timeouts.collective,
+                                   should_abort=self.runtime.moved_on)  # fmt: skip
                 self._maybe_self_fault(t, "before_commit")
                 if self._drop_avg(t):
                     raise CollectiveAborted("test fault: average dropped")

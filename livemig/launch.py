@@ -137,8 +137,9 @@ class Launcher:
 
                 self.partition = Partition().setup()
                 self.net_env = {ENV_HOST: self.partition.host_ip, "GLOO_SOCKET_IFNAME": self.partition.host_if}
-            self.cluster = EtcdCluster(cfg.etcd_members, cfg.etcd_bin,
-                                       extra_host=self.partition.host_ip if self.partition else None).start()
+            self.cluster = EtcdCluster(
+                cfg.etcd_members, cfg.etcd_bin, extra_host=self.partition.host_ip if self.partition else None
+            ).start()
             self.etcd = self.cluster.endpoints
         self.client = EtcdClient(self.etcd, cfg.timeouts.etcd)
         self._fresh_job()

@@ -91,18 +91,11 @@ def link_once(mb: int) -> float:
     return (nbytes - P.CHUNK_BYTES) / dt / 1e9
 
 
-def _rss_mb() -> float:
+def _status_mb(field: str) -> float:
+    """A memory figure (VmRSS, VmHWM) of this process from /proc, in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _hwm_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return 0.0
 
@@ -128,12 +121,12 @@ def _recv(addrs: list[str], mb: int) -> None:
     template = synthetic_state(mb)
     dests = [torch.zeros_like(t) for t in template.values()]  # allocated and touched
     del template
-    base = _rss_mb()
+    base = _status_mb("VmRSS")
     reset = _reset_hwm()
     t0 = time.perf_counter()
     got = pull(addrs, "bench", SECRET, 1, "state", 30.0, lambda i, m: dests[i])
     dt = time.perf_counter() - t0
-    extra = (_hwm_mb() - base) if reset else float("nan")
+    extra = (_status_mb("VmHWM") - base) if reset else float("nan")
     print(json.dumps({"gbps": got.nbytes / dt / 1e9, "extra_mb": extra, "seconds": dt}), flush=True)
 
 

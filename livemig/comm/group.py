@@ -84,35 +84,14 @@ def release_all() -> None:
     gc.collect()
 
 
-def flatten_grads(params: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
-    """Copy gradients into flat buckets (never reduce .grad in place, so a
-    failed collective leaves every .grad exactly as backward produced it)."""
-    buckets: list[tuple[list[int], torch.Tensor]] = []
-    cur: list[int] = []
-    size = 0
-    for i, p in enumerate(params):
-        cur.append(i)
-        size += p.numel() * p.element_size()
-        if size >= BUCKET_BYTES:
-            buckets.append((cur, _cat(params, cur)))
-            cur, size = [], 0
-    if cur:
-        buckets.append((cur, _cat(params, cur)))
-    return buckets
-
-
-def _cat(params: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
-    return torch.cat([params[i].grad.reshape(-1) for i in idx])
-
-
 def allreduce_mean(
-    pg: Any, buckets: list[tuple[list[int], torch.Tensor]], world: int, timeout: timedelta,
+    pg: Any, flats: list[torch.Tensor], world: int, timeout: timedelta,
     should_abort: Callable[[], bool] | None = None,
 ) -> None:  # fmt: skip
-    """Sum-allreduce every bucket, then divide by `world`; raises CollectiveAborted."""
-    works = [pg.allreduce([flat]) for _, flat in buckets]
+    """Sum-allreduce every flat bucket in place, then divide by `world`; raises CollectiveAborted."""
+    works = [pg.allreduce([flat]) for flat in flats]
     wait_all(works, timeout, should_abort)
-    for _, flat in buckets:
+    for flat in flats:
         flat.div_(world)
 
 
@@ -141,13 +120,3 @@ def wait_all(works: list[Any], timeout: timedelta, should_abort: Callable[[], bo
     if "err" in box:
         first = str(box["err"]).splitlines()[0][:200] if str(box["err"]) else type(box["err"]).__name__
         raise CollectiveAborted(f"collective failed: {first}") from box["err"]
-
-
-def write_back(params: list[torch.Tensor], buckets: list[tuple[list[int], torch.Tensor]]) -> None:
-    for idx, flat in buckets:
-        off = 0
-        for i in idx:
-            g = params[i].grad
-            n = g.numel()
-            g.copy_(flat[off : off + n].view_as(g))
-            off += n

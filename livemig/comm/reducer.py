@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from livemig.comm.group import BUCKET_BYTES, CollectiveAborted, wait_all
+from livemig.comm.group import BUCKET_BYTES, CollectiveAborted, allreduce_mean, wait_all
 
 
 def bucket_layout(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
@@ -117,7 +117,8 @@ class GradReducer:
         if self._dirty:
             wait_all([w for w in self._works if w], timeout, should_abort)  # keep collective order
             flats = self.flatten()
-            wait_all([self._pg.allreduce([f]) for f in flats], timeout, should_abort)
+            allreduce_mean(self._pg, flats, world, timeout, should_abort)
+            return flats
         else:
             for i in range(len(self.params)):
                 if not self._filled[i]:

@@ -107,13 +107,26 @@ class Coordinator:
 
     # -- set-up ------------------------------------------------------------------------------
     def run(self) -> str:
-        """Lead until the job is done or failed; returns the final state."""
-        self.election.campaign(stop=self._stop.is_set)
-        import torch.distributed as dist
+        """Lead until the job is done or failed; returns the final state.
 
-        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=self.timeouts.collective)  # fmt: skip
-        self.store_addr = f"{self.host}:{self.store.port}"
+        A leader that loses its lease (a stall longer than the TTL) steps down
+        and campaigns again: it may lead again, continuing from etcd."""
+        while True:
+            state = self._lead()
+            if state != "deposed":
+                return state
+            log.warning("stepped down; campaigning again")
+            self._stop.clear()
+            self._since.clear()
+
+    def _lead(self) -> str:
+        self.election.campaign(stop=self._stop.is_set)
+        if self.store is None:
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                                       timeout=self.timeouts.collective)  # fmt: skip
+            self.store_addr = f"{self.host}:{self.store.port}"
         t = self.client.txn_ops
         self.client.txn([t.version(self.keys.secret) == 0],
                         [t.put(self.keys.secret, secrets.token_bytes(32))])  # fmt: skip

@@ -35,7 +35,7 @@ def livemig_run(tmp_path, nproc: int, spares: int = 0, faults: tuple[str, ...] =
                 workload: list[str] | None = None, job: str = "t") -> Run:  # fmt: skip
     report = tmp_path / f"report-{job}.json"
     cmd = [sys.executable, "-m", "livemig.cli", "run", "--nproc", str(nproc), "--spares", str(spares),
-           "--job", job, "--report", str(report), "--lease-ttl", "1", *extra]  # fmt: skip
+           "--job", job, "--report", str(report), "--lease-ttl", "2", *extra]  # fmt: skip
     for f in faults:
         cmd += ["--fault", f]
     cmd += [MLP, *(workload or WORKLOAD)]

@@ -84,7 +84,7 @@ def test_hung_worker_is_fenced_and_stops_itself(tmp_path, reference_digest):
     SIGCONT it later: it finds itself fenced and exits (code 3) without
     serving state or rejoining."""
     ref = reference_digest(2)
-    run = livemig_run(tmp_path, 2, spares=1, faults=("hang:rank=1:step=6:resume=4",),
+    run = livemig_run(tmp_path, 2, spares=1, faults=("hang:rank=1:step=6:resume=5",),
                       workload=["--steps", "60", "--layers", "2", "--batch", "32"])  # fmt: skip
     rep = run.report
     assert run.rc == 0, explain(run)
@@ -105,7 +105,7 @@ def test_spare_with_different_model_is_refused(tmp_path, procs):
     naming the first mismatch; a matching spare started later is claimed."""
     env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path), PYTHONPATH=REPO)
     job = subprocess.Popen(
-        [sys.executable, "-m", "livemig.cli", "run", "--nproc", "2", "--job", "mis", "--lease-ttl", "1",
+        [sys.executable, "-m", "livemig.cli", "run", "--nproc", "2", "--job", "mis", "--lease-ttl", "2",
          "--report", str(tmp_path / "r.json"), MLP, "--steps", "400", "--layers", "2", "--batch", "32"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip

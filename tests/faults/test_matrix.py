@@ -72,7 +72,7 @@ def test_malformed_values_under_job_prefix_are_ignored(tmp_path, reference):
     env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path))
     job = subprocess.Popen(
         [sys.executable, "-m", "livemig.cli", "run", "--nproc", "2", "--spares", "1", "--job", "junk",
-         "--lease-ttl", "1", "--fault", "kill:rank=1:step=12", "--report", str(tmp_path / "r.json"),
+         "--lease-ttl", "2", "--fault", "kill:rank=1:step=12", "--report", str(tmp_path / "r.json"),
          MLP, *WORKLOAD], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip

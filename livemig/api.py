@@ -85,6 +85,7 @@ class Context:
         self.spare_id = os.environ.get(ENV_SPARE_ID, "")
         self._joining: _Activate | None = None
         self._started = time.monotonic()
+        self._sandbox_pg: Any = None
         self._warm_s: float | None = None
         self._reset_user_state()
         self._self_fault = parse_self_fault(os.environ[ENV_SELF_FAULT]) if os.environ.get(
@@ -162,6 +163,7 @@ class Context:
             self.runtime.follow(1, self)
         elif self.role == "spare":
             if self._joining is None:
+                yield from self._shadow(total)  # sandboxed warm-up of the real loop body
                 self._standby()  # raises _Activate
             m = self.runtime.follow(self._joining.generation, self)
             start = self.committed + 1
@@ -188,6 +190,9 @@ class Context:
         t = self._current
         if t is None:
             raise ConfigError("ctx.step() called outside `for step in ctx.steps(...)`")
+        if self._sandbox_pg is not None:
+            self._sandbox_step(t)
+            return
         if self.role == "local" or self.world_size == 1 and self.runtime is None:
             self._commit(t, None)
             return
@@ -226,6 +231,44 @@ class Context:
             # buffers are reused only after the next step's commit replaced self._avg.
             self._commit(t, flats)
             return
+
+    # -- spare warm-up (livemig/sandbox) -----------------------------------------------------
+    def _shadow(self, total: int) -> Iterator[int]:
+        """Run the user's loop body K times against a world-of-one group.
+
+        Warms the allocator, autograd, kernels, the optimizer's state
+        allocation, gloo and the data path. Nothing survives: on activation
+        the user's function is entered again and builds everything anew."""
+        from livemig.sandbox import shadow_steps, world_of_one
+
+        k = min(shadow_steps(), total)
+        if k == 0:
+            return
+        self._sandbox_pg = world_of_one(self.timeouts.collective)
+        try:
+            for step in range(k):
+                self._current = step
+                torch.manual_seed(step_seed(self.seed, step, self.rank))
+                yield step
+                if self.committed != step:
+                    raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
+        finally:
+            self._sandbox_pg = None
+            self._current, self.committed, self._commits = None, -1, []
+            self._avg = None
+
+    def _sandbox_step(self, t: int) -> None:
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self._reducer is not None:
+            flats = self._reducer.flatten()
+            allreduce_mean(self._sandbox_pg, flats, 1, self.timeouts.collective)
+            self._reducer.write_back(flats)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        self.committed = t
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -320,11 +363,14 @@ class Context:
                 raise CollectiveAborted("generation moved on during the transfer")
             addrs = self._sources(m)
             if addrs:
+                moved = self.runtime.moved_to_other(m.generation)
                 try:
                     got = pull(addrs, self.runtime.job, secret, m.generation, item,
-                               self.timeouts.collective.total_seconds(), alloc)  # fmt: skip
+                               self.timeouts.collective.total_seconds(), alloc, abort=moved)  # fmt: skip
                     return ",".join(got.sources_used), got
                 except TransferError as exc:
+                    if moved():
+                        raise CollectiveAborted("generation moved on during the transfer") from exc
                     last = str(exc)
             time.sleep(0.02)
         raise RecoveryError(f"could not pull {item} from the sources of generation {m.generation}: {last}")

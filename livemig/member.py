@@ -110,6 +110,10 @@ class MemberRuntime:
         """True when the job's generation is no longer the one we train in."""
         return self.fenced.is_set() or self.m.generation != self.gen
 
+    def moved_to_other(self, generation: int) -> Callable[[], bool]:
+        """A check that turns true once the job leaves `generation` (or we are fenced)."""
+        return lambda: self.fenced.is_set() or self.m.generation != generation
+
     def wait_membership(self, pred: Callable[[Membership], bool], what: str) -> Membership:
         deadline = time.monotonic() + self.timeouts.recovery.total_seconds()
         with self._cond:
@@ -214,7 +218,12 @@ class MemberRuntime:
         assert rank is not None
         if self.rank != rank or self.keeper is None:
             self.register(rank)
-        stream = member.catch_up(m) or {}
+        try:
+            stream = member.catch_up(m) or {}
+        except CollectiveAborted as exc:  # the generation moved on mid-transfer: follow it
+            log.info("catch-up abandoned", extra={"generation": g, "why": str(exc)})
+            self.check_fenced()
+            return
         member.serve(m)
         t0 = time.monotonic()
         try:

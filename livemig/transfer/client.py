@@ -77,9 +77,14 @@ class _Source:
 
 def pull(
     addrs: str | list[str], job: str, secret: bytes, gen: int, item: str, timeout: float,
-    alloc: Alloc | None = None,
+    alloc: Alloc | None = None, abort: Callable[[], bool] | None = None, stall: float | None = None,
 ) -> Pulled:  # fmt: skip
-    """Pull `item` of generation `gen`; raises TransferError if it cannot complete."""
+    """Pull `item` of generation `gen`; raises TransferError if it cannot complete.
+
+    timeout bounds the header exchange; `stall` (default min(timeout, 3 s))
+    is how long a source may leave chunk requests unanswered before it is
+    dropped (zmq does not report a dead peer; a 4 MiB chunk takes ms).
+    `abort` is polled every 50 ms and ends the pull (the generation moved on)."""
     t0 = time.monotonic()
     addrs = [addrs] if isinstance(addrs, str) else list(dict.fromkeys(addrs))
     if not addrs:
@@ -88,7 +93,8 @@ def pull(
     sources = [_Source(ctx, a) for a in addrs]
     dropped: list[str] = []
     try:
-        header, alive = _headers(sources, job, secret, gen, item, timeout, dropped)
+        stall_s = min(timeout, 3.0) if stall is None else stall
+        header, alive = _headers(sources, job, secret, gen, item, timeout, dropped, stall_s, abort)
         metas = header["tensors"]
         dests = _destinations(metas, alloc)
         views = [as_bytes(t).numpy() for t in dests]
@@ -98,7 +104,7 @@ def pull(
             raise TransferError(f"source {alive[0].addr} sent an inconsistent header")
         for src, rng in zip(alive, P.stripes(len(chunks), len(alive)), strict=True):
             src.queue.extend(rng)
-        refetched = _stream(alive, chunks, hashes, views, job, secret, gen, item, timeout, dropped)
+        refetched = _stream(alive, chunks, hashes, views, job, secret, gen, item, stall_s, dropped, abort)
         state = unflatten(header["skeleton"], dests)
         return Pulled(
             header["step"], state, sum(m["nbytes"] for m in metas), time.monotonic() - t0,
@@ -110,7 +116,9 @@ def pull(
 
 
 def _headers(sources: list[_Source], job: str, secret: bytes, gen: int, item: str, timeout: float,
-             dropped: list[str]) -> tuple[dict, list[_Source]]:  # fmt: skip
+             dropped: list[str], stall: float = 3.0, abort: Callable[[], bool] | None = None,
+             ) -> tuple[dict, list[_Source]]:  # fmt: skip
+    """Headers from every source; once one answered, the others get `stall` more seconds."""
     for s in sources:
         s.request(job, secret, gen, item, "header")
     headers: dict[str, dict] = {}
@@ -120,12 +128,15 @@ def _headers(sources: list[_Source], job: str, secret: bytes, gen: int, item: st
     deadline = time.monotonic() + timeout
     pending = {s.sock: s for s in sources}
     while pending and time.monotonic() < deadline:
-        for sock, _ in poller.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+        if abort is not None and abort():
+            raise TransferError("transfer aborted: the generation moved on")
+        for sock, _ in poller.poll(50):
             s = pending.pop(sock)
             poller.unregister(sock)
             meta = P.unpack(sock.recv_multipart()[0])
             if meta.get("ok"):
                 headers[s.addr] = meta
+                deadline = min(deadline, time.monotonic() + stall)
             else:
                 s.error = f"refused: {meta.get('error')}"
     for s in pending.values():
@@ -158,7 +169,8 @@ def _destinations(metas: list[dict], alloc: Alloc | None) -> list[torch.Tensor]:
 
 
 def _stream(alive: list[_Source], chunks: list[P.Chunk], hashes: list[int], views: list, job: str,
-            secret: bytes, gen: int, item: str, timeout: float, dropped: list[str]) -> int:  # fmt: skip
+            secret: bytes, gen: int, item: str, timeout: float, dropped: list[str],
+            abort: Callable[[], bool] | None = None) -> int:  # fmt: skip
     remaining = len(chunks)
     done = [False] * len(chunks)
     refetched = 0
@@ -183,6 +195,8 @@ def _stream(alive: list[_Source], chunks: list[P.Chunk], hashes: list[int], view
             alive[k % len(alive)].queue.append(seq)
 
     while remaining:
+        if abort is not None and abort():
+            raise TransferError("transfer aborted: the generation moved on")
         now = time.monotonic()
         for s in list(alive):
             while s.queue and len(s.inflight) < P.WINDOW:

@@ -150,3 +150,10 @@ def test_every_source_dead_fails_clearly(procs):
     addr = dying.stdout.readline().decode().strip()
     with pytest.raises(TransferError, match="stalled"):
         pull([addr], "job", b"s3cret", 1, "state", 1.0)
+
+
+def test_request_of_another_job_refused(served):
+    """A spare of another job (same secret by accident, other job name) gets nothing."""
+    srv, *_ = served
+    with pytest.raises(TransferError, match="wrong job 'other'"):
+        pull(srv.addr, "other", b"secret", 5, "state", 2.0)

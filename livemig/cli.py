@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -39,7 +40,21 @@ def cmd_status(a: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+# name, help, module under livemig/bench, argument adder, runner
+BENCHES = [
+    ("etcd", "latency of put, generation CAS commit, watch delivery", "etcd_bench", "add_arguments", "run"),
+    ("transfer", "state transfer throughput next to the raw zmq link", "transfer_bench", "add_arguments", "run"),
+    ("downtime", "downtime next to checkpoint-restart, plain DDP, fault-free", "downtime_bench",
+     "add_downtime_arguments", "run_downtime"),
+    ("overhead", "steady-state step time of livemig vs plain DDP", "downtime_bench", "add_overhead_arguments",
+     "run_overhead"),
+    ("scale", "coordinator recovery time with N simulated members on real etcd", "scale_bench", "add_arguments",
+     "run"),
+    ("faults", "the reliability matrix: one row per fault case", "faults_bench", "add_arguments", "run_matrix"),
+]  # fmt: skip
+
+
+def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="livemig",
         description="Live-migration recovery with hot spares for PyTorch training.",
@@ -55,34 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: figures measured side by side in one run")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from livemig.bench import etcd_bench
-
-    be = bsub.add_parser("etcd", help="latency of put, generation CAS commit, watch delivery")
-    etcd_bench.add_arguments(be)
-    be.set_defaults(fn=etcd_bench.run)
-    from livemig.bench import transfer_bench
-
-    bt = bsub.add_parser("transfer", help="state transfer throughput next to the raw zmq link")
-    transfer_bench.add_arguments(bt)
-    bt.set_defaults(fn=transfer_bench.run)
-    from livemig.bench import downtime_bench
-
-    bd = bsub.add_parser("downtime", help="downtime next to checkpoint-restart, plain DDP, fault-free")
-    downtime_bench.add_downtime_arguments(bd)
-    bd.set_defaults(fn=downtime_bench.run_downtime)
-    bo = bsub.add_parser("overhead", help="steady-state step time of livemig vs plain DDP")
-    downtime_bench.add_overhead_arguments(bo)
-    bo.set_defaults(fn=downtime_bench.run_overhead)
-    from livemig.bench import scale_bench
-
-    bs = bsub.add_parser("scale", help="coordinator recovery time with N simulated members on real etcd")
-    scale_bench.add_arguments(bs)
-    bs.set_defaults(fn=scale_bench.run)
-    from livemig.bench import faults_bench
-
-    bf = bsub.add_parser("faults", help="the reliability matrix: one row per fault case")
-    faults_bench.add_arguments(bf)
-    bf.set_defaults(fn=faults_bench.run_matrix)
+    for name, help_text, module, add, run in BENCHES:
+        bp = bsub.add_parser(name, help=help_text)
+        if with_benches:  # importing them costs `import torch`: only when a bench runs
+            mod = importlib.import_module(f"livemig.bench.{module}")
+            getattr(mod, add)(bp)
+            bp.set_defaults(fn=getattr(mod, run))
 
     for register in _EXTRA_COMMANDS:
         register(sub)
@@ -106,8 +99,9 @@ _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_run_pars
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    a = parser.parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(with_benches="bench" in args)
+    a = parser.parse_args(args)
     logs.setup(a.log_level, role="cli")
     try:
         return int(a.fn(a) or 0)

@@ -207,9 +207,13 @@ class Launcher:
                 result = decode(res.value)
                 result_seen_at = time.monotonic()
             if result is not None:
-                workers_alive = [c for c in self.children if c.role in ("worker", "spare")
+                members_alive = [c for c in self.children if c.role in ("worker", "spare")
                                  and c.proc.poll() is None and self._is_member(c, by_key)]  # fmt: skip
-                if not workers_alive or time.monotonic() - (result_seen_at or 0) > 30:
+                # Carry out the whole fault plan (a pending SIGCONT or heal), then give
+                # replaced workers a moment to notice they were fenced and exit by themselves.
+                replaced_alive = [c for c in self.children if c.role == "worker" and c.proc.poll() is None]
+                waited = time.monotonic() - (result_seen_at or 0)
+                if waited > 30 or not members_alive and not self._resumes and (not replaced_alive or waited > 10):
                     break
             elif all(c.proc.poll() is not None for c in self.children if c.role == "coordinator"):
                 result = {"state": "failed", "reason": "every coordinator exited before the job finished"}

@@ -182,7 +182,7 @@ class MemberRuntime:
             )
             if m.state == GenState.FAILED:
                 raise RecoveryError(f"job failed: {m.reason}")
-            if m.rank_of(self.incarnation) is None and m.state != GenState.DONE:
+            if m.rank_of(self.incarnation) is None:  # DONE included: the job finished without us
                 if self.rdzv.is_fenced(self.incarnation):
                     self.mark_fenced(f"fenced in generation {m.generation}")
                     self.check_fenced()

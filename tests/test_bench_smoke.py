@@ -30,11 +30,12 @@ def test_bench_transfer(tmp_path):
 
 
 def test_bench_downtime_tiny(tmp_path):
-    r = bench("downtime", "--repeat", "1", "--steps", "12", "--fail-at", "5", "--ckpt-every", "4",
-              "--width", "64", "--layers", "2", "--json", str(tmp_path / "d.json"), timeout=400)  # fmt: skip
+    r = bench("downtime", "--repeat", "1", "--steps", "24", "--fail-at", "10", "--ckpt-every", "4",
+              "--width", "256", "--layers", "2", "--json", str(tmp_path / "d.json"), timeout=400)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads((tmp_path / "d.json").read_text())
     s = res["summary"]
     assert s["livemig"]["bit_identical"] == "yes", r.stdout
     assert s["livemig"]["downtime_s"] is not None and s["restart"]["downtime_s"] is not None, r.stdout
-    assert all(s[k]["all_ok"] for k in ("fault_free", "plain_ddp", "livemig", "restart")), r.stdout
+    oks = {k: [(x.get("ok"), x.get("steps")) for x in v] for k, v in res["samples"].items()}
+    assert all(s[k]["all_ok"] for k in ("fault_free", "plain_ddp", "livemig", "restart")), f"{oks}\n{r.stdout}"

@@ -90,7 +90,11 @@ def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str]) -> dict[str
                 rows = [r for r in _commits(out) if r[2] == 1 and r[0] >= a.fail_at]
                 if rows:
                     kill_t = time.time()
-                    os.kill(rows[0][3], signal.SIGKILL)
+                    try:
+                        os.kill(rows[0][3], signal.SIGKILL)
+                    except ProcessLookupError:  # it finished first: no fault landed
+                        kill_t = None
+                        break
             time.sleep(0.01)
     finally:
         if p.poll() is None:

@@ -89,6 +89,8 @@ def allreduce_mean(
     should_abort: Callable[[], bool] | None = None,
 ) -> None:  # fmt: skip
     """Sum-allreduce every flat bucket in place, then divide by `world`; raises CollectiveAborted."""
+    if pg is None:
+        raise CollectiveAborted("no process group: this member is between generations")
     works = [pg.allreduce([flat]) for flat in flats]
     wait_all(works, timeout, should_abort)
     for flat in flats:

@@ -81,6 +81,7 @@ def main() -> None:
         flatten({"model": model.module.state_dict(), "optimizer": opt.state_dict()}, tensors)
         with open(os.path.join(out, "final.json"), "w") as f:
             json.dump({"digest": digest(tensors), "steps": a.steps}, f)
+    dist.barrier()  # nobody tears the group down while a peer still uses it
     dist.destroy_process_group()
 
 

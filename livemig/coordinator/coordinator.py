@@ -218,17 +218,18 @@ class Coordinator:
                          kind="failure", failed_rank=dead[0], leader=self.id,
                          reason=f"rank(s) {dead} failed in generation {m.generation}")  # fmt: skip
         t = self.client.txn_ops
-        cleanup = [t.delete(self.keys.suspect(i)) for i in incs]
-        if not self.rdzv.commit_change(m.generation, new, fence=incs, guard=self._guard(), extra=cleanup):
+        g = m.generation + 1
+        extra = [t.delete(self.keys.suspect(i)) for i in incs]
+        # detect and fence are recorded in the fencing transaction itself
+        extra.append(self.timeline.op(g, "detect", at=detected, ranks=dead, fault_time=fault,
+                                      reasons=[x.get("reason") for x in suspects if x]))  # fmt: skip
+        extra.append(self.timeline.op(g, "fence", ranks=dead, fenced=incs))
+        if not self.rdzv.commit_change(m.generation, new, fence=incs, guard=self._guard(), extra=extra):
             return
         for r in dead:  # revoke: the fenced process learns it within one keep-alive
             kv = s.kv.get(self.keys.member(r))
             if kv is not None and kv.lease:
                 self.client.revoke(kv.lease)
-        g = new.generation
-        self.timeline.record(g, "detect", self._guard(), at=detected, ranks=dead, fault_time=fault,
-                             reasons=[x.get("reason") for x in suspects if x])  # fmt: skip
-        self.timeline.record(g, "fence", self._guard(), ranks=dead, fenced=incs)
         log.warning("fenced", extra={"generation": g, "ranks": dead})
 
     def _phase2(self, s: Snapshot, since: float) -> None:
@@ -250,22 +251,27 @@ class Coordinator:
                 mem = replace(mem, addr=reg["addr"], host=reg["host"], pid=reg["pid"])
             members[r] = mem
         new = replace(m, state=GenState.COMMITTED, members=members)
-        if self.rdzv.update(new, guard=self._guard()):
-            streams = [x for x in ready.values() if "stream_s" in x]
-            if m.state == GenState.BUILDING:
-                for x in streams:
-                    self.timeline.record(
-                        m.generation,
-                        "stream",
-                        self._guard(),
-                        at=x["time"] - x.get("build_s", 0.0),
-                        seconds=x["stream_s"],
-                        bytes=x["bytes"],
-                        source=x["source"],
+        # The events go in the commit's own transaction: a leader killed right after
+        # phase 2 cannot leave a committed generation without its timeline.
+        events = []
+        if m.state == GenState.BUILDING:
+            for x in ready.values():
+                if "stream_s" in x:
+                    events.append(
+                        self.timeline.op(
+                            m.generation,
+                            "stream",
+                            at=x["time"] - x.get("build_s", 0.0),
+                            seconds=x["stream_s"],
+                            bytes=x["bytes"],
+                            source=x["source"],
+                        )
                     )
-                last = max(x.get("time", 0.0) for x in ready.values()) or time.time()
-                self.timeline.record(m.generation, "build", self._guard(), at=last)
-            self.timeline.record(m.generation, "commit", self._guard())
+            last = max(x.get("time", 0.0) for x in ready.values()) or time.time()
+            events.append(self.timeline.op(m.generation, "build", at=last))
+        events.append(self.timeline.op(m.generation, "commit"))
+        if self.rdzv.update(new, guard=self._guard(), extra=events):
+            log.info("committed", extra={"generation": m.generation})
 
     def _agree_and_claim(self, s: Snapshot, since: float) -> None:
         m = s.m
@@ -344,10 +350,9 @@ class Coordinator:
         new = replace(m, state=GenState.BUILDING, members=members, resume_step=resume,
                       sources=sources, store=self.store_addr, updated=time.time(),
                       nonce=secrets.token_hex(8))  # fmt: skip
+        ops.append(self.timeline.op(m.generation, "claim", spares=[p[0] for p in picks], ranks=vacant))
         ok, _ = self.client.txn(compare, [t.put(self.keys.membership, new.to_bytes()), *ops])
         if ok:
-            self.timeline.record(m.generation, "claim", self._guard(),
-                                 spares=[p[0] for p in picks], ranks=vacant)  # fmt: skip
             log.info("claimed", extra={"generation": m.generation, "spares": [p[0] for p in picks]})
 
     def _maybe_done(self, s: Snapshot) -> None:

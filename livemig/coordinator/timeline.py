@@ -22,6 +22,12 @@ class Timeline:
         self.keys = keys
         self._seq = int(time.time() * 1000) % 1_000_000
 
+    def op(self, generation: int, phase: str, at: float | None = None, **details: Any) -> Any:
+        """The put of one event, to commit in the same transaction as the state change it records."""
+        ev = {"phase": phase, "generation": generation, "time": at or time.time(), **details}
+        self._seq += 1
+        return self.client.txn_ops.put(self.keys.timeline(generation, self._seq, phase), encode(ev))
+
     def record(self, generation: int, phase: str, guard: list | None = None,
                at: float | None = None, **details: Any) -> None:  # fmt: skip
         ev = {"phase": phase, "generation": generation, "time": at or time.time(), **details}

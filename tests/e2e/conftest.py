@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.logs import process_logs
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MLP = os.path.join(REPO, "examples", "mlp.py")
 STEPS = 24
@@ -48,14 +50,7 @@ def livemig_run(tmp_path, nproc: int, spares: int = 0, faults: tuple[str, ...] =
 
 def explain(run: Run) -> str:
     """What to print when an assertion fails: output and process logs."""
-    out = [run.stdout[-3000:], run.stderr[-3000:]]
-    for proc in run.report.get("processes", []):
-        try:
-            with open(proc["log"]) as f:
-                out.append(f"--- {proc['name']} (exit {proc['exit_code']})\n" + "".join(f.readlines()[-25:]))
-        except OSError:
-            pass
-    return "\n".join(out)
+    return "\n".join([run.stdout[-3000:], run.stderr[-3000:], *process_logs(run.report, 25)])
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from livemig.bench.faults_bench import MATRIX, MLP, WORKLOAD, references, run_case
+from tests.helpers.logs import process_logs
 
 
 @pytest.fixture(scope="session")
@@ -41,14 +42,7 @@ def state_dir(tmp_path, monkeypatch):
 
 
 def _explain(row: dict) -> str:
-    out = [row["notes"]]
-    for p in row["report"].get("processes", []):
-        try:
-            with open(p["log"]) as f:
-                out.append(f"--- {p['name']} (exit {p['exit_code']})\n" + "".join(f.readlines()[-15:]))
-        except OSError:
-            pass
-    return "\n".join(out)
+    return "\n".join([row["notes"], *process_logs(row["report"], 15)])
 
 
 @pytest.mark.parametrize("case", MATRIX, ids=[c.name for c in MATRIX])

@@ -37,6 +37,8 @@ from livemig.config import (
     ENV_SELF_FAULT,
     ENV_SPARE_ID,
     ENV_WORLD_SIZE,
+    ENV_ZERO1_MIRROR,
+    SHARDING_ENTRY,
     Timeouts,
     exit_with_parent,
 )  # fmt: skip
@@ -104,6 +106,8 @@ class Context:
         if getattr(self, "_reducer", None) is not None:
             self._reducer.remove()
         self._reducer: GradReducer | None = None
+        self._zero: Any = None  # comm.zero1.Zero1 when registered with sharding="zero1"
+        self._gathered_gen: int | None = None  # zero1: generation whose group last gathered the parameters
         self.committed = -1  # last step whose optimizer update is applied here
         self._current: int | None = None  # step being run (between yield and ctx.step())
         self._avg: tuple[int, list] | None = None  # averaged gradient of the last commit
@@ -118,25 +122,51 @@ class Context:
         return self.runtime.gen if self.runtime else 0
 
     # -- registration --------------------------------------------------------------------
-    def register(self, model: torch.nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> None:  # fmt: skip
-        """Name what moves on migration: anything with state_dict/load_state_dict."""
+    def register(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 sharding: str | None = None, mirror: bool | None = None, **extra: Any) -> None:  # fmt: skip
+        """Name what moves on migration: anything with state_dict/load_state_dict.
+
+        sharding="zero1" shards the optimizer state over the data-parallel
+        ranks (comm/zero1.py); `optimizer` is then a template (class and
+        param groups) that ctx.step() applies to this rank's shard. The shard
+        is mirrored on the next rank unless mirror=False (or
+        LIVEMIG_ZERO1_MIRROR=0), without which a lost shard cannot be recovered.
+        """
         for name, obj in extra.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(f"ctx.register({name}=...): object has no state_dict/load_state_dict")
+        if sharding not in (None, "zero1"):
+            raise ConfigError(f"ctx.register(sharding={sharding!r}): expected None or 'zero1'")
+        if sharding and optimizer is None:
+            raise ConfigError("ctx.register(sharding='zero1') needs the optimizer whose state it shards")
         self.model, self.optimizer, self.extra = model, optimizer, extra
         self._params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
         if self._reducer is not None:
             self._reducer.remove()
-        self._reducer = GradReducer(self._params) if self._params and self.role != "local" else None
+        self._reducer, self._zero = None, None
+        if not self._params or self.role == "local":
+            return  # a single local process: plain optimizer steps, sharded or not
+        zero = sharding == "zero1"
+        self._reducer = GradReducer(self._params, shard_world=self.world_size if zero else 0)
+        if zero:
+            from livemig.comm.zero1 import Zero1
+
+            if mirror is None:
+                mirror = os.environ.get(ENV_ZERO1_MIRROR, "1") not in ("0", "false", "no")
+            self._zero = Zero1(self._reducer, self._params, optimizer, self.rank, self.world_size, mirror)
 
     def signature(self) -> list:
-        return signature(self.model.state_dict()) if self.model is not None else []
+        sig = signature(self.model.state_dict()) if self.model is not None else []
+        if self._zero is not None:  # a spare must shard the same way as the job
+            sig.append([SHARDING_ENTRY, "zero1", [int(self._zero.mirror is not None)]])
+        return sig
 
     def state_obj(self) -> dict[str, Any]:
+        """What every replica holds alike (with zero1 the optimizer lives in the shards)."""
+        opt = self.optimizer.state_dict() if self.optimizer is not None and self._zero is None else {}
         return {
             "model": self.model.state_dict() if self.model is not None else {},
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
+            "optimizer": opt,
             "extra": {k: v.state_dict() for k, v in self.extra.items()},
         }
 
@@ -161,6 +191,7 @@ class Context:
             self.runtime.register(self.rank)
             self._register_signature()
             self.runtime.follow(1, self)
+            self._gathered_gen = self.runtime.gen  # every rank built the same initial model
         elif self.role == "spare":
             if self._joining is None:
                 yield from self._shadow(total)  # sandboxed warm-up of the real loop body
@@ -171,6 +202,7 @@ class Context:
                 start = total
         for step in range(start, total):
             self._current = step
+            self._zero_regather()
             torch.manual_seed(step_seed(self.seed, step, self.rank))
             if self._reducer is not None:
                 self._reducer.arm(self.runtime.pg)
@@ -178,6 +210,7 @@ class Context:
             if self.committed != step:
                 raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
         self._current = None
+        self.after_switch()
 
     def step(self) -> None:
         """Average gradients over the live group, then optimizer.step() and zero_grad().
@@ -195,6 +228,9 @@ class Context:
             return
         if self.role == "local" or self.world_size == 1 and self.runtime is None:
             self._commit(t, None)
+            return
+        if self._zero is not None:
+            self._step_zero1(t)
             return
         for p in self._params:
             if p.grad is None:
@@ -218,11 +254,7 @@ class Context:
             except CollectiveAborted as exc:
                 first = False
                 red.disarm()
-                log.warning("collective failed; joining recovery",
-                            extra={"step": t, "generation": self.runtime.gen, "why": str(exc)})  # fmt: skip
-                retire(self.runtime.pg)
-                self.runtime.pg = None
-                self.runtime.follow(self.runtime.gen + 1, self)
+                self._join_recovery(t, exc)
                 if self.committed == t:
                     return  # a peer's completed average was fetched and applied
                 continue
@@ -231,6 +263,66 @@ class Context:
             # buffers are reused only after the next step's commit replaced self._avg.
             self._commit(t, flats)
             return
+
+    def _join_recovery(self, t: int | None, exc: BaseException) -> None:
+        log.warning("collective failed; joining recovery",
+                    extra={"step": t, "generation": self.runtime.gen, "why": str(exc)})  # fmt: skip
+        retire(self.runtime.pg)
+        self.runtime.pg = None
+        self.runtime.follow(self.runtime.gen + 1, self)
+
+    # -- ZeRO-1 (comm/zero1.py) --------------------------------------------------------------
+    def _step_zero1(self, t: int) -> None:
+        """Reduce-scatter, mirror exchange, barrier, shard updates, all-gather.
+
+        Recovery keeps one order on every member: after a group switch each
+        member first all-gathers the parameters (_zero_regather), then goes on
+        with the step it is at."""
+        z, red, rt = self._zero, self._reducer, self.runtime
+        assert red is not None
+        timeout, first = self.timeouts.collective, True
+        while self.committed < t:
+            rt.check_fenced()
+            self._zero_regather()
+            if self.committed >= t:
+                break
+            try:
+                self._maybe_self_fault(t, "allreduce")
+                if first:  # reduce-scatters launched during backward
+                    own = red.finish(self.world_size, timeout, rt.moved_on)
+                else:
+                    own = red.reduce(rt.pg, red.flatten(), self.world_size, timeout, rt.moved_on)
+                mirror = z.exchange(rt.pg, own, timeout, rt.moved_on)
+                self._avg = (t, [own, mirror])  # held: enough to finish step t alone
+                z.barrier(rt.pg, timeout, rt.moved_on)
+                self._maybe_self_fault(t, "before_commit")
+                if self._drop_avg(t):
+                    raise CollectiveAborted("test fault: barrier result dropped")
+            except CollectiveAborted as exc:
+                first = False
+                red.disarm()
+                self._join_recovery(t, exc)
+                continue
+            self._commit(t, [own, mirror])
+        self._gathered_gen = None  # the updated slices must reach every rank
+        self._zero_regather()
+
+    def _zero_regather(self) -> None:
+        """All-gather the parameters unless this generation's group already did."""
+        if self._zero is None:
+            return
+        rt = self.runtime
+        while self._gathered_gen != rt.gen and rt.m.state != GenState.DONE:
+            rt.check_fenced()
+            try:
+                self._zero.gather(rt.pg, self.timeouts.collective, rt.moved_on)
+                self._gathered_gen = rt.gen
+            except CollectiveAborted as exc:
+                self._join_recovery(self._current, exc)
+
+    def after_switch(self) -> None:
+        """Called by the runtime after it followed a new generation outside a step."""
+        self._zero_regather()
 
     # -- spare warm-up (livemig/sandbox) -----------------------------------------------------
     def _shadow(self, total: int) -> Iterator[int]:
@@ -261,6 +353,18 @@ class Context:
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self._zero is not None:  # no peers: this rank's slices of the local gradient
+            red = self._reducer
+            flats = red.flatten()
+            allreduce_mean(self._sandbox_pg, flats, 1, self.timeouts.collective)
+            own = [f.chunk(self.world_size)[self._zero.own.shard].clone() for f in flats]
+            mirror = [f.chunk(self.world_size)[self._zero.mirror.shard].clone()
+                      for f in flats] if self._zero.mirror else None  # fmt: skip
+            self._zero.update(own, mirror)
+            for p in self._params:
+                p.grad = None
+            self.committed = t
+            return
         if self._reducer is not None:
             flats = self._reducer.flatten()
             allreduce_mean(self._sandbox_pg, flats, 1, self.timeouts.collective)
@@ -283,7 +387,12 @@ class Context:
             self._reducer.sync = False
 
     def _commit(self, t: int, avg: list | None) -> None:
-        if self.optimizer is not None:
+        if self._zero is not None:
+            assert avg is not None
+            self._zero.update(avg[0], avg[1])
+            for p in self._params:
+                p.grad = None
+        elif self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad()
         self.committed = t
@@ -330,7 +439,13 @@ class Context:
         if self.committed_step() is None or (self.role == "spare" and self._current is None):
             return self._pull_state(m)
         if self.committed == target - 1 and self._current == target:
-            self._fetch_avg(m, target)
+            if self._zero is None:
+                self._fetch_avg(m, target)
+            elif self._avg is not None and self._avg[0] == target:
+                self._commit(target, self._avg[1])  # a peer passed the barrier: finish the step alone
+                log.info("finished a step a peer committed, from the slices held here", extra={"step": target})
+            else:
+                raise RecoveryError(f"rank {self.rank} does not hold the gradient slices of step {target}")
             return None
         raise RecoveryError(
             f"rank {self.rank} committed step {self.committed} and cannot reach the agreed resume step {m.resume_step}"
@@ -346,22 +461,28 @@ class Context:
             self.runtime.client.delete(key)
             srv.hooks.corrupt_next = True
             log.warning("fault injection: the first chunk served will be corrupted", extra={"rank": self.rank})
-        if self._avg is not None and self._avg[0] == self.committed:
+        if self._zero is not None:
+            for sh in (self._zero.own, self._zero.mirror):
+                if sh is not None:
+                    srv.publish(m.generation, f"zshard/{sh.shard}", lambda sh=sh: (self.committed + 1, sh.state()))
+        elif self._avg is not None and self._avg[0] == self.committed:
             avg = self._avg
             srv.publish(m.generation, "avg", lambda: (avg[0], {"flat": avg[1]}))
 
-    def _sources(self, m: Membership) -> list[str]:
-        return [m.members[r].addr for r in m.sources if r in m.members and m.members[r].addr]
+    def _sources(self, m: Membership, ranks: list[int] | None = None) -> list[str]:
+        ranks = m.sources if ranks is None else ranks
+        return [m.members[r].addr for r in ranks if r in m.members and m.members[r].addr and r != self.rank]
 
-    def _pull_any(self, m: Membership, item: str, alloc: Callable | None = None) -> Any:
-        """Pull `item`, striped over every source, retrying until the recovery deadline."""
+    def _pull_any(self, m: Membership, item: str, alloc: Callable | None = None,
+                  ranks: list[int] | None = None) -> Any:  # fmt: skip
+        """Pull `item`, striped over every source (or `ranks`), retrying until the recovery deadline."""
         secret = self.runtime.secret()
         deadline = time.monotonic() + self.timeouts.recovery.total_seconds()
         last = ""
         while time.monotonic() < deadline:
             if self.runtime.m.generation != m.generation:
                 raise CollectiveAborted("generation moved on during the transfer")
-            addrs = self._sources(m)
+            addrs = self._sources(m, ranks)
             if addrs:
                 moved = self.runtime.moved_to_other(m.generation)
                 try:
@@ -397,13 +518,26 @@ class Context:
         state = got.state
         if self.model is not None:
             self.model.load_state_dict(state["model"])
-        if self.optimizer is not None:
+        if self.optimizer is not None and self._zero is None:
             self.optimizer.load_state_dict(state["optimizer"])
         for k, v in self.extra.items():
             v.load_state_dict(state["extra"][k])
+        nbytes = got.nbytes
+        if self._zero is not None:  # our shard from its mirror, the shard we mirror from its owner
+            n = self.world_size
+            for sh in (self._zero.own, self._zero.mirror):
+                if sh is None:
+                    continue
+                holders = [sh.shard, (sh.shard + 1) % n] if self._zero.mirror is not None else [sh.shard]
+                where, part = self._pull_any(m, f"zshard/{sh.shard}", ranks=holders)
+                if part.step != got.step:
+                    raise RecoveryError(f"shard {sh.shard} from {where} is at step {part.step}, state at {got.step}")
+                sh.load(part.state)
+                nbytes += part.nbytes
+                addr += f",{where}"
         self.committed = got.step - 1
         self._loaded_step = got.step
-        self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
+        self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
         log.info("state loaded", extra={"resume_step": got.step, "bytes": got.nbytes,
                                         "seconds": round(got.seconds, 4)})  # fmt: skip
         return self._stream_info
@@ -453,10 +587,15 @@ class Context:
 
     def write_final(self) -> None:
         rt = self.runtime
-        rt.put(rt.keys.final(self.rank), {
-            "incarnation": self.incarnation, "steps": self.committed + 1, "digest": self.state_digest(),
-            "commits": self._commits, "generation": rt.gen, "role": self.role,
-            "joined_at_step": self._loaded_step})  # fmt: skip
+        rec = {"incarnation": self.incarnation, "steps": self.committed + 1, "digest": self.state_digest(),
+               "commits": self._commits, "generation": rt.gen, "role": self.role,
+               "joined_at_step": self._loaded_step}  # fmt: skip
+        if self._zero is not None:  # the report checks each mirror against its owner's shard
+            rec["shard_digest"] = digest(self._zero.own.tensors_for_digest())
+            if self._zero.mirror is not None:
+                rec["mirror_of"] = self._zero.mirror.shard
+                rec["mirror_digest"] = digest(self._zero.mirror.tensors_for_digest())
+        rt.put(rt.keys.final(self.rank), rec)
 
     def _finish(self) -> None:
         if self.runtime is None:

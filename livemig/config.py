@@ -110,6 +110,8 @@ ENV_SPARE_ID = "LIVEMIG_SPARE_ID"
 ENV_INCARNATION = "LIVEMIG_INCARNATION"
 ENV_HOST = "LIVEMIG_HOST"  # address peers reach this process at (default 127.0.0.1)
 ENV_BACKEND = "LIVEMIG_BACKEND"  # "gloo" (default) or "nccl"
+ENV_ZERO1_MIRROR = "LIVEMIG_ZERO1_MIRROR"  # "0": no mirror of ZeRO-1 shards (benchmarks; a lost shard is fatal)
+SHARDING_ENTRY = "<sharding>"  # the signature entry that names a job's optimizer sharding
 # Faults injected from inside a worker, for tests and `--fault ...:during=...`:
 # "selfkill:step=S:at=allreduce" or "drop_avg:step=S" (see livemig/faults.py).
 ENV_SELF_FAULT = "LIVEMIG_SELF_FAULT"

@@ -265,6 +265,7 @@ class MemberRuntime:
             m = self.follow(self.gen + 1, member)
             if m.state == GenState.DONE:
                 return m
+            member.after_switch()  # e.g. ZeRO-1: gather the parameters in the new group
             member.write_final()
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ commits it.
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 from typing import Any
 
@@ -34,6 +35,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float) -> dict[
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     median_step = statistics.median(gaps) if gaps else 0.0
     digests = {r: f["digest"] for r, f in finals.items()}
+    shards = sharded_state(finals)
     events = read_events(client, keys)
     result = client.get(keys.result)
     return {
@@ -43,11 +45,28 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float) -> dict[
         "steps_completed": min((f["steps"] for f in finals.values()), default=0),
         "wall_s": wall_s,
         "step_time_s_median": median_step,
-        "state_digest": digests.get("0", ""),
-        "replicas_identical": len(set(digests.values())) == 1 and len(digests) == world_size,
+        "state_digest": shards["state_digest"] if shards else digests.get("0", ""),
+        "replicas_identical": len(set(digests.values())) == 1 and len(digests) == world_size
+        and (not shards or shards["mirrors_exact"]),
+        **({"zero1": shards} if shards else {}),
         "recoveries": recoveries(events, commits, median_step),
         "timeline": events,
     }
+
+
+def sharded_state(finals: dict[str, dict]) -> dict[str, Any] | None:
+    """ZeRO-1: the job's state is the replicated model plus every rank's shard;
+    each mirror must equal the shard it mirrors (bit for bit)."""
+    if not finals or not all("shard_digest" in f for f in finals.values()):
+        return None
+    ranks = sorted(finals, key=int)
+    h = hashlib.sha256(finals[ranks[0]]["digest"].encode())
+    for r in ranks:
+        h.update(finals[r]["shard_digest"].encode())
+    bad = [r for r in ranks if "mirror_of" in finals[r]
+           and finals[r]["mirror_digest"] != finals.get(str(finals[r]["mirror_of"]), {}).get("shard_digest")]  # fmt: skip
+    return {"state_digest": h.hexdigest(), "mirrors_exact": not bad, "mirror_mismatch_ranks": bad,
+            "mirrored": any("mirror_of" in f for f in finals.values())}  # fmt: skip
 
 
 def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step: float) -> list[dict]:

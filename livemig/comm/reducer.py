@@ -11,6 +11,10 @@ The bucket layout is the one canonical layout: the overlapped first attempt,
 a retry in a new group, and a fetched average all use it, so the summation
 order (and so the bits) never depends on which path a step took.
 
+Sharded mode (ZeRO-1, `shard_world` > 0): each bucket is padded to a
+multiple of the world size and reduce-scattered instead of allreduced; rank
+r keeps the averaged slice r of every bucket (see comm/zero1.py).
+
 Gradient accumulation: wrap all but the last micro-batch's backward in
 `ctx.no_sync()`, as with DDP. A gradient that changes after its bucket was
 launched makes the step fall back to a synchronous reduction.
@@ -43,8 +47,9 @@ def bucket_layout(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) 
 
 
 class GradReducer:
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], shard_world: int = 0) -> None:
         self.params = list(reversed(params))
+        self.shard_world = shard_world
         self.layout = bucket_layout(self.params)
         self.bucket_of = {i: b for b, idx in enumerate(self.layout) for i in idx}
         self.offset: dict[int, int] = {}
@@ -54,7 +59,11 @@ class GradReducer:
                 self.offset[i] = off
                 off += self.params[i].numel()
         self.sizes = [sum(self.params[i].numel() for i in idx) for idx in self.layout]
+        w = max(shard_world, 1)
+        self.padded = [-(-n // w) * w for n in self.sizes]  # room for equal slices per rank
+        self.shard_sizes = [n // w for n in self.padded]
         self._sets: list[list[torch.Tensor] | None] = [None, None]
+        self._out_sets: list[list[torch.Tensor] | None] = [None, None]
         self._flip = 0
         self.sync = False  # inside ctx.no_sync(): copy nothing, launch nothing
         self._armed = False
@@ -66,15 +75,24 @@ class GradReducer:
         self._pg = pg
         self._armed = pg is not None
         self._flip ^= 1
-        if self._sets[self._flip] is None:
-            dtype = self.params[0].dtype if self.params else torch.float32
-            self._sets[self._flip] = [torch.empty(n, dtype=dtype) for n in self.sizes]
-        self._flats = self._sets[self._flip]
+        fi = 0 if self.shard_world else self._flip  # sharded: the kept average is the slice, not the bucket
+        if self._sets[fi] is None:
+            self._sets[fi] = self._alloc(self.padded)
+        self._flats = self._sets[fi]
+        if self.shard_world:
+            # the averaged slices are kept until the next step's commit: double-buffered too
+            if self._out_sets[self._flip] is None:
+                self._out_sets[self._flip] = self._alloc(self.shard_sizes)
+            self._outs = self._out_sets[self._flip]
         self._filled = [False] * len(self.params)
         self._count = [0] * len(self.layout)
         self._works: list[Any] = [None] * len(self.layout)
         self._dirty = False
         self._launch_error: BaseException | None = None
+
+    def _alloc(self, sizes: list[int]) -> list[torch.Tensor]:
+        dtype = self.params[0].dtype if self.params else torch.float32
+        return [torch.zeros(n, dtype=dtype) for n in sizes]  # padding stays zero
 
     def disarm(self) -> None:
         self._armed = False
@@ -104,21 +122,24 @@ class GradReducer:
 
     def _launch(self, b: int) -> None:
         try:
-            self._works[b] = self._pg.allreduce([self._flats[b]])
+            if self.shard_world:
+                chunks = list(self._flats[b].chunk(self.shard_world))
+                self._works[b] = self._pg.reduce_scatter([self._outs[b]], [chunks])
+            else:
+                self._works[b] = self._pg.allreduce([self._flats[b]])
         except Exception as exc:  # noqa: BLE001 - surfaced by finish()
             self._launch_error = exc
             self._works[b] = False
 
     def finish(self, world: int, timeout: timedelta, should_abort: Callable[[], bool]) -> list[torch.Tensor]:
-        """Complete the overlapped reduction; returns the averaged buckets."""
+        """Complete the overlapped reduction; returns the averaged buckets
+        (in sharded mode: this rank's averaged slice of each bucket)."""
         self._armed = False
         if self._launch_error is not None:
             raise CollectiveAborted(f"collective failed at launch: {self._launch_error}")
         if self._dirty:
             wait_all([w for w in self._works if w], timeout, should_abort)  # keep collective order
-            flats = self.flatten()
-            allreduce_mean(self._pg, flats, world, timeout, should_abort)
-            return flats
+            return self.reduce(self._pg, self.flatten(), world, timeout, should_abort)
         else:
             for i in range(len(self.params)):
                 if not self._filled[i]:
@@ -129,14 +150,34 @@ class GradReducer:
             if self._launch_error is not None:
                 raise CollectiveAborted(f"collective failed at launch: {self._launch_error}")
             wait_all(self._works, timeout, should_abort)
-            flats = self._flats
+            flats = self._outs if self.shard_world else self._flats
         for f in flats:
             f.div_(world)
         return flats
 
     # -- synchronous paths (retry in a new group, fetched average) ------------------------------
     def flatten(self) -> list[torch.Tensor]:
-        return [torch.cat([self.params[i].grad.reshape(-1) for i in idx]) for idx in self.layout]
+        return self._padded([torch.cat([self.params[i].grad.reshape(-1) for i in idx]) for idx in self.layout])
+
+    def _padded(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [f if f.numel() == n else torch.nn.functional.pad(f, (0, n - f.numel()))
+                for f, n in zip(flats, self.padded, strict=True)]  # fmt: skip
+
+    def reduce(self, pg: Any, flats: list[torch.Tensor], world: int, timeout: timedelta,
+               should_abort: Callable[[], bool] | None = None) -> list[torch.Tensor]:  # fmt: skip
+        """Synchronous reduction of `flats` (retry in a new group): the averaged
+        buckets, or in sharded mode freshly allocated averaged slices."""
+        if not self.shard_world:
+            allreduce_mean(pg, flats, world, timeout, should_abort)
+            return flats
+        if pg is None:
+            raise CollectiveAborted("no process group: this member is between generations")
+        outs = self._alloc(self.shard_sizes)
+        works = [pg.reduce_scatter([o], [list(f.chunk(self.shard_world))]) for o, f in zip(outs, flats, strict=True)]
+        wait_all(works, timeout, should_abort)
+        for o in outs:
+            o.div_(world)
+        return outs
 
     def write_back(self, flats: list[torch.Tensor]) -> None:
         for idx, flat in zip(self.layout, flats, strict=True):
@@ -146,6 +187,21 @@ class GradReducer:
                 n = g.numel()
                 g.copy_(flat[off : off + n].view_as(g))
                 off += n
+
+    def write_params(self, flats: list[torch.Tensor]) -> None:
+        """Copy gathered (padded) buckets into the parameters themselves."""
+        with torch.no_grad():
+            for idx, flat in zip(self.layout, flats, strict=True):
+                off = 0
+                for i in idx:
+                    p = self.params[i]
+                    p.copy_(flat[off : off + p.numel()].view_as(p))
+                    off += p.numel()
+
+    def param_flats(self) -> list[torch.Tensor]:
+        """The parameters' values in the padded bucket layout."""
+        with torch.no_grad():
+            return self._padded([torch.cat([self.params[i].detach().reshape(-1) for i in idx]) for idx in self.layout])
 
     def remove(self) -> None:
         for h in self._handles:

@@ -32,6 +32,7 @@ from livemig.rdzv.client import KV, EtcdClient, decode, encode
 from livemig.rdzv.election import LeaderElection
 from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, new_incarnation
 from livemig.rdzv.watch import PrefixWatch
+from livemig.sharding import lost_shards, sharding_of
 from livemig.state import first_mismatch
 
 log = logging.getLogger("livemig.coordinator")
@@ -291,9 +292,20 @@ class Coordinator:
         if behind:
             return self._fail(m, f"rank(s) {behind} are more than one step behind (invariant broken)")
         sources = sorted(r for r, c in holding.items() if c == resume - 1)
+        mode, mirrored = sharding_of((s.get(self.keys.config) or {}).get("signature", []))
+        if mode == "zero1":  # every shard needs a live holder; a rank behind finishes from its own slices
+            lost = lost_shards(m.world_size, mirrored, set(holding))
+            if lost:
+                return self._fail(m, "; ".join(lost) + ": restart from a checkpoint")
+            short = [r for r, c in holding.items()
+                     if c == resume - 2 and reports[str(r)].get("avg_step") != resume - 1]  # fmt: skip
+            if short:
+                return self._fail(m, f"rank(s) {short} lack the gradient slices of step {resume - 1}")
         # A source must hold the average of step resume-1 for members one step behind.
-        if any(c == resume - 2 for c in holding.values()) and not any(
-            reports[str(r)].get("avg_step") == resume - 1 for r in sources
+        if (
+            mode != "zero1"
+            and any(c == resume - 2 for c in holding.values())
+            and not any(reports[str(r)].get("avg_step") == resume - 1 for r in sources)
         ):
             return self._fail(m, f"no member holds the averaged gradient of step {resume - 1}")
         if not self._since.get((m.generation, "agreed")):

@@ -20,6 +20,7 @@ from tests.helpers.logs import process_logs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MLP = os.path.join(REPO, "examples", "mlp.py")
+MLP_ZERO1 = os.path.join(REPO, "examples", "mlp_zero1.py")
 STEPS = 24
 WORKLOAD = ["--steps", str(STEPS), "--layers", "2", "--batch", "32"]
 
@@ -34,13 +35,13 @@ class Run:
 
 def livemig_run(tmp_path, nproc: int, spares: int = 0, faults: tuple[str, ...] = (),
                 extra: tuple[str, ...] = (), env: dict | None = None, timeout: float = 240,
-                workload: list[str] | None = None, job: str = "t") -> Run:  # fmt: skip
+                workload: list[str] | None = None, job: str = "t", script: str = MLP) -> Run:  # fmt: skip
     report = tmp_path / f"report-{job}.json"
     cmd = [sys.executable, "-m", "livemig.cli", "run", "--nproc", str(nproc), "--spares", str(spares),
            "--job", job, "--report", str(report), "--lease-ttl", "2", *extra]  # fmt: skip
     for f in faults:
         cmd += ["--fault", f]
-    cmd += [MLP, *(workload or WORKLOAD)]
+    cmd += [script, *(workload or WORKLOAD)]
     full_env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path), LIVEMIG_LOG_LEVEL="INFO",
                     LIVEMIG_RECOVERY_TIMEOUT="60", **(env or {}))  # fmt: skip
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
@@ -55,14 +56,16 @@ def explain(run: Run) -> str:
 
 @pytest.fixture(scope="session")
 def reference_digest(tmp_path_factory):
-    cache: dict[int, str] = {}
+    cache: dict[tuple[int, str], str] = {}
 
-    def get(nproc: int) -> str:
-        if nproc not in cache:
-            run = livemig_run(tmp_path_factory.mktemp(f"ref{nproc}"), nproc, job=f"ref{nproc}")
+    def get(nproc: int, script: str = MLP) -> str:
+        if (nproc, script) not in cache:
+            name = f"ref{nproc}{'z' if script == MLP_ZERO1 else ''}"
+            run = livemig_run(tmp_path_factory.mktemp(name), nproc, job=name, script=script)
             assert run.rc == 0, explain(run)
             assert run.report["steps_completed"] == STEPS
-            cache[nproc] = run.report["state_digest"]
-        return cache[nproc]
+            assert run.report["replicas_identical"], explain(run)
+            cache[(nproc, script)] = run.report["state_digest"]
+        return cache[(nproc, script)]
 
     return get

@@ -1,0 +1,213 @@
+"""ZeRO-1: the optimizer state sharded over data-parallel ranks, mirrored on a buddy.
+
+Layout. The gradient buckets of comm/reducer.py (reverse parameter order,
+each padded to a multiple of the world size N) are cut into N equal slices;
+rank r owns slice r of every bucket: the master values of those elements
+and the optimizer state for them. A step is
+
+    reduce-scatter each bucket  -> rank r holds g_r, the averaged slice r
+    exchange: send g_r to r+1   -> rank r also holds g_{r-1}
+    barrier (1-element allreduce)
+    update own shard r with g_r, and the mirror of shard r-1 with g_{r-1}
+    all-gather the updated slices -> full parameters on every rank
+
+Mirror. Rank (r+1) mod N keeps an exact copy of shard r (values and
+optimizer state) by applying the same update to it with the same gradient
+slice: one extra shard of memory, one extra slice sent per step, and one
+extra shard of optimizer arithmetic. See docs/architecture.md for why this
+beats copying the state after each step or erasure coding.
+
+Why the barrier. A rank updates only after every rank holds the gradient
+slices it needs: if any survivor completed the barrier, every rank had
+entered it, so every survivor can finish the step on its own (the update is
+applied from the slices it holds), and the slice of a dead rank r lives on at
+r+1 (which received g_r) and r-1 (which owns g_{r-1}). If no survivor
+completed it, nobody updated and the step is redone. The all-gather comes
+after the update: if it fails, the step is committed (every shard updated
+on its owner and mirror) and the new group only repeats the all-gather.
+
+Only element-wise optimizers are sharded (the update of an element depends
+on that element alone): Adam, AdamW, SGD, ... Optimizers that look at whole
+tensors (LBFGS, Adafactor, Muon) are refused at registration.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from livemig.comm.group import CollectiveAborted, wait_all
+from livemig.comm.reducer import GradReducer
+from livemig.errors import ConfigError
+
+log = logging.getLogger("livemig.zero1")
+
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adadelta", "ASGD")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of one shard's elements in one bucket that belong to one param group."""
+
+    bucket: int
+    start: int  # offset within the shard's slice of the bucket
+    length: int
+    group: int  # index into the user's optimizer param_groups
+
+
+def shard_pieces(red: GradReducer, group_of: list[int], shard: int) -> list[Piece]:
+    """The pieces of `shard`: its slice of every bucket, split where the param group changes."""
+    out: list[Piece] = []
+    for b, idx in enumerate(red.layout):
+        s = red.shard_sizes[b]
+        lo, hi = shard * s, (shard + 1) * s
+        for i in idx:
+            a = red.offset[i]
+            e = a + red.params[i].numel()
+            x, y = max(a, lo), min(e, hi)
+            if x >= y:
+                continue
+            g = group_of[i]
+            last = out[-1] if out else None
+            if last and last.bucket == b and last.group == g and lo + last.start + last.length == x:
+                out[-1] = Piece(b, last.start, last.length + (y - x), g)
+            else:
+                out.append(Piece(b, x - lo, y - x, g))
+    return out
+
+
+class ShardState:
+    """One shard's master values and the optimizer that updates them."""
+
+    def __init__(self, red: GradReducer, group_of: list[int], template: torch.optim.Optimizer, shard: int) -> None:
+        self.shard = shard
+        self.template = template
+        self.pieces = shard_pieces(red, group_of, shard)
+        init = red.param_flats()
+        self.values = [f[shard * s : (shard + 1) * s].clone() for f, s in zip(init, red.shard_sizes, strict=True)]
+        self.tensors = [self.values[p.bucket][p.start : p.start + p.length] for p in self.pieces]
+        self.group_ids = sorted({p.group for p in self.pieces})
+        groups = []
+        for g in self.group_ids:
+            hp = {k: v for k, v in template.param_groups[g].items() if k != "params"}
+            groups.append({"params": [t for t, p in zip(self.tensors, self.pieces, strict=True) if p.group == g], **hp})
+        self.opt = type(template)(groups) if groups else None
+
+    def update(self, grads: list[torch.Tensor]) -> None:
+        """Apply one step with the averaged slices `grads` (one per bucket)."""
+        if self.opt is None:
+            return
+        for g, group in zip(self.group_ids, self.opt.param_groups, strict=True):
+            for k, v in self.template.param_groups[g].items():  # follow LR schedulers on the template
+                if k != "params":
+                    group[k] = v
+        for t, p in zip(self.tensors, self.pieces, strict=True):
+            t.grad = grads[p.bucket][p.start : p.start + p.length]
+        self.opt.step()
+        for t in self.tensors:
+            t.grad = None
+
+    def state(self) -> dict[str, Any]:
+        return {"shard": self.shard, "values": self.values, "optimizer": self.opt.state_dict() if self.opt else {}}
+
+    def load(self, obj: dict[str, Any]) -> None:
+        if int(obj["shard"]) != self.shard:
+            raise ConfigError(f"received optimizer shard {obj['shard']}, expected {self.shard}")
+        for dst, src in zip(self.values, obj["values"], strict=True):
+            dst.copy_(src)
+        if self.opt is not None:
+            self.opt.load_state_dict(obj["optimizer"])
+
+    def tensors_for_digest(self) -> list[torch.Tensor]:
+        from livemig.state import flatten
+
+        out: list[torch.Tensor] = []
+        flatten(self.state(), out)
+        return out
+
+
+def _forbid_step(*_: Any, **__: Any) -> None:
+    raise ConfigError("with sharding='zero1' the optimizer is stepped by ctx.step(), not by user code")
+
+
+class Zero1:
+    """Rank `rank`'s own shard, its mirror of shard rank-1, and the collectives of a step."""
+
+    def __init__(self, red: GradReducer, params: list[torch.nn.Parameter], template: torch.optim.Optimizer,
+                 rank: int, world: int, mirror: bool = True) -> None:  # fmt: skip
+        name = type(template).__name__
+        if name not in ELEMENTWISE:
+            raise ConfigError(
+                f"sharding='zero1' needs an element-wise optimizer ({', '.join(ELEMENTWISE)}); "
+                f"{name} updates whole tensors: use sharding=None"
+            )
+        pid = {id(p): g for g, grp in enumerate(template.param_groups) for p in grp["params"]}
+        missing = [i for i, p in enumerate(params) if id(p) not in pid]
+        if missing:
+            raise ConfigError(f"sharding='zero1': {len(missing)} trainable parameter(s) are not in the optimizer")
+        self.red, self.rank, self.world = red, rank, world
+        group_of = [pid[id(p)] for p in red.params]
+        self.own = ShardState(red, group_of, template, rank)
+        self.mirror = ShardState(red, group_of, template, (rank - 1) % world) if mirror and world > 1 else None
+        self._gather: list[torch.Tensor] | None = None
+        template.step = _forbid_step  # type: ignore[method-assign]
+
+    # -- the collectives of one step ----------------------------------------------------
+    def exchange(self, pg: Any, own: list[torch.Tensor], timeout: timedelta, abort: Any) -> list[torch.Tensor] | None:
+        """Send our averaged slices to the next rank, receive the previous rank's."""
+        if self.mirror is None:
+            return None
+        if pg is None:
+            raise CollectiveAborted("no process group: this member is between generations")
+        got = [torch.empty_like(g) for g in own]
+        nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        works = []
+        for b, (g, r) in enumerate(zip(own, got, strict=True)):
+            works.append(pg.send([g], nxt, b))
+            works.append(pg.recv([r], prv, b))
+        wait_all(works, timeout, abort)
+        return got
+
+    @staticmethod
+    def barrier(pg: Any, timeout: timedelta, abort: Any) -> None:
+        if pg is None:
+            raise CollectiveAborted("no process group: this member is between generations")
+        wait_all([pg.allreduce([torch.zeros(1)])], timeout, abort)
+
+    def update(self, own: list[torch.Tensor], mirror: list[torch.Tensor] | None) -> None:
+        self.own.update(own)
+        if self.mirror is not None:
+            if mirror is None:
+                raise CollectiveAborted("no gradient slice for the mirrored shard")
+            self.mirror.update(mirror)
+
+    def gather(self, pg: Any, timeout: timedelta, abort: Any) -> None:
+        """All-gather the owners' slices into the full parameters."""
+        if pg is None:
+            raise CollectiveAborted("no process group: this member is between generations")
+        vals = self.own.values
+        if self._gather is None:
+            self._gather = [torch.zeros(n, dtype=v.dtype) for n, v in zip(self.red.padded, vals, strict=True)]
+        works = [pg.allgather([list(f.chunk(self.world))], [v]) for f, v in zip(self._gather, vals, strict=True)]
+        try:
+            wait_all(works, timeout, abort)
+        except CollectiveAborted:
+            self._gather = None  # an abandoned gloo op may still write into it
+            raise
+        self.red.write_params(self._gather)
+
+    # -- memory (reported by benchmarks) -----------------------------------------------------
+    def memory_bytes(self) -> dict[str, int]:
+        def size(s: ShardState | None) -> int:
+            if s is None:
+                return 0
+            n = sum(v.nbytes for v in s.values)
+            if s.opt is not None:
+                n += sum(t.nbytes for st in s.opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+            return n
+
+        return {"own_shard": size(self.own), "mirror_shard": size(self.mirror)}

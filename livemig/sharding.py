@@ -1,0 +1,27 @@
+"""What the coordinator knows about a job's optimizer sharding (no torch import:
+the coordinator and the CLI stay light). The mechanics are in comm/zero1.py."""
+
+from __future__ import annotations
+
+from livemig.config import SHARDING_ENTRY
+
+
+def sharding_of(sig: list) -> tuple[str, bool]:
+    """(mode, mirrored) recorded in a job's signature; ("", False) when unsharded."""
+    for e in sig:
+        if isinstance(e, list | tuple) and len(e) == 3 and e[0] == SHARDING_ENTRY:
+            return str(e[1]), bool(e[2] and e[2][0])
+    return "", False
+
+
+def lost_shards(world: int, mirrored: bool, holding: set[int]) -> list[str]:
+    """Shards with no surviving holder (owner r, or its mirror r+1), as readable lines."""
+    out = []
+    for r in range(world):
+        nxt = (r + 1) % world
+        if r in holding or (mirrored and world > 1 and nxt in holding):
+            continue
+        who = f"its owner rank {r} and its mirror rank {nxt} both failed" if mirrored and world > 1 else (
+            f"its owner rank {r} failed and shards are not mirrored (LIVEMIG_ZERO1_MIRROR=0)")  # fmt: skip
+        out.append(f"optimizer shard {r} is lost: {who}")
+    return out

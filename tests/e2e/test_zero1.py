@@ -1,0 +1,60 @@
+"""ZeRO-1 recovery end to end: a killed rank's optimizer shard comes back
+exactly from its live mirror. Central assertion: the final state (the
+replicated model plus every rank's shard) equals the fault-free zero1 run's,
+every step completed, and every mirror equals the shard it mirrors."""
+
+from __future__ import annotations
+
+import signal
+
+from tests.e2e.conftest import MLP_ZERO1, STEPS, explain, livemig_run
+from tests.e2e.test_recovery import assert_exact
+
+
+def zrun(tmp_path, nproc: int, spares: int, faults: tuple[str, ...], **kw):
+    return livemig_run(tmp_path, nproc, spares=spares, faults=faults, script=MLP_ZERO1, **kw)
+
+
+def assert_zero1_exact(run, reference: str, recoveries: int) -> None:
+    assert_exact(run, reference, recoveries)
+    z = run.report["zero1"]
+    assert z["mirrored"] and z["mirrors_exact"], z
+
+
+def test_zero1_kill_between_steps(tmp_path, reference_digest):
+    ref = reference_digest(2, MLP_ZERO1)
+    run = zrun(tmp_path, 2, 1, ("kill:rank=1:step=8",))
+    assert_zero1_exact(run, ref, 1)
+    # the spare pulled the model and both of its shards (its own from the mirror, rank 0)
+    assert run.report["recoveries"][0]["bytes_streamed"] > 0
+
+
+def test_zero1_kill_inside_reduce_scatter(tmp_path, reference_digest):
+    ref = reference_digest(3, MLP_ZERO1)
+    run = zrun(tmp_path, 3, 1, ("kill:rank=1:step=8:during=allreduce",))
+    assert_zero1_exact(run, ref, 1)
+
+
+def test_zero1_buddy_killed_after_barrier_peer_finishes_from_its_slices(tmp_path, reference_digest):
+    """Rank 2 (the mirror of shard 1) dies after the barrier of step 8, before
+    it updated; rank 1 loses the barrier's result (drop), rank 0 commits step 8.
+    The job must resume at 9 with rank 1 finishing step 8 from the gradient
+    slices it holds, and the spare must rebuild rank 2's shard from its mirror
+    on rank 0 and the mirror of shard 1 from rank 1."""
+    ref = reference_digest(3, MLP_ZERO1)
+    run = zrun(tmp_path, 3, 1, ("kill:rank=2:step=8:during=before_commit", "drop_avg:rank=1:step=8"))
+    assert_zero1_exact(run, ref, 1)
+    agree = [e for e in run.report["timeline"] if e["phase"] == "agree"]
+    assert agree[0]["resume_step"] == 9, agree
+
+
+def test_zero1_rank_and_its_mirror_killed_together_fails_naming_the_shard(tmp_path):
+    run = zrun(tmp_path, 3, 2, ("kill:rank=1:step=6", "kill:rank=2:step=6"), timeout=120)
+    assert run.rc != 0, explain(run)
+    res = run.report["result"]
+    assert res["state"] == "failed", explain(run)
+    assert "optimizer shard 1 is lost: its owner rank 1 and its mirror rank 2 both failed" in res["reason"]
+    assert "optimizer shard 1 is lost" in run.stdout + run.stderr
+    procs = {p["name"]: p for p in run.report["processes"]}
+    assert procs["worker-1"]["exit_code"] == -signal.SIGKILL
+    assert run.report["steps_completed"] < STEPS

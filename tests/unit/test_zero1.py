@@ -1,0 +1,131 @@
+"""ZeRO-1 mechanics on a real 2-rank gloo group (two threads of this process):
+the sharded update must equal plain data-parallel AdamW bit for bit, and a
+mirror must equal the shard it mirrors."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from livemig.comm.reducer import GradReducer
+from livemig.comm.zero1 import Zero1, shard_pieces
+from livemig.errors import ConfigError
+from livemig.sharding import lost_shards, sharding_of
+
+T = timedelta(seconds=20)
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5))
+
+
+def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
+    decay = [p for n, p in m.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in m.named_parameters() if not n.endswith("weight")]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+
+
+def grads(m: torch.nn.Module, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(4, 13, generator=g), torch.randn(4, 5, generator=g)
+    torch.nn.functional.mse_loss(m(x), y).backward()
+
+
+def run_rank(rank: int, world: int, store: dist.Store, steps: int, m: torch.nn.Module, out: dict) -> None:
+    opt = optimizer(m)
+    params = list(m.parameters())
+    red = GradReducer(params, shard_world=world)
+    z = Zero1(red, params, opt, rank, world)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("z", store), rank, world, T)
+    for step in range(steps):
+        red.arm(pg)
+        grads(m, rank, step)
+        own = red.finish(world, T, lambda: False)
+        mirror = z.exchange(pg, own, T, lambda: False)
+        z.barrier(pg, T, lambda: False)
+        z.update(own, mirror)
+        for p in params:
+            p.grad = None
+        z.gather(pg, T, lambda: False)
+    out[rank] = (m, z)
+
+
+def test_sharded_update_equals_plain_adamw_and_mirror_is_exact():
+    world, steps = 2, 5
+    store = dist.HashStore()
+    out: dict = {}
+    models = [model() for _ in range(world)]  # built here: torch.manual_seed is process-global
+    threads = [threading.Thread(target=run_rank, args=(r, world, store, steps, models[r], out)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(out) == {0, 1}
+    ref = model()
+    opt = optimizer(ref)
+    for step in range(steps):  # plain data parallel: the mean of the ranks' gradients
+        acc = [torch.zeros_like(p) for p in ref.parameters()]
+        for r in range(world):
+            ref.zero_grad()
+            grads(ref, r, step)
+            for a, p in zip(acc, ref.parameters(), strict=True):
+                a.add_(p.grad)
+        for a, p in zip(acc, ref.parameters(), strict=True):
+            p.grad = a / world
+        opt.step()
+    for r in range(world):
+        for p, q in zip(out[r][0].parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q), f"rank {r}: sharded parameters differ from plain AdamW"
+    for r in range(world):
+        own, mirror_at_next = out[r][1].own, out[(r + 1) % world][1].mirror
+        assert mirror_at_next.shard == r
+        for a, b in zip(own.values, mirror_at_next.values, strict=True):
+            assert torch.equal(a, b)
+        sa, sb = own.opt.state_dict()["state"], mirror_at_next.opt.state_dict()["state"]
+        assert sa.keys() == sb.keys() and sa
+        for k in sa:
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(sa[k][name], sb[k][name]), f"mirror of shard {r} drifted in {name}"
+
+
+def test_pieces_cover_every_element_once_and_split_at_param_groups():
+    m = model()
+    opt = optimizer(m)
+    params = list(m.parameters())
+    pid = {id(p): g for g, grp in enumerate(opt.param_groups) for p in grp["params"]}
+    for world in (1, 2, 3, 5):
+        red = GradReducer(params, shard_world=world)
+        group_of = [pid[id(p)] for p in red.params]
+        covered = 0
+        for shard in range(world):
+            for pc in shard_pieces(red, group_of, shard):
+                assert 0 <= pc.start and pc.start + pc.length <= red.shard_sizes[pc.bucket]
+                covered += pc.length
+        assert covered == sum(p.numel() for p in params)
+    # two groups alternate (weight, bias, weight, bias): a world of 1 has 4 pieces
+    red = GradReducer(params, shard_world=1)
+    assert len(shard_pieces(red, [pid[id(p)] for p in red.params], 0)) == 4
+
+
+def test_refuses_optimizers_that_are_not_elementwise_and_user_steps():
+    m = model()
+    params = list(m.parameters())
+    with pytest.raises(ConfigError, match="element-wise"):
+        Zero1(GradReducer(params, 2), params, torch.optim.LBFGS(params), 0, 2)
+    opt = optimizer(m)
+    Zero1(GradReducer(params, 2), params, opt, 0, 2)
+    with pytest.raises(ConfigError, match="stepped by ctx.step"):
+        opt.step()
+
+
+def test_lost_shards_names_owner_and_mirror():
+    assert lost_shards(3, True, {0, 2}) == []  # shard 1 lives on at its mirror, rank 2
+    assert lost_shards(3, True, {0}) == ["optimizer shard 1 is lost: its owner rank 1 and its mirror rank 2 both failed"]
+    assert lost_shards(2, False, {0})[0].startswith("optimizer shard 1 is lost: its owner rank 1 failed")
+    assert sharding_of([["w", "float32", [2]], ["<sharding>", "zero1", [1]]]) == ("zero1", True)
+    assert sharding_of([["w", "float32", [2]]]) == ("", False)

@@ -46,7 +46,8 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float) -> dict[
         "wall_s": wall_s,
         "step_time_s_median": median_step,
         "state_digest": shards["state_digest"] if shards else digests.get("0", ""),
-        "replicas_identical": len(set(digests.values())) == 1 and len(digests) == world_size
+        "replicas_identical": len(set(digests.values())) == 1
+        and len(digests) == world_size
         and (not shards or shards["mirrors_exact"]),
         **({"zero1": shards} if shards else {}),
         "recoveries": recoveries(events, commits, median_step),
@@ -63,8 +64,15 @@ def sharded_state(finals: dict[str, dict]) -> dict[str, Any] | None:
     h = hashlib.sha256(finals[ranks[0]]["digest"].encode())
     for r in ranks:
         h.update(finals[r]["shard_digest"].encode())
-    bad = [r for r in ranks if "mirror_of" in finals[r]
-           and finals[r]["mirror_digest"] != finals.get(str(finals[r]["mirror_of"]), {}).get("shard_digest")]  # fmt: skip
+
+    def owner(f: dict) -> dict:
+        return finals.get(str(f["mirror_of"]), {})
+
+    bad = [
+        r
+        for r in ranks
+        if "mirror_of" in finals[r] and finals[r]["mirror_digest"] != owner(finals[r]).get("shard_digest")
+    ]
     return {"state_digest": h.hexdigest(), "mirrors_exact": not bad, "mirror_mismatch_ranks": bad,
             "mirrored": any("mirror_of" in f for f in finals.values())}  # fmt: skip
 

@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--ckpt-dir", default="")
     p.add_argument("--ckpt-every", type=int, default=0)
     p.add_argument("--out-dir", default="", help="progress, commit times and final digest go here")
+    p.add_argument("--zero1", action="store_true", help="shard AdamW's state (torch ZeroRedundancyOptimizer)")
     a = p.parse_args()
     torch.set_num_threads(1)
     # A bounded wait: a restarted group that cannot connect fails (and torchrun
@@ -48,7 +49,12 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234)
     model = DDP(build_model(a.width, a.layers))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if a.zero1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     start = 0
     ckpt = os.path.join(a.ckpt_dir, "latest.pt") if a.ckpt_dir else ""
     if ckpt and os.path.exists(ckpt):
@@ -70,10 +76,14 @@ def main() -> None:
         if prog:
             prog.write(json.dumps({"step": step, "time": time.time(), "pid": os.getpid()}) + "\n")
             prog.flush()
+        if ckpt and (step + 1) % a.ckpt_every == 0 and a.zero1:
+            opt.consolidate_state_dict(to=0)  # collective: every rank sends its shard to rank 0
         if ckpt and rank == 0 and (step + 1) % a.ckpt_every == 0:
             tmp = ckpt + ".tmp"
             torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(), "step": step + 1}, tmp)
             os.replace(tmp, ckpt)
+    if out and a.zero1:
+        opt.consolidate_state_dict(to=0)
     if out and rank == 0:
         from livemig.state import digest, flatten
 

@@ -36,6 +36,7 @@ from livemig.launch import RunConfig, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MLP = os.path.join(ROOT, "examples", "mlp.py")
+MLP_ZERO1 = os.path.join(ROOT, "examples", "mlp_zero1.py")
 DDP = os.path.join(ROOT, "examples", "ddp_baseline.py")
 
 
@@ -45,14 +46,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_livemig(a: argparse.Namespace, fault: bool, workload: list[str]) -> dict[str, Any]:
+def run_livemig(a: argparse.Namespace, fault: bool, workload: list[str], env: dict | None = None) -> dict[str, Any]:
+    zero1 = getattr(a, "sharding", "none") == "zero1"
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # the launcher passes its environment on to the workers
     cfg = RunConfig(
-        script=MLP, args=workload, nproc=a.workers, spares=a.spares,  # an idle spare in fault_free too
+        script=MLP_ZERO1 if zero1 else MLP, args=workload,
+        nproc=a.workers, spares=a.spares,  # an idle spare in fault_free too
         job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True, max_wall=a.run_timeout,
         faults=[parse_fault(f"kill:rank=1:step={a.fail_at}")] if fault else [],
     )  # fmt: skip
     t0 = time.monotonic()
-    rep = run(cfg)
+    try:
+        rep = run(cfg)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     wall = time.monotonic() - t0
     rec = rep["recoveries"][0] if rep["recoveries"] else {}
     return {
@@ -78,6 +90,8 @@ def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str]) -> dict[str
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(a.workers),
             "--max-restarts", "3" if fault else "0", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", DDP, *workload, "--out-dir", out]  # fmt: skip
+    if getattr(a, "sharding", "none") == "zero1":
+        args.append("--zero1")
     if fault:
         args += ["--ckpt-dir", out, "--ckpt-every", str(a.ckpt_every)]
     t0 = time.monotonic()
@@ -149,6 +163,8 @@ def add_downtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--run-timeout", type=float, default=300.0, help="abandon one run after this long, s")
+    p.add_argument("--sharding", choices=("none", "zero1"), default="none",
+                   help="zero1: examples/mlp_zero1.py; DDP rows use torch's ZeroRedundancyOptimizer")  # fmt: skip
     p.add_argument("--json", help="write every figure and raw sample here")
     p.add_argument("--plot", help="write a PNG of the phase breakdown (needs matplotlib)")
 
@@ -176,7 +192,8 @@ def run_downtime(a: argparse.Namespace) -> int:
         rs["lost_s"] = rs["wall_s"] - dd["wall_s"]
         rs["bit_identical"] = rs["digest"] == dd["digest"]
     summary = {}
-    print(f"\nworkload: examples/mlp.py, {a.workers} workers, {a.steps} steps, rank 1 SIGKILLed after step "
+    script = "mlp_zero1" if a.sharding == "zero1" else "mlp"
+    print(f"\nworkload: examples/{script}.py, {a.workers} workers, {a.steps} steps, rank 1 SIGKILLed after step "
           f"{a.fail_at}; restart checkpoints every {a.ckpt_every}; {a.repeat} interleaved rounds; "
           "median (min-max)")  # fmt: skip
     print(f"{'approach':<11} {'wall_s':>18} {'lost_s':>18} {'downtime_s':>18} {'step_ms':>8}  bit-identical")
@@ -259,25 +276,67 @@ def add_overhead_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--run-timeout", type=float, default=300.0, help="abandon one run after this long, s")
+    p.add_argument("--sharding", choices=("none", "zero1"), default="none",
+                   help="zero1: also time ZeRO-1 without its mirror, and DDP with ZeroRedundancyOptimizer")  # fmt: skip
     p.add_argument("--json")
 
 
+def _row(name: str, xs: list[float]) -> str:
+    return f"  {name:<24} {statistics.median(xs) * 1e3:7.1f} ms  ({min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f})"
+
+
+def _ratio(name: str, num: list[float], den: list[float]) -> tuple[str, float]:
+    rs = [x / y if y else float("nan") for x, y in zip(num, den, strict=True)]
+    med = statistics.median(rs)
+    return f"  {name:<24} {med:7.3f}     ({min(rs):.3f}-{max(rs):.3f})", med
+
+
 def run_overhead(a: argparse.Namespace) -> int:
+    """Median step times measured side by side, interleaved round by round."""
     workload = ["--steps", str(a.steps), "--width", str(a.width), "--layers", str(a.layers)]
     a.spares, a.fail_at, a.ckpt_every = 0, 0, 0
-    lm, dd, ratios = [], [], []
+    zero1 = a.sharding == "zero1"
+    plain = argparse.Namespace(**{**vars(a), "sharding": "none"})
+    runs: dict[str, Any] = {"livemig": lambda: run_livemig(plain, False, workload),
+                            "plain DDP": lambda: run_ddp(plain, False, workload)}  # fmt: skip
+    if zero1:
+        runs["livemig zero1 + mirror"] = lambda: run_livemig(a, False, workload)
+        runs["livemig zero1, no mirror"] = lambda: run_livemig(a, False, workload, {"LIVEMIG_ZERO1_MIRROR": "0"})
+        runs["DDP + ZeroRedundancyOpt"] = lambda: run_ddp(a, False, workload)
+    times: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(a.repeat):
         print(f"  round {r + 1}/{a.repeat} ...", flush=True)
-        x = run_livemig(a, False, workload)["median_step_s"]
-        y = run_ddp(a, False, workload)["median_step_s"]
-        lm.append(x)
-        dd.append(y)
-        ratios.append(x / y if y else float("nan"))
-    print(f"steady-state step time, {a.workers} workers, {a.steps} steps, {a.repeat} interleaved rounds")
-    print(f"  livemig     {statistics.median(lm) * 1e3:.1f} ms  ({min(lm) * 1e3:.1f}-{max(lm) * 1e3:.1f})")
-    print(f"  plain DDP   {statistics.median(dd) * 1e3:.1f} ms  ({min(dd) * 1e3:.1f}-{max(dd) * 1e3:.1f})")
-    print(f"  ratio       {statistics.median(ratios):.3f}  ({min(ratios):.3f}-{max(ratios):.3f})")
+        for name, fn in runs.items():
+            times[name].append(fn()["median_step_s"])
+    print(f"steady-state step time, {a.workers} workers, {a.steps} steps, {a.repeat} interleaved rounds, "
+          "median (min-max)")  # fmt: skip
+    for name, xs in times.items():
+        print(_row(name, xs))
+    out: dict[str, Any] = {"step_s": times, "ratios": {}}
+    pairs = [("livemig / DDP", "livemig", "plain DDP")]
+    if zero1:
+        pairs += [("zero1+mirror / zero1", "livemig zero1 + mirror", "livemig zero1, no mirror"),
+                  ("zero1+mirror / DDP", "livemig zero1 + mirror", "plain DDP"),
+                  ("zero1 / DDP+ZeRO", "livemig zero1, no mirror", "DDP + ZeroRedundancyOpt")]  # fmt: skip
+    print("ratios")
+    for label, x, y in pairs:
+        line, med = _ratio(label, times[x], times[y])
+        print(line)
+        out["ratios"][label] = med
+    if zero1:
+        out["memory_mb_per_rank"] = mem = zero1_memory(a.width, a.layers, a.workers)
+        print("memory per rank (MiB, fp32, AdamW): " + "  ".join(f"{k} {v:.1f}" for k, v in mem.items()))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"livemig_step_s": lm, "ddp_step_s": dd, "ratio": ratios}, f, indent=2)
+            json.dump(out, f, indent=2)
     return 0
+
+
+def zero1_memory(width: int, layers: int, world: int) -> dict[str, float]:
+    """Training-state bytes per rank, from the reference model's size: parameters and
+    gradients are whole on every rank; AdamW's two moments (and, for the shard,
+    the master values) are 1/N; the mirror is exactly one more such shard."""
+    p = layers * (width * width + width) * 4 / 2**20
+    shard = 3 * p / world  # values + exp_avg + exp_avg_sq
+    return {"params": p, "grads": p, "ddp_adamw_state": 2 * p, "zero1_own_shard": shard,
+            "zero1_mirror_shard": shard, "mirror_slices_sent_per_step": p / world}  # fmt: skip

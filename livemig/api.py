@@ -48,7 +48,7 @@ from livemig.faults import parse_self_fault
 from livemig.rdzv.client import decode
 from livemig.rdzv.membership import GenState, Membership, new_incarnation
 from livemig.rdzv.watch import wait_for
-from livemig.state import digest, flatten, signature
+from livemig.state import digest, flatten, signature, unflatten
 from livemig.transfer.client import pull
 
 log = logging.getLogger("livemig.api")
@@ -58,12 +58,23 @@ class _Activate(BaseException):
     """Unwinds the user's function in a spare once it is claimed (never caught by user code
     that catches Exception)."""
 
-    def __init__(self, generation: int, rank: int) -> None:
-        self.generation, self.rank = generation, rank
+    def __init__(self, generation: int, rank: int, migration: bool = False) -> None:
+        self.generation, self.rank, self.migration = generation, rank, migration
 
 
 class _Stop(BaseException):
     """A standby spare was asked to exit (`livemig-spare stop`)."""
+
+
+class _Released(BaseException):
+    """This worker's rank moved to a spare (planned migration): exit cleanly."""
+
+
+class _Requeue(BaseException):
+    """The migration this spare was claimed for was aborted: back to standby."""
+
+
+AVG_KEEP = 8  # averaged gradients a leaving worker keeps for its catching-up spare
 
 
 class Context:
@@ -87,6 +98,7 @@ class Context:
         self.spare_id = os.environ.get(ENV_SPARE_ID, "")
         self._joining: _Activate | None = None
         self._started = time.monotonic()
+        self._spare_keeper: Any = None
         self._sandbox_pg: Any = None
         self._warm_s: float | None = None
         self._reset_user_state()
@@ -116,6 +128,9 @@ class Context:
         self._total = 0
         self._loaded_step: int | None = None
         self._stream_info: dict[str, Any] = {}
+        self._mig_gen: int | None = None  # leaving worker: the migration generation it serves
+        self._mig_step: int | None = None  # leaving worker: the step its snapshot was taken before
+        self._step_t0 = 0.0
 
     @property
     def generation(self) -> int:
@@ -196,16 +211,22 @@ class Context:
             if self._joining is None:
                 yield from self._shadow(total)  # sandboxed warm-up of the real loop body
                 self._standby()  # raises _Activate
-            m = self.runtime.follow(self._joining.generation, self)
-            start = self.committed + 1
-            if m.state == GenState.DONE:
-                start = total
+            if self._joining.migration:
+                self._migrate_in()
+                start = self.committed + 1
+            else:
+                m = self.runtime.follow(self._joining.generation, self)
+                start = self.committed + 1
+                if m.state == GenState.DONE:
+                    start = total
         for step in range(start, total):
             self._current = step
             self._zero_regather()
+            self._migration_tick()
             torch.manual_seed(step_seed(self.seed, step, self.rank))
             if self._reducer is not None:
                 self._reducer.arm(self.runtime.pg)
+            self._step_t0 = time.monotonic()
             yield step
             if self.committed != step:
                 raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
@@ -238,15 +259,17 @@ class Context:
         red = self._reducer
         assert red is not None
         first = True
+        compute_s = time.monotonic() - self._step_t0  # forward + backward: the straggler hook's input
         while True:
             self.runtime.check_fenced()
+            ctl = torch.tensor([self._vote()])  # planned migration: all 1.0 = switch after this step
             try:
                 self._maybe_self_fault(t, "allreduce")
                 if first:  # the overlapped reduction launched during backward
-                    flats = red.finish(self.world_size, self.timeouts.collective, self.runtime.moved_on)
+                    flats = red.finish(self.world_size, self.timeouts.collective, self.runtime.moved_on, ctl)
                 else:
                     flats = red.flatten()
-                    allreduce_mean(self.runtime.pg, flats, self.world_size, self.timeouts.collective,
+                    allreduce_mean(self.runtime.pg, [*flats, ctl], self.world_size, self.timeouts.collective,
                                    should_abort=self.runtime.moved_on)  # fmt: skip
                 self._maybe_self_fault(t, "before_commit")
                 if self._drop_avg(t):
@@ -261,7 +284,9 @@ class Context:
             red.write_back(flats)
             # No copy needed for the kept average: the reducer double-buffers, so these
             # buffers are reused only after the next step's commit replaced self._avg.
-            self._commit(t, flats)
+            hparams = self._hparams()
+            self._commit(t, flats, compute_s=compute_s)
+            self._after_commit(t, flats, hparams, switch=float(ctl[0]) == 1.0)
             return
 
     def _join_recovery(self, t: int | None, exc: BaseException) -> None:
@@ -386,7 +411,7 @@ class Context:
         finally:
             self._reducer.sync = False
 
-    def _commit(self, t: int, avg: list | None) -> None:
+    def _commit(self, t: int, avg: list | None, replay: bool = False, **info: float) -> None:
         if self._zero is not None:
             assert avg is not None
             self._zero.update(avg[0], avg[1])
@@ -397,9 +422,11 @@ class Context:
             self.optimizer.zero_grad()
         self.committed = t
         self._avg = (t, avg) if avg is not None else None
+        if replay:  # a migrating spare replaying the group's steps: not a commit of the job's
+            return
         self._commits.append([t, time.time()])
         if self.runtime is not None:
-            self.runtime.progress(t, generation=self.runtime.gen, **self._last_metrics)
+            self.runtime.progress(t, generation=self.runtime.gen, **self._last_metrics, **info)
 
     # -- test faults ----------------------------------------------------------------------
     def _maybe_self_fault(self, t: int, at: str) -> None:
@@ -515,13 +542,7 @@ class Context:
 
         t0 = time.monotonic()
         addr, got = self._pull_any(m, "state", alloc)
-        state = got.state
-        if self.model is not None:
-            self.model.load_state_dict(state["model"])
-        if self.optimizer is not None and self._zero is None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        for k, v in self.extra.items():
-            v.load_state_dict(state["extra"][k])
+        self._load_state(got.state)
         nbytes = got.nbytes
         if self._zero is not None:  # our shard from its mirror, the shard we mirror from its owner
             n = self.world_size
@@ -541,6 +562,167 @@ class Context:
         log.info("state loaded", extra={"resume_step": got.step, "bytes": got.nbytes,
                                         "seconds": round(got.seconds, 4)})  # fmt: skip
         return self._stream_info
+
+    # -- planned migration (docs/architecture.md) ---------------------------------------------
+    def _migration_plan(self) -> tuple[Membership, dict] | None:
+        """The migration of our group in progress, if any."""
+        rt = self.runtime
+        if rt is None or rt.m.state != GenState.MIGRATING or rt.m.migration.get("from_gen") != rt.gen:
+            return None
+        m = rt.m
+        return m, m.migration
+
+    def _migration_tick(self) -> None:
+        """At a step boundary: the leaving worker takes its snapshot once the spare
+        asks for it; every staying member starts building the new group."""
+        if self.role == "local" or self._zero is not None:
+            return
+        rt = self.runtime
+        plan = self._migration_plan()
+        if plan is None:
+            if self._mig_gen is not None and rt.m.generation != self._mig_gen:
+                rt.server.withdraw()  # the migration was resolved: stop serving its items
+                self._mig_gen = self._mig_step = None
+            return
+        m, mig = plan
+        if mig.get("leaving") == self.incarnation:
+            if self._mig_gen != m.generation and "snapshot" in rt.server.wanted:
+                rt.server.wanted.discard("snapshot")
+                tensors: list[torch.Tensor] = []
+                skel = flatten(self.state_obj(), tensors)
+                snap = unflatten(skel, [x.clone() for x in tensors])  # training goes on: serve a copy
+                step = self.committed + 1
+                rt.server.publish(m.generation, "snapshot", lambda: (step, snap))
+                self._mig_gen, self._mig_step = m.generation, step
+                log.info("migration: snapshot served", extra={"step": step, "generation": m.generation})
+        elif m.rank_of(self.incarnation) is not None:
+            rt.prebuild(m, m.rank_of(self.incarnation))
+
+    def _vote(self) -> float:
+        """1.0 when this member is ready to switch to the migration's group."""
+        plan = self._migration_plan()
+        if plan is None or plan[1].get("phase") != "switch":
+            return 0.0
+        m, mig = plan
+        if mig.get("leaving") == self.incarnation:
+            return 1.0 if self._mig_gen == m.generation else 0.0
+        return 1.0 if self.runtime.prebuilt(m.generation) is not None else 0.0
+
+    def _hparams(self) -> list[dict]:
+        if self.optimizer is None:
+            return []
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def _after_commit(self, t: int, flats: list[torch.Tensor], hparams: list[dict], switch: bool) -> None:
+        rt = self.runtime
+        if self._mig_gen is not None and self._mig_step is not None and t >= self._mig_step:
+            g = self._mig_gen
+            item: dict[str, Any] = {"flat": [f.clone() for f in flats], "hparams": hparams, "final": switch}
+            if switch:  # what user code changed outside the optimizer: buffers, extras
+                item["buffers"] = {k: v.clone() for k, v in self.model.named_buffers()} if self.model else {}
+                item["extra"] = {k: v.state_dict() for k, v in self.extra.items()}
+            rt.server.publish(g, f"avg/{t}", lambda: (t, item))
+            rt.server.withdraw(f"avg/{t - AVG_KEEP}")
+        if not switch:
+            return
+        plan = self._migration_plan()
+        if plan is None:
+            return
+        m, mig = plan
+        if mig.get("leaving") == self.incarnation:
+            self._leave(m.generation)
+            return
+        rank = m.rank_of(self.incarnation)
+        rt.switch_to(m.generation)
+        rt.put(rt.keys.ready(m.generation, rank), {"incarnation": self.incarnation, "switched": t,
+                                                   "time": time.time()})  # fmt: skip
+
+    def _leave(self, g: int) -> None:
+        """The leaving worker after the switch step: serve until the spare switched, then exit."""
+        rt = self.runtime
+        m = rt.wait_membership(lambda x: x.generation != g or x.state != GenState.MIGRATING,
+                               "the spare to take over this rank")  # fmt: skip
+        if m.generation == g and m.state == GenState.COMMITTED:
+            log.info("released: rank handed over to a spare (planned migration)", extra={"generation": g})
+            raise _Released()
+        # The migration failed during its switch: recovery decides whether we stay.
+        self._join_recovery(self.committed, RuntimeError("migration failed during the switch"))
+
+    def _migrate_in(self) -> None:
+        """A spare claimed for a planned migration: load the leaving worker's snapshot,
+        replay the group's averaged gradients until the switch step, then switch."""
+        rt, act = self.runtime, self._joining
+        assert act is not None
+        g, rank = act.generation, act.rank
+        m = rt.wait_membership(lambda x: x.generation >= g, f"generation {g}")
+        if m.generation != g or m.state != GenState.MIGRATING:
+            raise _Requeue()
+        addr, secret = m.migration["addr"], rt.secret()
+        rt.prebuild(m, rank)  # phase 1 in the background, while we catch up
+        deadline = time.monotonic() + self.timeouts.recovery.total_seconds()
+
+        def fetch(item: str, alloc: Callable | None = None) -> Any:
+            while True:
+                moved = rt.moved_to_other(g)
+                if moved():
+                    raise _Requeue()
+                try:
+                    return pull(addr, rt.job, secret, g, item, self.timeouts.collective.total_seconds(), alloc,
+                                abort=moved)  # fmt: skip
+                except TransferError as exc:
+                    if time.monotonic() > deadline:
+                        raise RecoveryError(f"migration: could not pull {item} from {addr}: {exc}") from exc
+                time.sleep(0.005)
+
+        model_tensors = list(self.model.state_dict().values()) if self.model is not None else []
+        t0 = time.monotonic()
+        got = fetch("snapshot", lambda i, meta: model_tensors[i] if i < len(model_tensors) and list(
+            model_tensors[i].shape) == meta["shape"] else None)  # fmt: skip
+        self._load_state(got.state)
+        self.committed, self._loaded_step = got.step - 1, got.step
+        self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
+        rec = {"incarnation": self.incarnation, "loaded": got.step, **self._stream_info}
+        rt.put(rt.keys.catchup(g), {**rec, "applied": self.committed, "time": time.time()})
+        red = self._reducer
+        while True:
+            t = self.committed + 1
+            got = fetch(f"avg/{t}")
+            for grp, hp in zip(self.optimizer.param_groups if self.optimizer else [], got.state["hparams"],
+                               strict=True):  # fmt: skip
+                grp.update(hp)
+            for p in self._params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if red is not None:
+                red.write_back(got.state["flat"])
+            self._commit(t, None, replay=True)
+            rt.put(rt.keys.catchup(g), {**rec, "applied": t, "time": time.time()})
+            if got.state["final"]:
+                bufs = dict(self.model.named_buffers()) if self.model is not None else {}
+                for k, v in got.state.get("buffers", {}).items():
+                    bufs[k].copy_(v)
+                for k, v in self.extra.items():
+                    v.load_state_dict(got.state["extra"][k])
+                break
+        while rt.prebuilt(g) is None:  # the group is built once every member joined it
+            if rt.moved_to_other(g)():
+                raise _Requeue()
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"migration: the group of generation {g} was not built in time")
+            time.sleep(0.005)
+        rt.register(rank)
+        rt.switch_to(g)
+        rt.put(rt.keys.ready(g, rank), {"incarnation": self.incarnation, "switched": self.committed,
+                                        "time": time.time(), **self._stream_info})  # fmt: skip
+        log.info("migration: switched in", extra={"rank": rank, "generation": g, "step": self.committed})
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        if self.model is not None:
+            self.model.load_state_dict(state["model"])
+        if self.optimizer is not None and self._zero is None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        for k, v in self.extra.items():
+            v.load_state_dict(state["extra"][k])
 
     # -- spare standby ----------------------------------------------------------------------
     def _register_signature(self) -> None:
@@ -562,7 +744,8 @@ class Context:
             "state": "warm", "signature": self.signature(), "warmup_s": self._warm_s,
             "peak_rss_mb": psutil.Process().memory_info().rss / 2**20,
         }  # fmt: skip
-        keeper = rt.rdzv.register(rt.keys.spare(self.spare_id), info, self.incarnation, rt._on_lost)
+        keeper = self._spare_keeper = rt.rdzv.register(rt.keys.spare(self.spare_id), info, self.incarnation,
+                                                       rt._on_lost)  # fmt: skip
         rt.start_server()
         log.info("spare warm", extra={"spare": self.spare_id, "warmup_s": round(self._warm_s, 3)})
         key = rt.keys.assignment(self.spare_id)
@@ -583,7 +766,25 @@ class Context:
         if a.get("refused"):
             keeper.stop(revoke=True)
             raise ConfigError(f"spare {self.spare_id} refused by the job: {a['refused']}")
-        raise _Activate(int(a["generation"]), int(a["rank"]))
+        raise _Activate(int(a["generation"]), int(a["rank"]), bool(a.get("migration")))
+
+    def _requeue(self) -> None:
+        """Back to standby after an aborted migration: drop the claim, warm up again."""
+        rt = self.runtime
+        log.info("migration aborted: back to standby", extra={"spare": self.spare_id})
+        if self._spare_keeper is not None:
+            self._spare_keeper.stop(revoke=True)
+            self._spare_keeper = None
+        rt.client.delete(rt.keys.assignment(self.spare_id))
+        if rt.keeper is not None:
+            rt.keeper.stop(revoke=True)
+            rt.keeper = None
+        retire(rt.pg)
+        rt.pg, rt.rank, rt.gen, rt._pre = None, None, 0, None
+        self._reset_user_state()
+        self._joining = None
+        self.rank = int(os.environ.get(ENV_RANK, "0"))
+        self._started = time.monotonic()
 
     def write_final(self) -> None:
         rt = self.runtime
@@ -619,15 +820,21 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
             ctx = None
             try:
                 ctx = Context(seed, timeouts)
-                try:
-                    result = fn(ctx, *args, **kwargs)
-                except _Activate as act:
-                    log.info("claimed", extra={"rank": act.rank, "generation": act.generation})
-                    ctx._reset_user_state()
-                    ctx.rank, ctx._joining = act.rank, act
-                    result = fn(ctx, *args, **kwargs)
+                while True:  # a spare: standby -> claimed -> (an aborted migration: standby again)
+                    try:
+                        result = fn(ctx, *args, **kwargs)
+                        break
+                    except _Activate as act:
+                        log.info("claimed", extra={"rank": act.rank, "generation": act.generation,
+                                                   "migration": act.migration})  # fmt: skip
+                        ctx._reset_user_state()
+                        ctx.rank, ctx._joining = act.rank, act
+                    except _Requeue:
+                        ctx._requeue()
                 ctx._finish()
                 return result
+            except _Released:
+                return None
             except _Stop:
                 return None
             except FencedError as exc:

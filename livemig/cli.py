@@ -1,4 +1,4 @@
-"""`livemig` command line: run, status, inject, bench."""
+"""`livemig` command line: run, status, inject, migrate, bench."""
 
 from __future__ import annotations
 
@@ -94,8 +94,14 @@ def _inject_parser(sub: argparse._SubParsersAction) -> None:
     add_parser(sub)
 
 
+def _migrate_parser(sub: argparse._SubParsersAction) -> None:
+    from livemig.migrate import add_parser
+
+    add_parser(sub)
+
+
 # Commands defined in other modules (keeps this file small).
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_run_parser, _inject_parser]
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_run_parser, _inject_parser, _migrate_parser]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -111,6 +111,8 @@ ENV_INCARNATION = "LIVEMIG_INCARNATION"
 ENV_HOST = "LIVEMIG_HOST"  # address peers reach this process at (default 127.0.0.1)
 ENV_BACKEND = "LIVEMIG_BACKEND"  # "gloo" (default) or "nccl"
 ENV_ZERO1_MIRROR = "LIVEMIG_ZERO1_MIRROR"  # "0": no mirror of ZeRO-1 shards (benchmarks; a lost shard is fatal)
+ENV_STRAGGLER_FACTOR = "LIVEMIG_STRAGGLER_FACTOR"  # > 0 turns the straggler hook on (e.g. 1.5)
+ENV_STRAGGLER_STEPS = "LIVEMIG_STRAGGLER_STEPS"  # consecutive slow steps before a migration (default 20)
 SHARDING_ENTRY = "<sharding>"  # the signature entry that names a job's optimizer sharding
 # Faults injected from inside a worker, for tests and `--fault ...:during=...`:
 # "selfkill:step=S:at=allreduce" or "drop_avg:step=S" (see livemig/faults.py).
@@ -136,3 +138,13 @@ def exit_with_parent() -> None:
             time.sleep(0.2)
 
     threading.Thread(target=watch, daemon=True, name="livemig-parent-watch").start()
+
+
+def straggler_settings() -> tuple[float, int]:
+    """(factor, steps) of the coordinator's straggler hook; factor 0 = off (the default)."""
+    try:
+        factor = float(os.environ.get(ENV_STRAGGLER_FACTOR, "0") or 0)
+        steps = int(os.environ.get(ENV_STRAGGLER_STEPS, "20") or 20)
+    except ValueError as exc:
+        raise ConfigError(f"{ENV_STRAGGLER_FACTOR}/{ENV_STRAGGLER_STEPS}: not a number ({exc})") from exc
+    return factor, max(1, steps)

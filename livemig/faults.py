@@ -14,6 +14,7 @@
 | etcd-kill | member I | SIGKILL one member of the embedded etcd cluster (`--etcd-members 3`) |
 | coordinator-kill | - | SIGKILL the leader coordinator (run `--coordinators 2` for a standby) |
 | spare-kill | - | SIGKILL the spare claimed in the current recovery (else any spare) |
+| migrate | rank R | not a fault: a planned migration of R onto a spare (as `livemig migrate`) |
 
 Trigger: once rank R (or, without a rank, any rank) has committed step S.
 `during` delays it further:
@@ -22,7 +23,8 @@ Trigger: once rank R (or, without a rank, any rank) has committed step S.
   completed but before its optimizer step;
 - fence / agree / claim / stream / build / commit: the first recovery after
   step S reaches that phase (stream = right after the claim, when the spare
-  starts pulling; build = when the first member reports its group built).
+  starts pulling; build = when the first member reports its group built;
+  catchup = a migrating spare loaded its snapshot and caught up with the group).
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from dataclasses import dataclass
 
 from livemig.errors import ConfigError
 
-RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition")
+RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition", "migrate")
 UNRANKED = ("etcd-kill", "coordinator-kill", "spare-kill")
 KINDS = RANKED + UNRANKED
 IN_PROCESS_DURING = ("allreduce", "before_commit")
-PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit")
+PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit", "catchup")
 USAGE = "KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I]"
 
 

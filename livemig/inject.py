@@ -21,8 +21,9 @@ from livemig.launch import phase_reached, record_fault, step_reached
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.membership import Rendezvous
 
-# drop_avg is in-process only; partition needs the worker started in a namespace by `livemig run`
-CLI_KINDS = tuple(k for k in KINDS if k not in ("drop_avg", "partition")) + ("resume",)
+# drop_avg is in-process only; partition needs the worker started in a namespace by `livemig run`;
+# migrate is `livemig migrate`
+CLI_KINDS = tuple(k for k in KINDS if k not in ("drop_avg", "partition", "migrate")) + ("resume",)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

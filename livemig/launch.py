@@ -326,13 +326,17 @@ class Launcher:
                     self._resumes.append((time.monotonic() + f.resume_after, target))
             elif f.kind == "corrupt":
                 self.client.put(self.keys.inject_corrupt(f.rank), encode({"time": time.time()}))  # type: ignore[arg-type]
+            elif f.kind == "migrate":
+                from livemig.migrate import request_migration
+
+                request_migration(self.client, self.keys, f.rank, f"fault plan after step {step}")  # type: ignore[arg-type]
             else:
                 sig = signal.SIGSTOP if f.kind == "hang" else signal.SIGKILL
                 os.killpg(target.proc.pid, sig)
                 if f.kind == "hang" and f.resume_after is not None:
                     self._resumes.append((time.monotonic() + f.resume_after, target))
         now = time.time()
-        if f.kind not in ("slow", "corrupt"):  # these do not start a downtime
+        if f.kind not in ("slow", "corrupt", "migrate"):  # these do not start a downtime
             record_fault(self.client, self.keys, f.kind, f.rank, step, now)
         self.injected.append({"kind": f.kind, "rank": f.rank, "step": step, "during": f.during, "time": now,
                               "target": what})  # fmt: skip

@@ -60,6 +60,7 @@ class MemberRuntime:
         self._cond = threading.Condition()
         self.m = Membership()
         self.pg: Any = None
+        self._pre: tuple[int, dict] | None = None  # (generation, box) of a background build
         self.gen = 0  # generation whose group we train in
         self.rank: int | None = None
         self.keeper: LeaseKeeper | None = None
@@ -107,8 +108,52 @@ class MemberRuntime:
             raise FencedError(f"incarnation {self.incarnation} must stop: {self.fence_reason}")
 
     def moved_on(self) -> bool:
-        """True when the job's generation is no longer the one we train in."""
-        return self.fenced.is_set() or self.m.generation != self.gen
+        """True when the job left the group we train in (a planned migration in
+        progress, or an aborted one, keeps it)."""
+        return self.fenced.is_set() or (self.m.generation > self.gen and not self.keeps_group(self.m))
+
+    def keeps_group(self, m: Membership) -> bool:
+        """Does generation `m` let members of our group go on training in it?"""
+        if m.state == GenState.MIGRATING:
+            return m.migration.get("from_gen") == self.gen
+        return m.state == GenState.COMMITTED and m.continues == self.gen and self.pg is not None
+
+    # -- planned migration: phase 1 in the background ---------------------------------------
+    def prebuild(self, m: Membership, rank: int) -> None:
+        """Build generation m's group in a thread while training goes on in ours."""
+        g = m.generation
+        if self._pre is not None and self._pre[0] == g:
+            return
+        box: dict[str, Any] = {}
+        self._pre = (g, box)
+
+        def work() -> None:
+            t0 = time.monotonic()
+            try:
+                box["pg"] = build_group(m.store, g, rank, m.world_size, self.timeouts.collective, self.backend,
+                                        should_abort=lambda: self.fenced.is_set() or self.m.generation > g)  # fmt: skip
+                self.put(self.keys.ready(g, rank), {"incarnation": self.incarnation, "built": True,
+                                                    "build_s": time.monotonic() - t0, "time": time.time()})  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - an abandoned build: the migration was aborted
+                box["err"] = exc
+                log.info("background build abandoned", extra={"generation": g, "why": str(exc)})
+
+        threading.Thread(target=work, name=f"livemig-prebuild-g{g}", daemon=True).start()
+
+    def prebuilt(self, g: int) -> Any:
+        """The group built in the background for generation g, or None if not (yet) there."""
+        if self._pre is None or self._pre[0] != g:
+            return None
+        return self._pre[1].get("pg")
+
+    def switch_to(self, g: int) -> None:
+        """Phase 2 of a planned migration: train in the prebuilt group of g from now on."""
+        pg = self.prebuilt(g)
+        if pg is None:
+            raise CollectiveAborted(f"no prebuilt group for generation {g}")
+        retire(self.pg)
+        self.pg, self.gen, self._pre = pg, g, None
+        log.info("switched group (planned migration)", extra={"generation": g})
 
     def moved_to_other(self, generation: int) -> Callable[[], bool]:
         """A check that turns true once the job leaves `generation` (or we are fenced)."""
@@ -182,6 +227,11 @@ class MemberRuntime:
             )
             if m.state == GenState.FAILED:
                 raise RecoveryError(f"job failed: {m.reason}")
+            if m.state == GenState.MIGRATING or (m.state == GenState.COMMITTED and m.continues):
+                if self.pg is not None and self.keeps_group(m):
+                    return m  # our group goes on (an aborted migration)
+                self._wait_change(m)  # the coordinator resolves the migration first
+                continue
             if m.rank_of(self.incarnation) is None:  # DONE included: the job finished without us
                 if self.rdzv.is_fenced(self.incarnation):
                     self.mark_fenced(f"fenced in generation {m.generation}")
@@ -257,7 +307,10 @@ class MemberRuntime:
         """After the last step: stay a member (serving, rebuilding) until DONE."""
         while True:
             m = self.wait_membership(
-                lambda x: x.state == GenState.DONE or x.generation != self.gen or x.state == GenState.FAILED,
+                lambda x: (
+                    x.state in (GenState.DONE, GenState.FAILED)
+                    or (x.generation != self.gen and not self.keeps_group(x))
+                ),
                 "the job to finish",
             )
             if m.state == GenState.DONE:

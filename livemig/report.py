@@ -51,6 +51,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float) -> dict[
         and (not shards or shards["mirrors_exact"]),
         **({"zero1": shards} if shards else {}),
         "recoveries": recoveries(events, commits, median_step),
+        "migrations": migrations(events, commits, median_step),
         "timeline": events,
     }
 
@@ -75,6 +76,44 @@ def sharded_state(finals: dict[str, dict]) -> dict[str, Any] | None:
     ]
     return {"state_digest": h.hexdigest(), "mirrors_exact": not bad, "mirror_mismatch_ranks": bad,
             "mirrored": any("mirror_of" in f for f in finals.values())}  # fmt: skip
+
+
+def migrations(events: list[dict], commits: list[tuple[int, float]], median_step: float) -> list[dict]:
+    """Planned migrations (kind "migration"): phases, and the pause of the switch step.
+
+    pause_s: how much longer the first step in the new group took than a
+    median step (its commit minus the switch step's commit, minus the median)."""
+    out: list[dict] = []
+    by_gen: dict[int, dict[str, Any]] = {}
+    for ev in events:
+        g = ev.get("generation")
+        if ev["phase"] == "request":
+            by_gen[g] = {"kind": "migration", "rank": ev.get("rank"), "reason": ev.get("reason", ""),
+                         "generation": g, "t": {"request": ev["time"]}, "bytes_streamed": 0}  # fmt: skip
+        elif g in by_gen:
+            cur = by_gen[g]
+            cur["t"].setdefault(ev["phase"], ev["time"])
+            if ev["phase"] == "stream":
+                cur["bytes_streamed"] += ev.get("bytes", 0)
+                cur["snapshot_s"] = ev.get("seconds", 0.0)
+            elif ev["phase"] == "catchup":
+                cur["lag_at_switch_vote"] = ev.get("lag")
+            elif ev["phase"] == "switch":
+                cur["switch_step"] = ev.get("step")
+            elif ev["phase"] == "abort":
+                cur["aborted"] = ev.get("reason", "")
+    at = dict(commits)
+    for cur in by_gen.values():
+        t = cur.pop("t")
+        seq = [(k, t[k]) for k in ("request", "claim", "stream", "catchup", "switch", "commit") if k in t]
+        cur["phases"] = {name: round(max(0.0, b - a), 4) for (_, a), (name, b) in zip(seq, seq[1:], strict=False)}
+        cur["outcome"] = "aborted" if "aborted" in cur else ("done" if "commit" in t else "incomplete")
+        step = cur.get("switch_step")
+        if step is not None and step in at and step + 1 in at:
+            cur["pause_s"] = round(max(0.0, at[step + 1] - at[step] - median_step), 4)
+            cur["switch_step_s"] = round(at[step + 1] - at[step], 4)
+        out.append(cur)
+    return out
 
 
 def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step: float) -> list[dict]:

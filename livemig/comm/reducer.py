@@ -131,15 +131,22 @@ class GradReducer:
             self._launch_error = exc
             self._works[b] = False
 
-    def finish(self, world: int, timeout: timedelta, should_abort: Callable[[], bool]) -> list[torch.Tensor]:
+    def finish(self, world: int, timeout: timedelta, should_abort: Callable[[], bool],
+               control: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
         """Complete the overlapped reduction; returns the averaged buckets
-        (in sharded mode: this rank's averaged slice of each bucket)."""
+        (in sharded mode: this rank's averaged slice of each bucket).
+
+        `control` (a small tensor) is averaged in the same round, after the
+        buckets: members vote through it (planned migration's switch step)."""
         self._armed = False
         if self._launch_error is not None:
             raise CollectiveAborted(f"collective failed at launch: {self._launch_error}")
         if self._dirty:
             wait_all([w for w in self._works if w], timeout, should_abort)  # keep collective order
-            return self.reduce(self._pg, self.flatten(), world, timeout, should_abort)
+            flats = self.reduce(self._pg, self.flatten(), world, timeout, should_abort)
+            if control is not None:
+                allreduce_mean(self._pg, [control], world, timeout, should_abort)
+            return flats
         else:
             for i in range(len(self.params)):
                 if not self._filled[i]:
@@ -149,10 +156,16 @@ class GradReducer:
                     self._launch(b)
             if self._launch_error is not None:
                 raise CollectiveAborted(f"collective failed at launch: {self._launch_error}")
-            wait_all(self._works, timeout, should_abort)
+            try:
+                ctl = [self._pg.allreduce([control])] if control is not None else []
+            except Exception as exc:  # noqa: BLE001 - a broken group
+                raise CollectiveAborted(f"collective failed at launch: {exc}") from exc
+            wait_all(self._works + ctl, timeout, should_abort)
             flats = self._outs if self.shard_world else self._flats
         for f in flats:
             f.div_(world)
+        if control is not None:
+            control.div_(world)
         return flats
 
     # -- synchronous paths (retry in a new group, fetched average) ------------------------------

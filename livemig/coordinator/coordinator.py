@@ -22,10 +22,10 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
-from livemig.config import ENV_INCARNATION, Timeouts, exit_with_parent
+from livemig.config import ENV_INCARNATION, Timeouts, exit_with_parent, straggler_settings
 from livemig.coordinator.timeline import Timeline
 from livemig.errors import EtcdUnavailableError, NotLeaderError
 from livemig.rdzv.client import KV, EtcdClient, decode, encode
@@ -36,6 +36,8 @@ from livemig.sharding import lost_shards, sharding_of
 from livemig.state import first_mismatch
 
 log = logging.getLogger("livemig.coordinator")
+
+MIGRATION_SWITCH_LAG = 2  # steps a migrating spare may trail the group when the switch is voted
 
 
 def _safe_decode(key: str, raw: bytes) -> Any:
@@ -100,6 +102,7 @@ class Coordinator:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._since: dict[tuple[int, str], float] = {}  # when we first saw (generation, state)
+        self._slow_seen: dict[int, dict[int, float]] = {}  # straggler hook: rank -> {step: compute_s}
 
     def _lost(self, reason: str) -> None:
         log.error("lost leadership; stopping", extra={"reason": reason})
@@ -173,6 +176,8 @@ class Coordinator:
         first_seen = self._since.setdefault(key, time.monotonic())
         if m.generation == 0:
             return self._form(s)
+        if m.state == GenState.MIGRATING:
+            return self._migrating(s, first_seen)
         if m.state in (GenState.FORMING, GenState.BUILDING, GenState.COMMITTED, GenState.RECOVERING):
             dead = [r for r, mem in m.members.items() if not s.alive(r, mem)]
             if dead:
@@ -182,6 +187,8 @@ class Coordinator:
         if m.state == GenState.RECOVERING:
             return self._agree_and_claim(s, first_seen)
         if m.state == GenState.COMMITTED:
+            if self._maybe_migrate(s):
+                return None
             return self._maybe_done(s)
         if m.state in (GenState.DONE, GenState.FAILED) and not s.get(self.keys.result):
             self._write_result(m)
@@ -208,15 +215,18 @@ class Coordinator:
                                    extra=[self.client.txn_ops.put(self.keys.config, cfg)]):  # fmt: skip
             self.timeline.record(1, "form", self._guard())
 
-    def _fence(self, s: Snapshot, dead: list[int]) -> None:
+    def _fence(self, s: Snapshot, dead: list[int], table: dict[int, Member] | None = None,
+               more: list | None = None) -> None:  # fmt: skip
+        """Fence `dead` (ranks of `table`, default the current one) into a RECOVERING generation."""
         m = s.m
-        incs = [m.members[r].incarnation for r in dead]
+        table = m.members if table is None else table
+        incs = [table[r].incarnation for r in dead]
         suspects = [s.get(self.keys.suspect(i)) for i in incs]
         detected = min((x["time"] for x in suspects if x), default=time.time())
         fault = min((x.get("fault_time") or x["time"] for x in suspects if x), default=detected)
-        members = {r: mem for r, mem in m.members.items() if r not in dead}
+        members = {r: mem for r, mem in table.items() if r not in dead}
         new = Membership(state=GenState.RECOVERING, world_size=m.world_size, members=members,
-                         kind="failure", failed_rank=dead[0], leader=self.id,
+                         kind="failure", failed_rank=dead[0] if dead else None, leader=self.id,
                          reason=f"rank(s) {dead} failed in generation {m.generation}")  # fmt: skip
         t = self.client.txn_ops
         g = m.generation + 1
@@ -225,6 +235,7 @@ class Coordinator:
         extra.append(self.timeline.op(g, "detect", at=detected, ranks=dead, fault_time=fault,
                                       reasons=[x.get("reason") for x in suspects if x]))  # fmt: skip
         extra.append(self.timeline.op(g, "fence", ranks=dead, fenced=incs))
+        extra += more or []
         if not self.rdzv.commit_change(m.generation, new, fence=incs, guard=self._guard(), extra=extra):
             return
         for r in dead:  # revoke: the fenced process learns it within one keep-alive
@@ -314,11 +325,12 @@ class Coordinator:
         vacant = [r for r in range(m.world_size) if r not in m.members]
         self._claim(s, vacant, resume, sources, since)
 
-    def _claim(self, s: Snapshot, vacant: list[int], resume: int, sources: list[int], since: float) -> None:
-        m = s.m
+    def _pick_spares(self, s: Snapshot, n: int) -> list[tuple[str, KV, dict]]:
+        """Up to n warm, unclaimed spares, oldest first; spares whose model differs are refused."""
         t = self.client.txn_ops
         cfg = s.get(self.keys.config) or {}
-        refusals, picks = [], []
+        refusals: list[Any] = []
+        picks: list[tuple[str, KV, dict]] = []
         spares = sorted(
             (kv for k, kv in s.kv.items() if k.startswith(self.keys.spares_prefix)),
             key=lambda kv: kv.create_revision,
@@ -338,10 +350,16 @@ class Coordinator:
                 refusals.append(t.put(self.keys.assignment(sid), encode({"refused": reason})))
                 log.error("spare refused", extra={"spare": sid, "reason": reason})
                 continue
-            if len(picks) < len(vacant):
+            if len(picks) < n:
                 picks.append((sid, kv, info))
         if refusals:
             self.client.txn(self._guard(), refusals)
+        return picks
+
+    def _claim(self, s: Snapshot, vacant: list[int], resume: int, sources: list[int], since: float) -> None:
+        m = s.m
+        t = self.client.txn_ops
+        picks = self._pick_spares(s, len(vacant))
         if len(picks) < len(vacant):
             waited = time.monotonic() - since
             if waited > self.timeouts.spare_wait.total_seconds():
@@ -366,6 +384,177 @@ class Coordinator:
         ok, _ = self.client.txn(compare, [t.put(self.keys.membership, new.to_bytes()), *ops])
         if ok:
             log.info("claimed", extra={"generation": m.generation, "spares": [p[0] for p in picks]})
+
+    # -- planned migration (docs/architecture.md, "Planned migration") ------------------------
+    def _maybe_migrate(self, s: Snapshot) -> bool:
+        """Start a requested migration: claim a spare, move to g+1 MIGRATING. True if it acted."""
+        m = s.m
+        req = s.get(self.keys.migrate_request)
+        if req is None:
+            self._straggler(s)
+            return False
+        t = self.client.txn_ops
+        rank, rid = req.get("rank"), req.get("id", "")
+        reject = ""
+        if not isinstance(rank, int) or rank not in m.members:
+            reject = f"rank {rank!r} is not a member of the job (world size {m.world_size})"
+        elif sharding_of((s.get(self.keys.config) or {}).get("signature", []))[0]:
+            reject = "planned migration of a job with sharded optimizer state (zero1) is not supported yet"
+        elif m.world_size < 2:
+            reject = "a job of one rank has no group to keep training while the spare catches up"
+        picks = [] if reject else self._pick_spares(s, 1)
+        if not reject and not picks:
+            if time.time() - float(req.get("time", 0)) > self.timeouts.spare_wait.total_seconds():
+                reject = (f"no warm spare within {self.timeouts.spare_wait.total_seconds():.0f}s "
+                          "(LIVEMIG_SPARE_WAIT): start one with `livemig-spare start`")  # fmt: skip
+            else:
+                return False  # wait for a spare; the job trains on
+        if reject:
+            log.error("migration request rejected", extra={"rank": rank, "reason": reject})
+            res = {"id": rid, "state": "rejected", "rank": rank, "reason": reject, "time": time.time()}
+            self.client.txn(self._guard(), [t.delete(self.keys.migrate_request),
+                                            t.put(self.keys.migrate_result, encode(res))])  # fmt: skip
+            return True
+        sid, kv, info = picks[0]
+        leaving = m.members[rank]
+        members = dict(m.members)
+        members[rank] = Member(rank, info["incarnation"], info.get("host", ""), info.get("pid", 0), "",
+                               role="spare", spare_id=sid)  # fmt: skip
+        g = m.generation + 1
+        mig = {"id": rid, "rank": rank, "from_gen": m.group_gen, "leaving": leaving.incarnation,
+               "leaving_member": asdict(leaving), "addr": leaving.addr, "phase": "catchup",
+               "requested": float(req.get("time", time.time())), "reason": req.get("reason", ""),
+               "spare": sid}  # fmt: skip
+        new = Membership(state=GenState.MIGRATING, world_size=m.world_size, members=members, store=self.store_addr,
+                         kind="migration", leader=self.id, migration=mig,
+                         reason=f"planned migration of rank {rank}: {req.get('reason') or 'requested'}")  # fmt: skip
+        claimed = dict(info, state="claimed", claim={"generation": g, "rank": rank, "migration": True})
+        compare = [*self._guard(), t.mod(kv.key) == kv.mod_revision, t.version(self.keys.assignment(sid)) == 0]
+        ops = [t.put(self.keys.assignment(sid), encode({"generation": g, "rank": rank, "migration": True})),
+               t.put(kv.key, encode(claimed), kv.lease), t.delete(self.keys.migrate_request),
+               self.timeline.op(g, "request", at=mig["requested"], rank=rank, reason=mig["reason"], id=rid),
+               self.timeline.op(g, "claim", spares=[sid], ranks=[rank])]  # fmt: skip
+        if self.rdzv.commit_change(m.generation, new, guard=compare, extra=ops):
+            log.warning("planned migration started", extra={"generation": g, "rank": rank, "spare": sid})
+        return True
+
+    def _migrating(self, s: Snapshot, since: float) -> None:
+        m = s.m
+        mig, g = m.migration, m.generation
+        rank = int(mig["rank"])
+        spare = m.members[rank]
+        old = dict(m.members)
+        old[rank] = Member.from_dict(mig["leaving_member"])
+        t = self.client.txn_ops
+        ready = s.under(self.keys.recovery_prefix(g) + "ready/")
+        switched = {int(r) for r, x in ready.items()
+                    if x.get("switched") is not None and int(r) in m.members
+                    and x.get("incarnation") == m.members[int(r)].incarnation}  # fmt: skip
+        dead = [r for r, mem in m.members.items() if r != rank and not s.alive(r, mem)]
+        spare_dead = not s.alive(rank, spare)
+        leaving_dead = rank not in switched and (
+            s.kv.get(self.keys.suspect(old[rank].incarnation)) is not None
+            or (s.get(self.keys.member(rank)) or {}).get("incarnation")
+            not in (old[rank].incarnation, spare.incarnation)
+        )
+        finals = s.under(self.keys.final_prefix)
+        finished = all(finals.get(str(r), {}).get("incarnation") == mem.incarnation for r, mem in old.items())
+        timed_out = time.monotonic() - since > self.timeouts.recovery.total_seconds()
+        if mig.get("phase") == "catchup" and not switched and (spare_dead or finished or timed_out):
+            why = ("the spare failed" if spare_dead else "the job finished first" if finished
+                   else f"the spare did not catch up within {self.timeouts.recovery.total_seconds():.0f}s")  # fmt: skip
+            return self._abort_migration(s, old, why)
+        if dead or leaving_dead or spare_dead:
+            # A failure during the migration: recover from the table that holds the state.
+            table = m.members if rank in switched else old
+            lost = [r for r in dead if r in table]
+            if rank in switched and spare_dead:
+                lost.append(rank)
+            if rank not in switched and leaving_dead:
+                lost.append(rank)
+            more = [] if rank in switched else [t.delete(self.keys.assignment(spare.spare_id))]
+            res = {
+                "id": mig.get("id", ""),
+                "state": "done" if rank in switched else "aborted",
+                "rank": rank,
+                "reason": f"a failure during the migration (ranks {sorted(set(lost))})",
+                "time": time.time(),
+            }
+            more.append(t.put(self.keys.migrate_result, encode(res)))
+            return self._fence(s, sorted(set(lost)), table, more)
+        if mig.get("phase") == "catchup":
+            cu = s.get(self.keys.catchup(g))
+            if not cu or cu.get("incarnation") != spare.incarnation:
+                return None
+            progress = [(s.get(self.keys.progress(r)) or {}).get("step", -1) for r in m.members]
+            lag = max(progress) - int(cu["applied"])
+            if lag > MIGRATION_SWITCH_LAG:
+                return None
+            new = replace(m, migration=dict(mig, phase="switch", lag_at_switch=lag))
+            events = [self.timeline.op(g, "stream", at=cu["time"], seconds=cu.get("stream_s", 0.0),
+                                       bytes=cu.get("bytes", 0), source=cu.get("source", ""), loaded=cu["loaded"]),
+                      self.timeline.op(g, "catchup", lag=lag, applied=cu["applied"])]  # fmt: skip
+            if self.rdzv.update(new, guard=self._guard(), extra=events):
+                log.info("migration: spare caught up; members vote the switch", extra={"generation": g, "lag": lag})
+            return None
+        if switched == set(m.members):
+            at = min(ready[str(r)]["time"] for r in m.members)
+            step = min(ready[str(r)]["switched"] for r in m.members)
+            new = replace(m, state=GenState.COMMITTED, migration=dict(mig, phase="done", switch_step=step))
+            res = {"id": mig.get("id", ""), "state": "done", "rank": rank, "generation": g, "switch_step": step,
+                   "spare": spare.spare_id, "time": time.time()}  # fmt: skip
+            events = [self.timeline.op(g, "switch", at=at, step=step), self.timeline.op(g, "commit"),
+                      t.put(self.keys.migrate_result, encode(res))]  # fmt: skip
+            if self.rdzv.update(new, guard=self._guard(), extra=events):
+                log.warning("planned migration done", extra={"generation": g, "rank": rank, "switch_step": step})
+        return None
+
+    def _abort_migration(self, s: Snapshot, old: dict[int, Member], why: str) -> None:
+        """Nobody switched: the old table and group go on (generation g+1 with continues=g)."""
+        m = s.m
+        mig = m.migration
+        t = self.client.txn_ops
+        new = Membership(state=GenState.COMMITTED, world_size=m.world_size, members=old, store=m.store,
+                         kind="abort", leader=self.id, continues=int(mig["from_gen"]),
+                         reason=f"migration of rank {mig['rank']} aborted: {why}")  # fmt: skip
+        res = {"id": mig.get("id", ""), "state": "aborted", "rank": mig["rank"], "reason": why, "time": time.time()}
+        ops = [t.delete(self.keys.assignment(m.members[int(mig["rank"])].spare_id)),
+               t.put(self.keys.migrate_result, encode(res)),
+               self.timeline.op(m.generation, "abort", reason=why, rank=mig["rank"])]  # fmt: skip
+        if self.rdzv.commit_change(m.generation, new, guard=self._guard(), extra=ops):
+            log.warning("planned migration aborted", extra={"rank": mig["rank"], "why": why})
+
+    def _straggler(self, s: Snapshot) -> None:
+        """Off unless LIVEMIG_STRAGGLER_FACTOR is set: request the migration of a rank
+        whose forward+backward time stays above factor x the median of the others."""
+        factor, need = straggler_settings()
+        if factor <= 0:
+            return
+        m = s.m
+        comp = {}
+        for r in m.members:
+            p = s.get(self.keys.progress(r)) or {}
+            if "compute_s" in p:
+                comp[r] = (int(p.get("step", -1)), float(p["compute_s"]))
+        if len(comp) < 2:
+            return
+        for r, (step, c) in comp.items():
+            others = sorted(x for q, (_, x) in comp.items() if q != r)
+            med = others[len(others) // 2]
+            seen = self._slow_seen.setdefault(r, {})
+            if med > 0 and c > factor * med:
+                seen[step] = c
+            else:
+                seen.clear()
+            if len(seen) >= need:
+                seen.clear()
+                why = f"straggler: compute {c:.3f}s > {factor:g} x median {med:.3f}s for {need} steps"
+                req = {"id": secrets.token_hex(4), "rank": r, "time": time.time(), "reason": why}
+                t = self.client.txn_ops
+                self.client.txn([*self._guard(), t.version(self.keys.migrate_request) == 0],
+                                [t.put(self.keys.migrate_request, encode(req))])  # fmt: skip
+                log.warning("straggler detected; migration requested", extra={"rank": r, "reason": req["reason"]})
+                return
 
     def _maybe_done(self, s: Snapshot) -> None:
         m = s.m

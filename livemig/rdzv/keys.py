@@ -117,6 +117,20 @@ class JobKeys:
         return f"{self.prefix}inject/corrupt/{rank}"
 
     @property
+    def migrate_request(self) -> str:
+        """A planned-migration request (`livemig migrate`, a fault plan, the straggler hook)."""
+        return self.prefix + "migrate/request"
+
+    @property
+    def migrate_result(self) -> str:
+        """The outcome of the last migration request: done, rejected or aborted, with a reason."""
+        return self.prefix + "migrate/result"
+
+    def catchup(self, generation: int) -> str:
+        """A migrating spare's catch-up progress (snapshot loaded, last step replayed)."""
+        return f"{self.recovery_prefix(generation)}catchup"
+
+    @property
     def config(self) -> str:
         """Job settings written once at creation (world size, signature)."""
         return self.prefix + "config"

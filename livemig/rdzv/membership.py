@@ -48,6 +48,12 @@ class GenState(StrEnum):
     fenced; survivors report their last committed step. BUILDING: the resume
     step is agreed and a spare claimed; the spare streams state and every
     member builds the group (phase 1). COMMITTED: phase 2, members switch.
+
+    Planned migration (no failure): COMMITTED g ──► g+1 MIGRATING ──► COMMITTED.
+    During MIGRATING the members keep training in g's group while the spare
+    catches up and everyone builds g+1's group in the background; the switch
+    step is agreed inside a training collective. An aborted migration moves
+    to g+2 COMMITTED with `continues = g` (same table, same group).
     """
 
     FORMING = "forming"
@@ -56,6 +62,7 @@ class GenState(StrEnum):
     COMMITTED = "committed"
     FAILED = "failed"
     DONE = "done"
+    MIGRATING = "migrating"
 
 
 @dataclass
@@ -89,6 +96,14 @@ class Membership:
     leader: str = ""
     updated: float = 0.0
     nonce: str = ""  # unique per write: tells an ambiguous retry that it landed
+    # planned migration: rank, from_gen, leaving (incarnation), leaving_member, addr, phase, ...
+    migration: dict = field(default_factory=dict)
+    continues: int = 0  # an aborted migration's generation: members keep the group of this one
+
+    @property
+    def group_gen(self) -> int:
+        """The generation whose process group members of this one train in."""
+        return self.continues or self.generation
 
     def to_bytes(self) -> bytes:
         d = asdict(self)

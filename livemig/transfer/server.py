@@ -62,6 +62,7 @@ class StateServer:
         self.addr = f"tcp://{host}:{port}"
         self._lock = threading.Lock()
         self._items: dict[str, tuple[int, Provider]] = {}
+        self.wanted: set[str] = set()  # items a peer asked for that were not served
         self._snaps: dict[tuple[int, str], _Snapshot] = {}
         self._fenced = False
         self._stop = threading.Event()
@@ -98,6 +99,7 @@ class StateServer:
             if self._fenced:
                 raise PermissionError("this member is fenced and serves no state")
             if item not in self._items:
+                self.wanted.add(item)  # authenticated: the owner may produce it (planned migration)
                 raise LookupError(f"item {item!r} is not being served now")
             g, provider = self._items[item]
             if gen != g:

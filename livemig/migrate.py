@@ -1,0 +1,79 @@
+"""`livemig migrate --job J --rank R`: move a healthy worker onto a warm spare
+while training continues (a straggler, a node going to maintenance).
+
+The request is one etcd key; the leader coordinator claims a spare, the
+spare catches up from the leaving worker, the members agree on the switch
+step inside a training collective, and the leaving worker exits 0. The
+command waits for the outcome (done, rejected, aborted) and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import time
+from datetime import timedelta
+from typing import Any
+
+from livemig.config import validate_job_name
+from livemig.errors import ConfigError
+from livemig.rdzv.client import EtcdClient, decode, encode
+from livemig.rdzv.keys import JobKeys
+
+
+def request_migration(client: EtcdClient, keys: JobKeys, rank: int, reason: str = "") -> str:
+    """Ask for rank's migration; refused while another request waits. Returns the request id."""
+    rid = secrets.token_hex(4)
+    t = client.txn_ops
+    req = {"id": rid, "rank": rank, "time": time.time(), "reason": reason}
+    ok, _ = client.txn([t.version(keys.migrate_request) == 0], [t.put(keys.migrate_request, encode(req))])
+    if not ok:
+        raise ConfigError("another migration request is waiting: retry once it is done")
+    return rid
+
+
+def wait_result(client: EtcdClient, keys: JobKeys, rid: str, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kv = client.get(keys.migrate_result)
+        if kv is not None:
+            res = decode(kv.value)
+            if res.get("id") == rid:
+                return res
+        time.sleep(0.1)
+    raise ConfigError(f"no outcome within {timeout:.0f}s (the request stays queued; see `livemig status`)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("migrate", help="move a healthy worker onto a warm spare while training continues")
+    p.add_argument("--job", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--reason", default="requested by an operator")
+    p.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the outcome (default 300; 0: don't)")
+    p.add_argument("--etcd")
+    p.add_argument("--etcd-timeout", type=float, default=5.0)
+    p.set_defaults(fn=cmd_migrate)
+
+
+def cmd_migrate(a: argparse.Namespace) -> int:
+    from livemig.jobs import resolve_etcd
+
+    job = validate_job_name(a.job)
+    if a.rank < 0:
+        raise ConfigError("--rank must be >= 0")
+    client = EtcdClient(resolve_etcd(job, a.etcd), timedelta(seconds=a.etcd_timeout))
+    keys = JobKeys(job)
+    try:
+        rid = request_migration(client, keys, a.rank, a.reason)
+        print(f"migration of rank {a.rank} requested (id {rid})", flush=True)
+        if a.wait <= 0:
+            return 0
+        res = wait_result(client, keys, rid, a.wait)
+    finally:
+        client.close()
+    if res["state"] == "done":
+        print(f"rank {a.rank} now runs on spare {res.get('spare')} (generation {res.get('generation')}, "
+              f"switched after step {res.get('switch_step')})")  # fmt: skip
+        return 0
+    print(f"livemig: migration {res['state']}: {res.get('reason', '')}")
+    return 4

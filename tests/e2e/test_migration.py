@@ -1,0 +1,98 @@
+"""Planned live migration end to end: a healthy worker moves onto a warm spare
+while training continues. Central assertions: final state bit-identical to the
+fault-free run, every step completed, the leaving worker exits 0 (released, not
+fenced), no failure recovery, and the switch step's pause is measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tests.e2e.conftest import MLP, REPO, STEPS, WORKLOAD, explain, livemig_run
+
+
+def exit_codes(run) -> dict[str, int]:
+    return {p["name"]: p["exit_code"] for p in run.report["processes"]}
+
+
+def assert_same_as_fault_free(run, reference: str) -> None:
+    rep = run.report
+    assert run.rc == 0, explain(run)
+    assert rep["result"]["state"] == "done", explain(run)
+    assert rep["steps_completed"] == STEPS, explain(run)
+    assert rep["replicas_identical"], explain(run)
+    assert rep["state_digest"] == reference, "final state differs from the fault-free run\n" + explain(run)
+    assert rep["recoveries"] == [], explain(run)  # nothing failed: no fence, no recovery
+
+
+def test_planned_migration_mid_run(tmp_path, reference_digest):
+    ref = reference_digest(2)
+    run = livemig_run(tmp_path, 2, spares=1, faults=("migrate:rank=1:step=6",))
+    assert_same_as_fault_free(run, ref)
+    (mig,) = run.report["migrations"]
+    assert mig["kind"] == "migration" and mig["outcome"] == "done" and mig["rank"] == 1, mig
+    assert 6 <= mig["switch_step"] < STEPS - 1, mig
+    assert 0 <= mig["pause_s"] < 5, mig
+    assert mig["bytes_streamed"] > 0 and set(mig["phases"]) == {"claim", "stream", "catchup", "switch", "commit"}
+    codes = exit_codes(run)
+    assert codes["worker-1"] == 0, "the leaving worker must exit cleanly\n" + explain(run)
+    assert codes["spare-0"] == 0 and codes["worker-0"] == 0, explain(run)
+
+
+def test_migration_aborted_when_the_spare_dies_during_catch_up(tmp_path, reference_digest):
+    ref = reference_digest(2)
+    run = livemig_run(tmp_path, 2, spares=1, faults=("migrate:rank=1:step=4", "spare-kill:during=claim"))
+    assert_same_as_fault_free(run, ref)
+    (mig,) = run.report["migrations"]
+    assert mig["outcome"] == "aborted" and "spare failed" in mig["aborted"], mig
+    codes = exit_codes(run)
+    assert codes["worker-1"] == 0, explain(run)  # it kept its rank and finished the job
+    assert codes["spare-0"] == -9, explain(run)
+
+
+def test_straggler_hook_migrates_a_slow_rank(tmp_path, reference_digest):
+    ref = reference_digest(2)
+    run = livemig_run(tmp_path, 2, spares=1, faults=("slow:rank=1:step=2:factor=6",),
+                      env={"LIVEMIG_STRAGGLER_FACTOR": "1.5", "LIVEMIG_STRAGGLER_STEPS": "2"})  # fmt: skip
+    assert_same_as_fault_free(run, ref)
+    (mig,) = run.report["migrations"]
+    assert mig["outcome"] == "done" and mig["rank"] == 1 and mig["reason"].startswith("straggler"), mig
+    assert exit_codes(run)["worker-1"] == 0, explain(run)
+
+
+def test_migrate_command_on_a_running_job(tmp_path):
+    """`livemig migrate` from another shell: a bad rank is rejected with a clear
+    line, a good one moves the rank; the job finishes exact across replicas."""
+    report = tmp_path / "report.json"
+    env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path), LIVEMIG_RECOVERY_TIMEOUT="60")
+    steps = ["--steps", "200", *WORKLOAD[2:]]
+    job = subprocess.Popen([sys.executable, "-m", "livemig.cli", "run", "--nproc", "2", "--spares", "1", "--job",
+                            "mig", "--report", str(report), "--lease-ttl", "2", MLP, *steps],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        cli = [sys.executable, "-m", "livemig.cli", "migrate", "--job", "mig", "--wait", "60"]
+        deadline = time.monotonic() + 60
+        while True:  # until the job has formed
+            st = subprocess.run([sys.executable, "-m", "livemig.cli", "status", "--job", "mig", "--json"],
+                                cwd=REPO, env=env, capture_output=True, text=True)  # fmt: skip
+            if st.returncode == 0 and json.loads(st.stdout).get("generation", 0) >= 1:
+                break
+            assert time.monotonic() < deadline, st.stderr
+            time.sleep(0.2)
+        bad = subprocess.run([*cli, "--rank", "7"], cwd=REPO, env=env, capture_output=True, text=True, timeout=90)
+        assert bad.returncode == 4 and "rejected: rank 7 is not a member" in bad.stdout, bad.stdout + bad.stderr
+        good = subprocess.run([*cli, "--rank", "0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=90)
+        assert good.returncode == 0 and "rank 0 now runs on spare spare-0" in good.stdout, good.stdout + good.stderr
+        out, _ = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    rep = json.loads(report.read_text())
+    assert job.returncode == 0, out[-3000:]
+    assert rep["steps_completed"] == 200 and rep["replicas_identical"], out[-3000:]
+    (mig,) = rep["migrations"]
+    assert mig["outcome"] == "done" and mig["rank"] == 0

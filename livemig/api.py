@@ -99,6 +99,7 @@ class Context:
         self._joining: _Activate | None = None
         self._started = time.monotonic()
         self._spare_keeper: Any = None
+        self._standby_info: dict[str, float] = {}  # how the spare waited: bench warmup reads it
         self._sandbox_pg: Any = None
         self._warm_s: float | None = None
         self._reset_user_state()
@@ -748,6 +749,7 @@ class Context:
                                                        rt._on_lost)  # fmt: skip
         rt.start_server()
         log.info("spare warm", extra={"spare": self.spare_id, "warmup_s": round(self._warm_s, 3)})
+        t_warm = time.monotonic()
         key = rt.keys.assignment(self.spare_id)
         while True:
             try:
@@ -759,6 +761,11 @@ class Context:
             except InterruptedError:
                 rt.check_fenced()
         a = decode(raw)
+        self._standby_info = {
+            "warmup_s": self._warm_s, "warm_rss_mb": info["peak_rss_mb"],
+            "claim_rss_mb": psutil.Process().memory_info().rss / 2**20, "waited_s": time.monotonic() - t_warm,
+            "process_start": psutil.Process().create_time(), "claimed_at": time.time(),
+        }  # fmt: skip
         if a.get("stop"):
             keeper.stop(revoke=True)
             log.info("spare stopped on request", extra={"spare": self.spare_id})
@@ -791,6 +798,8 @@ class Context:
         rec = {"incarnation": self.incarnation, "steps": self.committed + 1, "digest": self.state_digest(),
                "commits": self._commits, "generation": rt.gen, "role": self.role,
                "joined_at_step": self._loaded_step}  # fmt: skip
+        if self._standby_info:
+            rec["standby"] = self._standby_info
         if self._zero is not None:  # the report checks each mirror against its owner's shard
             rec["shard_digest"] = digest(self._zero.own.tensors_for_digest())
             if self._zero.mirror is not None:

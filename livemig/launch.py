@@ -69,6 +69,7 @@ class RunConfig:
     log_every: int = 10
     quiet: bool = False
     max_wall: float = 3600.0
+    cold_spares: bool = False  # start the spares only when the first fault lands (bench warmup)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -100,6 +101,7 @@ class Launcher:
         self.net_env: dict[str, str] = {}
         self._last_print = -1
         self._t_print = time.monotonic()
+        self._spares_started = False
 
     def say(self, msg: str) -> None:
         if not self.cfg.quiet:
@@ -166,16 +168,20 @@ class Launcher:
             else:
                 env.update(self.net_env)
             self._spawn(f"worker-{r}", "worker", argv, env, rank=r)
-        for i in range(cfg.spares):
-            self._spawn(
-                f"spare-{i}",
-                "spare",
-                base,
-                {ENV_ROLE: "spare", ENV_SPARE_ID: f"spare-{i}", ENV_WORLD_SIZE: str(cfg.nproc), **self.net_env},
-            )
+        if not cfg.cold_spares:
+            self._spawn_spares()
         self.pending = [f for f in cfg.faults if not f.in_process]
         self.say(f"livemig: job {cfg.job}: {cfg.nproc} workers, {cfg.spares} spare(s), etcd {self.etcd}; "
                  f"logs in {self.logdir}")  # fmt: skip
+
+    def _spawn_spares(self) -> None:
+        cfg = self.cfg
+        cold = {"LIVEMIG_SHADOW_STEPS": "0"} if cfg.cold_spares else {}
+        for i in range(cfg.spares):
+            self._spawn(f"spare-{i}", "spare", [sys.executable, cfg.script, *cfg.args],
+                        {ENV_ROLE: "spare", ENV_SPARE_ID: f"spare-{i}", ENV_WORLD_SIZE: str(cfg.nproc),
+                         **self.net_env, **cold})  # fmt: skip
+        self._spares_started = True
 
     def _fresh_job(self) -> None:
         assert self.client is not None
@@ -338,6 +344,8 @@ class Launcher:
         now = time.time()
         if f.kind not in ("slow", "corrupt", "migrate"):  # these do not start a downtime
             record_fault(self.client, self.keys, f.kind, f.rank, step, now)
+        if self.cfg.cold_spares and not self._spares_started:
+            self._spawn_spares()  # a cold start: a fresh process at the moment of failure
         self.injected.append({"kind": f.kind, "rank": f.rank, "step": step, "during": f.during, "time": now,
                               "target": what})  # fmt: skip
         when = f" during {f.during}" if f.phase else ""

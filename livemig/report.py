@@ -50,6 +50,15 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float) -> dict[
         and len(digests) == world_size
         and (not shards or shards["mirrors_exact"]),
         **({"zero1": shards} if shards else {}),
+        "members": {
+            r: {
+                "role": f.get("role"),
+                "joined_at_step": f.get("joined_at_step"),
+                "first_commit": f["commits"][0] if f.get("commits") else None,
+                **({"standby": f["standby"]} if "standby" in f else {}),
+            }
+            for r, f in sorted(finals.items())
+        },  # fmt: skip
         "recoveries": recoveries(events, commits, median_step),
         "migrations": migrations(events, commits, median_step),
         "timeline": events,

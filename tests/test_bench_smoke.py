@@ -30,12 +30,36 @@ def test_bench_transfer(tmp_path):
 
 
 def test_bench_downtime_tiny(tmp_path):
-    r = bench("downtime", "--repeat", "1", "--steps", "24", "--fail-at", "10", "--ckpt-every", "4",
-              "--width", "256", "--layers", "2", "--json", str(tmp_path / "d.json"), timeout=400)  # fmt: skip
+    # steps long enough (~15 ms) for a planned migration to complete before the job ends
+    r = bench("downtime", "--repeat", "1", "--steps", "60", "--fail-at", "8", "--ckpt-every", "10",
+              "--width", "512", "--layers", "2", "--json", str(tmp_path / "d.json"), timeout=400)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads((tmp_path / "d.json").read_text())
     s = res["summary"]
     assert s["livemig"]["bit_identical"] == "yes", r.stdout
     assert s["livemig"]["downtime_s"] is not None and s["restart"]["downtime_s"] is not None, r.stdout
     oks = {k: [(x.get("ok"), x.get("steps")) for x in v] for k, v in res["samples"].items()}
-    assert all(s[k]["all_ok"] for k in ("fault_free", "plain_ddp", "livemig", "restart")), f"{oks}\n{r.stdout}"
+    assert all(s[k]["all_ok"] for k in ("fault_free", "plain_ddp", "livemig", "restart", "migration")), (
+        f"{oks}\n{r.stdout}"
+    )
+    assert s["migration"]["bit_identical"] == "yes" and s["migration"]["downtime_s"] is not None, r.stdout
+    assert "planned migration pause" in r.stdout
+
+
+def test_bench_warmup_tiny(tmp_path):
+    r = bench("warmup", "--repeat", "1", "--steps", "16", "--fail-at", "6", "--width", "256", "--layers", "2",
+              "--json", str(tmp_path / "w.json"), timeout=400)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "w.json").read_text())
+    assert 0 < res["warm_activation_s"] < res["cold_activation_s"], r.stdout
+    assert "spare_rss_growth_mb" in res and "warm / cold" in r.stdout
+
+
+def test_bench_overhead_zero1_tiny(tmp_path):
+    r = bench("overhead", "--repeat", "1", "--steps", "10", "--width", "256", "--layers", "2", "--sharding", "zero1",
+              "--json", str(tmp_path / "o.json"), timeout=400)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "o.json").read_text())
+    assert set(res["ratios"]) == {"livemig / DDP", "zero1+mirror / zero1", "zero1+mirror / DDP", "zero1 / DDP+ZeRO"}
+    assert all(v > 0 for v in res["ratios"].values()), res
+    assert res["memory_mb_per_rank"]["zero1_mirror_shard"] == res["memory_mb_per_rank"]["zero1_own_shard"]

@@ -46,7 +46,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_livemig(a: argparse.Namespace, fault: bool, workload: list[str], env: dict | None = None) -> dict[str, Any]:
+def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
+                env: dict | None = None) -> dict[str, Any]:  # fmt: skip
+    """fault: True = SIGKILL rank 1 after --fail-at; "migrate" = planned migration of rank 1 there."""
     zero1 = getattr(a, "sharding", "none") == "zero1"
     old = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})  # the launcher passes its environment on to the workers
@@ -54,7 +56,7 @@ def run_livemig(a: argparse.Namespace, fault: bool, workload: list[str], env: di
         script=MLP_ZERO1 if zero1 else MLP, args=workload,
         nproc=a.workers, spares=a.spares,  # an idle spare in fault_free too
         job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True, max_wall=a.run_timeout,
-        faults=[parse_fault(f"kill:rank=1:step={a.fail_at}")] if fault else [],
+        faults=[parse_fault(f"{'migrate' if fault == 'migrate' else 'kill'}:rank=1:step={a.fail_at}")] if fault else [],
     )  # fmt: skip
     t0 = time.monotonic()
     try:
@@ -67,6 +69,9 @@ def run_livemig(a: argparse.Namespace, fault: bool, workload: list[str], env: di
                 os.environ[k] = v
     wall = time.monotonic() - t0
     rec = rep["recoveries"][0] if rep["recoveries"] else {}
+    if fault == "migrate":
+        mig = rep["migrations"][0] if rep["migrations"] else {}
+        rec = {"downtime_s": mig.get("pause_s"), "phases": mig.get("phases", {})}
     return {
         "wall_s": wall, "steps": rep["steps_completed"], "digest": rep["state_digest"],
         "median_step_s": rep["step_time_s_median"], "downtime_s": rec.get("downtime_s"),
@@ -179,6 +184,8 @@ def run_downtime(a: argparse.Namespace) -> int:
         "livemig": lambda: run_livemig(a, True, workload),
         "restart": lambda: run_ddp(a, True, workload),
     }
+    if a.sharding != "zero1":  # planned migration of rank 1 at --fail-at: its pause is the downtime column
+        approaches["migration"] = lambda: run_livemig(a, "migrate", workload)
     samples: dict[str, list[dict]] = {k: [] for k in approaches}
     for r in range(a.repeat):
         for name, fn in approaches.items():
@@ -191,6 +198,10 @@ def run_downtime(a: argparse.Namespace) -> int:
         rs, dd = samples["restart"][i], samples["plain_ddp"][i]
         rs["lost_s"] = rs["wall_s"] - dd["wall_s"]
         rs["bit_identical"] = rs["digest"] == dd["digest"]
+        if "migration" in samples:
+            mg = samples["migration"][i]
+            mg["lost_s"] = mg["wall_s"] - ff["wall_s"]
+            mg["bit_identical"] = mg["digest"] == ff["digest"]
     summary = {}
     script = "mlp_zero1" if a.sharding == "zero1" else "mlp"
     print(f"\nworkload: examples/{script}.py, {a.workers} workers, {a.steps} steps, rank 1 SIGKILLed after step "
@@ -216,6 +227,11 @@ def run_downtime(a: argparse.Namespace) -> int:
               for k in (samples["livemig"][0].get("phases") or {})}  # fmt: skip
     if phases:
         print("livemig phases (median s): " + "  ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+    if "migration" in samples:
+        pauses = [x["downtime_s"] for x in samples["migration"] if x.get("downtime_s") is not None]
+        if pauses:
+            print(f"planned migration pause (switch step over a median step): {statistics.median(pauses):.3f} s "
+                  f"(target <= 0.25); rows: 'migration' (downtime column = pause)")  # fmt: skip
     print("torchft: not measured (optional torchft package not installed)" if not _has_torchft() else
           "torchft: installed, but its row is not implemented yet")  # fmt: skip
     result = {"config": vars(a) | {"fn": None}, "summary": summary, "samples": samples,

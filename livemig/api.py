@@ -163,7 +163,12 @@ class Context:
         if not self._params or self.role == "local":
             return  # a single local process: plain optimizer steps, sharded or not
         zero = sharding == "zero1"
-        self._reducer = GradReducer(self._params, shard_world=self.world_size if zero else 0)
+        scatter = False
+        if zero:
+            from livemig.comm.zero1 import reduce_mode
+
+            scatter = reduce_mode(self.runtime.backend if self.runtime else "gloo") == "reduce_scatter"
+        self._reducer = GradReducer(self._params, shard_world=self.world_size if zero else 0, scatter=scatter)
         if zero:
             from livemig.comm.zero1 import Zero1
 
@@ -314,11 +319,11 @@ class Context:
                 break
             try:
                 self._maybe_self_fault(t, "allreduce")
-                if first:  # reduce-scatters launched during backward
-                    own = red.finish(self.world_size, timeout, rt.moved_on)
+                if first:  # reductions launched during backward
+                    reduced = red.finish(self.world_size, timeout, rt.moved_on)
                 else:
-                    own = red.reduce(rt.pg, red.flatten(), self.world_size, timeout, rt.moved_on)
-                mirror = z.exchange(rt.pg, own, timeout, rt.moved_on)
+                    reduced = red.reduce(rt.pg, red.flatten(), self.world_size, timeout, rt.moved_on)
+                own, mirror = z.slices(rt.pg, reduced, timeout, rt.moved_on)
                 self._avg = (t, [own, mirror])  # held: enough to finish step t alone
                 z.barrier(rt.pg, timeout, rt.moved_on)
                 self._maybe_self_fault(t, "before_commit")
@@ -624,6 +629,7 @@ class Context:
                 item["extra"] = {k: v.state_dict() for k, v in self.extra.items()}
             rt.server.publish(g, f"avg/{t}", lambda: (t, item))
             rt.server.withdraw(f"avg/{t - AVG_KEEP}")
+            rt.server.wanted.discard(f"avg/{t}")
         if not switch:
             return
         plan = self._migration_plan()

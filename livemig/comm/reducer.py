@@ -12,8 +12,10 @@ a retry in a new group, and a fetched average all use it, so the summation
 order (and so the bits) never depends on which path a step took.
 
 Sharded mode (ZeRO-1, `shard_world` > 0): each bucket is padded to a
-multiple of the world size and reduce-scattered instead of allreduced; rank
-r keeps the averaged slice r of every bucket (see comm/zero1.py).
+multiple of the world size so it cuts into equal slices, and is either
+reduce-scattered (`scatter=True`: rank r receives only the averaged slice r)
+or allreduced as usual (every rank keeps the whole average and slices it;
+see comm/zero1.py for when each is used).
 
 Gradient accumulation: wrap all but the last micro-batch's backward in
 `ctx.no_sync()`, as with DDP. A gradient that changes after its bucket was
@@ -47,9 +49,10 @@ def bucket_layout(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) 
 
 
 class GradReducer:
-    def __init__(self, params: list[torch.nn.Parameter], shard_world: int = 0) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], shard_world: int = 0, scatter: bool = True) -> None:
         self.params = list(reversed(params))
         self.shard_world = shard_world
+        self.scatter = bool(shard_world) and scatter
         self.layout = bucket_layout(self.params)
         self.bucket_of = {i: b for b, idx in enumerate(self.layout) for i in idx}
         self.offset: dict[int, int] = {}
@@ -75,11 +78,11 @@ class GradReducer:
         self._pg = pg
         self._armed = pg is not None
         self._flip ^= 1
-        fi = 0 if self.shard_world else self._flip  # sharded: the kept average is the slice, not the bucket
+        fi = 0 if self.scatter else self._flip  # scattered: the kept average is the slice, not the bucket
         if self._sets[fi] is None:
             self._sets[fi] = self._alloc(self.padded)
         self._flats = self._sets[fi]
-        if self.shard_world:
+        if self.scatter:
             # the averaged slices are kept until the next step's commit: double-buffered too
             if self._out_sets[self._flip] is None:
                 self._out_sets[self._flip] = self._alloc(self.shard_sizes)
@@ -122,7 +125,7 @@ class GradReducer:
 
     def _launch(self, b: int) -> None:
         try:
-            if self.shard_world:
+            if self.scatter:
                 chunks = list(self._flats[b].chunk(self.shard_world))
                 self._works[b] = self._pg.reduce_scatter([self._outs[b]], [chunks])
             else:
@@ -161,7 +164,7 @@ class GradReducer:
             except Exception as exc:  # noqa: BLE001 - a broken group
                 raise CollectiveAborted(f"collective failed at launch: {exc}") from exc
             wait_all(self._works + ctl, timeout, should_abort)
-            flats = self._outs if self.shard_world else self._flats
+            flats = self._outs if self.scatter else self._flats
         for f in flats:
             f.div_(world)
         if control is not None:
@@ -180,7 +183,7 @@ class GradReducer:
                should_abort: Callable[[], bool] | None = None) -> list[torch.Tensor]:  # fmt: skip
         """Synchronous reduction of `flats` (retry in a new group): the averaged
         buckets, or in sharded mode freshly allocated averaged slices."""
-        if not self.shard_world:
+        if not self.scatter:
             allreduce_mean(pg, flats, world, timeout, should_abort)
             return flats
         if pg is None:

@@ -162,8 +162,16 @@ class Coordinator:
             self.election.resign()
 
     def _takeover(self) -> None:
-        """A new leader re-issues an in-flight build against its own store."""
+        """A new leader re-issues an in-flight build against its own store; a planned
+        migration still catching up is aborted (its background builds used the old store)."""
         m = self.rdzv.read()
+        if m.state == GenState.MIGRATING and m.migration.get("phase") == "catchup" and m.store != self.store_addr:
+            kvs, _ = self.client.get_prefix(self.keys.prefix)
+            s = Snapshot(kvs, self.rdzv)
+            old = dict(m.members)
+            old[int(m.migration["rank"])] = Member.from_dict(m.migration["leaving_member"])
+            self._abort_migration(s, old, "coordinator takeover")
+            return
         if m.generation > 0 and m.state in (GenState.FORMING, GenState.BUILDING) and m.store != self.store_addr:
             new = replace(m, store=self.store_addr, reason="coordinator takeover")
             self.rdzv.commit_change(m.generation, new, guard=[self.election.guard()])
@@ -488,8 +496,9 @@ class Coordinator:
                 return None
             progress = [(s.get(self.keys.progress(r)) or {}).get("step", -1) for r in m.members]
             lag = max(progress) - int(cu["applied"])
-            if lag > MIGRATION_SWITCH_LAG:
-                return None
+            built = all(ready.get(str(r), {}).get("incarnation") == mem.incarnation for r, mem in m.members.items())
+            if lag > MIGRATION_SWITCH_LAG or not built:
+                return None  # once every group is built the switch needs no store: a leader change is harmless
             new = replace(m, migration=dict(mig, phase="switch", lag_at_switch=lag))
             events = [self.timeline.op(g, "stream", at=cu["time"], seconds=cu.get("stream_s", 0.0),
                                        bytes=cu.get("bytes", 0), source=cu.get("source", ""), loaded=cu["loaded"]),

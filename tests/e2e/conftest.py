@@ -56,16 +56,17 @@ def explain(run: Run) -> str:
 
 @pytest.fixture(scope="session")
 def reference_digest(tmp_path_factory):
-    cache: dict[tuple[int, str], str] = {}
+    cache: dict[tuple, str] = {}
 
-    def get(nproc: int, script: str = MLP) -> str:
-        if (nproc, script) not in cache:
-            name = f"ref{nproc}{'z' if script == MLP_ZERO1 else ''}"
-            run = livemig_run(tmp_path_factory.mktemp(name), nproc, job=name, script=script)
+    def get(nproc: int, script: str = MLP, env: dict | None = None) -> str:
+        key = (nproc, script, tuple(sorted((env or {}).items())))
+        if key not in cache:
+            name = f"ref{nproc}{'z' if script == MLP_ZERO1 else ''}{len(cache)}"
+            run = livemig_run(tmp_path_factory.mktemp(name), nproc, job=name, script=script, env=env)
             assert run.rc == 0, explain(run)
             assert run.report["steps_completed"] == STEPS
             assert run.report["replicas_identical"], explain(run)
-            cache[(nproc, script)] = run.report["state_digest"]
-        return cache[(nproc, script)]
+            cache[key] = run.report["state_digest"]
+        return cache[key]
 
     return get

@@ -12,6 +12,7 @@ import sys
 import time
 
 from tests.e2e.conftest import MLP, REPO, STEPS, WORKLOAD, explain, livemig_run
+from tests.e2e.test_recovery import assert_exact
 
 
 def exit_codes(run) -> dict[str, int]:
@@ -19,13 +20,7 @@ def exit_codes(run) -> dict[str, int]:
 
 
 def assert_same_as_fault_free(run, reference: str) -> None:
-    rep = run.report
-    assert run.rc == 0, explain(run)
-    assert rep["result"]["state"] == "done", explain(run)
-    assert rep["steps_completed"] == STEPS, explain(run)
-    assert rep["replicas_identical"], explain(run)
-    assert rep["state_digest"] == reference, "final state differs from the fault-free run\n" + explain(run)
-    assert rep["recoveries"] == [], explain(run)  # nothing failed: no fence, no recovery
+    assert_exact(run, reference, recoveries=0)  # nothing failed: no fence, no recovery
 
 
 def test_planned_migration_mid_run(tmp_path, reference_digest):

@@ -30,8 +30,16 @@ def test_zero1_kill_between_steps(tmp_path, reference_digest):
 
 
 def test_zero1_kill_inside_reduce_scatter(tmp_path, reference_digest):
+    """The reduce-scatter + exchange path (NCCL's default; gloo allreduces by default)."""
+    env = {"LIVEMIG_ZERO1_REDUCE": "reduce_scatter"}
+    ref = reference_digest(3, MLP_ZERO1, env)
+    run = zrun(tmp_path, 3, 1, ("kill:rank=1:step=8:during=allreduce",), env=env)
+    assert_zero1_exact(run, ref, 1)
+
+
+def test_zero1_kill_inside_the_gradient_allreduce(tmp_path, reference_digest):
     ref = reference_digest(3, MLP_ZERO1)
-    run = zrun(tmp_path, 3, 1, ("kill:rank=1:step=8:during=allreduce",))
+    run = zrun(tmp_path, 3, 1, ("kill:rank=0:step=5:during=allreduce",))
     assert_zero1_exact(run, ref, 1)
 
 

@@ -24,10 +24,11 @@ def model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5))
 
 
-def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
+def optimizer(m: torch.nn.Module, **kw) -> torch.optim.Optimizer:
     decay = [p for n, p in m.named_parameters() if n.endswith("weight")]
     rest = [p for n, p in m.named_parameters() if not n.endswith("weight")]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=1e-2, **kw)
 
 
 def grads(m: torch.nn.Module, rank: int, step: int) -> None:
@@ -36,17 +37,18 @@ def grads(m: torch.nn.Module, rank: int, step: int) -> None:
     torch.nn.functional.mse_loss(m(x), y).backward()
 
 
-def run_rank(rank: int, world: int, store: dist.Store, steps: int, m: torch.nn.Module, out: dict) -> None:
+def run_rank(rank: int, world: int, store: dist.Store, steps: int, m: torch.nn.Module, out: dict,
+             scatter: bool) -> None:  # fmt: skip
     opt = optimizer(m)
     params = list(m.parameters())
-    red = GradReducer(params, shard_world=world)
+    red = GradReducer(params, shard_world=world, scatter=scatter)
     z = Zero1(red, params, opt, rank, world)
     pg = dist.ProcessGroupGloo(dist.PrefixStore("z", store), rank, world, T)
     for step in range(steps):
         red.arm(pg)
         grads(m, rank, step)
-        own = red.finish(world, T, lambda: False)
-        mirror = z.exchange(pg, own, T, lambda: False)
+        reduced = red.finish(world, T, lambda: False)
+        own, mirror = z.slices(pg, reduced, T, lambda: False)
         z.barrier(pg, T, lambda: False)
         z.update(own, mirror)
         for p in params:
@@ -55,19 +57,23 @@ def run_rank(rank: int, world: int, store: dist.Store, steps: int, m: torch.nn.M
     out[rank] = (m, z)
 
 
-def test_sharded_update_equals_plain_adamw_and_mirror_is_exact():
+@pytest.mark.parametrize("scatter", [True, False], ids=["reduce_scatter", "allreduce"])
+def test_sharded_update_equals_plain_adamw_and_mirror_is_exact(scatter):
+    """The shards use AdamW's multi-tensor path (the template leaves foreach unset):
+    the reference is plain data-parallel AdamW with foreach=True."""
     world, steps = 2, 5
     store = dist.HashStore()
     out: dict = {}
     models = [model() for _ in range(world)]  # built here: torch.manual_seed is process-global
-    threads = [threading.Thread(target=run_rank, args=(r, world, store, steps, models[r], out)) for r in range(world)]
+    threads = [threading.Thread(target=run_rank, args=(r, world, store, steps, models[r], out, scatter))
+               for r in range(world)]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert set(out) == {0, 1}
     ref = model()
-    opt = optimizer(ref)
+    opt = optimizer(ref, foreach=True)
     for step in range(steps):  # plain data parallel: the mean of the ranks' gradients
         acc = [torch.zeros_like(p) for p in ref.parameters()]
         for r in range(world):

@@ -131,6 +131,7 @@ class Context:
         self._stream_info: dict[str, Any] = {}
         self._mig_gen: int | None = None  # leaving worker: the migration generation it serves
         self._mig_step: int | None = None  # leaving worker: the step its snapshot was taken before
+        self._leaving: int | None = None  # leaving worker: the switch was voted; leave at the next boundary
         self._step_t0 = 0.0
 
     @property
@@ -237,6 +238,8 @@ class Context:
             if self.committed != step:
                 raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
         self._current = None
+        if self._leaving is not None:  # the switch was voted at the last step
+            self._leave(self._leaving)
         self.after_switch()
 
     def step(self) -> None:
@@ -290,9 +293,10 @@ class Context:
             red.write_back(flats)
             # No copy needed for the kept average: the reducer double-buffers, so these
             # buffers are reused only after the next step's commit replaced self._avg.
-            hparams = self._hparams()
+            switch = float(ctl[0]) == 1.0
+            self._serve_avg(t, flats, switch)  # before our optimizer step: the spare applies it meanwhile
             self._commit(t, flats, compute_s=compute_s)
-            self._after_commit(t, flats, hparams, switch=float(ctl[0]) == 1.0)
+            self._after_commit(t, switch)
             return
 
     def _join_recovery(self, t: int | None, exc: BaseException) -> None:
@@ -304,7 +308,8 @@ class Context:
 
     # -- ZeRO-1 (comm/zero1.py) --------------------------------------------------------------
     def _step_zero1(self, t: int) -> None:
-        """Reduce-scatter, mirror exchange, barrier, shard updates, all-gather.
+        """Reduction (reduce-scatter + exchange, or allreduce + slicing), barrier,
+        own shard update, all-gather overlapped with the mirror's update.
 
         Recovery keeps one order on every member: after a group switch each
         member first all-gathers the parameters (_zero_regather), then goes on
@@ -334,8 +339,16 @@ class Context:
                 red.disarm()
                 self._join_recovery(t, exc)
                 continue
-            self._commit(t, [own, mirror])
-        self._gathered_gen = None  # the updated slices must reach every rank
+            # Update our shard, then gather the parameters while the mirror is updated.
+            z.own.update(own)
+            self._gathered_gen = None
+            held = [own, mirror]
+            try:
+                z.gather(rt.pg, timeout, rt.moved_on,
+                         meanwhile=lambda held=held: self._commit(t, held, mirror_only=True))  # fmt: skip
+                self._gathered_gen = rt.gen
+            except CollectiveAborted as exc:  # step t is committed; the new group repeats the gather
+                self._join_recovery(t, exc)
         self._zero_regather()
 
     def _zero_regather(self) -> None:
@@ -417,10 +430,15 @@ class Context:
         finally:
             self._reducer.sync = False
 
-    def _commit(self, t: int, avg: list | None, replay: bool = False, **info: float) -> None:
+    def _commit(self, t: int, avg: list | None, replay: bool = False, mirror_only: bool = False,
+                **info: float) -> None:  # fmt: skip
         if self._zero is not None:
             assert avg is not None
-            self._zero.update(avg[0], avg[1])
+            if mirror_only:  # the own shard was updated already (comm/zero1.py: overlap with the gather)
+                if self._zero.mirror is not None:
+                    self._zero.mirror.update(avg[1])
+            else:
+                self._zero.update(avg[0], avg[1])
             for p in self._params:
                 p.grad = None
         elif self.optimizer is not None:
@@ -583,12 +601,16 @@ class Context:
         asks for it; every staying member starts building the new group."""
         if self.role == "local" or self._zero is not None:
             return
+        if self._leaving is not None:
+            self._leave(self._leaving)  # the switch step is done, user code after ctx.step() too
         rt = self.runtime
         plan = self._migration_plan()
         if plan is None:
             if self._mig_gen is not None and rt.m.generation != self._mig_gen:
                 rt.server.withdraw()  # the migration was resolved: stop serving its items
                 self._mig_gen = self._mig_step = None
+                if self._reducer is not None:
+                    self._reducer.keep(2)
             return
         m, mig = plan
         if mig.get("leaving") == self.incarnation:
@@ -600,6 +622,8 @@ class Context:
                 step = self.committed + 1
                 rt.server.publish(m.generation, "snapshot", lambda: (step, snap))
                 self._mig_gen, self._mig_step = m.generation, step
+                if self._reducer is not None:
+                    self._reducer.keep(AVG_KEEP + 1)  # serve averages straight from the buckets
                 log.info("migration: snapshot served", extra={"step": step, "generation": m.generation})
         elif m.rank_of(self.incarnation) is not None:
             rt.prebuild(m, m.rank_of(self.incarnation))
@@ -619,17 +643,17 @@ class Context:
             return []
         return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
 
-    def _after_commit(self, t: int, flats: list[torch.Tensor], hparams: list[dict], switch: bool) -> None:
-        rt = self.runtime
-        if self._mig_gen is not None and self._mig_step is not None and t >= self._mig_step:
-            g = self._mig_gen
-            item: dict[str, Any] = {"flat": [f.clone() for f in flats], "hparams": hparams, "final": switch}
-            if switch:  # what user code changed outside the optimizer: buffers, extras
-                item["buffers"] = {k: v.clone() for k, v in self.model.named_buffers()} if self.model else {}
-                item["extra"] = {k: v.state_dict() for k, v in self.extra.items()}
-            rt.server.publish(g, f"avg/{t}", lambda: (t, item))
-            rt.server.withdraw(f"avg/{t - AVG_KEEP}")
-            rt.server.wanted.discard(f"avg/{t}")
+    def _serve_avg(self, t: int, flats: list[torch.Tensor], final: bool) -> None:
+        """Leaving worker: publish step t's averaged gradient and the step's hyperparameters."""
+        if self._mig_gen is None or self._mig_step is None or t < self._mig_step:
+            return
+        rt, g = self.runtime, self._mig_gen
+        item = {"flat": flats, "hparams": self._hparams(), "final": final}
+        rt.server.publish(g, f"avg/{t}", lambda: (t, item))
+        rt.server.withdraw(f"avg/{t - AVG_KEEP}")
+        rt.server.wanted.discard(f"avg/{t}")
+
+    def _after_commit(self, t: int, switch: bool) -> None:
         if not switch:
             return
         plan = self._migration_plan()
@@ -637,16 +661,23 @@ class Context:
             return
         m, mig = plan
         if mig.get("leaving") == self.incarnation:
-            self._leave(m.generation)
+            self._leaving = m.generation  # leave at the next boundary
             return
+        rt = self.runtime
         rank = m.rank_of(self.incarnation)
         rt.switch_to(m.generation)
         rt.put(rt.keys.ready(m.generation, rank), {"incarnation": self.incarnation, "switched": t,
                                                    "time": time.time()})  # fmt: skip
 
     def _leave(self, g: int) -> None:
-        """The leaving worker after the switch step: serve until the spare switched, then exit."""
-        rt = self.runtime
+        """The leaving worker after the switch step: hand over what user code changed
+        outside the optimizer (buffers, registered extras, hyperparameters a scheduler
+        set), serve until the spare switched, then exit."""
+        rt, t = self.runtime, self.committed
+        self._leaving = None
+        tail = {"buffers": {k: v.clone() for k, v in self.model.named_buffers()} if self.model else {},
+                "extra": {k: v.state_dict() for k, v in self.extra.items()}, "hparams": self._hparams()}  # fmt: skip
+        rt.server.publish(g, f"tail/{t}", lambda: (t, tail))
         m = rt.wait_membership(lambda x: x.generation != g or x.state != GenState.MIGRATING,
                                "the spare to take over this rank")  # fmt: skip
         if m.generation == g and m.state == GenState.COMMITTED:
@@ -703,14 +734,18 @@ class Context:
             if red is not None:
                 red.write_back(got.state["flat"])
             self._commit(t, None, replay=True)
-            rt.put(rt.keys.catchup(g), {**rec, "applied": t, "time": time.time()})
             if got.state["final"]:
+                tail = fetch(f"tail/{t}").state
                 bufs = dict(self.model.named_buffers()) if self.model is not None else {}
-                for k, v in got.state.get("buffers", {}).items():
+                for k, v in tail["buffers"].items():
                     bufs[k].copy_(v)
                 for k, v in self.extra.items():
-                    v.load_state_dict(got.state["extra"][k])
+                    v.load_state_dict(tail["extra"][k])
+                for grp, hp in zip(self.optimizer.param_groups if self.optimizer else [], tail["hparams"],
+                                   strict=True):  # fmt: skip
+                    grp.update(hp)
                 break
+            rt.put(rt.keys.catchup(g), {**rec, "applied": t, "time": time.time()})
         while rt.prebuilt(g) is None:  # the group is built once every member joined it
             if rt.moved_to_other(g)():
                 raise _Requeue()

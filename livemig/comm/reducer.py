@@ -77,7 +77,7 @@ class GradReducer:
         """Start overlapping for one step on group `pg` (None: no overlap)."""
         self._pg = pg
         self._armed = pg is not None
-        self._flip ^= 1
+        self._flip = (self._flip + 1) % 2 if self.scatter else (self._flip + 1) % len(self._sets)
         fi = 0 if self.scatter else self._flip  # scattered: the kept average is the slice, not the bucket
         if self._sets[fi] is None:
             self._sets[fi] = self._alloc(self.padded)
@@ -92,6 +92,17 @@ class GradReducer:
         self._works: list[Any] = [None] * len(self.layout)
         self._dirty = False
         self._launch_error: BaseException | None = None
+
+    def keep(self, n: int) -> None:
+        """Rotate over n sets of buckets (default 2): a completed average stays
+        untouched for n-1 further steps (a leaving worker serves its last ones
+        to a catching-up spare without copying them)."""
+        n = max(2, n)
+        if n > len(self._sets):
+            self._sets += [None] * (n - len(self._sets))
+        elif n < len(self._sets):
+            self._sets = self._sets[:n]
+            self._flip %= n
 
     def _alloc(self, sizes: list[int]) -> list[torch.Tensor]:
         dtype = self.params[0].dtype if self.params else torch.float32

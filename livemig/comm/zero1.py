@@ -36,6 +36,7 @@ tensors (LBFGS, Adafactor, Muon) are refused at registration.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -215,15 +216,26 @@ class Zero1:
                 raise CollectiveAborted("no gradient slice for the mirrored shard")
             self.mirror.update(mirror)
 
-    def gather(self, pg: Any, timeout: timedelta, abort: Any) -> None:
-        """All-gather the owners' slices into the full parameters."""
-        if pg is None:
-            raise CollectiveAborted("no process group: this member is between generations")
-        vals = self.own.values
+    def gather(self, pg: Any, timeout: timedelta, abort: Any, meanwhile: Callable[[], None] | None = None) -> None:
+        """All-gather the owners' slices into the full parameters; `meanwhile` runs
+        while the gather is in flight (the mirror's update: it needs no parameters)
+        and always runs, even when the gather cannot start."""
+        vals, works, err = self.own.values, [], None
         if self._gather is None:
             self._gather = [torch.zeros(n, dtype=v.dtype) for n, v in zip(self.red.padded, vals, strict=True)]
-        works = [pg.allgather([list(f.chunk(self.world))], [v]) for f, v in zip(self._gather, vals, strict=True)]
         try:
+            if pg is None:
+                raise CollectiveAborted("no process group: this member is between generations")
+            works = [pg.allgather([list(f.chunk(self.world))], [v]) for f, v in zip(self._gather, vals, strict=True)]
+        except CollectiveAborted as exc:
+            err = exc
+        except Exception as exc:  # noqa: BLE001 - a broken group refuses the launch
+            err = CollectiveAborted(f"collective failed at launch: {exc}")
+        if meanwhile is not None:
+            meanwhile()
+        try:
+            if err is not None:
+                raise err
             wait_all(works, timeout, abort)
         except CollectiveAborted:
             self._gather = None  # an abandoned gloo op may still write into it

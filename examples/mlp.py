@@ -21,12 +21,12 @@ def build_model(width: int, layers: int) -> torch.nn.Module:
 
 
 @livemig.elastic(seed=0)
-def train(ctx: livemig.Context, steps: int, width: int, layers: int, batch: int) -> None:
+def train(ctx: livemig.Context, steps: int, width: int, layers: int, batch: int, sharding: str | None = None) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(1234)  # the same initial model on every rank
     model = build_model(width, layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ctx.register(model=model, optimizer=opt)
+    ctx.register(model=model, optimizer=opt, sharding=sharding)
     for step in ctx.steps(steps):
         g = livemig.batch_generator(step, ctx.rank, ctx.world_size)
         x = torch.randn(batch, width, generator=g)
@@ -37,11 +37,15 @@ def train(ctx: livemig.Context, steps: int, width: int, layers: int, batch: int)
         ctx.step()
 
 
-if __name__ == "__main__":
+def main(sharding: str | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=64)
     a = p.parse_args()
-    train(a.steps, a.width, a.layers, a.batch)
+    train(a.steps, a.width, a.layers, a.batch, sharding)
+
+
+if __name__ == "__main__":
+    main()

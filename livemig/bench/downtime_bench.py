@@ -340,7 +340,9 @@ def run_overhead(a: argparse.Namespace) -> int:
         print(line)
         out["ratios"][label] = med
     if zero1:
-        out["memory_mb_per_rank"] = mem = zero1_memory(a.width, a.layers, a.workers)
+        from livemig.comm.zero1 import reduce_mode
+
+        out["memory_mb_per_rank"] = mem = zero1_memory(a.width, a.layers, a.workers, reduce_mode("gloo"))
         print("memory per rank (MiB, fp32, AdamW): " + "  ".join(f"{k} {v:.1f}" for k, v in mem.items()))
     if a.json:
         with open(a.json, "w") as f:
@@ -348,11 +350,13 @@ def run_overhead(a: argparse.Namespace) -> int:
     return 0
 
 
-def zero1_memory(width: int, layers: int, world: int) -> dict[str, float]:
-    """Training-state bytes per rank, from the reference model's size: parameters and
+def zero1_memory(width: int, layers: int, world: int, mode: str) -> dict[str, float]:
+    """Training-state MiB per rank, from the reference model's size: parameters and
     gradients are whole on every rank; AdamW's two moments (and, for the shard,
-    the master values) are 1/N; the mirror is exactly one more such shard."""
+    the master values) are 1/N; the mirror is exactly one more such shard. The
+    mirror's traffic: one slice per step after a reduce-scatter, none in allreduce mode."""
     p = layers * (width * width + width) * 4 / 2**20
     shard = 3 * p / world  # values + exp_avg + exp_avg_sq
+    sent = p / world if mode == "reduce_scatter" else 0.0
     return {"params": p, "grads": p, "ddp_adamw_state": 2 * p, "zero1_own_shard": shard,
-            "zero1_mirror_shard": shard, "mirror_slices_sent_per_step": p / world}  # fmt: skip
+            "zero1_mirror_shard": shard, "mirror_mb_sent_per_step": sent}  # fmt: skip

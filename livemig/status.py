@@ -50,6 +50,7 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
             )
     leader = by_key.get(keys.leader)
     result = by_key.get(keys.result)
+    mig_res = by_key.get(keys.migrate_result)
     return {
         "job": job,
         "generation": m.generation,
@@ -60,6 +61,8 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
         "leader": leader.value.decode() if leader else None,
         "fenced": sorted(k[len(keys.fenced_prefix) :] for k in by_key if k.startswith(keys.fenced_prefix)),
         "result": decode(result.value) if result else None,
+        "migration": {k: m.migration.get(k) for k in ("rank", "phase", "reason", "spare")} if m.migration else None,
+        "last_migration": decode(mig_res.value) if mig_res else None,
         "read_at": time.time(),
     }
 
@@ -73,6 +76,13 @@ def render(info: dict[str, Any], as_json: bool) -> str:
     ]
     if info["result"]:
         lines.append(f"result: {info['result']}")
+    mig = info.get("migration")
+    if mig and mig.get("phase") != "done":
+        lines.append(f"migration of rank {mig['rank']} onto {mig['spare']}: {mig['phase']} ({mig['reason']})")
+    last = info.get("last_migration")
+    if last:
+        lines.append(f"last migration: rank {last.get('rank')} {last.get('state')}"
+                     + (f" ({last['reason']})" if last.get("reason") else ""))  # fmt: skip
     lines.append(f"{'RANK':>4}  {'STATE':<9} {'STEP':>6}  {'HOST':<16} {'PID':>7}  INCARNATION")
     for m in info["members"]:
         step = "-" if m["step"] is None else str(m["step"])

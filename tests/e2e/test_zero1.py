@@ -66,3 +66,14 @@ def test_zero1_rank_and_its_mirror_killed_together_fails_naming_the_shard(tmp_pa
     procs = {p["name"]: p for p in run.report["processes"]}
     assert procs["worker-1"]["exit_code"] == -signal.SIGKILL
     assert run.report["steps_completed"] < STEPS
+
+
+def test_zero1_two_non_adjacent_ranks_killed_together(tmp_path, reference_digest):
+    """Ranks 0 and 2 of 4: each lost shard still has its mirror (ranks 1 and 3)."""
+    ref = reference_digest(4, MLP_ZERO1)
+    run = zrun(tmp_path, 4, 2, ("kill:rank=0:step=6", "kill:rank=2:step=6"), timeout=300)
+    assert run.rc == 0, explain(run)
+    assert run.report["state_digest"] == ref, explain(run)
+    assert run.report["steps_completed"] == STEPS and run.report["replicas_identical"], explain(run)
+    assert run.report["zero1"]["mirrors_exact"]
+    assert {r["rank"] for r in run.report["recoveries"]} <= {0, 2} and run.report["recoveries"], explain(run)

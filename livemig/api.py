@@ -841,6 +841,7 @@ class Context:
                "joined_at_step": self._loaded_step}  # fmt: skip
         if self._standby_info:
             rec["standby"] = self._standby_info
+        rec["peak_rss_mb"] = _peak_rss_mb()
         if self._zero is not None:  # the report checks each mirror against its owner's shard
             rec["shard_digest"] = digest(self._zero.own.tensors_for_digest())
             if self._zero.mirror is not None:
@@ -853,6 +854,13 @@ class Context:
             return
         self.write_final()
         self.runtime.wait_result(self)
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:

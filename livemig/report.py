@@ -56,6 +56,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float) -> dict[
                 "joined_at_step": f.get("joined_at_step"),
                 "first_commit": f["commits"][0] if f.get("commits") else None,
                 **({"standby": f["standby"]} if "standby" in f else {}),
+                **({"peak_rss_mb": f["peak_rss_mb"]} if "peak_rss_mb" in f else {}),
             }
             for r, f in sorted(finals.items())
         },  # fmt: skip

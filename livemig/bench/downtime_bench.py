@@ -76,6 +76,7 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
         "wall_s": wall, "steps": rep["steps_completed"], "digest": rep["state_digest"],
         "median_step_s": rep["step_time_s_median"], "downtime_s": rec.get("downtime_s"),
         "phases": rec.get("phases", {}), "ok": (rep["result"] or {}).get("state") == "done",
+        "peak_rss_mb": max((x.get("peak_rss_mb", 0.0) for x in rep.get("members", {}).values()), default=0.0),
     }  # fmt: skip
 
 
@@ -320,10 +321,14 @@ def run_overhead(a: argparse.Namespace) -> int:
         runs["livemig zero1, no mirror"] = lambda: run_livemig(a, False, workload, {"LIVEMIG_ZERO1_MIRROR": "0"})
         runs["DDP + ZeroRedundancyOpt"] = lambda: run_ddp(a, False, workload)
     times: dict[str, list[float]] = {k: [] for k in runs}
+    rss: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(a.repeat):
         print(f"  round {r + 1}/{a.repeat} ...", flush=True)
         for name, fn in runs.items():
-            times[name].append(fn()["median_step_s"])
+            res = fn()
+            times[name].append(res["median_step_s"])
+            if res.get("peak_rss_mb"):
+                rss[name].append(res["peak_rss_mb"])
     print(f"steady-state step time, {a.workers} workers, {a.steps} steps, {a.repeat} interleaved rounds, "
           "median (min-max)")  # fmt: skip
     for name, xs in times.items():
@@ -339,6 +344,11 @@ def run_overhead(a: argparse.Namespace) -> int:
         line, med = _ratio(label, times[x], times[y])
         print(line)
         out["ratios"][label] = med
+    measured = {k: statistics.median(v) for k, v in rss.items() if v}
+    if measured:  # livemig rows only: the DDP script does not report it
+        out["peak_rss_mb_per_rank"] = measured
+        print("peak RSS per rank (MiB, measured, largest rank): "
+              + "  ".join(f"{k} {v:.0f}" for k, v in measured.items()))  # fmt: skip
     if zero1:
         from livemig.comm.zero1 import reduce_mode
 

@@ -19,7 +19,10 @@ import sys, time
 from livemig.rdzv.embedded import EtcdCluster
 c = EtcdCluster(1).start()
 print(c.root, c.members[0].etcd_pid, flush=True)
-time.sleep(3600)
+# Short sleeps, as in the launcher's own loop: a SIGINT that the kernel hands to one of
+# the etcd client's threads only sets Python's flag; a single long sleep would not wake.
+while True:
+    time.sleep(0.1)
 """
 
 

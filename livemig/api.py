@@ -262,9 +262,7 @@ class Context:
         if self._zero is not None:
             self._step_zero1(t)
             return
-        for p in self._params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        self._ensure_grads()
         red = self._reducer
         assert red is not None
         first = True
@@ -285,7 +283,6 @@ class Context:
                     raise CollectiveAborted("test fault: average dropped")
             except CollectiveAborted as exc:
                 first = False
-                red.disarm()
                 self._join_recovery(t, exc)
                 if self.committed == t:
                     return  # a peer's completed average was fetched and applied
@@ -300,6 +297,8 @@ class Context:
             return
 
     def _join_recovery(self, t: int | None, exc: BaseException) -> None:
+        if self._reducer is not None:
+            self._reducer.disarm()  # no bucket may launch on the abandoned group
         log.warning("collective failed; joining recovery",
                     extra={"step": t, "generation": self.runtime.gen, "why": str(exc)})  # fmt: skip
         retire(self.runtime.pg)
@@ -336,7 +335,6 @@ class Context:
                     raise CollectiveAborted("test fault: barrier result dropped")
             except CollectiveAborted as exc:
                 first = False
-                red.disarm()
                 self._join_recovery(t, exc)
                 continue
             # Update our shard, then gather the parameters while the mirror is updated.
@@ -393,10 +391,14 @@ class Context:
             self._current, self.committed, self._commits = None, -1, []
             self._avg = None
 
-    def _sandbox_step(self, t: int) -> None:
+    def _ensure_grads(self) -> None:
+        """A parameter backward did not reach still takes part in the reduction, as zeros."""
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+
+    def _sandbox_step(self, t: int) -> None:
+        self._ensure_grads()
         if self._zero is not None:  # no peers: this rank's slices of the local gradient
             red = self._reducer
             flats = red.flatten()
@@ -556,16 +558,21 @@ class Context:
         log.info("fetched the averaged gradient of a step a peer completed", extra={"step": t})
         self._commit(t, got.state["flat"])
 
-    def _pull_state(self, m: Membership) -> dict[str, Any]:
+    def _into_model(self) -> Callable[[int, dict], torch.Tensor | None]:
+        """A transfer destination for a state object: its first tensors, the model's,
+        are received in place into the spare's own parameters."""
         model_tensors = list(self.model.state_dict().values()) if self.model is not None else []
 
         def alloc(i: int, meta: dict) -> torch.Tensor | None:
             if i < len(model_tensors) and list(model_tensors[i].shape) == meta["shape"]:
-                return model_tensors[i]  # receive in place into the spare's parameters
+                return model_tensors[i]
             return None
 
+        return alloc
+
+    def _pull_state(self, m: Membership) -> dict[str, Any]:
         t0 = time.monotonic()
-        addr, got = self._pull_any(m, "state", alloc)
+        addr, got = self._pull_any(m, "state", self._into_model())
         self._load_state(got.state)
         nbytes = got.nbytes
         if self._zero is not None:  # our shard from its mirror, the shard we mirror from its owner
@@ -643,6 +650,10 @@ class Context:
             return []
         return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
 
+    def _set_hparams(self, hparams: list[dict]) -> None:
+        for grp, hp in zip(self.optimizer.param_groups if self.optimizer else [], hparams, strict=True):
+            grp.update(hp)
+
     def _serve_avg(self, t: int, flats: list[torch.Tensor], final: bool) -> None:
         """Leaving worker: publish step t's averaged gradient and the step's hyperparameters."""
         if self._mig_gen is None or self._mig_step is None or t < self._mig_step:
@@ -712,10 +723,8 @@ class Context:
                         raise RecoveryError(f"migration: could not pull {item} from {addr}: {exc}") from exc
                 time.sleep(0.005)
 
-        model_tensors = list(self.model.state_dict().values()) if self.model is not None else []
         t0 = time.monotonic()
-        got = fetch("snapshot", lambda i, meta: model_tensors[i] if i < len(model_tensors) and list(
-            model_tensors[i].shape) == meta["shape"] else None)  # fmt: skip
+        got = fetch("snapshot", self._into_model())
         self._load_state(got.state)
         self.committed, self._loaded_step = got.step - 1, got.step
         self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
@@ -725,12 +734,8 @@ class Context:
         while True:
             t = self.committed + 1
             got = fetch(f"avg/{t}")
-            for grp, hp in zip(self.optimizer.param_groups if self.optimizer else [], got.state["hparams"],
-                               strict=True):  # fmt: skip
-                grp.update(hp)
-            for p in self._params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+            self._set_hparams(got.state["hparams"])
+            self._ensure_grads()
             if red is not None:
                 red.write_back(got.state["flat"])
             self._commit(t, None, replay=True)
@@ -741,9 +746,7 @@ class Context:
                     bufs[k].copy_(v)
                 for k, v in self.extra.items():
                     v.load_state_dict(tail["extra"][k])
-                for grp, hp in zip(self.optimizer.param_groups if self.optimizer else [], tail["hparams"],
-                                   strict=True):  # fmt: skip
-                    grp.update(hp)
+                self._set_hparams(tail["hparams"])
                 break
             rt.put(rt.keys.catchup(g), {**rec, "applied": t, "time": time.time()})
         while rt.prebuilt(g) is None:  # the group is built once every member joined it

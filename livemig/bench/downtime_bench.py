@@ -159,16 +159,26 @@ def _fmt(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
 
-def add_downtime_arguments(p: argparse.ArgumentParser) -> None:
+def add_workload_arguments(p: argparse.ArgumentParser, steps: int) -> None:
+    """The reference workload and the rounds, as every side-by-side bench takes them."""
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--spares", type=int, default=1)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--fail-at", type=int, default=25, help="kill rank 1 after this step (default 25)")
-    p.add_argument("--ckpt-every", type=int, default=10, help="restart's checkpoint interval (default 10)")
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--run-timeout", type=float, default=300.0, help="abandon one run after this long, s")
+
+
+def workload_args(a: argparse.Namespace) -> list[str]:
+    """The example script's arguments for that workload."""
+    return ["--steps", str(a.steps), "--width", str(a.width), "--layers", str(a.layers)]
+
+
+def add_downtime_arguments(p: argparse.ArgumentParser) -> None:
+    add_workload_arguments(p, steps=40)
+    p.add_argument("--spares", type=int, default=1)
+    p.add_argument("--fail-at", type=int, default=25, help="kill rank 1 after this step (default 25)")
+    p.add_argument("--ckpt-every", type=int, default=10, help="restart's checkpoint interval (default 10)")
     p.add_argument("--sharding", choices=("none", "zero1"), default="none",
                    help="zero1: examples/mlp_zero1.py; DDP rows use torch's ZeroRedundancyOptimizer")  # fmt: skip
     p.add_argument("--json", help="write every figure and raw sample here")
@@ -178,7 +188,7 @@ def add_downtime_arguments(p: argparse.ArgumentParser) -> None:
 def run_downtime(a: argparse.Namespace) -> int:
     if a.workers < 2 or not 0 <= a.fail_at < a.steps - 1:
         raise SystemExit("livemig bench downtime: need --workers >= 2 and 0 <= --fail-at < --steps - 1")
-    workload = ["--steps", str(a.steps), "--width", str(a.width), "--layers", str(a.layers)]
+    workload = workload_args(a)
     approaches = {
         "fault_free": lambda: run_livemig(a, False, workload),
         "plain_ddp": lambda: run_ddp(a, False, workload),
@@ -287,12 +297,7 @@ def _plot(path: str, samples: dict[str, list[dict]]) -> None:
 
 
 def add_overhead_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--run-timeout", type=float, default=300.0, help="abandon one run after this long, s")
+    add_workload_arguments(p, steps=60)
     p.add_argument("--sharding", choices=("none", "zero1"), default="none",
                    help="zero1: also time ZeRO-1 without its mirror, and DDP with ZeroRedundancyOptimizer")  # fmt: skip
     p.add_argument("--json")
@@ -310,7 +315,7 @@ def _ratio(name: str, num: list[float], den: list[float]) -> tuple[str, float]:
 
 def run_overhead(a: argparse.Namespace) -> int:
     """Median step times measured side by side, interleaved round by round."""
-    workload = ["--steps", str(a.steps), "--width", str(a.width), "--layers", str(a.layers)]
+    workload = workload_args(a)
     a.spares, a.fail_at, a.ckpt_every = 0, 0, 0
     zero1 = a.sharding == "zero1"
     plain = argparse.Namespace(**{**vars(a), "sharding": "none"})

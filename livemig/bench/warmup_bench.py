@@ -23,25 +23,19 @@ import statistics
 import uuid
 from typing import Any
 
+from livemig.bench.downtime_bench import MLP, add_workload_arguments, workload_args
 from livemig.faults import parse_fault
 from livemig.launch import RunConfig, run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=40)
+    add_workload_arguments(p, steps=40)
     p.add_argument("--fail-at", type=int, default=25, help="kill rank 1 after this step (default 25)")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--run-timeout", type=float, default=300.0)
     p.add_argument("--json", help="write every figure and raw sample here")
 
 
 def _one(a: argparse.Namespace, cold: bool) -> dict[str, Any]:
-    from livemig.bench.downtime_bench import MLP
-
-    cfg = RunConfig(script=MLP, args=["--steps", str(a.steps), "--width", str(a.width), "--layers", str(a.layers)],
+    cfg = RunConfig(script=MLP, args=workload_args(a),
                     nproc=a.workers, spares=1, job=f"warm-{uuid.uuid4().hex[:6]}", quiet=True,
                     max_wall=a.run_timeout, cold_spares=cold,
                     faults=[parse_fault(f"kill:rank=1:step={a.fail_at}")])  # fmt: skip

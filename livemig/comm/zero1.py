@@ -241,15 +241,3 @@ class Zero1:
             self._gather = None  # an abandoned gloo op may still write into it
             raise
         self.red.write_params(self._gather)
-
-    # -- memory (reported by benchmarks) -----------------------------------------------------
-    def memory_bytes(self) -> dict[str, int]:
-        def size(s: ShardState | None) -> int:
-            if s is None:
-                return 0
-            n = sum(v.nbytes for v in s.values)
-            if s.opt is not None:
-                n += sum(t.nbytes for st in s.opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
-            return n
-
-        return {"own_shard": size(self.own), "mirror_shard": size(self.mirror)}

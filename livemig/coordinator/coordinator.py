@@ -53,6 +53,13 @@ def _safe_decode(key: str, raw: bytes) -> Any:
     return value
 
 
+def _table_before(m: Membership) -> dict[int, Member]:
+    """A MIGRATING generation's table with the leaving worker back in its rank."""
+    old = dict(m.members)
+    old[int(m.migration["rank"])] = Member.from_dict(m.migration["leaving_member"])
+    return old
+
+
 class Snapshot:
     """All keys of the job at one revision, with typed accessors."""
 
@@ -167,10 +174,7 @@ class Coordinator:
         m = self.rdzv.read()
         if m.state == GenState.MIGRATING and m.migration.get("phase") == "catchup" and m.store != self.store_addr:
             kvs, _ = self.client.get_prefix(self.keys.prefix)
-            s = Snapshot(kvs, self.rdzv)
-            old = dict(m.members)
-            old[int(m.migration["rank"])] = Member.from_dict(m.migration["leaving_member"])
-            self._abort_migration(s, old, "coordinator takeover")
+            self._abort_migration(Snapshot(kvs, self.rdzv), "coordinator takeover")
             return
         if m.generation > 0 and m.state in (GenState.FORMING, GenState.BUILDING) and m.store != self.store_addr:
             new = replace(m, store=self.store_addr, reason="coordinator takeover")
@@ -451,8 +455,7 @@ class Coordinator:
         mig, g = m.migration, m.generation
         rank = int(mig["rank"])
         spare = m.members[rank]
-        old = dict(m.members)
-        old[rank] = Member.from_dict(mig["leaving_member"])
+        old = _table_before(m)
         t = self.client.txn_ops
         ready = s.under(self.keys.recovery_prefix(g) + "ready/")
         switched = {int(r) for r, x in ready.items()
@@ -471,7 +474,7 @@ class Coordinator:
         if mig.get("phase") == "catchup" and not switched and (spare_dead or finished or timed_out):
             why = ("the spare failed" if spare_dead else "the job finished first" if finished
                    else f"the spare did not catch up within {self.timeouts.recovery.total_seconds():.0f}s")  # fmt: skip
-            return self._abort_migration(s, old, why)
+            return self._abort_migration(s, why)
         if dead or leaving_dead or spare_dead:
             # A failure during the migration: recover from the table that holds the state.
             table = m.members if rank in switched else old
@@ -518,12 +521,12 @@ class Coordinator:
                 log.warning("planned migration done", extra={"generation": g, "rank": rank, "switch_step": step})
         return None
 
-    def _abort_migration(self, s: Snapshot, old: dict[int, Member], why: str) -> None:
+    def _abort_migration(self, s: Snapshot, why: str) -> None:
         """Nobody switched: the old table and group go on (generation g+1 with continues=g)."""
         m = s.m
         mig = m.migration
         t = self.client.txn_ops
-        new = Membership(state=GenState.COMMITTED, world_size=m.world_size, members=old, store=m.store,
+        new = Membership(state=GenState.COMMITTED, world_size=m.world_size, members=_table_before(m), store=m.store,
                          kind="abort", leader=self.id, continues=int(mig["from_gen"]),
                          reason=f"migration of rank {mig['rank']} aborted: {why}")  # fmt: skip
         res = {"id": mig.get("id", ""), "state": "aborted", "rank": mig["rank"], "reason": why, "time": time.time()}

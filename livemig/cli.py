@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from livemig import logs
-from livemig.config import validate_job_name
+from livemig.config import make_interruptible, validate_job_name
 from livemig.errors import LivemigError
 
 
@@ -107,6 +107,7 @@ _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_run_pars
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    make_interruptible()  # Ctrl-C / kill -INT stop it, even started as a background job
     args = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(with_benches="bench" in args)
     a = parser.parse_args(args)

@@ -140,6 +140,27 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="livemig-parent-watch").start()
 
 
+def make_interruptible() -> None:
+    """Let SIGINT stop this process even if it was started with SIGINT ignored.
+
+    A non-interactive shell starts a background job (`livemig run ... &` in a
+    script, a CI step, a supervisor) with SIGINT set to SIG_IGN, and Python
+    then never installs its KeyboardInterrupt handler: `kill -INT` would do
+    nothing, and the embedded etcd (whose guard only sees its parent die)
+    would live on with it. Processes that own an embedded etcd or supervise
+    workers therefore take SIGINT back, as torchrun does. Only from the main
+    thread (the only one that may set handlers), and only over SIG_IGN: a
+    handler the application installed is left alone.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def straggler_settings() -> tuple[float, int]:
     """(factor, steps) of the coordinator's straggler hook; factor 0 = off (the default)."""
     try:

@@ -29,6 +29,7 @@ from livemig.config import (
     ENV_SPARE_ID,
     ENV_WORLD_SIZE,
     Timeouts,
+    make_interruptible,
     validate_job_name,
 )  # fmt: skip
 from livemig.errors import ConfigError, LivemigError
@@ -456,6 +457,7 @@ def record_fault(client: EtcdClient, keys: JobKeys, kind: str, rank: int | None,
 def run(cfg: RunConfig) -> dict[str, Any]:
     launcher = Launcher(cfg)
     rep: dict[str, Any] | None = None
+    make_interruptible()
     old = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

@@ -548,6 +548,11 @@ class Coordinator:
             p = s.get(self.keys.progress(r)) or {}
             if "compute_s" in p:
                 comp[r] = (int(p.get("step", -1)), float(p["compute_s"]))
+        # Judge one step at a time: the progress keys hold each rank's latest step, and
+        # comparing rank A's step s with rank B's step s-1 (or the first step, which pays
+        # for lazy allocation) flagged a healthy rank on a loaded machine.
+        latest = max((step for step, _ in comp.values()), default=-1)
+        comp = {r: v for r, v in comp.items() if v[0] == latest and latest >= 1}
         if len(comp) < 2:
             return
         for r, (step, c) in comp.items():

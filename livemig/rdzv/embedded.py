@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from livemig.config import ENV_ETCD_BIN
+from livemig.config import ENV_ETCD_BIN, make_interruptible
 from livemig.errors import EtcdBinaryNotFound, LivemigError
 
 log = logging.getLogger("livemig.rdzv.embedded")
@@ -97,6 +97,9 @@ class EtcdCluster:
 
     def start(self) -> EtcdCluster:
         binary = find_etcd_binary(self.etcd_bin)
+        # The guard stops etcd when this process dies; a SIGINT this process ignores
+        # (inherited from a shell's background job) would keep both alive.
+        make_interruptible()
         self.root = tempfile.mkdtemp(prefix="livemig-etcd-")
         for i in range(self.size):
             self.members.append(_Member(f"m{i}", free_port(), free_port(), os.path.join(self.root, f"m{i}")))

@@ -33,6 +33,7 @@ from livemig.config import (
     ENV_SPARE_ID,
     ENV_WORLD_SIZE,
     Timeouts,
+    make_interruptible,
     validate_job_name,
 )  # fmt: skip
 from livemig.errors import ConfigError, LivemigError
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    make_interruptible()  # Ctrl-C / kill -INT stop it, even started as a background job
     a = build_parser().parse_args(argv)
     logs.setup(a.log_level, role="spare-cli")
     try:

@@ -1,0 +1,23 @@
+"""Control-flow signals that unwind the user's function (BaseException, so a
+user's `except Exception` never swallows them)."""
+
+from __future__ import annotations
+
+
+class _Activate(BaseException):
+    """Unwinds the user's function in a spare once it is claimed."""
+
+    def __init__(self, generation: int, rank: int, migration: bool = False) -> None:
+        self.generation, self.rank, self.migration = generation, rank, migration
+
+
+class _Stop(BaseException):
+    """A standby spare was asked to exit (`livemig-spare stop`)."""
+
+
+class _Released(BaseException):
+    """This worker's rank moved to a spare (planned migration): exit cleanly."""
+
+
+class _Requeue(BaseException):
+    """The migration this spare was claimed for was aborted: back to standby."""

@@ -1,0 +1,170 @@
+"""One step: the fault-aware average, the commit point, joining a recovery.
+
+`ctx.steps()` yields the agreed steps and `ctx.step()` commits one: the
+gradient average over the live group, then the optimizer step. A failed
+collective joins the recovery (runtime/member.py) and either finishes the
+step from a peer's completed average or redoes it in the new group, so user
+code around ctx.step() runs exactly once per step on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+
+from livemig.comm.group import CollectiveAborted, allreduce_mean, retire
+from livemig.data import step_seed
+from livemig.errors import ConfigError
+from livemig.rdzv.membership import GenState
+
+log = logging.getLogger("livemig.runtime.loop")
+
+
+class StepLoop:
+    """Mixed into api.Context; relies on the attributes Context.__init__ sets."""
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step indices, from the agreed resume step after a recovery."""
+        if self.model is None and self.optimizer is None:
+            raise ConfigError("call ctx.register(model=..., optimizer=...) before ctx.steps()")
+        self._total = total
+        start = 0
+        if self.role == "worker":
+            self.runtime.register(self.rank)
+            self._register_signature()
+            self.runtime.follow(1, self)
+            self._gathered_gen = self.runtime.gen  # every rank built the same initial model
+        elif self.role == "spare":
+            if self._joining is None:
+                yield from self._shadow(total)  # sandboxed warm-up of the real loop body
+                self._standby()  # raises _Activate
+            if self._joining.migration:
+                self._migrate_in()
+                start = self.committed + 1
+            else:
+                m = self.runtime.follow(self._joining.generation, self)
+                start = self.committed + 1
+                if m.state == GenState.DONE:
+                    start = total
+        for step in range(start, total):
+            self._current = step
+            self._zero_regather()
+            self._migration_tick()
+            torch.manual_seed(step_seed(self.seed, step, self.rank))
+            if self._reducer is not None:
+                self._reducer.arm(self.runtime.pg)
+            self._step_t0 = time.monotonic()
+            yield step
+            if self.committed != step:
+                raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
+        self._current = None
+        if self._leaving is not None:  # the switch was voted at the last step
+            self._leave(self._leaving)
+        self.after_switch()
+
+    def step(self) -> None:
+        """Average gradients over the live group, then optimizer.step() and zero_grad().
+
+        The commit point. If the collective fails, the member joins the
+        recovery: either a peer completed this step's average (we fetch it
+        and commit, so user code around ctx.step() still runs exactly once)
+        or nobody did (we redo the collective in the new group).
+        """
+        t = self._current
+        if t is None:
+            raise ConfigError("ctx.step() called outside `for step in ctx.steps(...)`")
+        if self._sandbox_pg is not None:
+            self._sandbox_step(t)
+            return
+        if self.role == "local" or self.world_size == 1 and self.runtime is None:
+            self._commit(t, None)
+            return
+        if self._zero is not None:
+            self._step_zero1(t)
+            return
+        self._ensure_grads()
+        red = self._reducer
+        assert red is not None
+        first = True
+        compute_s = time.monotonic() - self._step_t0  # forward + backward: the straggler hook's input
+        while True:
+            self.runtime.check_fenced()
+            ctl = torch.tensor([self._vote()])  # planned migration: all 1.0 = switch after this step
+            try:
+                self._maybe_self_fault(t, "allreduce")
+                if first:  # the overlapped reduction launched during backward
+                    flats = red.finish(self.world_size, self.timeouts.collective, self.runtime.moved_on, ctl)
+                else:
+                    flats = red.flatten()
+                    allreduce_mean(self.runtime.pg, [*flats, ctl], self.world_size, self.timeouts.collective,
+                                   should_abort=self.runtime.moved_on)  # fmt: skip
+                self._maybe_self_fault(t, "before_commit")
+                if self._drop_avg(t):
+                    raise CollectiveAborted("test fault: average dropped")
+            except CollectiveAborted as exc:
+                first = False
+                self._join_recovery(t, exc)
+                if self.committed == t:
+                    return  # a peer's completed average was fetched and applied
+                continue
+            red.write_back(flats)
+            # No copy needed for the kept average: the reducer double-buffers, so these
+            # buffers are reused only after the next step's commit replaced self._avg.
+            switch = float(ctl[0]) == 1.0
+            self._serve_avg(t, flats, switch)  # before our optimizer step: the spare applies it meanwhile
+            self._commit(t, flats, compute_s=compute_s)
+            self._after_commit(t, switch)
+            return
+
+    def _join_recovery(self, t: int | None, exc: BaseException) -> None:
+        if self._reducer is not None:
+            self._reducer.disarm()  # no bucket may launch on the abandoned group
+        log.warning("collective failed; joining recovery",
+                    extra={"step": t, "generation": self.runtime.gen, "why": str(exc)})  # fmt: skip
+        retire(self.runtime.pg)
+        self.runtime.pg = None
+        self.runtime.follow(self.runtime.gen + 1, self)
+
+    def _ensure_grads(self) -> None:
+        """A parameter backward did not reach still takes part in the reduction, as zeros."""
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally (as DDP's no_sync)."""
+        if self._reducer is None:
+            yield
+            return
+        self._reducer.sync = True
+        try:
+            yield
+        finally:
+            self._reducer.sync = False
+
+    def _commit(self, t: int, avg: list | None, replay: bool = False, mirror_only: bool = False,
+                **info: float) -> None:  # fmt: skip
+        if self._zero is not None:
+            assert avg is not None
+            if mirror_only:  # the own shard was updated already (comm/zero1.py: overlap with the gather)
+                if self._zero.mirror is not None:
+                    self._zero.mirror.update(avg[1])
+            else:
+                self._zero.update(avg[0], avg[1])
+            for p in self._params:
+                p.grad = None
+        elif self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        self.committed = t
+        self._avg = (t, avg) if avg is not None else None
+        if replay:  # a migrating spare replaying the group's steps: not a commit of the job's
+            return
+        self._commits.append([t, time.time()])
+        if self.runtime is not None:
+            self.runtime.progress(t, generation=self.runtime.gen, **self._last_metrics, **info)

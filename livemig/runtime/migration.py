@@ -1,0 +1,187 @@
+"""Planned migration: the leaving worker serves, the catching-up spare replays.
+
+The leaving worker serves a snapshot and then each step's averaged gradient
+while training goes on; the spare loads the snapshot, replays the averages,
+and both switch at a step voted inside the gradient collective
+(docs/architecture.md, "Planned migration").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from livemig.errors import RecoveryError, TransferError
+from livemig.rdzv.membership import GenState, Membership
+from livemig.runtime.control import _Released, _Requeue
+from livemig.state import flatten, unflatten
+from livemig.transfer.client import pull
+
+AVG_KEEP = 8  # averaged gradients a leaving worker keeps for its catching-up spare
+
+log = logging.getLogger("livemig.runtime.migration")
+
+
+class Migration:
+    """Mixed into api.Context; relies on the attributes Context.__init__ sets."""
+
+    def _migration_plan(self) -> tuple[Membership, dict] | None:
+        """The migration of our group in progress, if any."""
+        rt = self.runtime
+        if rt is None or rt.m.state != GenState.MIGRATING or rt.m.migration.get("from_gen") != rt.gen:
+            return None
+        m = rt.m
+        return m, m.migration
+
+    def _migration_tick(self) -> None:
+        """At a step boundary: the leaving worker takes its snapshot once the spare
+        asks for it; every staying member starts building the new group."""
+        if self.role == "local" or self._zero is not None:
+            return
+        if self._leaving is not None:
+            self._leave(self._leaving)  # the switch step is done, user code after ctx.step() too
+        rt = self.runtime
+        plan = self._migration_plan()
+        if plan is None:
+            if self._mig_gen is not None and rt.m.generation != self._mig_gen:
+                rt.server.withdraw()  # the migration was resolved: stop serving its items
+                self._mig_gen = self._mig_step = None
+                if self._reducer is not None:
+                    self._reducer.keep(2)
+            return
+        m, mig = plan
+        if mig.get("leaving") == self.incarnation:
+            if self._mig_gen != m.generation and "snapshot" in rt.server.wanted:
+                rt.server.wanted.discard("snapshot")
+                tensors: list[torch.Tensor] = []
+                skel = flatten(self.state_obj(), tensors)
+                snap = unflatten(skel, [x.clone() for x in tensors])  # training goes on: serve a copy
+                step = self.committed + 1
+                rt.server.publish(m.generation, "snapshot", lambda: (step, snap))
+                self._mig_gen, self._mig_step = m.generation, step
+                if self._reducer is not None:
+                    self._reducer.keep(AVG_KEEP + 1)  # serve averages straight from the buckets
+                log.info("migration: snapshot served", extra={"step": step, "generation": m.generation})
+        elif m.rank_of(self.incarnation) is not None:
+            rt.prebuild(m, m.rank_of(self.incarnation))
+
+    def _vote(self) -> float:
+        """1.0 when this member is ready to switch to the migration's group."""
+        plan = self._migration_plan()
+        if plan is None or plan[1].get("phase") != "switch":
+            return 0.0
+        m, mig = plan
+        if mig.get("leaving") == self.incarnation:
+            return 1.0 if self._mig_gen == m.generation else 0.0
+        return 1.0 if self.runtime.prebuilt(m.generation) is not None else 0.0
+
+    def _serve_avg(self, t: int, flats: list[torch.Tensor], final: bool) -> None:
+        """Leaving worker: publish step t's averaged gradient and the step's hyperparameters."""
+        if self._mig_gen is None or self._mig_step is None or t < self._mig_step:
+            return
+        rt, g = self.runtime, self._mig_gen
+        item = {"flat": flats, "hparams": self.reg.hparams(), "final": final}
+        rt.server.publish(g, f"avg/{t}", lambda: (t, item))
+        rt.server.withdraw(f"avg/{t - AVG_KEEP}")
+        rt.server.wanted.discard(f"avg/{t}")
+
+    def _after_commit(self, t: int, switch: bool) -> None:
+        if not switch:
+            return
+        plan = self._migration_plan()
+        if plan is None:
+            return
+        m, mig = plan
+        if mig.get("leaving") == self.incarnation:
+            self._leaving = m.generation  # leave at the next boundary
+            return
+        rt = self.runtime
+        rank = m.rank_of(self.incarnation)
+        rt.switch_to(m.generation)
+        rt.put(rt.keys.ready(m.generation, rank), {"incarnation": self.incarnation, "switched": t,
+                                                   "time": time.time()})  # fmt: skip
+
+    def _leave(self, g: int) -> None:
+        """The leaving worker after the switch step: hand over what user code changed
+        outside the optimizer (buffers, registered extras, hyperparameters a scheduler
+        set), serve until the spare switched, then exit."""
+        rt, t = self.runtime, self.committed
+        self._leaving = None
+        tail = {"buffers": {k: v.clone() for k, v in self.model.named_buffers()} if self.model else {},
+                "extra": {k: v.state_dict() for k, v in self.extra.items()}, "hparams": self.reg.hparams()}  # fmt: skip
+        rt.server.publish(g, f"tail/{t}", lambda: (t, tail))
+        m = rt.wait_membership(lambda x: x.generation != g or x.state != GenState.MIGRATING,
+                               "the spare to take over this rank")  # fmt: skip
+        if m.generation == g and m.state == GenState.COMMITTED:
+            log.info("released: rank handed over to a spare (planned migration)", extra={"generation": g})
+            raise _Released()
+        # The migration failed during its switch: recovery decides whether we stay.
+        self._join_recovery(self.committed, RuntimeError("migration failed during the switch"))
+
+    def _migrate_in(self) -> None:
+        """A spare claimed for a planned migration: load the leaving worker's snapshot,
+        replay the group's averaged gradients until the switch step, then switch."""
+        rt, act = self.runtime, self._joining
+        assert act is not None
+        g, rank = act.generation, act.rank
+        m = rt.wait_membership(lambda x: x.generation >= g, f"generation {g}")
+        if m.generation != g or m.state != GenState.MIGRATING:
+            raise _Requeue()
+        addr, secret = m.migration["addr"], rt.secret()
+        rt.prebuild(m, rank)  # phase 1 in the background, while we catch up
+        deadline = time.monotonic() + self.timeouts.recovery.total_seconds()
+
+        def fetch(item: str, alloc: Callable | None = None) -> Any:
+            while True:
+                moved = rt.moved_to_other(g)
+                if moved():
+                    raise _Requeue()
+                try:
+                    return pull(addr, rt.job, secret, g, item, self.timeouts.collective.total_seconds(), alloc,
+                                abort=moved)  # fmt: skip
+                except TransferError as exc:
+                    if time.monotonic() > deadline:
+                        raise RecoveryError(f"migration: could not pull {item} from {addr}: {exc}") from exc
+                time.sleep(0.005)
+
+        t0 = time.monotonic()
+        got = fetch("snapshot", self._into_model())
+        self.reg.load_state(got.state)
+        self.committed, self._loaded_step = got.step - 1, got.step
+        self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
+        rec = {"incarnation": self.incarnation, "loaded": got.step, **self._stream_info}
+        rt.put(rt.keys.catchup(g), {**rec, "applied": self.committed, "time": time.time()})
+        red = self._reducer
+        while True:
+            t = self.committed + 1
+            got = fetch(f"avg/{t}")
+            self.reg.set_hparams(got.state["hparams"])
+            self._ensure_grads()
+            if red is not None:
+                red.write_back(got.state["flat"])
+            self._commit(t, None, replay=True)
+            if got.state["final"]:
+                tail = fetch(f"tail/{t}").state
+                bufs = dict(self.model.named_buffers()) if self.model is not None else {}
+                for k, v in tail["buffers"].items():
+                    bufs[k].copy_(v)
+                for k, v in self.extra.items():
+                    v.load_state_dict(tail["extra"][k])
+                self.reg.set_hparams(tail["hparams"])
+                break
+            rt.put(rt.keys.catchup(g), {**rec, "applied": t, "time": time.time()})
+        while rt.prebuilt(g) is None:  # the group is built once every member joined it
+            if rt.moved_to_other(g)():
+                raise _Requeue()
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"migration: the group of generation {g} was not built in time")
+            time.sleep(0.005)
+        rt.register(rank)
+        rt.switch_to(g)
+        rt.put(rt.keys.ready(g, rank), {"incarnation": self.incarnation, "switched": self.committed,
+                                        "time": time.time(), **self._stream_info})  # fmt: skip
+        log.info("migration: switched in", extra={"rank": rank, "generation": g, "step": self.committed})

@@ -1,0 +1,146 @@
+"""State to and from peers at a step boundary, during a recovery.
+
+A survivor reports its last committed step, reaches the agreed boundary
+(fetching a peer's completed average if it missed it) and serves its state;
+a claimed spare pulls the state (and ZeRO-1 shards from their holders).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from livemig.comm.group import CollectiveAborted
+from livemig.errors import RecoveryError, TransferError
+from livemig.rdzv.membership import Membership
+from livemig.transfer.client import pull
+
+log = logging.getLogger("livemig.runtime.pull")
+
+
+class StatePull:
+    """Mixed into api.Context; relies on the attributes Context.__init__ sets."""
+
+    def committed_step(self) -> int | None:
+        if self.role == "spare" and self._loaded_step is None:
+            return None  # holds no state yet
+        return self.committed
+
+    def avg_step(self) -> int | None:
+        return self._avg[0] if self._avg else None
+
+    def catch_up(self, m: Membership) -> dict[str, Any] | None:
+        """Reach the agreed boundary (resume_step) of generation m."""
+        if m.resume_step is None:
+            return None
+        target = m.resume_step - 1  # last step that must be committed here
+        if self.committed_step() == target:
+            return self._stream_info if self.role == "spare" else None
+        if self.committed_step() is None or (self.role == "spare" and self._current is None):
+            return self._pull_state(m)
+        if self.committed == target - 1 and self._current == target:
+            if self._zero is None:
+                self._fetch_avg(m, target)
+            elif self._avg is not None and self._avg[0] == target:
+                self._commit(target, self._avg[1])  # a peer passed the barrier: finish the step alone
+                log.info("finished a step a peer committed, from the slices held here", extra={"step": target})
+            else:
+                raise RecoveryError(f"rank {self.rank} does not hold the gradient slices of step {target}")
+            return None
+        raise RecoveryError(
+            f"rank {self.rank} committed step {self.committed} and cannot reach the agreed resume step {m.resume_step}"
+        )
+
+    def serve(self, m: Membership) -> None:
+        srv = self.runtime.server
+        if srv is None or m.resume_step is None or self.committed_step() != m.resume_step - 1:
+            return
+        srv.publish(m.generation, "state", lambda: (self.committed + 1, self.state_obj()))
+        key = self.runtime.keys.inject_corrupt(self.rank)
+        if self.runtime.client.get(key) is not None:  # fault injection (`livemig inject corrupt`)
+            self.runtime.client.delete(key)
+            srv.hooks.corrupt_next = True
+            log.warning("fault injection: the first chunk served will be corrupted", extra={"rank": self.rank})
+        if self._zero is not None:
+            for sh in (self._zero.own, self._zero.mirror):
+                if sh is not None:
+                    srv.publish(m.generation, f"zshard/{sh.shard}", lambda sh=sh: (self.committed + 1, sh.state()))
+        elif self._avg is not None and self._avg[0] == self.committed:
+            avg = self._avg
+            srv.publish(m.generation, "avg", lambda: (avg[0], {"flat": avg[1]}))
+
+    def _sources(self, m: Membership, ranks: list[int] | None = None) -> list[str]:
+        ranks = m.sources if ranks is None else ranks
+        return [m.members[r].addr for r in ranks if r in m.members and m.members[r].addr and r != self.rank]
+
+    def _pull_any(self, m: Membership, item: str, alloc: Callable | None = None,
+                  ranks: list[int] | None = None) -> Any:  # fmt: skip
+        """Pull `item`, striped over every source (or `ranks`), retrying until the recovery deadline."""
+        secret = self.runtime.secret()
+        deadline = time.monotonic() + self.timeouts.recovery.total_seconds()
+        last = ""
+        while time.monotonic() < deadline:
+            if self.runtime.m.generation != m.generation:
+                raise CollectiveAborted("generation moved on during the transfer")
+            addrs = self._sources(m, ranks)
+            if addrs:
+                moved = self.runtime.moved_to_other(m.generation)
+                try:
+                    got = pull(addrs, self.runtime.job, secret, m.generation, item,
+                               self.timeouts.collective.total_seconds(), alloc, abort=moved)  # fmt: skip
+                    return ",".join(got.sources_used), got
+                except TransferError as exc:
+                    if moved():
+                        raise CollectiveAborted("generation moved on during the transfer") from exc
+                    last = str(exc)
+            time.sleep(0.02)
+        raise RecoveryError(f"could not pull {item} from the sources of generation {m.generation}: {last}")
+
+    def _fetch_avg(self, m: Membership, t: int) -> None:
+        _, got = self._pull_any(m, "avg")
+        if got.step != t:
+            raise RecoveryError(f"source holds the average of step {got.step}, need {t}")
+        assert self._reducer is not None
+        self._reducer.write_back(got.state["flat"])  # same canonical bucket layout as the source
+        log.info("fetched the averaged gradient of a step a peer completed", extra={"step": t})
+        self._commit(t, got.state["flat"])
+
+    def _into_model(self) -> Callable[[int, dict], torch.Tensor | None]:
+        """A transfer destination for a state object: its first tensors, the model's,
+        are received in place into the spare's own parameters."""
+        model_tensors = list(self.model.state_dict().values()) if self.model is not None else []
+
+        def alloc(i: int, meta: dict) -> torch.Tensor | None:
+            if i < len(model_tensors) and list(model_tensors[i].shape) == meta["shape"]:
+                return model_tensors[i]
+            return None
+
+        return alloc
+
+    def _pull_state(self, m: Membership) -> dict[str, Any]:
+        t0 = time.monotonic()
+        addr, got = self._pull_any(m, "state", self._into_model())
+        self.reg.load_state(got.state)
+        nbytes = got.nbytes
+        if self._zero is not None:  # our shard from its mirror, the shard we mirror from its owner
+            n = self.world_size
+            for sh in (self._zero.own, self._zero.mirror):
+                if sh is None:
+                    continue
+                holders = [sh.shard, (sh.shard + 1) % n] if self._zero.mirror is not None else [sh.shard]
+                where, part = self._pull_any(m, f"zshard/{sh.shard}", ranks=holders)
+                if part.step != got.step:
+                    raise RecoveryError(f"shard {sh.shard} from {where} is at step {part.step}, state at {got.step}")
+                sh.load(part.state)
+                nbytes += part.nbytes
+                addr += f",{where}"
+        self.committed = got.step - 1
+        self._loaded_step = got.step
+        self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
+        log.info("state loaded", extra={"resume_step": got.step, "bytes": got.nbytes,
+                                        "seconds": round(got.seconds, 4)})  # fmt: skip
+        return self._stream_info

@@ -1,0 +1,34 @@
+"""Faults a worker injects into itself, for tests and `--fault ...:during=...`.
+
+The one seam for test hooks: the step protocol calls `_maybe_self_fault`
+and `_drop_avg` at named points and nothing else of it knows about faults.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("livemig.runtime.self_faults")
+
+
+class SelfFaults:
+    """Mixed into api.Context; relies on the attributes Context.__init__ sets."""
+
+    def _maybe_self_fault(self, t: int, at: str) -> None:
+        f = self._self_fault
+        if f and f[0] == "selfkill" and f[1] == t and f[2] == at and self.role == "worker":
+            import signal
+            import threading
+
+            if at == "before_commit":
+                os.kill(os.getpid(), signal.SIGKILL)
+            # Die while our gradients are in flight: peers may or may not complete.
+            threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+    def _drop_avg(self, t: int) -> bool:
+        f = self._self_fault
+        if f and f[0] == "drop_avg" and f[1] == t and self.role == "worker":
+            self._self_fault = None
+            return True
+        return False

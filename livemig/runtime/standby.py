@@ -1,0 +1,121 @@
+"""The spare's standby and activation, and the member's final record.
+
+A warm spare registers under its spare key and waits for a claim; a claim
+unwinds the user's function (`_Activate`) so it is entered again with the
+assigned rank. An aborted migration puts it back to standby (`_requeue`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from livemig.comm.group import retire
+from livemig.config import ENV_RANK
+from livemig.errors import ConfigError
+from livemig.rdzv.client import decode
+from livemig.rdzv.watch import wait_for
+from livemig.runtime.control import _Activate, _Stop
+from livemig.state import digest
+
+log = logging.getLogger("livemig.runtime.standby")
+
+
+class Standby:
+    """Mixed into api.Context; relies on the attributes Context.__init__ sets."""
+
+    def _register_signature(self) -> None:
+        rt = self.runtime
+        rt.put(
+            rt.keys.prefix + f"signatures/{self.rank}",
+            {"incarnation": self.incarnation, "signature": self.signature()},
+        )
+
+    def _standby(self) -> None:
+        import socket
+
+        import psutil
+
+        rt = self.runtime
+        self._warm_s = time.monotonic() - self._started
+        info = {
+            "incarnation": self.incarnation, "host": socket.gethostname(), "pid": os.getpid(),
+            "state": "warm", "signature": self.signature(), "warmup_s": self._warm_s,
+            "peak_rss_mb": psutil.Process().memory_info().rss / 2**20,
+        }  # fmt: skip
+        keeper = self._spare_keeper = rt.rdzv.register(rt.keys.spare(self.spare_id), info, self.incarnation,
+                                                       rt._on_lost)  # fmt: skip
+        rt.start_server()
+        log.info("spare warm", extra={"spare": self.spare_id, "warmup_s": round(self._warm_s, 3)})
+        t_warm = time.monotonic()
+        key = rt.keys.assignment(self.spare_id)
+        while True:
+            try:
+                raw = wait_for(rt.client, key, lambda s: s.get(key), 60.0, "a claim",
+                               abort=rt.fenced.is_set)  # fmt: skip
+                break
+            except TimeoutError:
+                continue
+            except InterruptedError:
+                rt.check_fenced()
+        a = decode(raw)
+        self._standby_info = {
+            "warmup_s": self._warm_s, "warm_rss_mb": info["peak_rss_mb"],
+            "claim_rss_mb": psutil.Process().memory_info().rss / 2**20, "waited_s": time.monotonic() - t_warm,
+            "process_start": psutil.Process().create_time(), "claimed_at": time.time(),
+        }  # fmt: skip
+        if a.get("stop"):
+            keeper.stop(revoke=True)
+            log.info("spare stopped on request", extra={"spare": self.spare_id})
+            raise _Stop()
+        if a.get("refused"):
+            keeper.stop(revoke=True)
+            raise ConfigError(f"spare {self.spare_id} refused by the job: {a['refused']}")
+        raise _Activate(int(a["generation"]), int(a["rank"]), bool(a.get("migration")))
+
+    def _requeue(self) -> None:
+        """Back to standby after an aborted migration: drop the claim, warm up again."""
+        rt = self.runtime
+        log.info("migration aborted: back to standby", extra={"spare": self.spare_id})
+        if self._spare_keeper is not None:
+            self._spare_keeper.stop(revoke=True)
+            self._spare_keeper = None
+        rt.client.delete(rt.keys.assignment(self.spare_id))
+        if rt.keeper is not None:
+            rt.keeper.stop(revoke=True)
+            rt.keeper = None
+        retire(rt.pg)
+        rt.pg, rt.rank, rt.gen, rt._pre = None, None, 0, None
+        self._reset_user_state()
+        self._joining = None
+        self.rank = int(os.environ.get(ENV_RANK, "0"))
+        self._started = time.monotonic()
+
+    def write_final(self) -> None:
+        rt = self.runtime
+        rec = {"incarnation": self.incarnation, "steps": self.committed + 1, "digest": self.state_digest(),
+               "commits": self._commits, "generation": rt.gen, "role": self.role,
+               "joined_at_step": self._loaded_step}  # fmt: skip
+        if self._standby_info:
+            rec["standby"] = self._standby_info
+        rec["peak_rss_mb"] = _peak_rss_mb()
+        if self._zero is not None:  # the report checks each mirror against its owner's shard
+            rec["shard_digest"] = digest(self._zero.own.tensors_for_digest())
+            if self._zero.mirror is not None:
+                rec["mirror_of"] = self._zero.mirror.shard
+                rec["mirror_digest"] = digest(self._zero.mirror.tensors_for_digest())
+        rt.put(rt.keys.final(self.rank), rec)
+
+    def _finish(self) -> None:
+        if self.runtime is None:
+            return
+        self.write_final()
+        self.runtime.wait_result(self)
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,79 @@
+"""A step with ZeRO-1 sharded optimizer state (comm/zero1.py holds the shards).
+
+Reduction, a 1-float barrier (the commit point: anyone past it holds the
+slices to finish the step alone), the own shard's update, then the
+all-gather of the parameters overlapped with the mirror's update.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from livemig.comm.group import CollectiveAborted
+from livemig.rdzv.membership import GenState
+
+log = logging.getLogger("livemig.runtime.zero1_step")
+
+
+class Zero1Steps:
+    """Mixed into api.Context; relies on the attributes Context.__init__ sets."""
+
+    def _step_zero1(self, t: int) -> None:
+        """Reduction (reduce-scatter + exchange, or allreduce + slicing), barrier,
+        own shard update, all-gather overlapped with the mirror's update.
+
+        Recovery keeps one order on every member: after a group switch each
+        member first all-gathers the parameters (_zero_regather), then goes on
+        with the step it is at."""
+        z, red, rt = self._zero, self._reducer, self.runtime
+        assert red is not None
+        timeout, first = self.timeouts.collective, True
+        while self.committed < t:
+            rt.check_fenced()
+            self._zero_regather()
+            if self.committed >= t:
+                break
+            try:
+                self._maybe_self_fault(t, "allreduce")
+                if first:  # reductions launched during backward
+                    reduced = red.finish(self.world_size, timeout, rt.moved_on)
+                else:
+                    reduced = red.reduce(rt.pg, red.flatten(), self.world_size, timeout, rt.moved_on)
+                own, mirror = z.slices(rt.pg, reduced, timeout, rt.moved_on)
+                self._avg = (t, [own, mirror])  # held: enough to finish step t alone
+                z.barrier(rt.pg, timeout, rt.moved_on)
+                self._maybe_self_fault(t, "before_commit")
+                if self._drop_avg(t):
+                    raise CollectiveAborted("test fault: barrier result dropped")
+            except CollectiveAborted as exc:
+                first = False
+                self._join_recovery(t, exc)
+                continue
+            # Update our shard, then gather the parameters while the mirror is updated.
+            z.own.update(own)
+            self._gathered_gen = None
+            held = [own, mirror]
+            try:
+                z.gather(rt.pg, timeout, rt.moved_on,
+                         meanwhile=lambda held=held: self._commit(t, held, mirror_only=True))  # fmt: skip
+                self._gathered_gen = rt.gen
+            except CollectiveAborted as exc:  # step t is committed; the new group repeats the gather
+                self._join_recovery(t, exc)
+        self._zero_regather()
+
+    def _zero_regather(self) -> None:
+        """All-gather the parameters unless this generation's group already did."""
+        if self._zero is None:
+            return
+        rt = self.runtime
+        while self._gathered_gen != rt.gen and rt.m.state != GenState.DONE:
+            rt.check_fenced()
+            try:
+                self._zero.gather(rt.pg, self.timeouts.collective, rt.moved_on)
+                self._gathered_gen = rt.gen
+            except CollectiveAborted as exc:
+                self._join_recovery(self._current, exc)
+
+    def after_switch(self) -> None:
+        """Called by the runtime after it followed a new generation outside a step."""
+        self._zero_regather()

@@ -106,6 +106,12 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self._mig_step: int | None = None  # leaving worker: the step its snapshot was taken before
         self._leaving: int | None = None  # leaving worker: the switch was voted; leave at the next boundary
         self._step_t0 = 0.0
+        # The boundary rule (docs/architecture.md): snapshots of step boundaries, newest last.
+        self._boundaries: dict[int, Any] = {}  # step -> packed extras + hyperparameters after step
+        self._mirrored: dict[int, Any] = {}  # boundary step -> left neighbour's packed local state
+        self._local_blob: tuple[int, Any] | None = None  # (step, this rank's packed local state of that boundary)
+        self._before: dict[int, list[torch.Tensor]] = {}  # step -> parameters before its update
+        self._replay: tuple | None = None  # a spare's replay of step resume-1: (step, its local)
 
     # -- the registered state (runtime/registry.py) ------------------------------------------
     @property
@@ -123,6 +129,10 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
     @property
     def _params(self) -> list[torch.nn.Parameter]:
         return self.reg.params
+
+    @property
+    def local(self) -> dict[str, Any]:
+        return self.reg.local
 
     @property
     def _zero(self) -> Any:
@@ -143,23 +153,27 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
 
     # -- registration --------------------------------------------------------------------
     def register(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 sharding: str | None = None, mirror: bool | None = None, **extra: Any) -> None:  # fmt: skip
+                 sharding: str | None = None, mirror: bool | None = None,
+                 local: dict[str, Any] | None = None, **extra: Any) -> None:  # fmt: skip
         """Name what moves on migration: anything with state_dict/load_state_dict.
 
+        Extras (`**extra`, e.g. scheduler=sched) are replicated: every rank holds
+        them alike, and a spare takes them from any peer. `local={name: obj}` is
+        rank-local state (a data position, a per-rank RNG, a metric accumulator):
+        mirrored on the next rank every step, so a spare taking rank r gets rank
+        r's own. The model's buffers are rank-local too (docs/architecture.md).
         sharding="zero1" shards the optimizer state over the data-parallel
         ranks (comm/zero1.py); `optimizer` is then a template (class and
         param groups) that ctx.step() applies to this rank's shard. The shard
         is mirrored on the next rank unless mirror=False (or
         LIVEMIG_ZERO1_MIRROR=0), without which a lost shard cannot be recovered.
+        What could not be streamed is refused here, naming the entry.
         """
-        for name, obj in extra.items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise ConfigError(f"ctx.register({name}=...): object has no state_dict/load_state_dict")
         if sharding not in (None, "zero1"):
             raise ConfigError(f"ctx.register(sharding={sharding!r}): expected None or 'zero1'")
         if sharding and optimizer is None:
             raise ConfigError("ctx.register(sharding='zero1') needs the optimizer whose state it shards")
-        self.reg.set(model, optimizer, extra)
+        self.reg.set(model, optimizer, extra, local)
         if self._reducer is not None:
             self._reducer.remove()
         self._reducer, self.reg.zero = None, None
@@ -179,8 +193,18 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
                 mirror = os.environ.get(ENV_ZERO1_MIRROR, "1") not in ("0", "false", "no")
             self.reg.zero = Zero1(self._reducer, self._params, optimizer, self.rank, self.world_size, mirror)
 
+    @property
+    def warming_up(self) -> bool:
+        """True while a spare runs its sandboxed warm-up iterations (as rank 0 of a world
+        of one; nothing survives them): guard side effects with
+        `if not ctx.warming_up and ctx.rank == 0:`."""
+        return self._sandbox_pg is not None
+
     def log(self, **metrics: float) -> None:
-        """Metrics shown in `livemig run`'s progress lines (e.g. loss=...)."""
+        """Metrics shown in `livemig run`'s progress lines (e.g. loss=...); ignored
+        during a spare's warm-up."""
+        if self.warming_up:
+            return
         self._last_metrics = {k: float(v) for k, v in metrics.items()}
 
 

@@ -18,9 +18,11 @@
 
 Trigger: once rank R (or, without a rank, any rank) has committed step S.
 `during` delays it further:
-- allreduce / before_commit (kill only): the worker kills itself inside
-  ctx.step() of step S, with its gradients in flight / after the collective
-  completed but before its optimizer step;
+- allreduce / before_commit / gather / after_step (kill only): the worker kills
+  itself inside ctx.step() of step S, with its gradients in flight / after the
+  collective completed but before its optimizer step / (ZeRO-1) with its
+  shard updated and the parameter all-gather in flight / as ctx.step() returns,
+  before the user's code after it (a scheduler step) runs;
 - fence / agree / claim / stream / build / commit: the first recovery after
   step S reaches that phase (stream = right after the claim, when the spare
   starts pulling; build = when the first member reports its group built;
@@ -36,7 +38,7 @@ from livemig.errors import ConfigError
 RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition", "migrate")
 UNRANKED = ("etcd-kill", "coordinator-kill", "spare-kill")
 KINDS = RANKED + UNRANKED
-IN_PROCESS_DURING = ("allreduce", "before_commit")
+IN_PROCESS_DURING = ("allreduce", "before_commit", "gather", "after_step")
 PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit", "catchup")
 USAGE = "KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I]"
 

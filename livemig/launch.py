@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from livemig import report
 from livemig.config import (
     ENV_ETCD,
     ENV_HOST,
@@ -489,7 +490,10 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
           f"{'yes' if rep['replicas_identical'] else 'no'}")  # fmt: skip
     if reference is not None:
         same = reference == rep["state_digest"]
-        print(f"bit-identical: {'yes' if same else 'no'} (final state digest vs a fault-free run)")
+        differ = rep.get("ranks_differing", [])
+        where = f"; rank(s) {differ} differ from the same rank of the fault-free run" if differ else ""
+        print(f"bit-identical: {'yes' if same else 'no'} (every rank's final state vs the same rank of "
+              f"a fault-free run{where})")  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -556,6 +560,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     if reference is not None:
         rep["reference_digest"] = reference
         rep["bit_identical"] = reference == rep["state_digest"]
+        rep["ranks_differing"] = report.differing_ranks(ref["rank_digests"], rep["rank_digests"])
     if a.report:
         with open(a.report, "w") as f:
             json.dump(rep, f, indent=2)

@@ -34,8 +34,9 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float) -> dict[
     times = [t for _, t in commits]
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     median_step = statistics.median(gaps) if gaps else 0.0
-    digests = {r: f["digest"] for r, f in finals.items()}
     shards = sharded_state(finals)
+    ranks = rank_digests(finals)
+    replicated = {r: f.get("digests", {}).get("replicated", f["digest"]) for r, f in finals.items()}
     events = read_events(client, keys)
     result = client.get(keys.result)
     return {
@@ -45,9 +46,10 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float) -> dict[
         "steps_completed": min((f["steps"] for f in finals.values()), default=0),
         "wall_s": wall_s,
         "step_time_s_median": median_step,
-        "state_digest": shards["state_digest"] if shards else digests.get("0", ""),
-        "replicas_identical": len(set(digests.values())) == 1
-        and len(digests) == world_size
+        "state_digest": job_digest(ranks),
+        "rank_digests": ranks,
+        "replicas_identical": len(set(replicated.values())) == 1
+        and len(replicated) == world_size
         and (not shards or shards["mirrors_exact"]),
         **({"zero1": shards} if shards else {}),
         "members": {
@@ -64,6 +66,32 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float) -> dict[
         "migrations": migrations(events, commits, median_step),
         "timeline": events,
     }
+
+
+def rank_digests(finals: dict[str, dict]) -> dict[str, str]:
+    """One digest per rank over everything it holds: parameters, optimizer (values and
+    param-group hyperparameters), extras, buffers, local=, and its ZeRO-1 shard and mirror."""
+    out = {}
+    for r in sorted(finals, key=int):
+        f = finals[r]
+        d = f.get("digests", {})
+        parts = [d.get("replicated", f["digest"]), d.get("local", ""), f.get("shard_digest", ""),
+                 f.get("mirror_digest", "")]  # fmt: skip
+        out[r] = hashlib.sha256("|".join(parts).encode()).hexdigest()
+    return out
+
+
+def job_digest(ranks: dict[str, str]) -> str:
+    """The whole job's state: every rank's digest, in rank order."""
+    h = hashlib.sha256()
+    for r in sorted(ranks, key=int):
+        h.update(f"{r}:{ranks[r]};".encode())
+    return h.hexdigest()
+
+
+def differing_ranks(reference: dict[str, str], got: dict[str, str]) -> list[int]:
+    """Ranks whose final state differs from the same rank of a reference run."""
+    return sorted(int(r) for r in set(reference) | set(got) if reference.get(r) != got.get(r))
 
 
 def sharded_state(finals: dict[str, dict]) -> dict[str, Any] | None:

@@ -88,5 +88,44 @@ def first_mismatch(expected: list, got: list) -> str | None:
         n = min(len(expected), len(got))
         extra = (expected if len(expected) > n else got)[n]
         who = "job" if len(expected) > n else "spare"
-        return f"only the {who} has {extra[0]} ({len(expected)} vs {len(got)} tensors)"
+        what = f"{extra[0]} {extra[1]}" if str(extra[0]).startswith("<") else extra[0]
+        return f"only the {who} has {what} ({len(expected)} vs {len(got)} entries)"
     return None
+
+
+def pack(obj: Any) -> torch.Tensor:
+    """One uint8 tensor holding `obj` (a state dict): an 8-byte header length, a msgpack
+    header (skeleton, tensor metas), then the raw tensor bytes. A deep copy by
+    construction, so a snapshot cannot change when the live object does; no pickle."""
+    import msgpack
+
+    tensors: list[torch.Tensor] = []
+    skel = flatten(obj, tensors)
+    tensors = [t.detach().cpu().contiguous() for t in tensors]
+    head = msgpack.packb({"skel": skel, "metas": [tensor_meta(t) for t in tensors]}, use_bin_type=True)
+    total = 8 + len(head) + sum(t.nbytes for t in tensors)
+    out = torch.empty(total, dtype=torch.uint8)
+    out[:8] = torch.frombuffer(bytearray(len(head).to_bytes(8, "little")), dtype=torch.uint8)
+    out[8 : 8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    at = 8 + len(head)
+    for t in tensors:
+        out[at : at + t.nbytes] = as_bytes(t)
+        at += t.nbytes
+    return out
+
+
+def unpack(buf: torch.Tensor) -> Any:
+    """The inverse of pack(): fresh tensors, sharing nothing with `buf`."""
+    import msgpack
+
+    raw = buf.numpy().tobytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = msgpack.unpackb(raw[8 : 8 + n], raw=False, strict_map_key=False)
+    at, tensors = 8 + n, []
+    for meta in head["metas"]:
+        t = torch.empty(meta["shape"], dtype=dtype_of(meta["dtype"]))
+        if meta["nbytes"]:
+            as_bytes(t).copy_(torch.frombuffer(bytearray(raw[at : at + meta["nbytes"]]), dtype=torch.uint8))
+        at += meta["nbytes"]
+        tensors.append(t)
+    return unflatten(head["skel"], tensors)

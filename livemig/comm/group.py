@@ -122,3 +122,22 @@ def wait_all(works: list[Any], timeout: timedelta, should_abort: Callable[[], bo
     if "err" in box:
         first = str(box["err"]).splitlines()[0][:200] if str(box["err"]) else type(box["err"]).__name__
         raise CollectiveAborted(f"collective failed: {first}") from box["err"]
+
+
+_RING_TAG = 7301  # send/recv tags of the local-state ring, apart from any user tag
+
+
+def ring_exchange(
+    pg: Any, blob: torch.Tensor, rank: int, world: int, timeout: timedelta,
+    should_abort: Callable[[], bool] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Send `blob` (uint8) to rank+1 and return what rank-1 sent: each rank's local
+    state mirrored on its right neighbour. Sizes first, so a blob may change size."""
+    if pg is None:
+        raise CollectiveAborted("no process group: this member is between generations")
+    right, left = (rank + 1) % world, (rank - 1) % world
+    size_out, size_in = torch.tensor([blob.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    wait_all([pg.send([size_out], right, _RING_TAG), pg.recv([size_in], left, _RING_TAG)], timeout, should_abort)
+    buf = torch.empty(int(size_in[0]), dtype=torch.uint8)
+    wait_all([pg.send([blob], right, _RING_TAG + 1), pg.recv([buf], left, _RING_TAG + 1)], timeout, should_abort)
+    return buf

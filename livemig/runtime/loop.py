@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import torch
 
-from livemig.comm.group import CollectiveAborted, allreduce_mean, retire
+from livemig.comm.group import CollectiveAborted, allreduce_mean, retire, ring_exchange
 from livemig.data import step_seed
-from livemig.errors import ConfigError
+from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import GenState
 
 log = logging.getLogger("livemig.runtime.loop")
@@ -45,11 +45,16 @@ class StepLoop:
             if self._joining.migration:
                 self._migrate_in()
                 start = self.committed + 1
+                self._at_boundary(self.committed)  # the leaving worker's, handed over at the switch
             else:
                 m = self.runtime.follow(self._joining.generation, self)
                 start = self.committed + 1
                 if m.state == GenState.DONE:
                     start = total
+                elif self._replay is not None:
+                    yield from self._replay_step()
+        if self.role != "spare":
+            self._at_boundary(-1)  # the state every rank starts from
         for step in range(start, total):
             self._current = step
             self._zero_regather()
@@ -61,6 +66,7 @@ class StepLoop:
             yield step
             if self.committed != step:
                 raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
+            self._at_boundary(step)
         self._current = None
         if self._leaving is not None:  # the switch was voted at the last step
             self._leave(self._leaving)
@@ -83,8 +89,12 @@ class StepLoop:
         if self.role == "local" or self.world_size == 1 and self.runtime is None:
             self._commit(t, None)
             return
+        if self._replay is not None and self._replay[0] == t:
+            self._finish_replay(t)
+            return
         if self._zero is not None:
             self._step_zero1(t)
+            self._maybe_self_fault(t, "after_step")
             return
         self._ensure_grads()
         red = self._reducer
@@ -95,6 +105,8 @@ class StepLoop:
             self.runtime.check_fenced()
             ctl = torch.tensor([self._vote()])  # planned migration: all 1.0 = switch after this step
             try:
+                self._keep_before(t)
+                self._mirror_local(t)  # before the vote: nobody commits t unless our mirror holds it
                 self._maybe_self_fault(t, "allreduce")
                 if first:  # the overlapped reduction launched during backward
                     flats = red.finish(self.world_size, self.timeouts.collective, self.runtime.moved_on, ctl)
@@ -118,6 +130,7 @@ class StepLoop:
             self._serve_avg(t, flats, switch)  # before our optimizer step: the spare applies it meanwhile
             self._commit(t, flats, compute_s=compute_s)
             self._after_commit(t, switch)
+            self._maybe_self_fault(t, "after_step")
             return
 
     def _join_recovery(self, t: int | None, exc: BaseException) -> None:
@@ -168,3 +181,85 @@ class StepLoop:
         self._commits.append([t, time.time()])
         if self.runtime is not None:
             self.runtime.progress(t, generation=self.runtime.gen, **self._last_metrics, **info)
+
+    # -- the boundary rule (docs/architecture.md) -------------------------------------------
+    @property
+    def _replays(self) -> bool:
+        """Does a spare replay one step (is there state user code changes outside the
+        optimizer step: extras, buffers, local=)? Without it the spare starts at the
+        resume step directly."""
+        return bool(self.reg.extra or self.reg.has_local)
+
+    def _at_boundary(self, step: int) -> None:
+        """All user code of `step` ran (after ctx.step() included): keep what a spare
+        resuming after `step` needs, the newest two boundaries."""
+        if not self._replays:
+            return
+        self._boundaries[step] = self.reg.pack_boundary()
+        self._boundaries.pop(step - 2, None)
+        if self.reg.has_local:
+            self._local_blob = (step, self.reg.pack_local())
+
+    def _keep_before(self, t: int) -> None:
+        """The parameters before step t's update, the newest two: a spare replaying
+        step t runs its forward on exactly these."""
+        if not self._replays or t in self._before:
+            return
+        old = self._before.pop(t - 2, None)
+        if old is None or len(old) != len(self._params):
+            old = [torch.empty_like(p) for p in self._params]
+        with torch.no_grad():
+            for dst, p in zip(old, self._params, strict=True):
+                dst.copy_(p)
+        self._before[t] = old
+
+    def _mirror_local(self, t: int) -> None:
+        """Send this rank's local state (buffers, local=) of the boundary before step t
+        to the right neighbour; keep the left neighbour's. Runs inside step t's
+        collective phase, before the commit vote (or barrier), so whoever commits t
+        knows that the mirror holds every rank's boundary t-1."""
+        if not self.reg.has_local or self.world_size < 2:
+            return
+        if self._local_blob is None or self._local_blob[0] != t - 1:
+            raise RecoveryError(f"rank {self.rank} has no local-state snapshot of boundary {t - 1}")
+        got = ring_exchange(self.runtime.pg, self._local_blob[1], self.rank, self.world_size,
+                            self.timeouts.collective, self.runtime.moved_on)  # fmt: skip
+        self._mirrored[t - 1] = got
+        self._mirrored.pop(t - 3, None)
+
+    def _replay_step(self) -> Iterator[int]:
+        """A spare that took rank r at resume step s runs the user's body of step s-1
+        once more, without collectives, from exactly what r started it with: the
+        parameters before that step's update, the replicated extras and
+        hyperparameters of boundary s-2, and r's own local state of boundary s-2
+        (from its mirror). Forward, buffers, data position and the user's code
+        after ctx.step() (a scheduler stepped once, a metric updated with this
+        step's loss) then reach boundary s-1 exactly as r's own would have; at
+        ctx.step() the parameters after the update are put back."""
+        t, boundary, local, before = self._replay
+        self._zero_regather()  # the group's first collective after a switch, on every member
+        self.reg.load_boundary(boundary)
+        if local is not None:
+            self.reg.load_local(local)
+        self._at_boundary(t - 1)  # a later recovery may need them from us
+        with torch.no_grad():
+            after = [p.detach().clone() for p in self._params]
+            for p, b in zip(self._params, before, strict=True):
+                p.copy_(b)
+        self._replay = (t, after)
+        self._current = t
+        torch.manual_seed(step_seed(self.seed, t, self.rank))
+        if self._reducer is not None:
+            self._reducer.disarm()  # the gradients of a replay are thrown away
+        yield t
+        if self.committed != t:
+            raise ConfigError(f"step {t} ended without ctx.step(): it is the commit point")
+        self._at_boundary(t)
+
+    def _finish_replay(self, t: int) -> None:
+        _, after = self._replay
+        self._replay = None
+        with torch.no_grad():
+            for p, a in zip(self._params, after, strict=True):
+                p.copy_(a)
+                p.grad = None

@@ -18,7 +18,7 @@ import torch
 from livemig.errors import RecoveryError, TransferError
 from livemig.rdzv.membership import GenState, Membership
 from livemig.runtime.control import _Released, _Requeue
-from livemig.state import flatten, unflatten
+from livemig.state import flatten, unflatten, unpack
 from livemig.transfer.client import pull
 
 AVG_KEEP = 8  # averaged gradients a leaving worker keeps for its catching-up spare
@@ -111,8 +111,7 @@ class Migration:
         set), serve until the spare switched, then exit."""
         rt, t = self.runtime, self.committed
         self._leaving = None
-        tail = {"buffers": {k: v.clone() for k, v in self.model.named_buffers()} if self.model else {},
-                "extra": {k: v.state_dict() for k, v in self.extra.items()}, "hparams": self.reg.hparams()}  # fmt: skip
+        tail = {"local": self.reg.pack_local(), "boundary": self.reg.pack_boundary()}
         rt.server.publish(g, f"tail/{t}", lambda: (t, tail))
         m = rt.wait_membership(lambda x: x.generation != g or x.state != GenState.MIGRATING,
                                "the spare to take over this rank")  # fmt: skip
@@ -166,12 +165,8 @@ class Migration:
             self._commit(t, None, replay=True)
             if got.state["final"]:
                 tail = fetch(f"tail/{t}").state
-                bufs = dict(self.model.named_buffers()) if self.model is not None else {}
-                for k, v in tail["buffers"].items():
-                    bufs[k].copy_(v)
-                for k, v in self.extra.items():
-                    v.load_state_dict(tail["extra"][k])
-                self.reg.set_hparams(tail["hparams"])
+                self.reg.load_local(unpack(tail["local"]))  # buffers and local= at the switch boundary
+                self.reg.load_boundary(unpack(tail["boundary"]))  # extras, hyperparameters
                 break
             rt.put(rt.keys.catchup(g), {**rec, "applied": t, "time": time.time()})
         while rt.prebuilt(g) is None:  # the group is built once every member joined it

@@ -17,6 +17,7 @@ import torch
 from livemig.comm.group import CollectiveAborted
 from livemig.errors import RecoveryError, TransferError
 from livemig.rdzv.membership import Membership
+from livemig.state import unpack
 from livemig.transfer.client import pull
 
 log = logging.getLogger("livemig.runtime.pull")
@@ -59,7 +60,17 @@ class StatePull:
         srv = self.runtime.server
         if srv is None or m.resume_step is None or self.committed_step() != m.resume_step - 1:
             return
-        srv.publish(m.generation, "state", lambda: (self.committed + 1, self.state_obj()))
+        # Parameters and optimizer as of our last commit; the replicated state user code
+        # changes outside it as of the boundary before (the spare replays one step).
+        # Parameters and optimizer as of our last commit; for the spare's replay of that
+        # step (runtime/loop.py), the parameters before it and the boundary before it.
+        replay = {"boundary": self._boundaries.get(self.committed - 1),
+                  "before": self._before.get(self.committed)} if self._replays else {}  # fmt: skip
+        srv.publish(m.generation, "state", lambda: (self.committed + 1, {**self.state_obj(), **replay}))
+        left = (self.rank - 1) % self.world_size
+        if self._mirrored.get(self.committed - 1) is not None:  # the left neighbour's local state
+            blob = self._mirrored[self.committed - 1]
+            srv.publish(m.generation, f"local/{left}", lambda: (self.committed + 1, {"blob": blob}))
         key = self.runtime.keys.inject_corrupt(self.rank)
         if self.runtime.client.get(key) is not None:  # fault injection (`livemig inject corrupt`)
             self.runtime.client.delete(key)
@@ -140,6 +151,21 @@ class StatePull:
                 addr += f",{where}"
         self.committed = got.step - 1
         self._loaded_step = got.step
+        if self.committed >= 0 and self._replays:  # replay step resume-1 (runtime/loop.py, _replay_step)
+            st = got.state
+            if st.get("boundary") is None or st.get("before") is None:
+                raise RecoveryError(f"the source holds no snapshot of the boundary before step {self.committed}")
+            local = None
+            if self.reg.has_local and self.world_size > 1:
+                buddy = (self.rank + 1) % self.world_size
+                where, part = self._pull_any(m, f"local/{self.rank}", ranks=[buddy])
+                if part.step != got.step:
+                    raise RecoveryError(f"the local state of rank {self.rank} on rank {buddy} is of boundary "
+                                        f"{part.step - 2}, the replay needs {got.step - 2}")  # fmt: skip
+                local = unpack(part.state["blob"])
+                nbytes += part.nbytes
+                addr += f",{where}"
+            self._replay = (self.committed, unpack(st["boundary"]), local, st["before"])
         self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
         log.info("state loaded", extra={"resume_step": got.step, "bytes": got.nbytes,
                                         "seconds": round(got.seconds, 4)})  # fmt: skip

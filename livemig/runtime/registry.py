@@ -1,9 +1,13 @@
 """What the user registered, as an object of its own: the bottom of runtime/.
 
-The model, the optimizer (a template under ZeRO-1), and the extras
-(anything with state_dict/load_state_dict). It knows the registered state's
-signature (what a spare must match), its streamable form and its digest;
-the step protocol, the recovery and the migration all read it from here.
+The model, the optimizer (a template under ZeRO-1), the replicated extras
+(schedulers: anything with state_dict/load_state_dict that every rank holds
+alike) and the rank-local state (`local=`: data positions, per-rank RNGs,
+metric accumulators) with the model's buffers, which are per rank too
+(BatchNorm statistics; DDP's broadcast_buffers=False). It knows the
+registered state's signature (what a spare must match), its streamable
+forms, and their digests; the step protocol, the recovery and the migration
+all read it from here (docs/architecture.md, "Exact state, rank by rank").
 """
 
 from __future__ import annotations
@@ -13,7 +17,30 @@ from typing import Any
 import torch
 
 from livemig.config import SHARDING_ENTRY
-from livemig.state import digest, flatten, signature
+from livemig.errors import ConfigError
+from livemig.state import digest, flatten, pack, signature
+
+ENV_LOCAL_MAX_MB = "LIVEMIG_LOCAL_STATE_MAX_MB"  # per-rank local state (buffers + local=) mirrored each step
+
+
+def local_limit_bytes() -> int:
+    import os
+
+    raw = os.environ.get(ENV_LOCAL_MAX_MB, "64")
+    try:
+        return int(float(raw) * 2**20)
+    except ValueError:
+        raise ConfigError(f"{ENV_LOCAL_MAX_MB}={raw!r} is not a number of MiB") from None
+
+
+def _streamable(name: str, obj: Any) -> None:
+    """Refuse at register() what could not be streamed during a recovery."""
+    if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+        raise ConfigError(f"ctx.register({name}=...): a {type(obj).__name__} has no state_dict/load_state_dict")
+    try:
+        flatten(obj.state_dict(), [], name)
+    except ConfigError as exc:
+        raise ConfigError(f"ctx.register: {exc}") from None
 
 
 class Registry:
@@ -21,16 +48,42 @@ class Registry:
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.extra: dict[str, Any] = {}
+        self.local: dict[str, Any] = {}
         self.params: list[torch.nn.Parameter] = []
+        self.buffer_names: list[str] = []  # the model's persistent buffers: per-rank state
         self.zero: Any = None  # comm.zero1.Zero1 when registered with sharding="zero1"
 
     def set(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-            extra: dict[str, Any]) -> None:  # fmt: skip
-        self.model, self.optimizer, self.extra = model, optimizer, extra
+            extra: dict[str, Any], local: dict[str, Any] | None = None) -> None:  # fmt: skip
+        local = dict(local or {})
+        for name, obj in [*extra.items(), *local.items()]:
+            _streamable(name, obj)
+        both = set(extra) & set(local)
+        if both:
+            raise ConfigError(f"ctx.register: {sorted(both)[0]!r} is registered both as an extra and under local=")
+        if optimizer is not None:
+            _streamable("optimizer", optimizer)
         self.params = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        if model is not None and not self.params:
+            raise ConfigError(
+                f"ctx.register(model=...): the {type(model).__name__} has no trainable parameters "
+                "(all have requires_grad=False): there is nothing to average; register a model that trains"
+            )
+        self.model, self.optimizer, self.extra, self.local = model, optimizer, extra, local
+        pnames = {n for n, _ in model.named_parameters(remove_duplicate=False)} if model is not None else set()
+        self.buffer_names = [k for k in model.state_dict() if k not in pnames] if model is not None else []
+
+    @property
+    def has_local(self) -> bool:
+        return bool(self.buffer_names or self.local)
 
     def signature(self) -> list:
         sig = signature(self.model.state_dict()) if self.model is not None else []
+        if self.optimizer is not None:  # a spare must step the same way: class and group sizes
+            sizes = [sum(p.numel() for p in g["params"]) for g in self.optimizer.param_groups]
+            sig.append(["<optimizer>", type(self.optimizer).__name__, sizes])
+        sig += [["<extra>", k, []] for k in sorted(self.extra)]
+        sig += [["<local>", k, []] for k in sorted(self.local)]
         if self.zero is not None:  # a spare must shard the same way as the job
             sig.append([SHARDING_ENTRY, "zero1", [int(self.zero.mirror is not None)]])
         return sig
@@ -45,10 +98,60 @@ class Registry:
         }
 
     def state_digest(self) -> str:
+        """Parameters and optimizer only: what the report has always compared."""
         tensors: list[torch.Tensor] = []
         s = self.state_obj()
         flatten({"model": s["model"], "optimizer": s["optimizer"]}, tensors)
         return digest(tensors)
+
+    def digests(self) -> dict[str, str]:
+        """One digest per kind of state, over everything registered: `replicated` must
+        be equal on every rank, `local` is this rank's own (buffers, local=)."""
+        return {"replicated": _digest_of(self.replicated()), "local": _digest_of(self.local_state())}
+
+    def replicated(self) -> dict[str, Any]:
+        """What every rank holds alike: parameters, optimizer (values and param-group
+        hyperparameters), extras."""
+        pnames = set(self.buffer_names)
+        model = {k: v for k, v in self.model.state_dict().items() if k not in pnames} if self.model else {}
+        opt = self.optimizer.state_dict() if self.optimizer is not None else {}
+        return {"model": model, "optimizer": opt, "extra": {k: v.state_dict() for k, v in self.extra.items()}}
+
+    # -- state of a step boundary (docs/architecture.md, "The boundary rule") -------------------
+    def local_state(self) -> dict[str, Any]:
+        sd = self.model.state_dict() if self.model is not None else {}
+        return {"buffers": {k: sd[k] for k in self.buffer_names},
+                "local": {k: v.state_dict() for k, v in self.local.items()}}  # fmt: skip
+
+    def pack_local(self) -> torch.Tensor:
+        blob = pack(self.local_state())
+        limit = local_limit_bytes()
+        if blob.numel() > limit:
+            raise ConfigError(
+                f"rank-local state (model buffers and local=) is {blob.numel() / 2**20:.1f} MiB, over "
+                f"{ENV_LOCAL_MAX_MB}={limit / 2**20:g}: it is mirrored on a buddy rank every step; "
+                "keep it small or raise the limit"
+            )
+        return blob
+
+    def load_local(self, state: dict[str, Any]) -> None:
+        if self.model is not None and state["buffers"]:
+            bufs = dict(self.model.state_dict(keep_vars=True))
+            with torch.no_grad():
+                for k, v in state["buffers"].items():
+                    bufs[k].copy_(v)
+        for k, v in self.local.items():
+            v.load_state_dict(state["local"][k])
+
+    def pack_boundary(self) -> torch.Tensor:
+        """The replicated state user code changes outside the optimizer step: the
+        extras and the param-group hyperparameters (a scheduler's learning rate)."""
+        return pack({"extra": {k: v.state_dict() for k, v in self.extra.items()}, "hparams": self.hparams()})
+
+    def load_boundary(self, state: dict[str, Any]) -> None:
+        for k, v in self.extra.items():
+            v.load_state_dict(state["extra"][k])
+        self.set_hparams(state["hparams"])
 
     def load_state(self, state: dict[str, Any]) -> None:
         if self.model is not None:
@@ -66,4 +169,16 @@ class Registry:
 
     def set_hparams(self, hparams: list[dict]) -> None:
         for grp, hp in zip(self.optimizer.param_groups if self.optimizer else [], hparams, strict=True):
-            grp.update(hp)
+            for k, v in hp.items():  # msgpack turns tuples (betas) into lists: keep the user's type
+                grp[k] = tuple(v) if isinstance(grp.get(k), tuple) and isinstance(v, list) else v
+
+
+def _digest_of(obj: Any) -> str:
+    import hashlib
+
+    import msgpack
+
+    tensors: list[torch.Tensor] = []
+    skel = flatten(obj, tensors)
+    h = hashlib.sha256(msgpack.packb(skel, use_bin_type=True, default=str))
+    return hashlib.sha256((h.hexdigest() + digest(tensors)).encode()).hexdigest()

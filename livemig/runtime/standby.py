@@ -95,6 +95,7 @@ class Standby:
     def write_final(self) -> None:
         rt = self.runtime
         rec = {"incarnation": self.incarnation, "steps": self.committed + 1, "digest": self.state_digest(),
+               "digests": self.reg.digests(),
                "commits": self._commits, "generation": rt.gen, "role": self.role,
                "joined_at_step": self._loaded_step}  # fmt: skip
         if self._standby_info:

@@ -34,6 +34,7 @@ class Zero1Steps:
             if self.committed >= t:
                 break
             try:
+                self._keep_before(t)
                 self._maybe_self_fault(t, "allreduce")
                 if first:  # reductions launched during backward
                     reduced = red.finish(self.world_size, timeout, rt.moved_on)
@@ -41,6 +42,7 @@ class Zero1Steps:
                     reduced = red.reduce(rt.pg, red.flatten(), self.world_size, timeout, rt.moved_on)
                 own, mirror = z.slices(rt.pg, reduced, timeout, rt.moved_on)
                 self._avg = (t, [own, mirror])  # held: enough to finish step t alone
+                self._mirror_local(t)  # before the barrier: whoever passes it knows the mirror holds t
                 z.barrier(rt.pg, timeout, rt.moved_on)
                 self._maybe_self_fault(t, "before_commit")
                 if self._drop_avg(t):
@@ -54,6 +56,7 @@ class Zero1Steps:
             self._gathered_gen = None
             held = [own, mirror]
             try:
+                self._maybe_self_fault(t, "gather")
                 z.gather(rt.pg, timeout, rt.moved_on,
                          meanwhile=lambda held=held: self._commit(t, held, mirror_only=True))  # fmt: skip
                 self._gathered_gen = rt.gen

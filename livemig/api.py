@@ -41,6 +41,7 @@ from livemig.config import (
 from livemig.errors import ConfigError, FencedError, LivemigError
 from livemig.faults import parse_self_fault
 from livemig.rdzv.membership import new_incarnation
+from livemig.runtime.batches import Batches
 from livemig.runtime.control import _Activate, _Released, _Requeue, _Stop
 from livemig.runtime.loop import StepLoop
 from livemig.runtime.migration import Migration
@@ -54,7 +55,7 @@ from livemig.sandbox.warmup import SandboxWarmup
 log = logging.getLogger("livemig.api")
 
 
-class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup, SelfFaults):
+class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup, SelfFaults, Batches):
     """What the training function sees. Attributes are valid after set-up:
 
     rank, world_size: this process's place in the job (a spare in standby
@@ -78,6 +79,7 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self._spare_keeper: Any = None
         self._standby_info: dict[str, float] = {}  # how the spare waited: bench warmup reads it
         self._sandbox_pg: Any = None
+        self._warm_loaders: dict[tuple, Any] = {}  # a spare's loaders from standby, workers running
         self._warm_s: float | None = None
         self._reset_user_state()
         self._self_fault = parse_self_fault(os.environ[ENV_SELF_FAULT]) if os.environ.get(
@@ -111,7 +113,11 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self._mirrored: dict[int, Any] = {}  # boundary step -> left neighbour's packed local state
         self._local_blob: tuple[int, Any] | None = None  # (step, this rank's packed local state of that boundary)
         self._before: dict[int, list[torch.Tensor]] = {}  # step -> parameters before its update
-        self._replay: tuple | None = None  # a spare's replay of step resume-1: (step, its local)
+        self._replay: tuple | None = None  # a spare's replay of step resume-1 (runtime/loop.py)
+        self._uses_sync = False  # the loop body called ctx.sync_gradients(): a replay needs the average
+        self._synced: tuple | None = None  # (step, averaged buckets, switch vote, compute_s) of sync_gradients()
+        self._fetched: tuple | None = None  # (step, averaged buckets) a recovery fetched from a peer
+        self._scaler: Any = None  # the GradScaler of the ctx.step() in progress
 
     # -- the registered state (runtime/registry.py) ------------------------------------------
     @property

@@ -31,3 +31,70 @@ def shard_indices(step: int, rank: int, world_size: int, batch: int, dataset_len
     """Indices of rank's batch at `step` in a dataset walked in order."""
     start = (step * world_size + rank) * batch
     return [(start + i) % dataset_len for i in range(batch)]
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """A batch sampler over a map-style dataset whose batches are a function of
+    (seed, epoch, step, rank, world size) alone, so a spare taking rank r at step s
+    reads exactly what rank r would have, and a resumed iteration neither drops
+    nor repeats a sample.
+
+    Each epoch is a permutation of the dataset seeded from (seed, epoch)
+    (`shuffle=False`: in order); global step k of an epoch covers the
+    permutation's slots [k*W*B, (k+1)*W*B) and rank r reads the r-th run of B
+    of them. The last partial step of an epoch is dropped (every rank must
+    take part in every step). Use it as a DataLoader's `batch_sampler` and
+    iterate the loader through `ctx.batches(loader)`, which places the
+    sampler at the step, rank and world size the loop runs at. The dataset
+    must be the same on every rank: only the sampler depends on the rank.
+    """
+
+    def __init__(self, dataset_len: int, batch_size: int, seed: int = 0, shuffle: bool = True) -> None:
+        if batch_size < 1 or dataset_len < batch_size:
+            raise ValueError(f"ElasticSampler: batch_size {batch_size} must be in 1..dataset_len ({dataset_len})")
+        self.n, self.batch_size, self.seed, self.shuffle = dataset_len, batch_size, seed, shuffle
+        self.rank, self.world_size, self.start = 0, 1, 0
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    def config(self) -> tuple:
+        return (self.n, self.batch_size, self.seed, self.shuffle)
+
+    def place(self, start: int, rank: int, world_size: int) -> None:
+        """Where the next iteration starts: global step `start`, as `rank` of `world_size`."""
+        if self.n < batch_size_total(self.batch_size, world_size):
+            raise ValueError(
+                f"ElasticSampler: {self.n} samples cannot fill one step of {world_size} x {self.batch_size}"
+            )
+        self.start, self.rank, self.world_size = start, rank, world_size
+
+    def steps_per_epoch(self) -> int:
+        return self.n // batch_size_total(self.batch_size, self.world_size)
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(step_seed(self.seed, epoch, -1, "epoch"))
+                self._perm = (epoch, torch.randperm(self.n, generator=g))
+            else:
+                self._perm = (epoch, torch.arange(self.n))
+        return self._perm[1]
+
+    def indices(self, step: int) -> list[int]:
+        """Rank `self.rank`'s batch at global step `step`."""
+        spe = self.steps_per_epoch()
+        epoch, k = divmod(step, spe)
+        at = (k * self.world_size + self.rank) * self.batch_size
+        return self._order(epoch)[at : at + self.batch_size].tolist()
+
+    def __iter__(self):  # noqa: ANN204 - an infinite stream of batches from `start`
+        step = self.start
+        while True:
+            yield self.indices(step)
+            step += 1
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch()
+
+
+def batch_size_total(batch: int, world: int) -> int:
+    return batch * max(1, world)

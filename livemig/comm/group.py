@@ -137,7 +137,14 @@ def ring_exchange(
         raise CollectiveAborted("no process group: this member is between generations")
     right, left = (rank + 1) % world, (rank - 1) % world
     size_out, size_in = torch.tensor([blob.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    wait_all([pg.send([size_out], right, _RING_TAG), pg.recv([size_in], left, _RING_TAG)], timeout, should_abort)
-    buf = torch.empty(int(size_in[0]), dtype=torch.uint8)
-    wait_all([pg.send([blob], right, _RING_TAG + 1), pg.recv([buf], left, _RING_TAG + 1)], timeout, should_abort)
+    buf = torch.empty(0, dtype=torch.uint8)
+    for tag, out in ((_RING_TAG, size_out), (_RING_TAG + 1, blob)):
+        if tag != _RING_TAG:
+            buf = torch.empty(int(size_in[0]), dtype=torch.uint8)
+        dst = size_in if tag == _RING_TAG else buf
+        try:  # a broken group refuses at launch
+            works = [pg.send([out], right, tag), pg.recv([dst], left, tag)]
+        except Exception as exc:  # noqa: BLE001
+            raise CollectiveAborted(f"collective failed at launch: {str(exc).splitlines()[0][:200]}") from exc
+        wait_all(works, timeout, should_abort)
     return buf

@@ -34,17 +34,22 @@ from livemig.comm.group import BUCKET_BYTES, CollectiveAborted, allreduce_mean, 
 
 
 def bucket_layout(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+    """Buckets in parameter order, one dtype each: a bucket of mixed fp32 and bf16
+    gradients would be averaged in one of the two (losing precision, or bits that
+    depend on the path). A parameter of another dtype goes to its dtype's open
+    bucket, so interleaved dtypes do not make many small buckets."""
     layout: list[list[int]] = []
-    cur: list[int] = []
-    size = 0
+    open_: dict[torch.dtype, tuple[list[int], int]] = {}
     for i, p in enumerate(params):
+        cur, size = open_.get(p.dtype, ([], 0))
         cur.append(i)
         size += p.numel() * p.element_size()
         if size >= bucket_bytes:
             layout.append(cur)
-            cur, size = [], 0
-    if cur:
-        layout.append(cur)
+            open_.pop(p.dtype, None)
+        else:
+            open_[p.dtype] = (cur, size)
+    layout += [cur for cur, _ in open_.values()]
     return layout
 
 
@@ -62,6 +67,7 @@ class GradReducer:
                 self.offset[i] = off
                 off += self.params[i].numel()
         self.sizes = [sum(self.params[i].numel() for i in idx) for idx in self.layout]
+        self.dtypes = [self.params[idx[0]].dtype for idx in self.layout]
         w = max(shard_world, 1)
         self.padded = [-(-n // w) * w for n in self.sizes]  # room for equal slices per rank
         self.shard_sizes = [n // w for n in self.padded]
@@ -105,8 +111,7 @@ class GradReducer:
             self._flip %= n
 
     def _alloc(self, sizes: list[int]) -> list[torch.Tensor]:
-        dtype = self.params[0].dtype if self.params else torch.float32
-        return [torch.zeros(n, dtype=dtype) for n in sizes]  # padding stays zero
+        return [torch.zeros(n, dtype=dt) for n, dt in zip(sizes, self.dtypes, strict=True)]  # padding stays zero
 
     def disarm(self) -> None:
         self._armed = False

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -72,30 +73,33 @@ class StepLoop:
             self._leave(self._leaving)
         self.after_switch()
 
-    def step(self) -> None:
-        """Average gradients over the live group, then optimizer.step() and zero_grad().
-
-        The commit point. If the collective fails, the member joins the
-        recovery: either a peer completed this step's average (we fetch it
-        and commit, so user code around ctx.step() still runs exactly once)
-        or nobody did (we redo the collective in the new group).
-        """
-        t = self._current
-        if t is None:
-            raise ConfigError("ctx.step() called outside `for step in ctx.steps(...)`")
-        if self._sandbox_pg is not None:
-            self._sandbox_step(t)
+    def sync_gradients(self) -> None:
+        """Average the gradients over the live group and write them to `.grad`, without
+        stepping: the user may then read or change `.grad` (clip it, check it) before
+        ctx.step(). Idempotent within a step. Fault-aware like ctx.step(): if the
+        average fails, this member joins the recovery and returns with the averaged
+        gradient (a peer's, fetched, or one redone in the new group), so the user's
+        code between sync_gradients() and ctx.step() runs exactly once per step."""
+        t = self._in_step("ctx.sync_gradients()")
+        self._uses_sync = True
+        if self._synced is not None and self._synced[0] == t:
             return
-        if self.role == "local" or self.world_size == 1 and self.runtime is None:
-            self._commit(t, None)
+        if self._sandbox_pg is not None or self.role == "local" or self.runtime is None:
+            self._synced = (t, None, False, 0.0)  # a world of one: the gradient is its own average
             return
         if self._replay is not None and self._replay[0] == t:
-            self._finish_replay(t)
+            avg = self._replay[2]
+            if avg is None:
+                raise RecoveryError(f"the spare replaying step {t} holds no averaged gradient of it")
+            self._ensure_grads()
+            self._reducer.write_back(avg)
+            self._synced = (t, avg, False, 0.0)
             return
         if self._zero is not None:
-            self._step_zero1(t)
-            self._maybe_self_fault(t, "after_step")
-            return
+            raise ConfigError(
+                "ctx.sync_gradients() / ctx.clip_grad_norm_() with sharding='zero1' are not supported yet: "
+                "each rank holds only its slice of the averaged gradient; use ctx.step() alone"
+            )
         self._ensure_grads()
         red = self._reducer
         assert red is not None
@@ -120,18 +124,66 @@ class StepLoop:
             except CollectiveAborted as exc:
                 first = False
                 self._join_recovery(t, exc)
-                if self.committed == t:
-                    return  # a peer's completed average was fetched and applied
+                if self._fetched is not None and self._fetched[0] == t:  # a peer completed it: we have it
+                    self._synced = (t, self._fetched[1], False, compute_s)
+                    self._fetched = None
+                    return
                 continue
-            red.write_back(flats)
             # No copy needed for the kept average: the reducer double-buffers, so these
             # buffers are reused only after the next step's commit replaced self._avg.
-            switch = float(ctl[0]) == 1.0
+            red.write_back(flats)
+            self._synced = (t, flats, float(ctl[0]) == 1.0, compute_s)
+            return
+
+    def step(self, scaler: Any = None) -> None:
+        """Average gradients over the live group (unless ctx.sync_gradients() did), then
+        optimizer.step() (or `scaler.step(optimizer)` and `scaler.update()` with a
+        torch.amp.GradScaler registered as an extra) and zero_grad().
+
+        The commit point. If the collective fails, the member joins the
+        recovery: either a peer completed this step's average (we fetch it
+        and commit, so user code around ctx.step() still runs exactly once)
+        or nobody did (we redo the collective in the new group).
+        """
+        t = self._in_step("ctx.step()")
+        self._scaler = scaler
+        try:
+            if self._sandbox_pg is not None:
+                self._sandbox_step(t)
+                return
+            if self.role == "local" or self.world_size == 1 and self.runtime is None:
+                self._commit(t, None)
+                return
+            if self._replay is not None and self._replay[0] == t:
+                self._finish_replay(t)
+                return
+            if self._zero is not None:
+                if scaler is not None:
+                    raise ConfigError("ctx.step(scaler=...) with sharding='zero1' is not supported yet")
+                self._step_zero1(t)
+                self._maybe_self_fault(t, "after_step")
+                return
+            self.sync_gradients()
+            _, flats, switch, compute_s = self._synced
             self._serve_avg(t, flats, switch)  # before our optimizer step: the spare applies it meanwhile
             self._commit(t, flats, compute_s=compute_s)
             self._after_commit(t, switch)
             self._maybe_self_fault(t, "after_step")
-            return
+        finally:
+            self._scaler = None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Average the gradients (ctx.sync_gradients()), clip them by their global norm
+        and return that norm, as `accelerator.clip_grad_norm_`. Every rank clips the
+        same averaged gradient, so every rank computes the same norm."""
+        self.sync_gradients()
+        return torch.nn.utils.clip_grad_norm_(self._params, max_norm, norm_type)
+
+    def _in_step(self, what: str) -> int:
+        t = self._current
+        if t is None:
+            raise ConfigError(f"{what} called outside `for step in ctx.steps(...)`")
+        return t
 
     def _join_recovery(self, t: int | None, exc: BaseException) -> None:
         if self._reducer is not None:
@@ -172,7 +224,11 @@ class StepLoop:
             for p in self._params:
                 p.grad = None
         elif self.optimizer is not None:
-            self.optimizer.step()
+            if self._scaler is not None:
+                self._scaler.step(self.optimizer)  # skips the step on inf/nan, the same on every rank
+                self._scaler.update()
+            else:
+                self.optimizer.step()
             self.optimizer.zero_grad()
         self.committed = t
         self._avg = (t, avg) if avg is not None else None
@@ -236,7 +292,7 @@ class StepLoop:
         after ctx.step() (a scheduler stepped once, a metric updated with this
         step's loss) then reach boundary s-1 exactly as r's own would have; at
         ctx.step() the parameters after the update are put back."""
-        t, boundary, local, before = self._replay
+        t, boundary, local, before, avg, committed_extra = self._replay
         self._zero_regather()  # the group's first collective after a switch, on every member
         self.reg.load_boundary(boundary)
         if local is not None:
@@ -246,7 +302,7 @@ class StepLoop:
             after = [p.detach().clone() for p in self._params]
             for p, b in zip(self._params, before, strict=True):
                 p.copy_(b)
-        self._replay = (t, after)
+        self._replay = (t, after, avg, committed_extra)
         self._current = t
         torch.manual_seed(step_seed(self.seed, t, self.rank))
         if self._reducer is not None:
@@ -257,8 +313,13 @@ class StepLoop:
         self._at_boundary(t)
 
     def _finish_replay(self, t: int) -> None:
-        _, after = self._replay
+        _, after, _, committed_extra = self._replay
         self._replay = None
+        if self._scaler is not None:  # changed only by commits: take the source's, as of step t
+            name = next((k for k, v in self.reg.extra.items() if v is self._scaler), None)
+            if name is None:
+                raise ConfigError("ctx.step(scaler=...): register the GradScaler as an extra (ctx.register(scaler=s))")
+            self._scaler.load_state_dict(committed_extra[name])
         with torch.no_grad():
             for p, a in zip(self._params, after, strict=True):
                 p.copy_(a)

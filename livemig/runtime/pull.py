@@ -64,8 +64,8 @@ class StatePull:
         # changes outside it as of the boundary before (the spare replays one step).
         # Parameters and optimizer as of our last commit; for the spare's replay of that
         # step (runtime/loop.py), the parameters before it and the boundary before it.
-        replay = {"boundary": self._boundaries.get(self.committed - 1),
-                  "before": self._before.get(self.committed)} if self._replays else {}  # fmt: skip
+        replay = {"boundary": self._boundaries.get(self.committed - 1), "before": self._before.get(self.committed),
+                  "uses_sync": self._uses_sync} if self._replays else {}  # fmt: skip
         srv.publish(m.generation, "state", lambda: (self.committed + 1, {**self.state_obj(), **replay}))
         left = (self.rank - 1) % self.world_size
         if self._mirrored.get(self.committed - 1) is not None:  # the left neighbour's local state
@@ -118,7 +118,9 @@ class StatePull:
         assert self._reducer is not None
         self._reducer.write_back(got.state["flat"])  # same canonical bucket layout as the source
         log.info("fetched the averaged gradient of a step a peer completed", extra={"step": t})
-        self._commit(t, got.state["flat"])
+        # ctx.sync_gradients()/step() take it from here: the user's code between the two
+        # still runs once, and the commit is the usual one.
+        self._fetched = (t, got.state["flat"])
 
     def _into_model(self) -> Callable[[int, dict], torch.Tensor | None]:
         """A transfer destination for a state object: its first tensors, the model's,
@@ -165,7 +167,14 @@ class StatePull:
                 local = unpack(part.state["blob"])
                 nbytes += part.nbytes
                 addr += f",{where}"
-            self._replay = (self.committed, unpack(st["boundary"]), local, st["before"])
+            avg = None
+            if st.get("uses_sync") and self._zero is None:  # the replayed sync_gradients() returns it
+                where, part = self._pull_any(m, "avg")
+                if part.step != self.committed:
+                    raise RecoveryError(f"source holds the average of step {part.step}, need {self.committed}")
+                avg = part.state["flat"]
+                nbytes += part.nbytes
+            self._replay = (self.committed, unpack(st["boundary"]), local, st["before"], avg, st["extra"])
         self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
         log.info("state loaded", extra={"resume_step": got.step, "bytes": got.nbytes,
                                         "seconds": round(got.seconds, 4)})  # fmt: skip

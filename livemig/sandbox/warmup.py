@@ -60,6 +60,10 @@ class SandboxWarmup:
             allreduce_mean(self._sandbox_pg, flats, 1, self.timeouts.collective)
             self._reducer.write_back(flats)
         if self.optimizer is not None:
-            self.optimizer.step()
+            if self._scaler is not None:
+                self._scaler.step(self.optimizer)
+                self._scaler.update()
+            else:
+                self.optimizer.step()
             self.optimizer.zero_grad()
         self.committed = t

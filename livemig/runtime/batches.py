@@ -1,0 +1,80 @@
+"""Data loaders in the elastic loop: `ctx.batches(loader)`.
+
+The loader's `batch_sampler` is a `livemig.data.ElasticSampler`; this places it
+at the step the loop runs at (the resume step after a recovery, the replayed
+step in a spare), with this process's rank and world size, and creates the
+loader's iterator only then. Loader workers start with `forkserver` (a forked
+copy of a process holding an etcd/gRPC client is not safe; `spawn` works too,
+`fork` is refused). A spare keeps the loader of its warm-up, workers running:
+once claimed, the user's function builds a new loader, and if it is the same
+(dataset type and length, sampler settings, worker count) the warm one is
+used instead, so activation does not wait for workers to start.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from livemig.data import ElasticSampler
+from livemig.errors import ConfigError
+
+log = logging.getLogger("livemig.runtime.batches")
+
+
+def _shape(loader: Any) -> tuple:
+    ds = loader.dataset
+    return (type(ds).__name__, len(ds), loader.batch_sampler.config(), loader.num_workers)
+
+
+def _check(loader: Any) -> None:
+    if not isinstance(loader.batch_sampler, ElasticSampler):
+        raise ConfigError(
+            "ctx.batches(loader): the loader's batch_sampler must be a livemig.data.ElasticSampler "
+            "(DataLoader(dataset, batch_sampler=ElasticSampler(len(dataset), batch_size, seed), ...))"
+        )
+    if loader.num_workers > 0:
+        ctx = loader.multiprocessing_context
+        method = ctx.get_start_method() if ctx is not None else None
+        if method == "fork":
+            raise ConfigError(
+                "ctx.batches(loader): loader workers must not fork a process that holds an etcd (gRPC) client: "
+                "use multiprocessing_context='forkserver' or 'spawn'"
+            )
+        if method is None:
+            import multiprocessing as mp
+
+            fs = mp.get_context("forkserver")
+            fs.set_forkserver_preload(["torch"])  # workers fork from a server that imported torch once
+            loader.multiprocessing_context = fs
+
+
+class Batches:
+    """Mixed into api.Context."""
+
+    def batches(self, loader: Any) -> Iterator[Any]:
+        """Iterate `loader` from the step the loop runs at: call next() on the result
+        once per step inside `for step in ctx.steps(...)`."""
+        _check(loader)
+        if self.role == "spare" and self._joining is not None:
+            warm = self._warm_loaders.get(_shape(loader))
+            if warm is not None:
+                log.info("using the loader warmed up in standby", extra={"workers": warm.num_workers})
+                loader = warm
+        elif self.role == "spare" and loader.num_workers > 0 and loader.persistent_workers:
+            self._warm_loaders[_shape(loader)] = loader  # standby: keep it, workers and all
+        return self._feed(loader)
+
+    def _feed(self, loader: Any) -> Iterator[Any]:
+        it, expect = None, None
+        while True:
+            step = self._current
+            if step is None:
+                raise ConfigError("next(ctx.batches(loader)) called outside `for step in ctx.steps(...)`")
+            if it is None or step != expect:  # first use, or the loop moved (a spare's replay, a warm-up)
+                loader.batch_sampler.place(step, self.rank if not self.warming_up else 0,
+                                           self.world_size if not self.warming_up else 1)  # fmt: skip
+                it = iter(loader)
+            yield next(it)
+            expect = step + 1

@@ -131,10 +131,13 @@ def warmup_cosine(warmup: int, total: int):
 
 
 @livemig.elastic(seed=0)
-def train(ctx: livemig.Context, steps: int, model_kind: str, sharding: str | None, batch: int) -> None:
+def train(ctx: livemig.Context, steps: int, model_kind: str, sharding: str | None, batch: int,
+          mixed: bool = False, amp: str = "") -> None:  # fmt: skip
     torch.set_num_threads(1)
     torch.manual_seed(1234)  # the same initial model on every rank
     model = cnn() if model_kind == "cnn" else TinyGPT()
+    if mixed:  # fp32 and bf16 parameters in one model: one bucket per dtype
+        model[-1].to(torch.bfloat16) if model_kind == "cnn" else model.mlp.to(torch.bfloat16)
     torch.manual_seed(99)
     n = 512
     data = torch.randn(n, 3, 8, 8) if model_kind == "cnn" else torch.randint(0, VOCAB, (n, SEQ + 1))
@@ -143,19 +146,24 @@ def train(ctx: livemig.Context, steps: int, model_kind: str, sharding: str | Non
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(5, steps))
     wd = WeightDecaySchedule(opt, 0.01)
     sampler, meter = RankSampler(n, ctx.rank, batch), Meter()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3) if amp == "fp16" else None
+    extras = {"scaler": scaler} if scaler is not None else {}
     ctx.register(model=model, optimizer=opt, sharding=sharding, scheduler=sched, wd=wd,
-                 local={"sampler": sampler, "meter": meter})  # fmt: skip
+                 local={"sampler": sampler, "meter": meter}, **extras)  # fmt: skip
     for _step in ctx.steps(steps):
         ids = torch.tensor(sampler.next_ids())
-        if model_kind == "cnn":
-            loss = torch.nn.functional.cross_entropy(model(data[ids]), labels[ids])
-        else:
-            seq = data[ids]
-            logits = model(seq[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
-        loss.backward()
+        with torch.autocast(
+            "cpu", dtype=torch.float16 if amp == "fp16" else torch.bfloat16, enabled=bool(amp or mixed)
+        ):
+            if model_kind == "cnn":
+                loss = torch.nn.functional.cross_entropy(model(data[ids]).float(), labels[ids])
+            else:
+                seq = data[ids]
+                logits = model(seq[:, :-1]).float()
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         ctx.log(loss=loss.item())
-        ctx.step()
+        ctx.step(scaler=scaler)
         sched.step()  # user code after the commit point: exactly once per step on every rank
         wd.step()
         meter.steps += 1
@@ -168,11 +176,13 @@ def train(ctx: livemig.Context, steps: int, model_kind: str, sharding: str | Non
         import json
 
         def h(sd: dict) -> str:
-            return hashlib.sha256(b"".join(v.detach().contiguous().numpy().tobytes() for v in sd.values())).hexdigest()
+            raw = (v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for v in sd.values())
+            return hashlib.sha256(b"".join(raw)).hexdigest()
 
         params = {k: v for k, v in model.state_dict().items() if "running" not in k and "num_batches" not in k}
         buffers = {k: v for k, v in model.state_dict().items() if k not in params}
         rec = {"sampler": sampler.state_dict(), "meter": meter.state_dict(), "scheduler": sched.state_dict(),
+               "scaler": scaler.state_dict() if scaler is not None else None,
                "wd": wd.state_dict(), "lr": [g["lr"] for g in opt.param_groups],
                "weight_decay": [g["weight_decay"] for g in opt.param_groups],
                "params": h(params), "buffers": h(buffers)}  # fmt: skip
@@ -187,8 +197,10 @@ def main() -> None:
     p.add_argument("--model", choices=["cnn", "transformer"], default="cnn")
     p.add_argument("--sharding", choices=["zero1"], default=None)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--mixed", action="store_true", help="some parameters in bf16 (autocast on)")
+    p.add_argument("--amp", choices=["", "fp16"], default="", help="fp16 autocast with a GradScaler")
     a = p.parse_args()
-    train(a.steps, a.model, a.sharding, a.batch)
+    train(a.steps, a.model, a.sharding, a.batch, a.mixed, a.amp)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ see comm/zero1.py for when each is used).
 
 Gradient accumulation: wrap all but the last micro-batch's backward in
 `ctx.no_sync()`, as with DDP. A gradient that changes after its bucket was
-launched makes the step fall back to a synchronous reduction.
+launched (a second backward outside no_sync) is refused with one line: the
+overlapped buckets would otherwise hold half an accumulation.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from livemig.comm.group import BUCKET_BYTES, CollectiveAborted, allreduce_mean, wait_all
+from livemig.errors import ConfigError
 
 
 def bucket_layout(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
@@ -160,12 +162,12 @@ class GradReducer:
         self._armed = False
         if self._launch_error is not None:
             raise CollectiveAborted(f"collective failed at launch: {self._launch_error}")
-        if self._dirty:
-            wait_all([w for w in self._works if w], timeout, should_abort)  # keep collective order
-            flats = self.reduce(self._pg, self.flatten(), world, timeout, should_abort)
-            if control is not None:
-                allreduce_mean(self._pg, [control], world, timeout, should_abort)
-            return flats
+        if self._dirty:  # the same on every rank: the same code ran
+            raise ConfigError(
+                "a second backward() ran after this step's gradients were being averaged (gradient "
+                "accumulation without ctx.no_sync()): wrap all but the last micro-batch's backward in "
+                "`with ctx.no_sync():`"
+            )
         else:
             for i in range(len(self.params)):
                 if not self._filled[i]:

@@ -118,9 +118,7 @@ class StepLoop:
                     flats = red.flatten()
                     allreduce_mean(self.runtime.pg, [*flats, ctl], self.world_size, self.timeouts.collective,
                                    should_abort=self.runtime.moved_on)  # fmt: skip
-                self._maybe_self_fault(t, "before_commit")
-                if self._drop_avg(t):
-                    raise CollectiveAborted("test fault: average dropped")
+                self._at_commit_point(t, "average")
             except CollectiveAborted as exc:
                 first = False
                 self._join_recovery(t, exc)

@@ -32,3 +32,11 @@ class SelfFaults:
             self._self_fault = None
             return True
         return False
+
+    def _at_commit_point(self, t: int, what: str) -> None:
+        """The test faults of the commit point: a kill after the collective, or its result dropped."""
+        self._maybe_self_fault(t, "before_commit")
+        if self._drop_avg(t):
+            from livemig.comm.group import CollectiveAborted
+
+            raise CollectiveAborted(f"test fault: {what} dropped")

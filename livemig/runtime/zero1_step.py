@@ -44,9 +44,7 @@ class Zero1Steps:
                 self._avg = (t, [own, mirror])  # held: enough to finish step t alone
                 self._mirror_local(t)  # before the barrier: whoever passes it knows the mirror holds t
                 z.barrier(rt.pg, timeout, rt.moved_on)
-                self._maybe_self_fault(t, "before_commit")
-                if self._drop_avg(t):
-                    raise CollectiveAborted("test fault: barrier result dropped")
+                self._at_commit_point(t, "barrier result")
             except CollectiveAborted as exc:
                 first = False
                 self._join_recovery(t, exc)

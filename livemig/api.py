@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from livemig import logs
-from livemig.comm.group import release_all, retire
+from livemig.comm.group import CollectiveAborted, release_all, retire
 from livemig.comm.reducer import GradReducer
 from livemig.config import (
     ENV_INCARNATION,
@@ -42,6 +42,7 @@ from livemig.errors import ConfigError, FencedError, LivemigError
 from livemig.faults import parse_self_fault
 from livemig.rdzv.membership import new_incarnation
 from livemig.runtime.batches import Batches
+from livemig.runtime.bugs import exit_on_bug
 from livemig.runtime.control import _Activate, _Released, _Requeue, _Stop
 from livemig.runtime.loop import StepLoop
 from livemig.runtime.migration import Migration
@@ -250,8 +251,14 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                 print(f"livemig: {exc}", file=sys.stderr, flush=True)
                 os._exit(exc.exit_code)  # touch nothing: this process was replaced
             except LivemigError as exc:
+                if isinstance(exc, ConfigError):
+                    exit_on_bug(ctx, exc)  # a misuse every rank repeats: not a node failure
                 print(f"livemig: error: {exc}", file=sys.stderr, flush=True)
                 os._exit(exc.exit_code)
+            except Exception as exc:
+                if isinstance(exc, CollectiveAborted):
+                    raise
+                exit_on_bug(ctx, exc)  # the training function raised: end the job, keep the spares
             finally:
                 if ctx is not None and ctx.runtime is not None:
                     retire(ctx.runtime.pg)

@@ -169,3 +169,18 @@ def straggler_settings() -> tuple[float, int]:
     except ValueError as exc:
         raise ConfigError(f"{ENV_STRAGGLER_FACTOR}/{ENV_STRAGGLER_STEPS}: not a number ({exc})") from exc
     return factor, max(1, steps)
+
+
+ENV_ON_ERROR = "LIVEMIG_ON_ERROR"  # "fail" (default) or "replace:N"
+
+
+def on_error_policy(raw: str | None = None) -> tuple[str, int]:
+    """What an exception in the training function does: ("fail", 0) ends the job at once;
+    ("replace", N) recovers on a spare, at most N times (runtime/bugs.py)."""
+    raw = (raw if raw is not None else os.environ.get(ENV_ON_ERROR, "fail")) or "fail"
+    if raw == "fail":
+        return "fail", 0
+    kind, _, n = raw.partition(":")
+    if kind != "replace" or not (n or "1").isdigit():
+        raise ConfigError(f"{ENV_ON_ERROR}={raw!r} / --on-error: expected fail or replace:N (N retries)")
+    return "replace", int(n or 1)

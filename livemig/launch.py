@@ -23,6 +23,7 @@ from livemig.config import (
     ENV_HOST,
     ENV_INCARNATION,
     ENV_JOB,
+    ENV_ON_ERROR,
     ENV_PARENT_PID,
     ENV_RANK,
     ENV_ROLE,
@@ -31,6 +32,7 @@ from livemig.config import (
     ENV_WORLD_SIZE,
     Timeouts,
     make_interruptible,
+    on_error_policy,
     validate_job_name,
 )  # fmt: skip
 from livemig.errors import ConfigError, LivemigError
@@ -72,12 +74,14 @@ class RunConfig:
     quiet: bool = False
     max_wall: float = 3600.0
     cold_spares: bool = False  # start the spares only when the first fault lands (bench warmup)
+    on_error: str = ""  # "fail" or "replace:N" (--on-error; default $LIVEMIG_ON_ERROR, else fail)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
         if self.spares < 0 or self.coordinators < 1:
             raise ConfigError("--spares must be >= 0 and --coordinators >= 1")
+        on_error_policy(self.on_error or None)  # a bad value is refused before anything starts
         if not os.path.isfile(self.script):
             raise ConfigError(f"training script {self.script!r} not found")
         for f in self.faults:
@@ -115,6 +119,8 @@ class Launcher:
         inc = new_incarnation(role)
         full = dict(os.environ)
         full.update(self.cfg.timeouts.to_env())
+        if self.cfg.on_error:
+            full[ENV_ON_ERROR] = self.cfg.on_error
         full.update({ENV_ETCD: self.etcd, ENV_JOB: self.cfg.job, ENV_INCARNATION: inc,
                      ENV_PARENT_PID: str(os.getpid()), **env})  # fmt: skip
         path = os.path.join(self.logdir, f"{name}.log")
@@ -527,6 +533,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--spare-wait", type=float, help="wait this long for a warm spare, s (default 60)")
     p.add_argument("--max-wall", type=float, default=3600.0, help="abort the run after this long, s")
+    p.add_argument("--on-error", default="",
+                   help="an exception in the training function: fail (default: end the job at once, no spare "
+                        "used) or replace:N (recover on a spare, at most N times); $LIVEMIG_ON_ERROR")  # fmt: skip
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_run)
@@ -545,7 +554,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                     coordinators=a.coordinators, job=a.job, etcd=a.etcd, etcd_bin=a.etcd_bin,
                     etcd_members=a.etcd_members,
                     faults=[parse_fault(f) for f in a.fault], report=a.report, timeouts=t,
-                    log_every=a.log_every, max_wall=a.max_wall)  # fmt: skip
+                    log_every=a.log_every, max_wall=a.max_wall, on_error=a.on_error)  # fmt: skip
     reference = None
     if a.verify:
         print("livemig: reference run without faults or spares ...", flush=True)
@@ -566,6 +575,8 @@ def cmd_run(a: argparse.Namespace) -> int:
             json.dump(rep, f, indent=2)
     print_summary(rep, reference)
     ok = (rep["result"] or {}).get("state") == "done"
-    if not ok and (rep["result"] or {}).get("log_tail"):
+    if not ok and (rep["result"] or {}).get("traceback"):
+        print(rep["result"]["traceback"], file=sys.stderr)  # a bug in the training function
+    elif not ok and (rep["result"] or {}).get("log_tail"):
         print(rep["result"]["log_tail"], file=sys.stderr)
     return 0 if ok and rep.get("bit_identical", True) else 1

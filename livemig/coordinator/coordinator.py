@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-from livemig.config import ENV_INCARNATION, Timeouts, exit_with_parent, straggler_settings
+from livemig.config import ENV_INCARNATION, Timeouts, exit_with_parent, on_error_policy, straggler_settings
 from livemig.coordinator.timeline import Timeline
 from livemig.errors import EtcdUnavailableError, NotLeaderError
 from livemig.rdzv.client import KV, EtcdClient, decode, encode
@@ -109,6 +109,8 @@ class Coordinator:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._since: dict[tuple[int, str], float] = {}  # when we first saw (generation, state)
+        self._bug_time = 0.0
+        self._bugs_seen: set[str] = set()  # incarnations whose bug was recorded (--on-error replace:N)
         self._slow_seen: dict[int, dict[int, float]] = {}  # straggler hook: rank -> {step: compute_s}
 
     def _lost(self, reason: str) -> None:
@@ -186,6 +188,10 @@ class Coordinator:
         m = s.m
         key = (m.generation, m.state)
         first_seen = self._since.setdefault(key, time.monotonic())
+        if m.state not in (GenState.DONE, GenState.FAILED):
+            bug = self._bug(s)
+            if bug is not None:
+                return self._fail(m, *bug)
         if m.generation == 0:
             return self._form(s)
         if m.state == GenState.MIGRATING:
@@ -583,18 +589,41 @@ class Coordinator:
             if self.rdzv.update(new, guard=self._guard()):
                 self._write_result(new)
 
-    def _fail(self, m: Membership, reason: str) -> None:
+    def _bug(self, s: Snapshot) -> tuple[str, str] | None:
+        """A member's recorded bug (runtime/bugs.py) that ends the job: (reason, traceback).
+        Under --on-error replace:N the process exit is recovered like any other, N times."""
+        m = s.m
+        errors = [e for inc, e in s.under(self.keys.errors_prefix).items()
+                  if m.generation == 0 or m.rank_of(inc) is not None or inc in self._bugs_seen]  # fmt: skip
+        if not errors:
+            return None
+        policy, retries = on_error_policy()
+        self._bugs_seen.update(e.get("incarnation", "") for e in errors)
+        if policy == "replace" and len(self._bugs_seen) <= retries:
+            return None
+        e = min(errors, key=lambda x: (x.get("step") if isinstance(x.get("step"), int) else -1, x.get("rank", 0)))
+        where = f"at step {e['step']}" if isinstance(e.get("step"), int) else "before training"
+        reason = (f"rank {e.get('rank')} raised {e.get('error', '?')} {where}: a bug in the training function "
+                  "ends the job (no spare is used; `--on-error replace:N` retries on spares)")  # fmt: skip
+        if policy == "replace":
+            reason += f"; {retries} retries used"
+        self._bug_time = float(e.get("time", 0.0) or 0.0)
+        return reason, str(e.get("traceback", ""))
+
+    def _fail(self, m: Membership, reason: str, detail: str = "") -> None:
         log.error("job failed", extra={"reason": reason})
         new = replace(m, state=GenState.FAILED, reason=reason)
         if m.generation == 0:
             self.rdzv.commit_change(0, new, guard=self._guard())
         else:
             self.rdzv.update(new, guard=self._guard())
-        self._write_result(new)
+        self._write_result(new, detail)
 
-    def _write_result(self, m: Membership) -> None:
+    def _write_result(self, m: Membership, detail: str = "") -> None:
         res = {"state": str(m.state), "reason": m.reason if m.state == GenState.FAILED else "",
                "generation": m.generation, "time": time.time()}  # fmt: skip
+        if detail:
+            res["traceback"], res["raised_at"] = detail, self._bug_time
         self.client.txn(self._guard(), [self.client.txn_ops.put(self.keys.result, encode(res))])
 
 

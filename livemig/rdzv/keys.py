@@ -98,6 +98,14 @@ class JobKeys:
         return f"{self.timeline_prefix}{generation:08d}/{seq:06d}-{name}"
 
     @property
+    def errors_prefix(self) -> str:
+        return self.prefix + "errors/"
+
+    def error(self, incarnation: str) -> str:
+        """A member's bug (runtime/bugs.py): rank, step, error, traceback."""
+        return self.errors_prefix + incarnation
+
+    @property
     def progress_prefix(self) -> str:
         return self.prefix + "progress/"
 

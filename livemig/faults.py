@@ -15,6 +15,10 @@
 | coordinator-kill | - | SIGKILL the leader coordinator (run `--coordinators 2` for a standby) |
 | spare-kill | - | SIGKILL the spare claimed in the current recovery (else any spare) |
 | migrate | rank R | not a fault: a planned migration of R onto a spare (as `livemig migrate`) |
+| wedge | rank R | R's training thread blocks forever, lease and progress threads alive (a deadlock) |
+
+A wedge lands `during=compute` (default: at the start of step S, before its
+collective) or `during=before_commit` (inside the collective, the others done).
 
 Trigger: once rank R (or, without a rank, any rank) has committed step S.
 `during` delays it further:
@@ -35,10 +39,11 @@ from dataclasses import dataclass
 
 from livemig.errors import ConfigError
 
-RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition", "migrate")
+RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition", "migrate", "wedge")
 UNRANKED = ("etcd-kill", "coordinator-kill", "spare-kill")
 KINDS = RANKED + UNRANKED
 IN_PROCESS_DURING = ("allreduce", "before_commit", "gather", "after_step")
+WEDGE_DURING = ("compute", "before_commit")
 PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit", "catchup")
 USAGE = "KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I]"
 
@@ -55,7 +60,7 @@ class Fault:
 
     @property
     def in_process(self) -> bool:
-        return self.kind == "drop_avg" or self.during in IN_PROCESS_DURING
+        return self.kind in ("drop_avg", "wedge") or self.during in IN_PROCESS_DURING
 
     @property
     def phase(self) -> str:
@@ -63,8 +68,9 @@ class Fault:
 
     def self_spec(self) -> str:
         """What the worker reads from LIVEMIG_SELF_FAULT."""
-        kind = "selfkill" if self.kind == "kill" else self.kind
-        return f"{kind}:step={self.step}:at={self.during or 'allreduce'}"
+        kind = {"kill": "selfkill", "wedge": "selfwedge"}.get(self.kind, self.kind)
+        default = "compute" if self.kind == "wedge" else "allreduce"
+        return f"{kind}:step={self.step}:at={self.during or default}"
 
 
 def parse_fault(spec: str) -> Fault:
@@ -93,10 +99,13 @@ def parse_fault(spec: str) -> Fault:
     if kind in UNRANKED and rank is not None:
         raise ConfigError(f"bad fault {spec!r}: {kind} takes no rank")
     during = fields.pop("during", "")
-    if during and during not in IN_PROCESS_DURING + PHASE_DURING:
+    if kind == "wedge":
+        if during not in ("", *WEDGE_DURING):
+            raise ConfigError(f"bad fault {spec!r}: a wedge lands during={' or '.join(WEDGE_DURING)}")
+    elif during and during not in IN_PROCESS_DURING + PHASE_DURING:
         raise ConfigError(f"bad fault {spec!r}: during must be one of {', '.join(IN_PROCESS_DURING + PHASE_DURING)}")
-    if during in IN_PROCESS_DURING and kind != "kill":
-        raise ConfigError(f"bad fault {spec!r}: during={during} applies to kill only")
+    if during in IN_PROCESS_DURING and kind not in ("kill", "wedge"):
+        raise ConfigError(f"bad fault {spec!r}: during={during} applies to kill (and wedge) only")
     resume = num("resume", float)
     heal = num("heal", float)
     if heal is not None:

@@ -43,6 +43,8 @@ from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership, new_incarnation
 
 log = logging.getLogger("livemig.launch")
+# A fenced process that has not exited this long after its fence is wedged: its agent kills it.
+FENCED_KILL_S = float(os.environ.get("LIVEMIG_FENCED_KILL_S", "5"))
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Launcher:
         self.cfg = cfg
         self.keys = JobKeys(cfg.job)
         self.children: list[Child] = []
+        self._fenced_seen: dict[str, float] = {}  # incarnation -> when its fence was first seen
         self.cluster: Any = None
         self.client: EtcdClient | None = None
         self.logdir = os.path.join(state_dir(), "runs", f"{cfg.job}-{int(time.time())}")
@@ -215,6 +218,7 @@ class Launcher:
             kvs, _ = self.client.get_prefix(self.keys.prefix)
             by_key = {kv.key: kv for kv in kvs}
             self._faults(by_key)
+            self._kill_fenced(by_key)
             self._progress(by_key)
             res = by_key.get(self.keys.result)
             if res is not None and result is None:
@@ -267,6 +271,23 @@ class Launcher:
             self.client.put(self.keys.suspect(c.incarnation), encode({
                 "time": time.time(), "reason": f"{c.name} exited ({why})", "by": "agent"}))  # fmt: skip
             log.warning("child died", extra={"child": c.name, "why": why})
+
+    def _kill_fenced(self, by_key: dict) -> None:
+        """A fenced worker or spare still running after FENCED_KILL_S is wedged (its training
+        thread cannot see the fence): kill it, so no replaced process lingers."""
+        now = time.monotonic()
+        for c in self.children:
+            if c.role == "coordinator" or c.proc.poll() is not None:
+                continue
+            if by_key.get(self.keys.fenced(c.incarnation)) is None:
+                continue
+            first = self._fenced_seen.setdefault(c.incarnation, now)
+            if now - first > FENCED_KILL_S:
+                log.warning("fenced child still running: killed", extra={"child": c.name})
+                try:
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def _holder(self, rank: int, by_key: dict) -> Child | None:
         raw = by_key.get(self.keys.membership)

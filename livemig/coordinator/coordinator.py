@@ -110,6 +110,8 @@ class Coordinator:
         self._stop = threading.Event()
         self._since: dict[tuple[int, str], float] = {}  # when we first saw (generation, state)
         self._bug_time = 0.0
+        self._waits: dict[tuple[int, int, int], float] = {}  # (generation, rank, step) -> wait start here
+        self._busy_seen: dict[tuple[int, int], float] = {}  # (generation, rank) -> last seen inside ctx.busy()
         self._bugs_seen: set[str] = set()  # incarnations whose bug was recorded (--on-error replace:N)
         self._slow_seen: dict[int, dict[int, float]] = {}  # straggler hook: rank -> {step: compute_s}
 
@@ -205,6 +207,8 @@ class Coordinator:
         if m.state == GenState.RECOVERING:
             return self._agree_and_claim(s, first_seen)
         if m.state == GenState.COMMITTED:
+            if self._hung(s):
+                return None
             if self._maybe_migrate(s):
                 return None
             return self._maybe_done(s)
@@ -588,6 +592,48 @@ class Coordinator:
             new = replace(m, state=GenState.DONE)
             if self.rdzv.update(new, guard=self._guard()):
                 self._write_result(new)
+
+    def _hung(self, s: Snapshot) -> bool:
+        """Progress-based hang detection (docs/reliability.md): when every other member
+        has waited in step W's collective for longer than the hang timeout and a rank
+        has not entered it (its training thread is stuck while its lease lives on), or
+        is stuck in an older step's, that rank is suspected, as if its agent had seen
+        it die; the recovery then fences it and its agent kills it. A rank inside
+        `ctx.busy()` is never suspected. The wait is measured on this coordinator's
+        clock from what each member reported (`waited_s`), so host clocks do not matter."""
+        m = s.m
+        prog = {r: s.get(self.keys.progress(r)) or {} for r in m.members}
+        now = time.monotonic()
+        for r, p in prog.items():  # a rank is given the whole hang timeout again after a busy pause
+            if p.get("busy"):
+                self._busy_seen[(m.generation, r)] = now
+        waiting = {r: p for r, p in prog.items() if isinstance(p.get("waiting_step"), int)
+                   and p.get("incarnation") == m.members[r].incarnation}  # fmt: skip
+        if not waiting or len(waiting) == len(m.members) and len({p["waiting_step"] for p in waiting.values()}) == 1:
+            return False
+        w = max(p["waiting_step"] for p in waiting.values())
+        waiters = [r for r, p in waiting.items() if p["waiting_step"] == w]
+        started = []
+        for r in waiters:
+            key = (m.generation, r, w)
+            if key not in self._waits:
+                self._waits[key] = now - float(waiting[r].get("waited_s", 0.0))
+            started.append(self._waits[key])
+        limit = max(float(waiting[r].get("hang_timeout", 5.0)) for r in waiters)
+        waited = now - max(started)
+        suspects = [r for r in m.members if r not in waiters and not prog[r].get("busy")
+                    and now - self._busy_seen.get((m.generation, r), -1e18) >= limit]  # fmt: skip
+        if not suspects or waited < limit:
+            return False
+        t = self.client.txn_ops
+        ops = [t.put(self.keys.suspect(m.members[r].incarnation),
+                     encode({"rank": r, "why": f"hung: rank(s) {waiters} waited {waited:.1f}s in step {w}'s "
+                                             f"collective (hang timeout {limit:.1f}s)", "time": time.time()}))
+               for r in suspects]  # fmt: skip
+        ops.append(self.timeline.op(m.generation, "hang", ranks=suspects, step=w, waited_s=waited))
+        self.client.txn(self._guard(), ops)
+        log.warning("hung rank(s) suspected", extra={"ranks": suspects, "step": w, "waited_s": round(waited, 2)})
+        return True
 
     def _bug(self, s: Snapshot) -> tuple[str, str] | None:
         """A member's recorded bug (runtime/bugs.py) that ends the job: (reason, traceback).

@@ -64,6 +64,7 @@ class StepLoop:
             if self._reducer is not None:
                 self._reducer.arm(self.runtime.pg)
             self._step_t0 = time.monotonic()
+            self._maybe_self_fault(step, "compute")
             yield step
             if self.committed != step:
                 raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
@@ -107,6 +108,7 @@ class StepLoop:
         compute_s = time.monotonic() - self._step_t0  # forward + backward: the straggler hook's input
         while True:
             self.runtime.check_fenced()
+            self.runtime.enter_collective(t)  # the coordinator's hang detection reads how long we wait
             ctl = torch.tensor([self._vote()])  # planned migration: all 1.0 = switch after this step
             try:
                 self._keep_before(t)
@@ -131,6 +133,7 @@ class StepLoop:
             # buffers are reused only after the next step's commit replaced self._avg.
             red.write_back(flats)
             self._synced = (t, flats, float(ctl[0]) == 1.0, compute_s)
+            self.runtime.leave_collective()
             return
 
     def step(self, scaler: Any = None) -> None:
@@ -183,7 +186,20 @@ class StepLoop:
             raise ConfigError(f"{what} called outside `for step in ctx.steps(...)`")
         return t
 
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """A legitimately long pause of this rank (rank 0 writing a checkpoint): the
+        others wait for it in the next collective, and it is not taken for hung."""
+        if self.runtime is not None:
+            self.runtime.set_busy(True)
+        try:
+            yield
+        finally:
+            if self.runtime is not None:
+                self.runtime.set_busy(False)
+
     def _join_recovery(self, t: int | None, exc: BaseException) -> None:
+        self.runtime.leave_collective()
         if self._reducer is not None:
             self._reducer.disarm()  # no bucket may launch on the abandoned group
         log.warning("collective failed; joining recovery",

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from livemig.comm.group import CollectiveAborted, build_group, retire
-from livemig.config import ENV_BACKEND, ENV_ETCD, ENV_HOST, ENV_JOB, Timeouts
+from livemig.config import ENV_BACKEND, ENV_ETCD, ENV_HANG_TIMEOUT, ENV_HOST, ENV_JOB, Timeouts
 from livemig.errors import ConfigError, FencedError, RecoveryError
 from livemig.rdzv.client import EtcdClient, encode
 from livemig.rdzv.lease import LeaseKeeper
@@ -66,6 +66,10 @@ class MemberRuntime:
         self.keeper: LeaseKeeper | None = None
         self.server: StateServer | None = None
         self._progress: queue.Queue = queue.Queue(maxsize=1)
+        self._last_item: dict | None = None  # the last progress record (a commit)
+        self._step_times: list[float] = []  # seconds between the last commits
+        self._waiting: tuple[int, float, bool] | None = None  # (step, since, reported) in a collective
+        self._busy = False
         kv, rev = self.client.get_with_revision(self.keys.membership)
         self.m = Membership.from_bytes(kv.value if kv else None)
         self._watch = PrefixWatch(self.client, self.keys.membership, self._on_membership, rev + 1)
@@ -196,16 +200,65 @@ class MemberRuntime:
 
     def progress(self, step: int, **info: Any) -> None:
         """Publish the last committed step off the training thread (latest wins)."""
-        item = {"step": step, "time": time.time(), "incarnation": self.incarnation, **info}
+        now = time.time()
+        if self._last_item is not None:
+            self._step_times = [*self._step_times[-19:], now - self._last_item["time"]]
+        item = {"step": step, "time": now, "incarnation": self.incarnation, **info}
+        self._last_item = item
+        self._queue(item)
+
+    def _queue(self, item: dict) -> None:
         try:
             self._progress.get_nowait()
         except queue.Empty:
             pass
         self._progress.put_nowait(item)
 
+    # -- what the coordinator's hang detection reads (docs/reliability.md) -----------------
+    def hang_timeout(self) -> float:
+        """LIVEMIG_HANG_TIMEOUT, else max(5 s, 10 x this member's median step time)."""
+        raw = os.environ.get(ENV_HANG_TIMEOUT, "")
+        if raw:
+            return float(raw)
+        times = sorted(self._step_times)
+        return max(5.0, 10 * times[len(times) // 2]) if times else 5.0
+
+    def enter_collective(self, step: int) -> None:
+        """The training thread waits in step `step`'s collective from now on."""
+        if self._waiting is None or self._waiting[0] != step:
+            self._waiting = (step, time.monotonic(), False)
+
+    def leave_collective(self) -> None:
+        self._waiting = None
+
+    def set_busy(self, busy: bool) -> None:
+        """`with ctx.busy():` a legitimately long pause (a checkpoint): never a hang."""
+        self._busy = busy
+        if self._last_item is not None or busy:
+            self._queue({**(self._last_item or {"step": -1, "time": time.time(), "incarnation": self.incarnation}),
+                         "busy": busy})  # fmt: skip
+
+    def _anomaly(self) -> dict | None:
+        """A wait in a collective longer than a quarter of the hang timeout: reported once."""
+        w = self._waiting
+        if w is None or w[2]:
+            return None
+        waited = time.monotonic() - w[1]
+        limit = self.hang_timeout()
+        if waited < limit / 4:
+            return None
+        self._waiting = (w[0], w[1], True)
+        base = self._last_item or {"step": w[0] - 1, "time": time.time(), "incarnation": self.incarnation}
+        return {**base, "waiting_step": w[0], "waited_s": waited, "hang_timeout": limit, "busy": self._busy}
+
     def _progress_loop(self) -> None:
         while True:
-            item = self._progress.get()
+            try:
+                item = self._progress.get(timeout=0.25)
+            except queue.Empty:
+                item = self._anomaly()
+                if item is None:
+                    continue
             if self.rank is None or self.fenced.is_set():
                 continue
             try:

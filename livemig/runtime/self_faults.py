@@ -17,6 +17,11 @@ class SelfFaults:
 
     def _maybe_self_fault(self, t: int, at: str) -> None:
         f = self._self_fault
+        if f and f[0] == "selfwedge" and f[1] == t and f[2] == at and self.role == "worker":
+            import threading
+
+            log.warning("test fault: the training thread blocks forever", extra={"step": t, "at": at})
+            threading.Event().wait()  # a deadlock: only the lease and progress threads go on
         if f and f[0] == "selfkill" and f[1] == t and f[2] == at and self.role == "worker":
             import signal
             import threading

@@ -30,6 +30,7 @@ class Zero1Steps:
         timeout, first = self.timeouts.collective, True
         while self.committed < t:
             rt.check_fenced()
+            rt.enter_collective(t)
             self._zero_regather()
             if self.committed >= t:
                 break
@@ -61,6 +62,7 @@ class Zero1Steps:
             except CollectiveAborted as exc:  # step t is committed; the new group repeats the gather
                 self._join_recovery(t, exc)
         self._zero_regather()
+        rt.leave_collective()
 
     def _zero_regather(self) -> None:
         """All-gather the parameters unless this generation's group already did."""

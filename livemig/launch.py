@@ -319,6 +319,10 @@ class Launcher:
             if target.proc.poll() is not None:
                 self._slow.remove((target, factor))
                 continue
+            if not self._is_member(target, by_key):  # migrated away or fenced: let it exit at full speed
+                self._slow.remove((target, factor))
+                os.killpg(target.proc.pid, signal.SIGCONT)
+                continue
             # Duty cycle of 100 ms: run 100/factor ms, stopped the rest.
             phase = (now * 10) % 1.0
             want_stopped = phase >= 1.0 / factor

@@ -112,6 +112,7 @@ class Coordinator:
         self._bug_time = 0.0
         self._waits: dict[tuple[int, int, int], float] = {}  # (generation, rank, step) -> wait start here
         self._busy_seen: dict[tuple[int, int], float] = {}  # (generation, rank) -> last seen inside ctx.busy()
+        self._straggler_gen, self._straggler_from = -1, 0  # the straggler hook's group and first judged step
         self._bugs_seen: set[str] = set()  # incarnations whose bug was recorded (--on-error replace:N)
         self._slow_seen: dict[int, dict[int, float]] = {}  # straggler hook: rank -> {step: compute_s}
 
@@ -562,7 +563,10 @@ class Coordinator:
         # comparing rank A's step s with rank B's step s-1 (or the first step, which pays
         # for lazy allocation) flagged a healthy rank on a loaded machine.
         latest = max((step for step, _ in comp.values()), default=-1)
-        comp = {r: v for r, v in comp.items() if v[0] == latest and latest >= 1}
+        if self._straggler_gen != m.generation:  # a new group: judge it afresh, after it settled
+            self._straggler_gen, self._straggler_from = m.generation, latest + need
+            self._slow_seen.clear()
+        comp = {r: v for r, v in comp.items() if v[0] == latest and latest >= max(1, self._straggler_from)}
         if len(comp) < 2:
             return
         for r, (step, c) in comp.items():

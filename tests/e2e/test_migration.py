@@ -51,7 +51,7 @@ def test_migration_aborted_when_the_spare_dies_during_catch_up(tmp_path, referen
 def test_straggler_hook_migrates_a_slow_rank(tmp_path, reference_digest):
     ref = reference_digest(2)
     run = livemig_run(tmp_path, 2, spares=1, faults=("slow:rank=1:step=2:factor=6",),
-                      env={"LIVEMIG_STRAGGLER_FACTOR": "1.5", "LIVEMIG_STRAGGLER_STEPS": "2"})  # fmt: skip
+                      env={"LIVEMIG_STRAGGLER_FACTOR": "2.5", "LIVEMIG_STRAGGLER_STEPS": "2"})  # fmt: skip
     assert_same_as_fault_free(run, ref)
     (mig,) = run.report["migrations"]
     assert mig["outcome"] == "done" and mig["rank"] == 1 and mig["reason"].startswith("straggler"), mig

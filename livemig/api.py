@@ -101,6 +101,7 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self._current: int | None = None  # step being run (between yield and ctx.step())
         self._avg: tuple[int, list] | None = None  # averaged gradient of the last commit
         self._commits: list[list[float]] = []
+        self._commit_gen, self._gen_steps = -1, []  # generation changes seen by the commits (_trim_commits)
         self._last_metrics: dict[str, float] = {}
         self._total = 0
         self._loaded_step: int | None = None

@@ -31,8 +31,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float) -> dict[
     kvs, _ = client.get_prefix(keys.final_prefix)
     finals = {kv.key[len(keys.final_prefix) :]: decode(kv.value) for kv in kvs}
     commits = _group_commits(finals)
-    times = [t for _, t in commits]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for (s, a), (u, b) in zip(commits, commits[1:], strict=False) if u == s + 1]  # adjacent steps
     median_step = statistics.median(gaps) if gaps else 0.0
     shards = sharded_state(finals)
     ranks = rank_digests(finals)

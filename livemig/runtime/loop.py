@@ -23,6 +23,7 @@ from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import GenState
 
 log = logging.getLogger("livemig.runtime.loop")
+COMMITS_KEPT = 200  # commit times in the final record, besides those around generation changes
 
 
 class StepLoop:
@@ -249,8 +250,23 @@ class StepLoop:
         if replay:  # a migrating spare replaying the group's steps: not a commit of the job's
             return
         self._commits.append([t, time.time()])
+        self._trim_commits()
         if self.runtime is not None:
             self.runtime.progress(t, generation=self.runtime.gen, **self._last_metrics, **info)
+
+    def _trim_commits(self) -> None:
+        """Keep the final record bounded (etcd refuses a request over 1.5 MiB, near 100k
+        steps of commit times): the last COMMITS_KEPT commits and those within a few steps
+        of each generation change, which is all the report reads."""
+        gen = self.runtime.gen if self.runtime is not None else 0
+        if gen != self._commit_gen:
+            self._commit_gen = gen
+            self._gen_steps.append(self._commits[-1][0])
+        if len(self._commits) <= 2 * COMMITS_KEPT:
+            return
+        last = self._commits[-1][0]
+        self._commits = [c for c in self._commits
+                         if c[0] > last - COMMITS_KEPT or any(abs(c[0] - g) <= 5 for g in self._gen_steps)]  # fmt: skip
 
     # -- the boundary rule (docs/architecture.md) -------------------------------------------
     @property

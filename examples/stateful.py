@@ -148,8 +148,11 @@ def train(ctx: livemig.Context, steps: int, model_kind: str, sharding: str | Non
     sampler, meter = RankSampler(n, ctx.rank, batch), Meter()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3) if amp == "fp16" else None
     extras = {"scaler": scaler} if scaler is not None else {}
+    locals_ = {"sampler": sampler, "meter": meter}
+    if os.environ.get("STATEFUL_METER_AS_EXTRA"):  # tests: per-rank state registered as replicated
+        extras["meter"] = locals_.pop("meter")
     ctx.register(model=model, optimizer=opt, sharding=sharding, scheduler=sched, wd=wd,
-                 local={"sampler": sampler, "meter": meter}, **extras)  # fmt: skip
+                 local=locals_, **extras)  # fmt: skip
     for _step in ctx.steps(steps):
         ids = torch.tensor(sampler.next_ids())
         with torch.autocast(

@@ -110,6 +110,7 @@ class Coordinator:
         self._stop = threading.Event()
         self._since: dict[tuple[int, str], float] = {}  # when we first saw (generation, state)
         self._bug_time = 0.0
+        self._extras_checked = False
         self._waits: dict[tuple[int, int, int], float] = {}  # (generation, rank, step) -> wait start here
         self._busy_seen: dict[tuple[int, int], float] = {}  # (generation, rank) -> last seen inside ctx.busy()
         self._straggler_gen, self._straggler_from = -1, 0  # the straggler hook's group and first judged step
@@ -208,6 +209,9 @@ class Coordinator:
         if m.state == GenState.RECOVERING:
             return self._agree_and_claim(s, first_seen)
         if m.state == GenState.COMMITTED:
+            differ = self._extras_differ(s)
+            if differ:
+                return self._fail(m, differ)
             if self._hung(s):
                 return None
             if self._maybe_migrate(s):
@@ -596,6 +600,25 @@ class Coordinator:
             new = replace(m, state=GenState.DONE)
             if self.rdzv.update(new, guard=self._guard()):
                 self._write_result(new)
+
+    def _extras_differ(self, s: Snapshot) -> str:
+        """Replicated extras must be equal on every rank (a spare takes them from any
+        peer): each worker's digests of them after step 0, compared once all are in."""
+        if self._extras_checked:
+            return ""
+        checks = s.under(self.keys.extras_check_prefix)
+        if len(checks) < s.m.world_size:
+            return ""
+        self._extras_checked = True
+        ref = checks.get("0", {}).get("digests", {})
+        for r in sorted(checks, key=lambda x: int(x) if x.isdigit() else -1):
+            for name, d in (checks[r].get("digests") or {}).items():
+                if ref.get(name) != d:
+                    return (
+                        f"the extra {name!r} differs between rank 0 and rank {r} after step 0: a spare would "
+                        f"take another rank's; register per-rank state under local={{{name!r}: ...}}"
+                    )
+        return ""
 
     def _hung(self, s: Snapshot) -> bool:
         """Progress-based hang detection (docs/reliability.md): when every other member

@@ -98,6 +98,14 @@ class JobKeys:
         return f"{self.timeline_prefix}{generation:08d}/{seq:06d}-{name}"
 
     @property
+    def extras_check_prefix(self) -> str:
+        return self.prefix + "extras-check/"
+
+    def extras_check(self, rank: int) -> str:
+        """Digests of a rank's replicated extras at the first boundary (compared by the coordinator)."""
+        return f"{self.extras_check_prefix}{rank}"
+
+    @property
     def errors_prefix(self) -> str:
         return self.prefix + "errors/"
 

@@ -283,6 +283,10 @@ class StepLoop:
             return
         self._boundaries[step] = self.reg.pack_boundary()
         self._boundaries.pop(step - 2, None)
+        if step == 0 and self.role == "worker" and self.reg.extra and self.runtime is not None:
+            # Replicated extras must be equal on every rank: the coordinator compares these.
+            self.runtime.put(self.runtime.keys.extras_check(self.rank), {
+                "incarnation": self.incarnation, "digests": self.reg.extra_digests()})  # fmt: skip
         if self.reg.has_local:
             self._local_blob = (step, self.reg.pack_local())
 

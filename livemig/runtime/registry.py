@@ -117,6 +117,9 @@ class Registry:
         opt = self.optimizer.state_dict() if self.optimizer is not None else {}
         return {"model": model, "optimizer": opt, "extra": {k: v.state_dict() for k, v in self.extra.items()}}
 
+    def extra_digests(self) -> dict[str, str]:
+        return {k: _digest_of(v.state_dict()) for k, v in self.extra.items()}
+
     # -- state of a step boundary (docs/architecture.md, "The boundary rule") -------------------
     def local_state(self) -> dict[str, Any]:
         sd = self.model.state_dict() if self.model is not None else {}

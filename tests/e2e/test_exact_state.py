@@ -98,3 +98,13 @@ def test_verify_names_the_rank_whose_local_state_differs(tmp_path):
                        capture_output=True, text=True, timeout=240, env=env, cwd=REPO)  # fmt: skip
     assert p.returncode == 1, p.stdout + p.stderr
     assert "bit-identical: no" in p.stdout and "rank(s) [1] differ" in p.stdout, p.stdout
+
+
+def test_per_rank_state_registered_as_an_extra_is_refused(tmp_path):
+    """A metric accumulator registered as a replicated extra differs per rank: the job
+    fails after step 0 saying to register it under local=, instead of a spare silently
+    taking another rank's."""
+    run, _ = _run(tmp_path, 2, args=("--steps", "6"), env={"STATEFUL_METER_AS_EXTRA": "1"}, job="x")
+    res = run.report["result"]
+    assert run.rc != 0 and res["state"] == "failed", explain(run)
+    assert "the extra 'meter' differs between rank 0 and rank 1" in res["reason"] and "local=" in res["reason"]

@@ -112,11 +112,12 @@ ENV_HOST = "LIVEMIG_HOST"  # address peers reach this process at (default 127.0.
 ENV_BACKEND = "LIVEMIG_BACKEND"  # "gloo" (default) or "nccl"
 ENV_ZERO1_MIRROR = "LIVEMIG_ZERO1_MIRROR"  # "0": no mirror of ZeRO-1 shards (benchmarks; a lost shard is fatal)
 ENV_STRAGGLER_FACTOR = "LIVEMIG_STRAGGLER_FACTOR"  # > 0 turns the straggler hook on (e.g. 1.5)
-ENV_STRAGGLER_STEPS = "LIVEMIG_STRAGGLER_STEPS"
+ENV_STRAGGLER_STEPS = "LIVEMIG_STRAGGLER_STEPS"  # consecutive slow steps before a migration (default 20)
 # Seconds a rank may hold the others waiting in a collective before it is replaced as hung
 # (default: max(5, 10 x the median step time); docs/reliability.md).
-ENV_HANG_TIMEOUT = "LIVEMIG_HANG_TIMEOUT"  # consecutive slow steps before a migration (default 20)
+ENV_HANG_TIMEOUT = "LIVEMIG_HANG_TIMEOUT"
 SHARDING_ENTRY = "<sharding>"  # the signature entry that names a job's optimizer sharding
+LOCAL_STATE_ENTRY = "<local-state>"  # the signature entry of a job with rank-local state (buffers, local=)
 # Faults injected from inside a worker, for tests and `--fault ...:during=...`:
 # "selfkill:step=S:at=allreduce" or "drop_avg:step=S" (see livemig/faults.py).
 ENV_SELF_FAULT = "LIVEMIG_SELF_FAULT"

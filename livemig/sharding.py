@@ -3,7 +3,7 @@ the coordinator and the CLI stay light). The mechanics are in comm/zero1.py."""
 
 from __future__ import annotations
 
-from livemig.config import SHARDING_ENTRY
+from livemig.config import LOCAL_STATE_ENTRY, SHARDING_ENTRY
 
 
 def sharding_of(sig: list) -> tuple[str, bool]:
@@ -24,4 +24,24 @@ def lost_shards(world: int, mirrored: bool, holding: set[int]) -> list[str]:
         who = f"its owner rank {r} and its mirror rank {nxt} both failed" if mirrored and world > 1 else (
             f"its owner rank {r} failed and shards are not mirrored (LIVEMIG_ZERO1_MIRROR=0)")  # fmt: skip
         out.append(f"optimizer shard {r} is lost: {who}")
+    return out
+
+
+def has_local_state(sig: list) -> bool:
+    """Does the job mirror rank-local state (model buffers, `local=`) on the next rank?"""
+    return any(isinstance(e, list | tuple) and len(e) == 3 and e[0] == LOCAL_STATE_ENTRY for e in sig)
+
+
+def lost_local_state(world: int, vacant: list[int], reports: dict[str, dict], boundary: int) -> list[str]:
+    """Vacant ranks whose local state of `boundary` no survivor holds (its mirror is the next
+    rank; a spare that joined a step ago does not hold it yet), as readable lines."""
+    out = []
+    for r in vacant:
+        nxt = (r + 1) % world
+        rep = reports.get(str(nxt)) or {}
+        if boundary >= -1 and boundary not in (rep.get("mirrors") or []):
+            out.append(
+                f"rank {r}'s local state (buffers, local=) of step {boundary} is lost: its mirror "
+                f"rank {nxt} {'failed too' if nxt in vacant else 'does not hold it'}"
+            )
     return out

@@ -32,7 +32,7 @@ from livemig.rdzv.client import KV, EtcdClient, decode, encode
 from livemig.rdzv.election import LeaderElection
 from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, new_incarnation
 from livemig.rdzv.watch import PrefixWatch
-from livemig.sharding import lost_shards, sharding_of
+from livemig.sharding import has_local_state, lost_local_state, lost_shards, sharding_of
 from livemig.state import first_mismatch
 
 log = logging.getLogger("livemig.coordinator")
@@ -339,6 +339,12 @@ class Coordinator:
                      if c == resume - 2 and reports[str(r)].get("avg_step") != resume - 1]  # fmt: skip
             if short:
                 return self._fail(m, f"rank(s) {short} lack the gradient slices of step {resume - 1}")
+        vacant = [r for r in range(m.world_size) if r not in m.members]
+        sig = (s.get(self.keys.config) or {}).get("signature", [])
+        if has_local_state(sig) and m.world_size > 1 and resume >= 1:  # the replay starts at boundary resume-2
+            lost = lost_local_state(m.world_size, vacant, reports, resume - 2)
+            if lost:
+                return self._fail(m, "; ".join(lost) + ": restart from a checkpoint")
         # A source must hold the average of step resume-1 for members one step behind.
         if (
             mode != "zero1"
@@ -349,7 +355,6 @@ class Coordinator:
         if not self._since.get((m.generation, "agreed")):
             self._since[(m.generation, "agreed")] = time.monotonic()
             self.timeline.record(m.generation, "agree", self._guard(), resume_step=resume, sources=sources)
-        vacant = [r for r in range(m.world_size) if r not in m.members]
         self._claim(s, vacant, resume, sources, since)
 
     def _pick_spares(self, s: Snapshot, n: int) -> list[tuple[str, KV, dict]]:

@@ -301,7 +301,8 @@ class MemberRuntime:
                     rank = m.rank_of(self.incarnation)
                     self.put(self.keys.report(m.generation, rank), {
                         "incarnation": self.incarnation, "committed": member.committed_step(),
-                        "avg_step": member.avg_step(), "time": time.time()})  # fmt: skip
+                        "avg_step": member.avg_step(), "mirrors": member.mirrored_steps(),
+                        "time": time.time()})  # fmt: skip
                     reported.add(m.generation)
                 self._wait_change(m)
                 continue

@@ -31,6 +31,11 @@ class StatePull:
             return None  # holds no state yet
         return self.committed
 
+    def mirrored_steps(self) -> list[int]:
+        """Boundaries of the left neighbour's local state held here (the coordinator checks
+        that a lost rank's replay can find its boundary)."""
+        return sorted(self._mirrored)
+
     def avg_step(self) -> int | None:
         return self._avg[0] if self._avg else None
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from livemig.config import SHARDING_ENTRY
+from livemig.config import LOCAL_STATE_ENTRY, SHARDING_ENTRY
 from livemig.errors import ConfigError
 from livemig.state import digest, flatten, pack, signature
 
@@ -84,6 +84,8 @@ class Registry:
             sig.append(["<optimizer>", type(self.optimizer).__name__, sizes])
         sig += [["<extra>", k, []] for k in sorted(self.extra)]
         sig += [["<local>", k, []] for k in sorted(self.local)]
+        if self.has_local:  # the coordinator checks each lost rank's local state has a live mirror
+            sig.append([LOCAL_STATE_ENTRY, "mirrored", []])
         if self.zero is not None:  # a spare must shard the same way as the job
             sig.append([SHARDING_ENTRY, "zero1", [int(self.zero.mirror is not None)]])
         return sig

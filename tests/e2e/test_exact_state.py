@@ -108,3 +108,12 @@ def test_per_rank_state_registered_as_an_extra_is_refused(tmp_path):
     res = run.report["result"]
     assert run.rc != 0 and res["state"] == "failed", explain(run)
     assert "the extra 'meter' differs between rank 0 and rank 1" in res["reason"] and "local=" in res["reason"]
+
+
+def test_a_rank_and_its_local_mirror_lost_together_fails_naming_it(tmp_path):
+    """Ranks 1 and 2 of 3 killed together: rank 1's local state lived on rank 2 only."""
+    run, _ = _run(tmp_path, 3, spares=2, faults=("kill:rank=1:step=6", "kill:rank=2:step=6"), job="lost")
+    res = run.report["result"]
+    assert run.rc != 0 and res["state"] == "failed", explain(run)
+    assert "rank 1's local state (buffers, local=) of step" in res["reason"], res["reason"]
+    assert "its mirror rank 2 failed too" in res["reason"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 
 import torch
 
@@ -146,6 +147,7 @@ def train(ctx: livemig.Context, steps: int, model_kind: str, sharding: str | Non
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(5, steps))
     wd = WeightDecaySchedule(opt, 0.01)
     sampler, meter = RankSampler(n, ctx.rank, batch), Meter()
+    pause = float(os.environ.get("STATEFUL_STEP_SLEEP", "0"))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3) if amp == "fp16" else None
     extras = {"scaler": scaler} if scaler is not None else {}
     locals_ = {"sampler": sampler, "meter": meter}
@@ -171,6 +173,7 @@ def train(ctx: livemig.Context, steps: int, model_kind: str, sharding: str | Non
         wd.step()
         meter.steps += 1
         meter.loss_sum += loss.item()
+        time.sleep(pause)  # tests: steps long enough for an agent's kill to land mid-run
     if os.environ.get("STATEFUL_PLANT") and ctx.role == "spare":  # tests: a recovered rank that differs
         meter.steps += 1000
     out = os.environ.get("STATEFUL_DUMP")  # tests: each rank's final state, for a readable diff

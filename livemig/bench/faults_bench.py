@@ -218,6 +218,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_matrix(a: argparse.Namespace) -> int:
     every = exact_grid() if getattr(a, "grid", "matrix") == "exact" else MATRIX
+    if every is not MATRIX:  # steps long enough for an agent's kill "after step S" to land mid-run
+        os.environ.setdefault("STATEFUL_STEP_SLEEP", "0.05")
     cases = every
     if a.cases:
         want = set(a.cases.split(","))

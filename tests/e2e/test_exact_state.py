@@ -25,7 +25,8 @@ STEPS = 16
 def _run(tmp_path, nproc, spares=0, faults=(), args=(), env=None, job="s", steps=STEPS):
     dump = tmp_path / f"dump-{job}"
     dump.mkdir()
-    env = {"STATEFUL_DUMP": str(dump), **(env or {})}
+    # 50 ms a step: an agent's kill "after step S" lands while the job still runs (a CNN step is ~10 ms)
+    env = {"STATEFUL_DUMP": str(dump), "STATEFUL_STEP_SLEEP": "0.05", **(env or {})}
     run = livemig_run(tmp_path, nproc, spares=spares, faults=faults, script=STATEFUL, job=job,
                       workload=["--steps", str(steps), *args], env=env)  # fmt: skip
     ranks = {int(f.stem[4:]): json.loads(f.read_text()) for f in dump.glob("rank*.json")}

@@ -281,6 +281,10 @@ class Launcher:
                 continue
             if by_key.get(self.keys.fenced(c.incarnation)) is None:
                 continue
+            cut_off = self.partition is not None and c.name == self.partition_target()
+            if any(t is c for _, t in self._resumes) or getattr(c, "_stopped", False) or cut_off:
+                self._fenced_seen.pop(c.incarnation, None)  # stopped by a fault plan: its clock starts once resumed
+                continue
             first = self._fenced_seen.setdefault(c.incarnation, now)
             if now - first > FENCED_KILL_S:
                 log.warning("fenced child still running: killed", extra={"child": c.name})

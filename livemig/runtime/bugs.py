@@ -27,13 +27,15 @@ USER_ERROR = 5  # exit code of a member that hit a bug (launcher and coordinator
 
 
 def exit_on_bug(ctx: Any, exc: BaseException) -> None:
-    """Print the error, record it for the coordinator, and exit with USER_ERROR."""
+    """Print the error; a member records it for the coordinator and exits with USER_ERROR."""
     one_line = f"{type(exc).__name__}: {exc}"
     tb = one_line if isinstance(exc, ConfigError) else "".join(traceback.format_exception(exc)).rstrip()
     print(f"livemig: error: {one_line}" if isinstance(exc, ConfigError) else tb, file=sys.stderr, flush=True)
     rt = getattr(ctx, "runtime", None)
     member = ctx is not None and (ctx.role == "worker" or getattr(ctx, "_joining", None) is not None)
-    if rt is not None and member and not rt.fenced.is_set():
+    if not member:  # a spare in standby (refused, or its warm-up raised): it only leaves the pool
+        os._exit(getattr(exc, "exit_code", 1))
+    if rt is not None and not rt.fenced.is_set():
         try:
             rt.put(rt.keys.error(ctx.incarnation), {
                 "rank": ctx.rank, "step": ctx._current, "incarnation": ctx.incarnation, "error": one_line[:500],

@@ -238,13 +238,8 @@ class StepLoop:
                 self._zero.update(avg[0], avg[1])
             for p in self._params:
                 p.grad = None
-        elif self.optimizer is not None:
-            if self._scaler is not None:
-                self._scaler.step(self.optimizer)  # skips the step on inf/nan, the same on every rank
-                self._scaler.update()
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad()
+        else:
+            self.reg.step_optimizer(self._scaler)
         self.committed = t
         self._avg = (t, avg) if avg is not None else None
         if replay:  # a migrating spare replaying the group's steps: not a commit of the job's

@@ -114,8 +114,8 @@ class Registry:
     def replicated(self) -> dict[str, Any]:
         """What every rank holds alike: parameters, optimizer (values and param-group
         hyperparameters), extras."""
-        pnames = set(self.buffer_names)
-        model = {k: v for k, v in self.model.state_dict().items() if k not in pnames} if self.model else {}
+        buffers = set(self.buffer_names)
+        model = {k: v for k, v in self.model.state_dict().items() if k not in buffers} if self.model else {}
         opt = self.optimizer.state_dict() if self.optimizer is not None else {}
         return {"model": model, "optimizer": opt, "extra": {k: v.state_dict() for k, v in self.extra.items()}}
 
@@ -165,6 +165,19 @@ class Registry:
             self.optimizer.load_state_dict(state["optimizer"])
         for k, v in self.extra.items():
             v.load_state_dict(state["extra"][k])
+
+    def step_optimizer(self, scaler: Any = None) -> None:
+        """optimizer.step() (or a GradScaler's step and update: it skips the step on
+        inf/nan, the same on every rank, since every rank holds the same average), then
+        zero_grad(). The one optimizer step of the plain path and of the sandbox."""
+        if self.optimizer is None:
+            return
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad()
 
     def hparams(self) -> list[dict]:
         """The optimizer's param-group hyperparameters (what a scheduler sets)."""

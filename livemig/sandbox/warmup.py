@@ -59,11 +59,5 @@ class SandboxWarmup:
             flats = self._reducer.flatten()
             allreduce_mean(self._sandbox_pg, flats, 1, self.timeouts.collective)
             self._reducer.write_back(flats)
-        if self.optimizer is not None:
-            if self._scaler is not None:
-                self._scaler.step(self.optimizer)
-                self._scaler.update()
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad()
+        self.reg.step_optimizer(self._scaler)
         self.committed = t

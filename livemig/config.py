@@ -21,6 +21,8 @@ ENV_ETCD_TIMEOUT = "LIVEMIG_ETCD_TIMEOUT"
 ENV_COLLECTIVE_TIMEOUT = "LIVEMIG_COLLECTIVE_TIMEOUT"
 ENV_RECOVERY_TIMEOUT = "LIVEMIG_RECOVERY_TIMEOUT"
 ENV_SPARE_WAIT = "LIVEMIG_SPARE_WAIT"
+ENV_OUTAGE_BUDGET = "LIVEMIG_ETCD_OUTAGE_BUDGET"
+ENV_OUTAGE_GRACE = "LIVEMIG_ETCD_OUTAGE_GRACE"
 ENV_STATE_DIR = "LIVEMIG_STATE_DIR"
 
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -62,6 +64,10 @@ class Timeouts:
         recovery before giving up. Default 120 s.
     spare_wait: with no warm spare, the coordinator waits this long for one
         before failing the job. Default 60 s.
+    etcd_outage: while every etcd endpoint is unreachable, members train on
+        in their group (docs/reliability.md, "etcd outages") for at most this
+        long; then they stop as fenced. Waits on etcd during an outage end
+        after it too, not after `recovery`. Default 60 s.
     """
 
     lease_ttl: timedelta = timedelta(seconds=5)
@@ -69,6 +75,7 @@ class Timeouts:
     collective: timedelta = timedelta(seconds=30)
     recovery: timedelta = timedelta(seconds=120)
     spare_wait: timedelta = timedelta(seconds=60)
+    etcd_outage: timedelta = timedelta(seconds=60)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +96,7 @@ class Timeouts:
             collective=_env_seconds(ENV_COLLECTIVE_TIMEOUT, 30),
             recovery=_env_seconds(ENV_RECOVERY_TIMEOUT, 120),
             spare_wait=_env_seconds(ENV_SPARE_WAIT, 60),
+            etcd_outage=_env_seconds(ENV_OUTAGE_BUDGET, 60),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -99,6 +107,7 @@ class Timeouts:
             ENV_COLLECTIVE_TIMEOUT: str(self.collective.total_seconds()),
             ENV_RECOVERY_TIMEOUT: str(self.recovery.total_seconds()),
             ENV_SPARE_WAIT: str(self.spare_wait.total_seconds()),
+            ENV_OUTAGE_BUDGET: str(self.etcd_outage.total_seconds()),
         }
 
 
@@ -188,3 +197,10 @@ def on_error_policy(raw: str | None = None) -> tuple[str, int]:
     if kind != "replace" or not (n or "1").isdigit():
         raise ConfigError(f"{ENV_ON_ERROR}={raw!r} / --on-error: expected fail or replace:N (N retries)")
     return "replace", int(n or 1)
+
+
+def outage_grace_s(timeouts: Timeouts) -> float:
+    """LIVEMIG_ETCD_OUTAGE_GRACE, else 2 x the lease TTL: how long after its own last
+    failed etcd call the coordinator waits for members to re-attach expired leases."""
+    raw = os.environ.get(ENV_OUTAGE_GRACE, "")
+    return _env_seconds(ENV_OUTAGE_GRACE, 0).total_seconds() if raw else 2.0 * timeouts.lease_ttl_s

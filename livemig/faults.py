@@ -1,7 +1,7 @@
 """Fault plans, shared by `livemig run --fault PLAN`, `livemig inject` and
 `livemig bench faults`.
 
-    KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I]
+    KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I][:after=SECONDS]
 
 | kind | target | what happens |
 |---|---|---|
@@ -12,6 +12,7 @@
 | partition | rank R | cut its network (own netns, veth down; heal=S: restore after S seconds); needs root |
 | corrupt | rank R | its state server alters one byte of the next chunk it serves (asked through etcd) |
 | etcd-kill | member I | SIGKILL one member of the embedded etcd cluster (`--etcd-members 3`) |
+| etcd-stop | - | SIGSTOP every embedded etcd member (an outage; resume=S: SIGCONT after S seconds, default 10) |
 | coordinator-kill | - | SIGKILL the leader coordinator (run `--coordinators 2` for a standby) |
 | spare-kill | - | SIGKILL the spare claimed in the current recovery (else any spare) |
 | migrate | rank R | not a fault: a planned migration of R onto a spare (as `livemig migrate`) |
@@ -20,7 +21,10 @@
 A wedge lands `during=compute` (default: at the start of step S, before its
 collective) or `during=before_commit` (inside the collective, the others done).
 
-Trigger: once rank R (or, without a rank, any rank) has committed step S.
+Trigger: once rank R (or, without a rank, any rank) has committed step S, and
+`after` seconds more (default 0; the agent carries it out even while etcd is
+stopped, so `kill:rank=1:step=10:after=2` with `etcd-stop:step=10` kills
+rank 1 during the outage).
 `during` delays it further:
 - allreduce / before_commit / gather / after_step (kill only): the worker kills
   itself inside ctx.step() of step S, with its gradients in flight / after the
@@ -40,12 +44,12 @@ from dataclasses import dataclass
 from livemig.errors import ConfigError
 
 RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition", "migrate", "wedge")
-UNRANKED = ("etcd-kill", "coordinator-kill", "spare-kill")
+UNRANKED = ("etcd-kill", "etcd-stop", "coordinator-kill", "spare-kill")
 KINDS = RANKED + UNRANKED
 IN_PROCESS_DURING = ("allreduce", "before_commit", "gather", "after_step")
 WEDGE_DURING = ("compute", "before_commit")
 PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit", "catchup")
-USAGE = "KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I]"
+USAGE = "KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I][:after=SECONDS]"
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class Fault:
     resume_after: float | None = None  # hang: SIGCONT / partition: heal, after this many seconds
     factor: float = 4.0  # slow: steps this many times slower
     member: int = 0  # etcd-kill: which etcd member
+    after: float = 0.0  # seconds between the trigger and the fault (lands during an etcd outage, say)
 
     @property
     def in_process(self) -> bool:
@@ -112,15 +117,20 @@ def parse_fault(spec: str) -> Fault:
         if kind != "partition":
             raise ConfigError(f"bad fault {spec!r}: heal=SECONDS applies to partition only")
         resume = heal
-    if resume is not None and kind not in ("hang", "partition"):
-        raise ConfigError(f"bad fault {spec!r}: resume=SECONDS applies to hang only")
+    if resume is not None and kind not in ("hang", "partition", "etcd-stop"):
+        raise ConfigError(f"bad fault {spec!r}: resume=SECONDS applies to hang and etcd-stop only")
     factor = num("factor", float, 4.0)
     member = num("member", int, 0)
+    after = num("after", float, 0.0)
+    if after < 0:  # type: ignore[operator]
+        raise ConfigError(f"bad fault {spec!r}: after=SECONDS must be >= 0")
+    if after and (during in IN_PROCESS_DURING or kind in ("drop_avg", "wedge")):
+        raise ConfigError(f"bad fault {spec!r}: after=SECONDS applies to faults the agent carries out")
     if fields:
         raise ConfigError(f"bad fault {spec!r}: unknown field(s) {', '.join(fields)}")
     if (rank is not None and rank < 0) or step < 0 or factor < 1:  # type: ignore[operator]
         raise ConfigError(f"bad fault {spec!r}: rank and step must be >= 0, factor >= 1")
-    return Fault(kind, rank, step, during, resume, factor, member)  # type: ignore[arg-type]
+    return Fault(kind, rank, step, during, resume, factor, member, after)  # type: ignore[arg-type]
 
 
 def parse_self_fault(spec: str) -> tuple[str, int, str]:

@@ -35,7 +35,7 @@ from livemig.config import (
     on_error_policy,
     validate_job_name,
 )  # fmt: skip
-from livemig.errors import ConfigError, LivemigError
+from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.faults import Fault, parse_fault
 from livemig.jobs import remove_job_file, state_dir, write_job_file
 from livemig.rdzv.client import EtcdClient, decode, encode
@@ -56,6 +56,7 @@ class Child:
     log_path: str
     reported: bool = False
     rank: int | None = None
+    died_at: float | None = None  # when the agent first saw it dead (reported once etcd answers)
 
 
 @dataclass
@@ -111,6 +112,9 @@ class Launcher:
         self._last_print = -1
         self._t_print = time.monotonic()
         self._spares_started = False
+        self._outage = False  # etcd unreachable at the last look
+        self._by_key: dict = {}  # the last snapshot of the job's keys (faults due during an outage)
+        self._unrecorded: list[tuple] = []  # fault events to write once etcd answers
 
     def say(self, msg: str) -> None:
         if not self.cfg.quiet:
@@ -214,9 +218,22 @@ class Launcher:
         result = None
         result_seen_at = None
         while time.monotonic() < deadline:
-            self._reap()
-            kvs, _ = self.client.get_prefix(self.keys.prefix)
-            by_key = {kv.key: kv for kv in kvs}
+            try:
+                self._reap()
+                # a short deadline: during an outage the loop must still carry out timed faults
+                kvs, _ = self.client.get_prefix(self.keys.prefix, timedelta(seconds=1))
+            except EtcdUnavailableError as exc:  # an outage: deaths are reported once etcd is back
+                if not self._outage:
+                    log.warning("etcd unreachable; the agent keeps watching its children", extra={"err": str(exc)})
+                self._outage = True
+                self._faults(self._by_key)  # a fault plan's timed faults still land
+                time.sleep(0.1)
+                continue
+            self._outage = False
+            by_key = self._by_key = {kv.key: kv for kv in kvs}
+            while self._unrecorded:
+                record_fault(self.client, self.keys, *self._unrecorded[0])
+                self._unrecorded.pop(0)
             self._faults(by_key)
             self._kill_fenced(by_key)
             self._progress(by_key)
@@ -242,7 +259,9 @@ class Launcher:
         wall = time.time() - t0
         from livemig import report
 
-        rep = report.build(self.client, self.cfg.job, self.cfg.nproc, wall)
+        stops = [f["time"] for f in self.injected if f["kind"] == "etcd-stop"]
+        ends = [f["time"] for f in self.injected if f["kind"] == "etcd-resume"]
+        rep = report.build(self.client, self.cfg.job, self.cfg.nproc, wall, list(zip(stops, ends, strict=False)))
         if result is not None and rep["result"] is None:
             rep["result"] = result
         return rep
@@ -264,12 +283,15 @@ class Launcher:
             code = c.proc.poll()
             if code is None or c.reported or c.role == "coordinator":
                 continue
-            c.reported = True
             if code == 0:
+                c.reported = True
                 continue
             why = f"signal {-code}" if code < 0 else f"exit code {code}"
+            if c.died_at is None:
+                c.died_at = time.time()
             self.client.put(self.keys.suspect(c.incarnation), encode({
-                "time": time.time(), "reason": f"{c.name} exited ({why})", "by": "agent"}))  # fmt: skip
+                "time": c.died_at, "reason": f"{c.name} exited ({why})", "by": "agent"}))  # fmt: skip
+            c.reported = True
             log.warning("child died", extra={"child": c.name, "why": why})
 
     def _kill_fenced(self, by_key: dict) -> None:
@@ -306,6 +328,8 @@ class Launcher:
             if step < f.step:
                 continue
             armed = self._armed.setdefault(id(f), time.time())
+            if time.time() < armed + f.after:
+                continue
             if f.phase and not phase_reached(self.keys, f, by_key, armed):
                 continue
             if self.inject(f, by_key, step):
@@ -347,6 +371,8 @@ class Launcher:
                 raise ConfigError("etcd-kill needs an embedded etcd cluster: run with --etcd-members 3")
             self.cluster.kill_member(f.member)
             what = f"etcd member {f.member}"
+        elif f.kind == "etcd-stop":
+            return self._etcd_stop(f, step)
         else:
             if f.kind == "coordinator-kill":
                 leader = by_key.get(self.keys.leader)
@@ -380,13 +406,40 @@ class Launcher:
                     self._resumes.append((time.monotonic() + f.resume_after, target))
         now = time.time()
         if f.kind not in ("slow", "corrupt", "migrate"):  # these do not start a downtime
-            record_fault(self.client, self.keys, f.kind, f.rank, step, now)
+            try:
+                record_fault(self.client, self.keys, f.kind, f.rank, step, now)
+            except EtcdUnavailableError:
+                self._unrecorded.append((f.kind, f.rank, step, now))
         if self.cfg.cold_spares and not self._spares_started:
             self._spawn_spares()  # a cold start: a fresh process at the moment of failure
         self.injected.append({"kind": f.kind, "rank": f.rank, "step": step, "during": f.during, "time": now,
                               "target": what})  # fmt: skip
         when = f" during {f.during}" if f.phase else ""
         self.say(f"livemig: injected {f.kind} of {what} after step {step}{when}")
+        return True
+
+    def _etcd_stop(self, f: Fault, step: int) -> bool:
+        """SIGSTOP every embedded etcd member (an outage of the whole cluster); SIGCONT
+        after `resume` seconds from a timer, since this agent's own etcd calls block."""
+        import threading
+
+        if self.cluster is None:
+            raise ConfigError("etcd-stop needs the embedded etcd (drop --etcd)")
+        assert self.client is not None
+        now = time.time()
+        record_fault(self.client, self.keys, f.kind, None, step, now)  # before etcd stops answering
+        self.cluster.pause()
+        resume = f.resume_after if f.resume_after is not None else 10.0
+
+        def cont() -> None:
+            self.cluster.resume()
+            self.injected.append({"kind": "etcd-resume", "rank": None, "step": step, "time": time.time()})
+            self.say(f"livemig: resumed etcd after {resume:g}s")
+
+        threading.Timer(resume, cont).start()
+        self.injected.append({"kind": f.kind, "rank": None, "step": step, "during": "", "time": now,
+                              "target": "every etcd member", "resume_s": resume})  # fmt: skip
+        self.say(f"livemig: injected etcd-stop (SIGSTOP of every etcd member for {resume:g}s) after step {step}")
         return True
 
     def _claimed_spare(self, by_key: dict) -> Child | None:

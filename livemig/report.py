@@ -26,7 +26,10 @@ def _group_commits(finals: dict[str, Any]) -> list[tuple[int, float]]:
     return sorted(by_step.items())
 
 
-def build(client: EtcdClient, job: str, world_size: int, wall_s: float) -> dict[str, Any]:
+def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
+          outages: list[tuple[float, float]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """outages: (start, end) wall times of injected etcd outages: the steps the group
+    committed inside each are reported (training must go on while etcd is away)."""
     keys = JobKeys(job)
     kvs, _ = client.get_prefix(keys.final_prefix)
     finals = {kv.key[len(keys.final_prefix) :]: decode(kv.value) for kv in kvs}
@@ -64,7 +67,14 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float) -> dict[
         "recoveries": recoveries(events, commits, median_step),
         "migrations": migrations(events, commits, median_step),
         "timeline": events,
+        **({"etcd_outages": [_outage(a, b, commits) for a, b in outages]} if outages else {}),
     }
+
+
+def _outage(start: float, end: float, commits: list[tuple[int, float]]) -> dict[str, Any]:
+    inside = [s for s, t in commits if start <= t <= end]
+    return {"start": start, "end": end, "seconds": end - start, "steps_committed": len(inside),
+            "steps": [inside[0], inside[-1]] if inside else None}  # fmt: skip
 
 
 def rank_digests(finals: dict[str, dict]) -> dict[str, str]:
@@ -163,7 +173,7 @@ def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step
             last_fault = ev["time"]
         elif ph == "detect" and cur is None:
             fault_t = last_fault if last_fault is not None and last_fault <= ev["time"] else ev["time"]
-            cur = {"kind": "failure", "rank": ev.get("ranks", [None])[0], "t": {"fault": fault_t,
+            cur = {"kind": "failure", "rank": (ev.get("ranks") or [None])[0], "t": {"fault": fault_t,
                    "detect": ev["time"]}, "bytes_streamed": 0, "stream_s": 0.0}  # fmt: skip
             last_fault = None
         elif cur is not None and ph in PHASES:

@@ -25,7 +25,14 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-from livemig.config import ENV_INCARNATION, Timeouts, exit_with_parent, on_error_policy, straggler_settings
+from livemig.config import (
+    ENV_INCARNATION,
+    Timeouts,
+    exit_with_parent,
+    on_error_policy,
+    outage_grace_s,
+    straggler_settings,
+)
 from livemig.coordinator.timeline import Timeline
 from livemig.errors import EtcdUnavailableError, NotLeaderError
 from livemig.rdzv.client import KV, EtcdClient, decode, encode
@@ -77,13 +84,17 @@ class Snapshot:
         out = {k[len(prefix) :]: _safe_decode(k, v.value) for k, v in self.kv.items() if k.startswith(prefix)}
         return {k: v for k, v in out.items() if isinstance(v, dict)}
 
-    def alive(self, rank: int, member: Member) -> bool:
+    def alive(self, rank: int, member: Member, grace: bool = False) -> bool:
+        """grace: a missing registration is not a death (the coordinator itself just
+        lost etcd, so leases may have expired under live members; they re-register)."""
         if self.kv.get(self.keys.suspect(member.incarnation)) is not None:
             return False
         if self.kv.get(self.keys.fenced(member.incarnation)) is not None:
             return False
         reg = self.get(self.keys.member(rank))
         if reg and reg.get("incarnation") == member.incarnation:
+            return True
+        if grace and not reg:
             return True
         if member.role == "spare" and member.spare_id:  # claimed, not yet registered as member
             sp = self.get(self.keys.spare(member.spare_id))
@@ -116,6 +127,8 @@ class Coordinator:
         self._straggler_gen, self._straggler_from = -1, 0  # the straggler hook's group and first judged step
         self._bugs_seen: set[str] = set()  # incarnations whose bug was recorded (--on-error replace:N)
         self._slow_seen: dict[int, dict[int, float]] = {}  # straggler hook: rank -> {step: compute_s}
+        self.outage_grace_s = outage_grace_s(self.timeouts)
+        self._in_grace = False
 
     def _lost(self, reason: str) -> None:
         log.error("lost leadership; stopping", extra={"reason": reason})
@@ -129,7 +142,12 @@ class Coordinator:
         A leader that loses its lease (a stall longer than the TTL) steps down
         and campaigns again: it may lead again, continuing from etcd."""
         while True:
-            state = self._lead()
+            try:
+                state = self._lead()
+            except EtcdUnavailableError as exc:  # an outage: the election decides who leads after it
+                log.warning("etcd unavailable while taking the lead; campaigning again", extra={"err": str(exc)})
+                state = "deposed"
+                time.sleep(0.2)
             if state != "deposed":
                 return state
             log.warning("stepped down; campaigning again")
@@ -201,7 +219,8 @@ class Coordinator:
         if m.state == GenState.MIGRATING:
             return self._migrating(s, first_seen)
         if m.state in (GenState.FORMING, GenState.BUILDING, GenState.COMMITTED, GenState.RECOVERING):
-            dead = [r for r, mem in m.members.items() if not s.alive(r, mem)]
+            grace = self._outage_grace()
+            dead = [r for r, mem in m.members.items() if not s.alive(r, mem, grace)]
             if dead:
                 return self._fence(s, dead)
         if m.state in (GenState.FORMING, GenState.BUILDING):
@@ -219,6 +238,18 @@ class Coordinator:
             return self._maybe_done(s)
         if m.state in (GenState.DONE, GenState.FAILED) and not s.get(self.keys.result):
             self._write_result(m)
+
+    def _outage_grace(self) -> bool:
+        """True within LIVEMIG_ETCD_OUTAGE_GRACE (default 2 x the lease TTL) of this
+        coordinator's last failed etcd call: leases that expired during an outage are
+        being re-attached by live members. An ordinary expired lease, seen by a
+        coordinator that reached etcd all along, stays a failure."""
+        since = time.monotonic() - self.client.last_failure
+        if since < self.outage_grace_s and not self._in_grace:
+            log.warning("etcd outage just ended: missing registrations get a grace period",
+                        extra={"grace_s": self.outage_grace_s})  # fmt: skip
+        self._in_grace = since < self.outage_grace_s
+        return self._in_grace
 
     def _guard(self) -> list:
         return [self.election.guard()]

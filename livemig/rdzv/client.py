@@ -125,6 +125,10 @@ class EtcdClient:
             failover=True,
         )
         self.txn_ops = self._raw.transactions
+        # Monotonic times of the last failed RPC and the last answer: the coordinator's
+        # outage grace and the members' outage budget read them (docs/reliability.md).
+        self.last_failure = -1e18
+        self.last_success = time.monotonic()
 
     @property
     def raw(self) -> pyetcd.MultiEndpointEtcd3Client:
@@ -147,9 +151,12 @@ class EtcdClient:
         last: Exception | None = None
         while True:
             try:
-                return fn()
+                out = fn()
+                self.last_success = time.monotonic()
+                return out
             except _RETRYABLE as exc:
                 last = exc
+                self.last_failure = time.monotonic()
                 self.mark_failed()
             if time.monotonic() + 0.05 >= deadline:
                 break
@@ -190,12 +197,12 @@ class EtcdClient:
 
         return self.call(f"get {key}", op)
 
-    def get_prefix(self, prefix: str) -> tuple[list[KV], int]:
+    def get_prefix(self, prefix: str, timeout: timedelta | None = None) -> tuple[list[KV], int]:
         def op() -> tuple[list[KV], int]:
             resp = self._raw.get_prefix_response(prefix)
             return [_kv(kv) for kv in resp.kvs], resp.header.revision
 
-        return self.call(f"get {prefix}*", op)
+        return self.call(f"get {prefix}*", op, timeout)
 
     def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         self.call(f"put {key}", lambda: self._raw.put(key, value, lease=lease))

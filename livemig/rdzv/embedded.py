@@ -190,6 +190,23 @@ class EtcdCluster:
         except ProcessLookupError:
             pass
 
+    def pause(self) -> None:
+        """SIGSTOP every member: an outage of the whole cluster (connections stay open)."""
+        for m in self.members:
+            if m.guard is not None and m.etcd_pid:
+                try:
+                    os.kill(m.etcd_pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
+
+    def resume(self) -> None:
+        for m in self.members:
+            if m.etcd_pid:
+                try:
+                    os.kill(m.etcd_pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+
     def restart_member(self, i: int) -> None:
         """Start member i again from its data dir (after kill_member)."""
         m = self.members[i]
@@ -214,6 +231,7 @@ class EtcdCluster:
         m.guard = None
 
     def stop(self) -> None:
+        self.resume()  # a paused member cannot act on its guard's SIGTERM
         for m in self.members:
             self._stop_member(m, delete=True)
         if self.root:

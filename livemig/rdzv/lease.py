@@ -1,9 +1,17 @@
 """Leases with a keep-alive thread that tells its owner when the lease is lost.
 
 A lease is lost when etcd says it is gone (TTL <= 0 on renewal: it expired
-while we were stopped or partitioned, or it was revoked by a fence), or when
-we could not renew it for a whole TTL (etcd unreachable: it has expired by
-now as far as the cluster is concerned).
+while we were stopped, or it was revoked by a fence), or when we could not
+renew it for a whole TTL (etcd unreachable: it has expired by now as far as
+the cluster is concerned).
+
+With an outage budget (members and spares: docs/reliability.md, "etcd
+outages") an unreachable etcd is ridden through instead: the owner keeps
+working for up to the budget, and when etcd answers again a lease that
+expired meanwhile is replaced by a new one and the owner's keys re-attached
+(`reattach`, a fenced write: a process fenced meanwhile learns it there).
+Only a lease that expired while etcd *did* answer us, or a budget spent, is
+lost: a stopped process has seen no failed call, so it is still fenced.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ class LeaseKeeper:
         ttl_s: int,
         on_lost: Callable[[str], None] | None = None,
         name: str = "lease",
+        outage_budget_s: float | None = None,
+        reattach: Callable[[int], None] | None = None,
     ) -> None:
         self.client = client
         self.ttl_s = int(ttl_s)
@@ -35,18 +45,35 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self.lost = threading.Event()
         self.lost_reason = ""
+        self.outage_budget_s = outage_budget_s
+        self.reattach = reattach
+        self.outages = 0  # outages ridden through (the lease re-attached or kept)
         self._last_ok = time.monotonic()
+        self._failed = False  # a renewal failed since the last one that succeeded
         self._thread = threading.Thread(target=self._run, name=f"livemig-{name}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         interval = max(0.1, self.ttl_s / 3)
         while not self._stop.wait(interval):
+            t0 = time.monotonic()
             try:
                 ttl = self.client.keepalive_once(self.lease_id)
+                if self.client.last_failure >= t0:  # answered only after failed tries: an outage ended
+                    self._failed = True
             except EtcdUnavailableError as exc:
-                if time.monotonic() - self._last_ok > self.ttl_s:
-                    self._lose(f"could not renew for {self.ttl_s}s: {exc}")
+                out_for = time.monotonic() - self._last_ok
+                if not self._failed and self.outage_budget_s is not None:
+                    log.warning("etcd unreachable: riding through", extra={"lease": self.name, "err": str(exc)})
+                self._failed = True
+                budget = self.ttl_s if self.outage_budget_s is None else self.outage_budget_s
+                if out_for > budget:
+                    what = "the outage budget" if self.outage_budget_s is not None else "the lease TTL"
+                    self._lose(f"could not reach etcd for {out_for:.0f}s ({what}): {exc}")
+                    return
+                continue
+            if self._failed and self.outage_budget_s is not None:
+                if not self._after_outage(ttl):
                     return
                 continue
             # A stopped process resumed after its TTL: the clock says so even
@@ -55,6 +82,33 @@ class LeaseKeeper:
                 self._lose("lease expired" if ttl <= 0 else "renewal came too late")
                 return
             self._last_ok = time.monotonic()
+
+    def _after_outage(self, ttl: int) -> bool:
+        """etcd answers again after failed renewals: keep or re-attach the lease."""
+        out_for = time.monotonic() - self._last_ok
+        if ttl <= 0:
+            if self.reattach is None:
+                self._lose("lease expired during an etcd outage")
+                return False
+            try:
+                new = self.client.grant(self.ttl_s)
+                self.reattach(new)
+            except EtcdUnavailableError:
+                return True  # etcd went away again: still in the outage
+            except Exception as exc:  # noqa: BLE001 - FencedError: replaced meanwhile
+                self._lose(f"could not re-register after an etcd outage: {exc}")
+                return False
+            self.lease_id = new
+        self._failed = False
+        self._last_ok = time.monotonic()
+        self.outages += 1
+        log.warning("etcd reachable again", extra={"lease": self.name, "outage_s": round(out_for, 2),
+                                                   "reattached": ttl <= 0})  # fmt: skip
+        return True
+
+    def unreachable_for(self) -> float:
+        """Seconds since the last renewal while renewals fail (0 when etcd answers)."""
+        return time.monotonic() - self._last_ok if self._failed else 0.0
 
     def _lose(self, reason: str) -> None:
         self.lost_reason = reason

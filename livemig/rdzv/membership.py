@@ -236,8 +236,17 @@ class Rendezvous:
         on_lost: Callable[[str], None] | None = None,
         ttl_s: int | None = None,
     ) -> LeaseKeeper:
-        """Put `value` at `key` under a kept-alive lease; refused if fenced."""
-        keeper = LeaseKeeper(self.client, ttl_s or self.timeouts.lease_ttl_s, on_lost, name=key.rsplit("/", 2)[-2])
+        """Put `value` at `key` under a kept-alive lease; refused if fenced.
+
+        The registration rides through an etcd outage up to the outage budget:
+        if its lease expired meanwhile, `value` (the same dict: owners keep it
+        current) is put again under a new lease, unless we were fenced."""
+
+        def reattach(lease: int) -> None:
+            self.fenced_put(None, incarnation, key, encode(value), lease=lease)
+
+        keeper = LeaseKeeper(self.client, ttl_s or self.timeouts.lease_ttl_s, on_lost, name=key.rsplit("/", 2)[-2],
+                             outage_budget_s=self.timeouts.etcd_outage.total_seconds(), reattach=reattach)  # fmt: skip
         try:
             self.fenced_put(None, incarnation, key, encode(value), lease=keeper.lease_id)
         except Exception:

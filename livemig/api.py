@@ -77,7 +77,6 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self.spare_id = os.environ.get(ENV_SPARE_ID, "")
         self._joining: _Activate | None = None
         self._started = time.monotonic()
-        self._spare_keeper: Any = None
         self._standby_info: dict[str, float] = {}  # how the spare waited: bench warmup reads it
         self._sandbox_pg: Any = None
         self._warm_loaders: dict[tuple, Any] = {}  # a spare's loaders from standby, workers running

@@ -50,6 +50,8 @@ BENCHES = [
      "run_overhead"),
     ("scale", "coordinator recovery time with N simulated members on real etcd", "scale_bench", "add_arguments",
      "run"),
+    ("footprint", "the job's keys and bytes in etcd after many steps and recoveries", "footprint_bench",
+     "add_arguments", "run"),
     ("faults", "the reliability matrix: one row per fault case", "faults_bench", "add_arguments", "run_matrix"),
     ("warmup", "activation of a warm spare next to a cold process started at the failure", "warmup_bench",
      "add_arguments", "run_warmup"),

@@ -236,6 +236,7 @@ class Launcher:
                 self._unrecorded.pop(0)
             self._faults(by_key)
             self._kill_fenced(by_key)
+            self._forget_fenced(by_key)
             self._progress(by_key)
             res = by_key.get(self.keys.result)
             if res is not None and result is None:
@@ -314,6 +315,14 @@ class Launcher:
                     os.killpg(c.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+    def _forget_fenced(self, by_key: dict) -> None:
+        """A fence key exists to refuse a zombie's writes; once this agent has reaped the
+        process it can write nothing, so the key goes (a bounded etcd footprint)."""
+        assert self.client is not None
+        for c in self.children:
+            if c.proc.poll() is not None and c.reported and self.keys.fenced(c.incarnation) in by_key:
+                self.client.delete(self.keys.fenced(c.incarnation))
 
     def _holder(self, rank: int, by_key: dict) -> Child | None:
         raw = by_key.get(self.keys.membership)

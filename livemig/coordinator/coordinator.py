@@ -33,6 +33,7 @@ from livemig.config import (
     outage_grace_s,
     straggler_settings,
 )
+from livemig.coordinator.prune import stale_ops
 from livemig.coordinator.timeline import Timeline
 from livemig.errors import EtcdUnavailableError, NotLeaderError
 from livemig.rdzv.client import KV, EtcdClient, decode, encode
@@ -47,16 +48,61 @@ log = logging.getLogger("livemig.coordinator")
 MIGRATION_SWITCH_LAG = 2  # steps a migrating spare may trail the group when the switch is voted
 
 
+_NUM = (int, float)
+_STR_OR_NONE = (str, type(None))
+# The fields the coordinator reads without a default, by the key's place under the job's
+# prefix (its first segment, or recovery/<g>/<what>). A value without them, or with one of
+# the wrong type, is ignored like garbage: a pass must never fail on it again and again.
+_REQUIRED: dict[str, dict[str, tuple]] = {
+    "members": {"incarnation": (str,), "host": (str,), "pid": (int,), "addr": (str,)},
+    "signatures": {"incarnation": (str,), "signature": (list,)},
+    "suspects": {"time": _NUM},
+    "spares": {"incarnation": (str,)},
+    "progress": {"step": (int,)},
+    "final": {"incarnation": (str,)},
+    "config": {"signature": (list,)},
+    "report": {"incarnation": (str,), "committed": (int, type(None))},
+    "ready": {"incarnation": (str,), "time": _NUM},
+    "catchup": {"incarnation": (str,), "applied": (int,), "loaded": (int,), "time": _NUM},
+    "errors": {"incarnation": (str,)},
+}
+_logged: set[tuple[str, int]] = set()  # (key, length) of ignored values: logged once each
+
+
+def _num(v: Any, default: float = 0.0) -> float:
+    """A number read from a member's record, or `default` for anything else."""
+    return float(v) if isinstance(v, _NUM) and not isinstance(v, bool) else default
+
+
+def _kind(key: str) -> str:
+    parts = key.split("/")  # '', 'livemig', job, kind, ...
+    if len(parts) < 4:
+        return ""
+    if parts[3] == "recovery" and len(parts) >= 6:
+        return parts[5]
+    return parts[3]
+
+
 def _safe_decode(key: str, raw: bytes) -> Any:
-    """A malformed value under the job's prefix is logged and ignored, never fatal."""
+    """A malformed value under the job's prefix, or one that decodes but lacks a field the
+    coordinator reads, is logged once and ignored, never fatal."""
     try:
         value = decode(raw)
     except Exception:  # noqa: BLE001 - msgpack raises several types
         value = None
     if not isinstance(value, dict) and value is not None:
         value = None
-    if value is None and raw:
-        log.error("ignoring a malformed value", extra={"key": key, "bytes": len(raw)})
+    why = "malformed" if value is None and raw else ""
+    if value is not None:
+        need = _REQUIRED.get(_kind(key), {})
+        bad = [f for f, types in need.items()
+               if f not in value or not isinstance(value[f], types) or isinstance(value[f], bool)]  # fmt: skip
+        if bad:
+            value, why = None, f"lacks field(s) {', '.join(bad)}"
+    if why and (key, len(raw)) not in _logged:
+        if len(_logged) < 10_000:
+            _logged.add((key, len(raw)))
+        log.error("ignoring a malformed value", extra={"key": key, "bytes": len(raw), "why": why})
     return value
 
 
@@ -87,7 +133,7 @@ class Snapshot:
     def alive(self, rank: int, member: Member, grace: bool = False) -> bool:
         """grace: a missing registration is not a death (the coordinator itself just
         lost etcd, so leases may have expired under live members; they re-register)."""
-        if self.kv.get(self.keys.suspect(member.incarnation)) is not None:
+        if self.get(self.keys.suspect(member.incarnation)) is not None:
             return False
         if self.kv.get(self.keys.fenced(member.incarnation)) is not None:
             return False
@@ -235,6 +281,7 @@ class Coordinator:
                 return None
             if self._maybe_migrate(s):
                 return None
+            self._prune(s)
             return self._maybe_done(s)
         if m.state in (GenState.DONE, GenState.FAILED) and not s.get(self.keys.result):
             self._write_result(m)
@@ -331,10 +378,10 @@ class Coordinator:
                         self.timeline.op(
                             m.generation,
                             "stream",
-                            at=x["time"] - x.get("build_s", 0.0),
-                            seconds=x["stream_s"],
-                            bytes=x["bytes"],
-                            source=x["source"],
+                            at=x["time"] - _num(x.get("build_s")),
+                            seconds=_num(x["stream_s"]),
+                            bytes=x.get("bytes", 0),
+                            source=x.get("source", ""),
                         )
                     )
             last = max(x.get("time", 0.0) for x in ready.values()) or time.time()
@@ -467,7 +514,7 @@ class Coordinator:
             reject = "a job of one rank has no group to keep training while the spare catches up"
         picks = [] if reject else self._pick_spares(s, 1)
         if not reject and not picks:
-            if time.time() - float(req.get("time", 0)) > self.timeouts.spare_wait.total_seconds():
+            if time.time() - _num(req.get("time")) > self.timeouts.spare_wait.total_seconds():
                 reject = (f"no warm spare within {self.timeouts.spare_wait.total_seconds():.0f}s "
                           "(LIVEMIG_SPARE_WAIT): start one with `livemig-spare start`")  # fmt: skip
             else:
@@ -486,7 +533,7 @@ class Coordinator:
         g = m.generation + 1
         mig = {"id": rid, "rank": rank, "from_gen": m.group_gen, "leaving": leaving.incarnation,
                "leaving_member": asdict(leaving), "addr": leaving.addr, "phase": "catchup",
-               "requested": float(req.get("time", time.time())), "reason": req.get("reason", ""),
+               "requested": _num(req.get("time"), time.time()), "reason": str(req.get("reason", "")),
                "spare": sid}  # fmt: skip
         new = Membership(state=GenState.MIGRATING, world_size=m.world_size, members=members, store=self.store_addr,
                          kind="migration", leader=self.id, migration=mig,
@@ -515,7 +562,7 @@ class Coordinator:
         dead = [r for r, mem in m.members.items() if r != rank and not s.alive(r, mem)]
         spare_dead = not s.alive(rank, spare)
         leaving_dead = rank not in switched and (
-            s.kv.get(self.keys.suspect(old[rank].incarnation)) is not None
+            s.get(self.keys.suspect(old[rank].incarnation)) is not None
             or (s.get(self.keys.member(rank)) or {}).get("incarnation")
             not in (old[rank].incarnation, spare.incarnation)
         )
@@ -598,7 +645,7 @@ class Coordinator:
         for r in m.members:
             p = s.get(self.keys.progress(r)) or {}
             if "compute_s" in p:
-                comp[r] = (int(p.get("step", -1)), float(p["compute_s"]))
+                comp[r] = (int(p["step"]), _num(p["compute_s"]))
         # Judge one step at a time: the progress keys hold each rank's latest step, and
         # comparing rank A's step s with rank B's step s-1 (or the first step, which pays
         # for lazy allocation) flagged a healthy rank on a loaded machine.
@@ -626,6 +673,12 @@ class Coordinator:
                                 [t.put(self.keys.migrate_request, encode(req))])  # fmt: skip
                 log.warning("straggler detected; migration requested", extra={"rank": r, "reason": req["reason"]})
                 return
+
+    def _prune(self, s: Snapshot) -> None:
+        """Remove what finished generations left behind (coordinator/prune.py)."""
+        ops = stale_ops(s, self.keys, self.client.txn_ops)
+        if ops and self.client.txn(self._guard(), ops)[0]:
+            log.info("pruned", extra={"generation": s.m.generation, "ops": len(ops)})
 
     def _maybe_done(self, s: Snapshot) -> None:
         m = s.m
@@ -680,9 +733,9 @@ class Coordinator:
         for r in waiters:
             key = (m.generation, r, w)
             if key not in self._waits:
-                self._waits[key] = now - float(waiting[r].get("waited_s", 0.0))
+                self._waits[key] = now - _num(waiting[r].get("waited_s"))
             started.append(self._waits[key])
-        limit = max(float(waiting[r].get("hang_timeout", 5.0)) for r in waiters)
+        limit = max(_num(waiting[r].get("hang_timeout"), 5.0) for r in waiters)
         waited = now - max(started)
         suspects = [r for r in m.members if r not in waiters and not prog[r].get("busy")
                     and now - self._busy_seen.get((m.generation, r), -1e18) >= limit]  # fmt: skip

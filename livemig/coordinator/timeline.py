@@ -40,6 +40,20 @@ class Timeline:
         log.info("phase", extra={"phase": phase, "generation": generation})
 
 
+# Events kept in the archive value: with ~10 events a recovery, the last ~100 recoveries.
+ARCHIVE_EVENTS = 1000
+
+
 def read_events(client: EtcdClient, keys: JobKeys) -> list[dict[str, Any]]:
     kvs, _ = client.get_prefix(keys.timeline_prefix)
-    return sorted((decode(kv.value) for kv in kvs), key=lambda e: e["time"])
+    archive = client.get(keys.timeline_archive)
+    old = (decode(archive.value) or {}).get("events", []) if archive else []
+    return sorted([*old, *(decode(kv.value) for kv in kvs)], key=lambda e: e["time"])
+
+
+def fold(archive: dict[str, Any] | None, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The archive with `events` added, the oldest dropped past ARCHIVE_EVENTS (counted)."""
+    old = list((archive or {}).get("events", []))
+    merged = sorted([*old, *events], key=lambda e: e.get("time", 0.0))
+    dropped = int((archive or {}).get("dropped", 0)) + max(0, len(merged) - ARCHIVE_EVENTS)
+    return {"events": merged[-ARCHIVE_EVENTS:], "dropped": dropped}

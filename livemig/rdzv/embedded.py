@@ -123,6 +123,9 @@ class EtcdCluster:
             "--initial-cluster", initial,
             "--initial-cluster-state", "new",
             "--initial-cluster-token", os.path.basename(self.root),
+            # history is compacted: a long job's per-step progress writes must not grow it forever
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", "10m",
             "--heartbeat-interval", "50",
             "--election-timeout", "250",
             "--logger", "zap",

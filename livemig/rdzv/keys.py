@@ -78,6 +78,10 @@ class JobKeys:
     def suspect(self, incarnation: str) -> str:
         return self.suspects_prefix + incarnation
 
+    @property
+    def recoveries_prefix(self) -> str:
+        return self.prefix + "recovery/"
+
     def recovery_prefix(self, generation: int) -> str:
         return f"{self.prefix}recovery/{generation}/"
 
@@ -96,6 +100,11 @@ class JobKeys:
 
     def timeline(self, generation: int, seq: int, name: str) -> str:
         return f"{self.timeline_prefix}{generation:08d}/{seq:06d}-{name}"
+
+    @property
+    def timeline_archive(self) -> str:
+        """Events of generations before the committed one, folded into one bounded value."""
+        return self.prefix + "timeline-archive"
 
     @property
     def extras_check_prefix(self) -> str:

@@ -64,6 +64,7 @@ class MemberRuntime:
         self.gen = 0  # generation whose group we train in
         self.rank: int | None = None
         self.keeper: LeaseKeeper | None = None
+        self.spare_keeper: LeaseKeeper | None = None  # a spare's registration while in standby
         self.server: StateServer | None = None
         self._progress: queue.Queue = queue.Queue(maxsize=1)
         self._last_item: dict | None = None  # the last progress record (a commit)
@@ -190,6 +191,9 @@ class MemberRuntime:
         except FencedError as exc:
             self.mark_fenced(str(exc))
             raise
+        if self.spare_keeper is not None:  # a claimed spare is a member now: its spare key goes
+            self.spare_keeper.stop(revoke=True)
+            self.spare_keeper = None
 
     def put(self, key: str, value: dict) -> None:
         try:

@@ -44,8 +44,8 @@ class Standby:
             "state": "warm", "signature": self.signature(), "warmup_s": self._warm_s,
             "peak_rss_mb": psutil.Process().memory_info().rss / 2**20,
         }  # fmt: skip
-        keeper = self._spare_keeper = rt.rdzv.register(rt.keys.spare(self.spare_id), info, self.incarnation,
-                                                       rt._on_lost)  # fmt: skip
+        keeper = rt.spare_keeper = rt.rdzv.register(rt.keys.spare(self.spare_id), info, self.incarnation,
+                                                    rt._on_lost)  # fmt: skip
         rt.start_server()
         log.info("spare warm", extra={"spare": self.spare_id, "warmup_s": round(self._warm_s, 3)})
         t_warm = time.monotonic()
@@ -78,9 +78,9 @@ class Standby:
         """Back to standby after an aborted migration: drop the claim, warm up again."""
         rt = self.runtime
         log.info("migration aborted: back to standby", extra={"spare": self.spare_id})
-        if self._spare_keeper is not None:
-            self._spare_keeper.stop(revoke=True)
-            self._spare_keeper = None
+        if rt.spare_keeper is not None:
+            rt.spare_keeper.stop(revoke=True)
+            rt.spare_keeper = None
         rt.client.delete(rt.keys.assignment(self.spare_id))
         if rt.keeper is not None:
             rt.keeper.stop(revoke=True)

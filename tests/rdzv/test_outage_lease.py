@@ -1,0 +1,73 @@
+"""A registration rides through an etcd outage (every member SIGSTOPped for 3 x its
+TTL): its owner is not told it is lost, and once etcd answers the expired lease is
+replaced and the key put back. A lease without an outage budget (the leader's) is
+lost as before, and a revoked lease (a fence) is lost at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from livemig.config import Timeouts
+from livemig.rdzv.client import EtcdClient, decode
+from livemig.rdzv.embedded import EtcdCluster
+from livemig.rdzv.lease import LeaseKeeper
+from livemig.rdzv.membership import Rendezvous
+
+TTL = 1
+
+
+@pytest.fixture
+def own_etcd():
+    with EtcdCluster(size=1) as cluster:
+        yield cluster
+
+
+def _outage(cluster: EtcdCluster, seconds: float) -> None:
+    cluster.pause()
+    try:
+        time.sleep(seconds)
+    finally:
+        cluster.resume()
+
+
+def test_registration_is_reattached_after_an_outage(own_etcd):
+    client = EtcdClient(own_etcd.endpoints, timedelta(seconds=2))
+    rdzv = Rendezvous(client, "outage", Timeouts(etcd_outage=timedelta(seconds=20)))
+    lost = threading.Event()
+    keeper = rdzv.register(rdzv.keys.member(0), {"rank": 0, "incarnation": "w0"}, "w0",
+                           on_lost=lambda r: lost.set(), ttl_s=TTL)  # fmt: skip
+    leader = LeaseKeeper(client, TTL, name="leader")  # no budget: an outage loses it
+    first = keeper.lease_id
+    _outage(own_etcd, 3 * TTL + 1)
+    deadline = time.monotonic() + 10
+    while keeper.outages == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert keeper.outages == 1 and not lost.is_set(), keeper.lost_reason
+    assert keeper.lease_id != first  # the old lease expired with etcd stopped: a new one
+    kv = client.get(rdzv.keys.member(0))
+    assert kv is not None and kv.lease == keeper.lease_id and decode(kv.value)["rank"] == 0
+    assert leader.lost.is_set()
+    time.sleep(2 * TTL)  # the new lease is kept alive
+    assert client.get(rdzv.keys.member(0)) is not None and not lost.is_set()
+    keeper.stop()
+
+
+def test_a_fenced_owner_does_not_reregister_after_an_outage(own_etcd):
+    """Fenced (the fence key written, its lease left to expire) just before etcd stops:
+    the re-attach is a fenced write, so the owner learns it is fenced instead."""
+    client = EtcdClient(own_etcd.endpoints, timedelta(seconds=2))
+    rdzv = Rendezvous(client, "outage2", Timeouts(etcd_outage=timedelta(seconds=20)))
+    lost: list[str] = []
+    keeper = rdzv.register(rdzv.keys.member(0), {"rank": 0}, "w1", on_lost=lost.append, ttl_s=TTL)
+    client.put(rdzv.keys.fenced("w1"), b"1")
+    _outage(own_etcd, 3 * TTL + 1)
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost and "re-register" in lost[0] and "fenced" in lost[0], lost
+    assert keeper.outages == 0 and client.get(rdzv.keys.member(0)) is None
+    keeper.stop()

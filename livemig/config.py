@@ -125,6 +125,7 @@ ENV_STRAGGLER_STEPS = "LIVEMIG_STRAGGLER_STEPS"  # consecutive slow steps before
 # Seconds a rank may hold the others waiting in a collective before it is replaced as hung
 # (default: max(5, 10 x the median step time); docs/reliability.md).
 ENV_HANG_TIMEOUT = "LIVEMIG_HANG_TIMEOUT"
+ENV_PROBE_TIMEOUT = "LIVEMIG_PROBE_TIMEOUT"  # a peer probe's TCP connect (link attribution), default 1 s
 SHARDING_ENTRY = "<sharding>"  # the signature entry that names a job's optimizer sharding
 LOCAL_STATE_ENTRY = "<local-state>"  # the signature entry of a job with rank-local state (buffers, local=)
 # Faults injected from inside a worker, for tests and `--fault ...:during=...`:

@@ -10,6 +10,7 @@
 | slow | rank R | its steps made `factor` times slower (SIGSTOP/SIGCONT duty cycle) |
 | drop_avg | rank R | in-process: discard its completed average of step S, join recovery |
 | partition | rank R | cut its network (own netns, veth down; heal=S: restore after S seconds); needs root |
+| link | rank R | cut its links to the job's other processes, etcd still reachable (own netns; heal=S) |
 | corrupt | rank R | its state server alters one byte of the next chunk it serves (asked through etcd) |
 | etcd-kill | member I | SIGKILL one member of the embedded etcd cluster (`--etcd-members 3`) |
 | etcd-stop | - | SIGSTOP every embedded etcd member (an outage; resume=S: SIGCONT after S seconds, default 10) |
@@ -17,6 +18,7 @@
 | spare-kill | - | SIGKILL the spare claimed in the current recovery (else any spare) |
 | migrate | rank R | not a fault: a planned migration of R onto a spare (as `livemig migrate`) |
 | wedge | rank R | R's training thread blocks forever, lease and progress threads alive (a deadlock) |
+| break | rank R | in-process: R's collective of step S fails as on a broken socket, every peer reachable |
 
 A wedge lands `during=compute` (default: at the start of step S, before its
 collective) or `during=before_commit` (inside the collective, the others done).
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 
 from livemig.errors import ConfigError
 
-RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition", "migrate", "wedge")
+RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition", "link", "migrate", "wedge", "break")
 UNRANKED = ("etcd-kill", "etcd-stop", "coordinator-kill", "spare-kill")
 KINDS = RANKED + UNRANKED
 IN_PROCESS_DURING = ("allreduce", "before_commit", "gather", "after_step")
@@ -65,7 +67,7 @@ class Fault:
 
     @property
     def in_process(self) -> bool:
-        return self.kind in ("drop_avg", "wedge") or self.during in IN_PROCESS_DURING
+        return self.kind in ("drop_avg", "wedge", "break") or self.during in IN_PROCESS_DURING
 
     @property
     def phase(self) -> str:
@@ -73,7 +75,7 @@ class Fault:
 
     def self_spec(self) -> str:
         """What the worker reads from LIVEMIG_SELF_FAULT."""
-        kind = {"kill": "selfkill", "wedge": "selfwedge"}.get(self.kind, self.kind)
+        kind = {"kill": "selfkill", "wedge": "selfwedge", "break": "selfbreak"}.get(self.kind, self.kind)
         default = "compute" if self.kind == "wedge" else "allreduce"
         return f"{kind}:step={self.step}:at={self.during or default}"
 
@@ -107,6 +109,8 @@ def parse_fault(spec: str) -> Fault:
     if kind == "wedge":
         if during not in ("", *WEDGE_DURING):
             raise ConfigError(f"bad fault {spec!r}: a wedge lands during={' or '.join(WEDGE_DURING)}")
+    elif kind == "break" and during:
+        raise ConfigError(f"bad fault {spec!r}: a break lands in step S's collective (no during)")
     elif during and during not in IN_PROCESS_DURING + PHASE_DURING:
         raise ConfigError(f"bad fault {spec!r}: during must be one of {', '.join(IN_PROCESS_DURING + PHASE_DURING)}")
     if during in IN_PROCESS_DURING and kind not in ("kill", "wedge"):
@@ -114,17 +118,17 @@ def parse_fault(spec: str) -> Fault:
     resume = num("resume", float)
     heal = num("heal", float)
     if heal is not None:
-        if kind != "partition":
-            raise ConfigError(f"bad fault {spec!r}: heal=SECONDS applies to partition only")
+        if kind not in ("partition", "link"):
+            raise ConfigError(f"bad fault {spec!r}: heal=SECONDS applies to partition and link only")
         resume = heal
-    if resume is not None and kind not in ("hang", "partition", "etcd-stop"):
+    if resume is not None and kind not in ("hang", "partition", "link", "etcd-stop"):
         raise ConfigError(f"bad fault {spec!r}: resume=SECONDS applies to hang and etcd-stop only")
     factor = num("factor", float, 4.0)
     member = num("member", int, 0)
     after = num("after", float, 0.0)
     if after < 0:  # type: ignore[operator]
         raise ConfigError(f"bad fault {spec!r}: after=SECONDS must be >= 0")
-    if after and (during in IN_PROCESS_DURING or kind in ("drop_avg", "wedge")):
+    if after and (during in IN_PROCESS_DURING or kind in ("drop_avg", "wedge", "break")):
         raise ConfigError(f"bad fault {spec!r}: after=SECONDS applies to faults the agent carries out")
     if fields:
         raise ConfigError(f"bad fault {spec!r}: unknown field(s) {', '.join(fields)}")

@@ -23,7 +23,7 @@ from livemig.rdzv.membership import Rendezvous
 
 # drop_avg is in-process only; partition needs the worker started in a namespace by `livemig run`;
 # migrate is `livemig migrate`
-CLI_KINDS = tuple(k for k in KINDS if k not in ("drop_avg", "partition", "migrate")) + ("resume",)
+CLI_KINDS = tuple(k for k in KINDS if k not in ("drop_avg", "partition", "link", "etcd-stop", "migrate")) + ("resume",)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -142,20 +142,20 @@ class Launcher:
         os.makedirs(self.logdir, exist_ok=True)
         cfg = self.cfg
         if cfg.etcd:
-            if any(f.kind == "partition" for f in cfg.faults):
-                raise ConfigError("a partition fault needs the embedded etcd (drop --etcd)")
+            if any(f.kind in ("partition", "link") for f in cfg.faults):
+                raise ConfigError("a partition or link fault needs the embedded etcd (drop --etcd)")
             self.etcd = cfg.etcd
         else:
             from livemig.rdzv.embedded import EtcdCluster
 
-            part_rank = next((f.rank for f in cfg.faults if f.kind == "partition"), None)
+            part_rank = next((f.rank for f in cfg.faults if f.kind in ("partition", "link")), None)
             if part_rank is not None:
                 from livemig.netns import Partition
 
                 self.partition = Partition().setup()
                 self.net_env = {ENV_HOST: self.partition.host_ip, "GLOO_SOCKET_IFNAME": self.partition.host_if}
             self.cluster = EtcdCluster(
-                cfg.etcd_members, cfg.etcd_bin, extra_host=self.partition.host_ip if self.partition else None
+                cfg.etcd_members, cfg.etcd_bin, extra_host=self.partition.etcd_ip if self.partition else None
             ).start()
             self.etcd = self.cluster.endpoints
         self.client = EtcdClient(self.etcd, cfg.timeouts.etcd)
@@ -179,7 +179,7 @@ class Launcher:
             if self.partition is not None and r == part_rank:
                 argv = self.partition.wrap(base)
                 env.update({ENV_HOST: self.partition.ns_ip, "GLOO_SOCKET_IFNAME": self.partition.ns_if,
-                            ENV_ETCD: self.cluster.endpoints_on(self.partition.host_ip)})  # fmt: skip
+                            ENV_ETCD: self.cluster.endpoints_on(self.partition.etcd_ip)})  # fmt: skip
             else:
                 env.update(self.net_env)
             self._spawn(f"worker-{r}", "worker", argv, env, rank=r)
@@ -304,7 +304,11 @@ class Launcher:
                 continue
             if by_key.get(self.keys.fenced(c.incarnation)) is None:
                 continue
-            cut_off = self.partition is not None and c.name == self.partition_target()
+            cut_off = (
+                self.partition is not None
+                and c.name == self.partition_target()
+                and any(f.kind == "partition" for f in self.cfg.faults)
+            )  # a link cut still sees etcd
             if any(t is c for _, t in self._resumes) or getattr(c, "_stopped", False) or cut_off:
                 self._fenced_seen.pop(c.incarnation, None)  # stopped by a fault plan: its clock starts once resumed
                 continue
@@ -368,7 +372,7 @@ class Launcher:
                 target._stopped = want_stopped  # type: ignore[attr-defined]
 
     def partition_target(self) -> str:
-        rank = next((f.rank for f in self.cfg.faults if f.kind == "partition"), None)
+        rank = next((f.rank for f in self.cfg.faults if f.kind in ("partition", "link")), None)
         return f"worker-{rank}"
 
     def inject(self, f: Fault, by_key: dict, step: int) -> bool:
@@ -396,10 +400,13 @@ class Launcher:
             what = f"{target.name}" + (f" (rank {target.rank})" if target.rank is not None else "")
             if f.kind == "slow":
                 self._slow.append((target, f.factor))
-            elif f.kind == "partition":
+            elif f.kind in ("partition", "link"):
                 if self.partition is None or target.rank != f.rank or target.name != f"worker-{f.rank}":
-                    raise ConfigError("partition targets the worker started in the namespace (its first holder)")
-                self.partition.cut()
+                    raise ConfigError(f"{f.kind} targets the worker started in the namespace (its first holder)")
+                if f.kind == "link":
+                    self.partition.cut_peers()
+                else:
+                    self.partition.cut()
                 if f.resume_after is not None:
                     self._resumes.append((time.monotonic() + f.resume_after, target))
             elif f.kind == "corrupt":
@@ -581,7 +588,8 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
           f"{rep['wall_s']:.1f}s, median step {rep['step_time_s_median'] * 1e3:.0f} ms")  # fmt: skip
     for r in rep["recoveries"]:
         phases = "  ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
-        print(f"recovery of rank {r['rank']} (generation {r['generation']}): downtime {r['downtime_s']:.2f} s; "
+        what = f"recovery of rank {r['rank']}" if r["rank"] is not None else "rebuild of the group"
+        print(f"{what} (generation {r['generation']}): downtime {r['downtime_s']:.2f} s; "
               f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed\n  phases (s): {phases}")  # fmt: skip
     print(f"state digest {rep['state_digest'][:16]}…  replicas identical: "
           f"{'yes' if rep['replicas_identical'] else 'no'}")  # fmt: skip

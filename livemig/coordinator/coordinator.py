@@ -22,6 +22,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -46,6 +47,8 @@ from livemig.state import first_mismatch
 log = logging.getLogger("livemig.coordinator")
 
 MIGRATION_SWITCH_LAG = 2  # steps a migrating spare may trail the group when the switch is voted
+LINK_GATHER_S = 2.0  # how long link reports are gathered after the first (a probe takes up to 1 s)
+MAX_REBUILDS = 2  # group rebuilds for one step whose collective failed naming nobody
 
 
 _NUM = (int, float)
@@ -174,6 +177,8 @@ class Coordinator:
         self._bugs_seen: set[str] = set()  # incarnations whose bug was recorded (--on-error replace:N)
         self._slow_seen: dict[int, dict[int, float]] = {}  # straggler hook: rank -> {step: compute_s}
         self.outage_grace_s = outage_grace_s(self.timeouts)
+        self._link_first: dict[int, float] = {}  # generation -> first link report seen
+        self._rebuilds: dict[int, int] = {}  # step -> group rebuilds for it
         self._in_grace = False
 
     def _lost(self, reason: str) -> None:
@@ -277,7 +282,7 @@ class Coordinator:
             differ = self._extras_differ(s)
             if differ:
                 return self._fail(m, differ)
-            if self._hung(s):
+            if self._links(s) or self._hung(s):
                 return None
             if self._maybe_migrate(s):
                 return None
@@ -321,8 +326,10 @@ class Coordinator:
             self.timeline.record(1, "form", self._guard())
 
     def _fence(self, s: Snapshot, dead: list[int], table: dict[int, Member] | None = None,
-               more: list | None = None) -> None:  # fmt: skip
-        """Fence `dead` (ranks of `table`, default the current one) into a RECOVERING generation."""
+               more: list | None = None, reason: str = "") -> None:  # fmt: skip
+        """Fence `dead` (ranks of `table`, default the current one) into a RECOVERING generation.
+        With `dead` empty it rebuilds the group with the same members (a failed collective
+        that names nobody)."""
         m = s.m
         table = m.members if table is None else table
         incs = [table[r].incarnation for r in dead]
@@ -332,7 +339,7 @@ class Coordinator:
         members = {r: mem for r, mem in table.items() if r not in dead}
         new = Membership(state=GenState.RECOVERING, world_size=m.world_size, members=members,
                          kind="failure", failed_rank=dead[0] if dead else None, leader=self.id,
-                         reason=f"rank(s) {dead} failed in generation {m.generation}")  # fmt: skip
+                         reason=reason or f"rank(s) {dead} failed in generation {m.generation}")  # fmt: skip
         t = self.client.txn_ops
         g = m.generation + 1
         extra = [t.delete(self.keys.suspect(i)) for i in incs]
@@ -708,6 +715,63 @@ class Coordinator:
                         f"take another rank's; register per-rank state under local={{{name!r}: ...}}"
                     )
         return ""
+
+    def _links(self, s: Snapshot) -> bool:
+        """Collective failures attributed (docs/reliability.md, "Broken links"). A member
+        whose collective failed, or has waited in it for a quarter of the hang timeout,
+        reports the peers it cannot reach (a TCP connect to their state servers). Once
+        every member reported, or LINK_GATHER_S after the first report, the rank named by
+        the most reports is replaced, ties to the higher rank. Failures that name nobody
+        rebuild the group with the same members, at most MAX_REBUILDS times for one step;
+        then the job fails with the collective's error. True if it acted."""
+        m = s.m
+        reports: dict[int, tuple[bool, list[int], dict]] = {}
+        for r, mem in m.members.items():
+            p = s.get(self.keys.progress(r)) or {}
+            if p.get("incarnation") != mem.incarnation or p.get("group") != m.group_gen:
+                continue
+            failed = isinstance(p.get("failed_step"), int)
+            named = [x for x in p.get("unreachable") or [] if isinstance(x, int) and x in m.members and x != r]
+            if failed or named:
+                reports[r] = (failed, named, p)
+        if not reports:
+            return False
+        first = self._link_first.setdefault(m.generation, time.monotonic())
+        if len(reports) < len(m.members) and time.monotonic() - first < LINK_GATHER_S:
+            return False
+        t = self.client.txn_ops
+        counts = Counter(x for _, named, _ in reports.values() for x in named)
+        if counts:
+            top = max(counts.values())
+            victim = max(r for r, c in counts.items() if c == top)
+            by = sorted(r for r, (_, named, _) in reports.items() if victim in named)
+            why = f"broken link: rank(s) {by} cannot reach rank {victim}'s host ({top} of {len(reports)} reports)"
+            ops = [t.put(self.keys.suspect(m.members[victim].incarnation), encode({"rank": victim, "why": why,
+                                                                                 "time": time.time()})),
+                   self.timeline.op(m.generation, "link", ranks=[victim],
+                                    reports={str(r): named for r, (_, named, _) in reports.items()})]  # fmt: skip
+            self.client.txn(self._guard(), ops)
+            log.warning("broken link: rank suspected", extra={"rank": victim, "reports": {r: v[1] for r, v in
+                                                                                       reports.items()}})  # fmt: skip
+            return True
+        failed = {r: p for r, (f, _, p) in reports.items() if f}
+        if not failed:
+            return False  # waits with every peer reachable: the hang check judges them
+        step = max(p["failed_step"] for p in failed.values())
+        error = next(iter(failed.values())).get("error", "")
+        n = self._rebuilds.get(step, 0)
+        if n >= MAX_REBUILDS:
+            self._fail(m, f"the collective of step {step} failed {n + 1} times with every peer reachable "
+                          f"(last error: {error}); check the network between the workers")  # fmt: skip
+            return True
+        self._rebuilds[step] = n + 1
+        self._fence(
+            s,
+            [],
+            more=[self.timeline.op(m.generation + 1, "rebuild", step=step, error=error)],
+            reason=f"rebuild: the collective of step {step} failed with every peer reachable ({error})",
+        )
+        return True
 
     def _hung(self, s: Snapshot) -> bool:
         """Progress-based hang detection (docs/reliability.md): when every other member

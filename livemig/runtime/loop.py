@@ -201,6 +201,8 @@ class StepLoop:
 
     def _join_recovery(self, t: int | None, exc: BaseException) -> None:
         self.runtime.leave_collective()
+        if not self.runtime.moved_on() and "moved on" not in str(exc):  # a failure, not a recovery elsewhere
+            self.runtime.collective_failed(t, str(exc))
         if self._reducer is not None:
             self._reducer.disarm()  # no bucket may launch on the abandoned group
         log.warning("collective failed; joining recovery",

@@ -27,7 +27,15 @@ from collections.abc import Callable
 from typing import Any
 
 from livemig.comm.group import CollectiveAborted, build_group, retire
-from livemig.config import ENV_BACKEND, ENV_ETCD, ENV_HANG_TIMEOUT, ENV_HOST, ENV_JOB, Timeouts
+from livemig.config import (
+    ENV_BACKEND,
+    ENV_ETCD,
+    ENV_HANG_TIMEOUT,
+    ENV_HOST,
+    ENV_JOB,
+    ENV_PROBE_TIMEOUT,
+    Timeouts,
+)
 from livemig.errors import ConfigError, FencedError, RecoveryError
 from livemig.rdzv.client import EtcdClient, encode
 from livemig.rdzv.lease import LeaseKeeper
@@ -253,7 +261,53 @@ class MemberRuntime:
             return None
         self._waiting = (w[0], w[1], True)
         base = self._last_item or {"step": w[0] - 1, "time": time.time(), "incarnation": self.incarnation}
-        return {**base, "waiting_step": w[0], "waited_s": waited, "hang_timeout": limit, "busy": self._busy}
+        return {**base, "waiting_step": w[0], "waited_s": waited, "hang_timeout": limit, "busy": self._busy,
+                "group": self.gen, "unreachable": self.unreachable_peers()}  # fmt: skip
+
+    # -- what the coordinator's link attribution reads (docs/reliability.md) -------------
+    def unreachable_peers(self) -> list[int]:
+        """Ranks of our group whose state server does not accept a TCP connection within
+        LIVEMIG_PROBE_TIMEOUT (default 1 s): every peer in a world of up to 64, else the
+        32 nearest on each side of the ring. Each peer is probed from its own thread."""
+        m, me = self.m, self.rank
+        if me is None or m.group_gen != self.gen:
+            return []
+        ranks = sorted(r for r in m.members if r != me)
+        if len(ranks) > 64:
+            n = m.world_size
+            near = {(me + d) % n for d in range(-32, 33) if d}
+            ranks = [r for r in ranks if r in near]
+        timeout = float(os.environ.get(ENV_PROBE_TIMEOUT, "") or 1.0)
+        down: list[int] = []
+
+        def probe(r: int) -> None:
+            host, _, port = m.members[r].addr.removeprefix("tcp://").rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=timeout).close()
+            except (OSError, ValueError):
+                down.append(r)
+
+        threads = [threading.Thread(target=probe, args=(r,), daemon=True) for r in ranks if m.members[r].addr]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout + 0.5)
+        return sorted(down)
+
+    def collective_failed(self, step: int | None, why: str) -> None:
+        """Our collective failed while the job did not move on: tell the coordinator what we
+        know (the peers we cannot reach), off the training thread, which goes on to wait for
+        the recovery (the coordinator decides who is replaced, or rebuilds the group)."""
+        if step is None:
+            return
+        gen = self.gen
+        base = self._last_item or {"step": step - 1, "time": time.time(), "incarnation": self.incarnation}
+
+        def report() -> None:
+            self._queue({**base, "failed_step": step, "group": gen, "error": why[:200],
+                         "unreachable": self.unreachable_peers()})  # fmt: skip
+
+        threading.Thread(target=report, daemon=True, name="livemig-probe").start()
 
     def _progress_loop(self) -> None:
         while True:

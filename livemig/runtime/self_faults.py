@@ -17,6 +17,12 @@ class SelfFaults:
 
     def _maybe_self_fault(self, t: int, at: str) -> None:
         f = self._self_fault
+        if f and f[0] == "selfbreak" and f[1] == t and at == "allreduce" and self.role == "worker":
+            from livemig.comm.group import CollectiveAborted
+
+            self._self_fault = None  # once: the rebuilt group's collective goes through
+            log.warning("test fault: the collective fails as on a broken socket", extra={"step": t})
+            raise CollectiveAborted("collective failed: test fault (connection reset, every peer reachable)")
         if f and f[0] == "selfwedge" and f[1] == t and f[2] == at and self.role == "worker":
             import threading
 

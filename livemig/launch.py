@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from livemig import report
+from livemig.agent import fenced_too_long, kill_group, report_death
 from livemig.config import (
     ENV_ETCD,
     ENV_HOST,
@@ -43,8 +44,6 @@ from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership, new_incarnation
 
 log = logging.getLogger("livemig.launch")
-# A fenced process that has not exited this long after its fence is wedged: its agent kills it.
-FENCED_KILL_S = float(os.environ.get("LIVEMIG_FENCED_KILL_S", "5"))
 
 
 @dataclass
@@ -287,18 +286,14 @@ class Launcher:
             if code == 0:
                 c.reported = True
                 continue
-            why = f"signal {-code}" if code < 0 else f"exit code {code}"
             if c.died_at is None:
                 c.died_at = time.time()
-            self.client.put(self.keys.suspect(c.incarnation), encode({
-                "time": c.died_at, "reason": f"{c.name} exited ({why})", "by": "agent"}))  # fmt: skip
+            report_death(self.client, self.keys, c.incarnation, c.name, code, c.died_at)
             c.reported = True
-            log.warning("child died", extra={"child": c.name, "why": why})
 
     def _kill_fenced(self, by_key: dict) -> None:
         """A fenced worker or spare still running after FENCED_KILL_S is wedged (its training
         thread cannot see the fence): kill it, so no replaced process lingers."""
-        now = time.monotonic()
         for c in self.children:
             if c.role == "coordinator" or c.proc.poll() is not None:
                 continue
@@ -312,13 +307,8 @@ class Launcher:
             if any(t is c for _, t in self._resumes) or getattr(c, "_stopped", False) or cut_off:
                 self._fenced_seen.pop(c.incarnation, None)  # stopped by a fault plan: its clock starts once resumed
                 continue
-            first = self._fenced_seen.setdefault(c.incarnation, now)
-            if now - first > FENCED_KILL_S:
-                log.warning("fenced child still running: killed", extra={"child": c.name})
-                try:
-                    os.killpg(c.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            if fenced_too_long(self._fenced_seen, c.incarnation):
+                kill_group(c.proc.pid, c.name)
 
     def _forget_fenced(self, by_key: dict) -> None:
         """A fence key exists to refuse a zombie's writes; once this agent has reaped the

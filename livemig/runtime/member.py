@@ -36,7 +36,7 @@ from livemig.config import (
     ENV_PROBE_TIMEOUT,
     Timeouts,
 )
-from livemig.errors import ConfigError, FencedError, RecoveryError
+from livemig.errors import ConfigError, EtcdUnavailableError, FencedError, RecoveryError
 from livemig.rdzv.client import EtcdClient, encode
 from livemig.rdzv.lease import LeaseKeeper
 from livemig.rdzv.membership import GenState, Membership, Rendezvous
@@ -203,12 +203,21 @@ class MemberRuntime:
             self.spare_keeper.stop(revoke=True)
             self.spare_keeper = None
 
-    def put(self, key: str, value: dict) -> None:
-        try:
-            self.rdzv.fenced_put(None, self.incarnation, key, encode(value))
-        except FencedError as exc:
-            self.mark_fenced(str(exc))
-            raise
+    def put(self, key: str, value: dict, retry: bool = True) -> None:
+        """A fenced put; while etcd is unreachable it is retried up to the outage budget
+        (a report, a ready record or the final record must land once etcd is back)."""
+        deadline = time.monotonic() + self.timeouts.etcd_outage.total_seconds()
+        while True:
+            try:
+                self.rdzv.fenced_put(None, self.incarnation, key, encode(value))
+                return
+            except FencedError as exc:
+                self.mark_fenced(str(exc))
+                raise
+            except EtcdUnavailableError:
+                if not retry or self.fenced.is_set() or time.monotonic() > deadline:
+                    raise
+                log.warning("etcd unreachable; retrying a write", extra={"key": key})
 
     def progress(self, step: int, **info: Any) -> None:
         """Publish the last committed step off the training thread (latest wins)."""
@@ -320,7 +329,7 @@ class MemberRuntime:
             if self.rank is None or self.fenced.is_set():
                 continue
             try:
-                self.put(self.keys.progress(self.rank), item)
+                self.put(self.keys.progress(self.rank), item, retry=False)
             except Exception:  # noqa: BLE001 - progress is advisory
                 log.debug("progress write failed", exc_info=True)
 

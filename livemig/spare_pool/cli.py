@@ -6,7 +6,10 @@
 
 `start` runs SCRIPT as a spare in the foreground (use your process
 supervisor, or `--detach`): the decorator builds the model, registers the
-spare as warm under a lease and blocks until the coordinator claims it.
+spare as warm under a lease and blocks until the coordinator claims it. In
+the foreground `livemig-spare` is the spare's agent (livemig/agent.py): it
+reports its death at once and kills it if it is fenced and does not exit
+(a wedged spare-turned-member); `--detach` leaves that to the lease.
 `stop` asks an unclaimed spare to exit through etcd, so it works for spares
 on any host; a claimed spare is a member and is not stopped.
 """
@@ -14,8 +17,10 @@ on any host; a claimed spare is a member and is not stopped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +30,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 from livemig import logs
+from livemig.agent import fenced_too_long, kill_group, report_death
 from livemig.config import (
     ENV_ETCD,
     ENV_INCARNATION,
@@ -36,7 +42,7 @@ from livemig.config import (
     make_interruptible,
     validate_job_name,
 )  # fmt: skip
-from livemig.errors import ConfigError, LivemigError
+from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.jobs import resolve_etcd, state_dir
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.keys import JobKeys
@@ -75,7 +81,52 @@ def cmd_start(a: argparse.Namespace) -> int:
         print(f"spare {sid} started (pid {p.pid}); log {path}")
         return 0
     print(f"spare {sid}: standby for job {a.job} (world size {world})", flush=True)
-    return subprocess.call(argv, env=env)
+    return _supervise(argv, env, client, keys, env[ENV_INCARNATION], f"spare {sid}")
+
+
+def _supervise(argv: list[str], env: dict[str, str], client: EtcdClient, keys: JobKeys, inc: str,
+               name: str) -> int:  # fmt: skip
+    """Run the spare and be its agent (livemig/agent.py): kill it if it is fenced and
+    does not exit, report its death at once, remove its fence key once reaped."""
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    first_seen: dict[str, float] = {}
+
+    def stop(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        while proc.poll() is None:
+            try:
+                if client.get(keys.fenced(inc)) is not None and fenced_too_long(first_seen, inc):
+                    kill_group(proc.pid, name)
+            except EtcdUnavailableError:
+                pass  # an outage: the spare rides it through, and so do we
+            time.sleep(0.25)
+    except KeyboardInterrupt:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid, name)
+            proc.wait()
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    code = proc.returncode
+    seen = time.time()
+    deadline = time.monotonic() + Timeouts.from_env().etcd_outage.total_seconds()
+    while True:
+        try:
+            if code != 0:
+                report_death(client, keys, inc, name, code, seen)
+            client.delete(keys.fenced(inc))
+            break
+        except EtcdUnavailableError:
+            if time.monotonic() > deadline:
+                break
+    return code if code >= 0 else 128 - code
 
 
 def cmd_status(a: argparse.Namespace) -> int:

@@ -36,3 +36,52 @@ def test_a_busy_rank_is_not_hung(tmp_path):
                       workload=[], env={"LIVEMIG_HANG_TIMEOUT": "1.5"})  # fmt: skip
     assert run.rc == 0 and run.report["steps_completed"] == 12, explain(run)
     assert run.report["recoveries"] == [] and not [e for e in run.report["timeline"] if e["phase"] == "hang"]
+
+
+def test_livemig_spare_kills_its_fenced_spare(tmp_path, procs):
+    """On a standby host `livemig-spare start` is the spare's agent: a spare that is
+    fenced and does not exit (here: fenced while warm, so nothing tells it) is killed
+    LIVEMIG_FENCED_KILL_S after the fence, and its fence key removed once reaped."""
+    import subprocess
+    import sys
+    import time
+
+    from livemig.rdzv.client import EtcdClient, decode
+    from livemig.rdzv.keys import JobKeys
+
+    env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path), PYTHONPATH=REPO, LIVEMIG_FENCED_KILL_S="2")
+    mlp = os.path.join(REPO, "examples", "mlp.py")
+    job = subprocess.Popen(
+        [sys.executable, "-m", "livemig.cli", "run", "--nproc", "2", "--job", "agent", "--lease-ttl", "2",
+         mlp, "--steps", "2000", "--layers", "2", "--batch", "32"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    procs.procs.append(job)
+    assert "livemig: job agent" in job.stdout.readline()
+    spare = procs.spawn([sys.executable, "-m", "livemig.spare_pool.cli", "start", "--job", "agent", "--id", "s1",
+                         mlp, "--steps", "2000", "--layers", "2", "--batch", "32"], env=env)  # fmt: skip
+    client = EtcdClient(_etcd_of("agent", tmp_path))
+    keys = JobKeys("agent")
+    deadline = time.time() + 90
+    while client.get(keys.spare("s1")) is None and time.time() < deadline:
+        time.sleep(0.1)
+    kv = client.get(keys.spare("s1"))
+    assert kv is not None, "the spare never registered warm"
+    inc = decode(kv.value)["incarnation"]
+    client.put(keys.fenced(inc), b"fenced by the test")
+    t0 = time.monotonic()
+    spare.wait(timeout=30)
+    took = time.monotonic() - t0
+    assert spare.returncode == 128 + 9, spare.returncode  # killed by its agent
+    assert 2.0 <= took < 2.0 + 2.0, took
+    assert client.get(keys.fenced(inc)) is None  # reaped: the fence key goes
+
+
+def _etcd_of(job: str, tmp_path) -> str:
+    from livemig.jobs import resolve_etcd
+
+    os.environ["LIVEMIG_STATE_DIR"] = str(tmp_path)
+    try:
+        return resolve_etcd(job, None)
+    finally:
+        del os.environ["LIVEMIG_STATE_DIR"]

@@ -1,0 +1,47 @@
+"""What every agent does for the processes it started (`livemig run` for workers
+and spares, `livemig-spare start` for a spare on a standby host).
+
+- A child that died is reported at once as a suspect: the fast detection path
+  (a lease would take its TTL). Deaths seen while etcd is unreachable are
+  reported once it answers, with the time they were seen.
+- A fenced child still running FENCED_KILL_S after its fence is wedged (its
+  training thread cannot see the fence): it is killed, so no replaced process
+  lingers (docs/reliability.md).
+- Once the agent has reaped a fenced child it removes the fence key: only it
+  knows the process can no longer write (a bounded etcd footprint).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+from livemig.rdzv.client import EtcdClient, encode
+from livemig.rdzv.keys import JobKeys
+
+log = logging.getLogger("livemig.agent")
+# A fenced process that has not exited this long after its fence is wedged: its agent kills it.
+FENCED_KILL_S = float(os.environ.get("LIVEMIG_FENCED_KILL_S", "5"))
+
+
+def report_death(client: EtcdClient, keys: JobKeys, incarnation: str, name: str, code: int, seen: float) -> None:
+    """The suspect record of a child that exited with `code` (raises while etcd is away)."""
+    why = f"signal {-code}" if code < 0 else f"exit code {code}"
+    client.put(keys.suspect(incarnation), encode({"time": seen, "reason": f"{name} exited ({why})", "by": "agent"}))
+    log.warning("child died", extra={"child": name, "why": why})
+
+
+def kill_group(pid: int, name: str) -> None:
+    log.warning("fenced child still running: killed", extra={"child": name})
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def fenced_too_long(first_seen: dict[str, float], incarnation: str) -> bool:
+    """Record when a child's fence was first seen; True once FENCED_KILL_S passed."""
+    now = time.monotonic()
+    return now - first_seen.setdefault(incarnation, now) > FENCED_KILL_S

@@ -22,7 +22,6 @@ import secrets
 import socket
 import threading
 import time
-from collections import Counter
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -30,14 +29,14 @@ from livemig.config import (
     ENV_INCARNATION,
     Timeouts,
     exit_with_parent,
-    on_error_policy,
     outage_grace_s,
-    straggler_settings,
 )
+from livemig.coordinator.checks import Checks
 from livemig.coordinator.prune import stale_ops
+from livemig.coordinator.snapshot import Snapshot, _num, _safe_decode
 from livemig.coordinator.timeline import Timeline
 from livemig.errors import EtcdUnavailableError, NotLeaderError
-from livemig.rdzv.client import KV, EtcdClient, decode, encode
+from livemig.rdzv.client import KV, EtcdClient, encode
 from livemig.rdzv.election import LeaderElection
 from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, new_incarnation
 from livemig.rdzv.watch import PrefixWatch
@@ -47,66 +46,6 @@ from livemig.state import first_mismatch
 log = logging.getLogger("livemig.coordinator")
 
 MIGRATION_SWITCH_LAG = 2  # steps a migrating spare may trail the group when the switch is voted
-LINK_GATHER_S = 2.0  # how long link reports are gathered after the first (a probe takes up to 1 s)
-MAX_REBUILDS = 2  # group rebuilds for one step whose collective failed naming nobody
-
-
-_NUM = (int, float)
-_STR_OR_NONE = (str, type(None))
-# The fields the coordinator reads without a default, by the key's place under the job's
-# prefix (its first segment, or recovery/<g>/<what>). A value without them, or with one of
-# the wrong type, is ignored like garbage: a pass must never fail on it again and again.
-_REQUIRED: dict[str, dict[str, tuple]] = {
-    "members": {"incarnation": (str,), "host": (str,), "pid": (int,), "addr": (str,)},
-    "signatures": {"incarnation": (str,), "signature": (list,)},
-    "suspects": {"time": _NUM},
-    "spares": {"incarnation": (str,)},
-    "progress": {"step": (int,)},
-    "final": {"incarnation": (str,)},
-    "config": {"signature": (list,)},
-    "report": {"incarnation": (str,), "committed": (int, type(None))},
-    "ready": {"incarnation": (str,), "time": _NUM},
-    "catchup": {"incarnation": (str,), "applied": (int,), "loaded": (int,), "time": _NUM},
-    "errors": {"incarnation": (str,)},
-}
-_logged: set[tuple[str, int]] = set()  # (key, length) of ignored values: logged once each
-
-
-def _num(v: Any, default: float = 0.0) -> float:
-    """A number read from a member's record, or `default` for anything else."""
-    return float(v) if isinstance(v, _NUM) and not isinstance(v, bool) else default
-
-
-def _kind(key: str) -> str:
-    parts = key.split("/")  # '', 'livemig', job, kind, ...
-    if len(parts) < 4:
-        return ""
-    if parts[3] == "recovery" and len(parts) >= 6:
-        return parts[5]
-    return parts[3]
-
-
-def _safe_decode(key: str, raw: bytes) -> Any:
-    """A malformed value under the job's prefix, or one that decodes but lacks a field the
-    coordinator reads, is logged once and ignored, never fatal."""
-    try:
-        value = decode(raw)
-    except Exception:  # noqa: BLE001 - msgpack raises several types
-        value = None
-    if not isinstance(value, dict) and value is not None:
-        value = None
-    why = "malformed" if value is None and raw else ""
-    if value is not None:
-        need = _REQUIRED.get(_kind(key), {})
-        bad = [f for f, types in need.items()
-               if f not in value or not isinstance(value[f], types) or isinstance(value[f], bool)]  # fmt: skip
-        if bad:
-            value, why = None, f"lacks field(s) {', '.join(bad)}"
-    if why and (key, len(raw)) not in _logged:
-        if len(_logged) < 10_000:
-            _logged.add((key, len(raw)))
-        log.error("ignoring a malformed value", extra={"key": key, "bytes": len(raw), "why": why})
-    return value
 
 
 def _table_before(m: Membership) -> dict[int, Member]:
@@ -116,42 +55,7 @@ def _table_before(m: Membership) -> dict[int, Member]:
     return old
 
 
-class Snapshot:
-    """All keys of the job at one revision, with typed accessors."""
-
-    def __init__(self, kvs: list[KV], rdzv: Rendezvous) -> None:
-        self.kv = {kv.key: kv for kv in kvs}
-        self.keys = rdzv.keys
-        raw = self.kv.get(self.keys.membership)
-        self.m = Membership.from_bytes(raw.value if raw else None)
-
-    def get(self, key: str) -> Any:
-        kv = self.kv.get(key)
-        return _safe_decode(key, kv.value) if kv else None
-
-    def under(self, prefix: str) -> dict[str, Any]:
-        out = {k[len(prefix) :]: _safe_decode(k, v.value) for k, v in self.kv.items() if k.startswith(prefix)}
-        return {k: v for k, v in out.items() if isinstance(v, dict)}
-
-    def alive(self, rank: int, member: Member, grace: bool = False) -> bool:
-        """grace: a missing registration is not a death (the coordinator itself just
-        lost etcd, so leases may have expired under live members; they re-register)."""
-        if self.get(self.keys.suspect(member.incarnation)) is not None:
-            return False
-        if self.kv.get(self.keys.fenced(member.incarnation)) is not None:
-            return False
-        reg = self.get(self.keys.member(rank))
-        if reg and reg.get("incarnation") == member.incarnation:
-            return True
-        if grace and not reg:
-            return True
-        if member.role == "spare" and member.spare_id:  # claimed, not yet registered as member
-            sp = self.get(self.keys.spare(member.spare_id))
-            return bool(sp and sp.get("incarnation") == member.incarnation)
-        return False
-
-
-class Coordinator:
+class Coordinator(Checks):
     def __init__(self, client: EtcdClient, job: str, world_size: int,
                  timeouts: Timeouts | None = None, host: str = "127.0.0.1") -> None:  # fmt: skip
         self.client = client
@@ -641,46 +545,6 @@ class Coordinator:
         if self.rdzv.commit_change(m.generation, new, guard=self._guard(), extra=ops):
             log.warning("planned migration aborted", extra={"rank": mig["rank"], "why": why})
 
-    def _straggler(self, s: Snapshot) -> None:
-        """Off unless LIVEMIG_STRAGGLER_FACTOR is set: request the migration of a rank
-        whose forward+backward time stays above factor x the median of the others."""
-        factor, need = straggler_settings()
-        if factor <= 0:
-            return
-        m = s.m
-        comp = {}
-        for r in m.members:
-            p = s.get(self.keys.progress(r)) or {}
-            if "compute_s" in p:
-                comp[r] = (int(p["step"]), _num(p["compute_s"]))
-        # Judge one step at a time: the progress keys hold each rank's latest step, and
-        # comparing rank A's step s with rank B's step s-1 (or the first step, which pays
-        # for lazy allocation) flagged a healthy rank on a loaded machine.
-        latest = max((step for step, _ in comp.values()), default=-1)
-        if self._straggler_gen != m.generation:  # a new group: judge it afresh, after it settled
-            self._straggler_gen, self._straggler_from = m.generation, latest + need
-            self._slow_seen.clear()
-        comp = {r: v for r, v in comp.items() if v[0] == latest and latest >= max(1, self._straggler_from)}
-        if len(comp) < 2:
-            return
-        for r, (step, c) in comp.items():
-            others = sorted(x for q, (_, x) in comp.items() if q != r)
-            med = others[len(others) // 2]
-            seen = self._slow_seen.setdefault(r, {})
-            if med > 0 and c > factor * med:
-                seen[step] = c
-            else:
-                seen.clear()
-            if len(seen) >= need:
-                seen.clear()
-                why = f"straggler: compute {c:.3f}s > {factor:g} x median {med:.3f}s for {need} steps"
-                req = {"id": secrets.token_hex(4), "rank": r, "time": time.time(), "reason": why}
-                t = self.client.txn_ops
-                self.client.txn([*self._guard(), t.version(self.keys.migrate_request) == 0],
-                                [t.put(self.keys.migrate_request, encode(req))])  # fmt: skip
-                log.warning("straggler detected; migration requested", extra={"rank": r, "reason": req["reason"]})
-                return
-
     def _prune(self, s: Snapshot) -> None:
         """Remove what finished generations left behind (coordinator/prune.py)."""
         ops = stale_ops(s, self.keys, self.client.txn_ops)
@@ -696,145 +560,6 @@ class Coordinator:
             new = replace(m, state=GenState.DONE)
             if self.rdzv.update(new, guard=self._guard()):
                 self._write_result(new)
-
-    def _extras_differ(self, s: Snapshot) -> str:
-        """Replicated extras must be equal on every rank (a spare takes them from any
-        peer): each worker's digests of them after step 0, compared once all are in."""
-        if self._extras_checked:
-            return ""
-        checks = s.under(self.keys.extras_check_prefix)
-        if len(checks) < s.m.world_size:
-            return ""
-        self._extras_checked = True
-        ref = checks.get("0", {}).get("digests", {})
-        for r in sorted(checks, key=lambda x: int(x) if x.isdigit() else -1):
-            for name, d in (checks[r].get("digests") or {}).items():
-                if ref.get(name) != d:
-                    return (
-                        f"the extra {name!r} differs between rank 0 and rank {r} after step 0: a spare would "
-                        f"take another rank's; register per-rank state under local={{{name!r}: ...}}"
-                    )
-        return ""
-
-    def _links(self, s: Snapshot) -> bool:
-        """Collective failures attributed (docs/reliability.md, "Broken links"). A member
-        whose collective failed, or has waited in it for a quarter of the hang timeout,
-        reports the peers it cannot reach (a TCP connect to their state servers). Once
-        every member reported, or LINK_GATHER_S after the first report, the rank named by
-        the most reports is replaced, ties to the higher rank. Failures that name nobody
-        rebuild the group with the same members, at most MAX_REBUILDS times for one step;
-        then the job fails with the collective's error. True if it acted."""
-        m = s.m
-        reports: dict[int, tuple[bool, list[int], dict]] = {}
-        for r, mem in m.members.items():
-            p = s.get(self.keys.progress(r)) or {}
-            if p.get("incarnation") != mem.incarnation or p.get("group") != m.group_gen:
-                continue
-            failed = isinstance(p.get("failed_step"), int)
-            named = [x for x in p.get("unreachable") or [] if isinstance(x, int) and x in m.members and x != r]
-            if failed or named:
-                reports[r] = (failed, named, p)
-        if not reports:
-            return False
-        first = self._link_first.setdefault(m.generation, time.monotonic())
-        if len(reports) < len(m.members) and time.monotonic() - first < LINK_GATHER_S:
-            return False
-        t = self.client.txn_ops
-        counts = Counter(x for _, named, _ in reports.values() for x in named)
-        if counts:
-            top = max(counts.values())
-            victim = max(r for r, c in counts.items() if c == top)
-            by = sorted(r for r, (_, named, _) in reports.items() if victim in named)
-            why = f"broken link: rank(s) {by} cannot reach rank {victim}'s host ({top} of {len(reports)} reports)"
-            ops = [t.put(self.keys.suspect(m.members[victim].incarnation), encode({"rank": victim, "why": why,
-                                                                                 "time": time.time()})),
-                   self.timeline.op(m.generation, "link", ranks=[victim],
-                                    reports={str(r): named for r, (_, named, _) in reports.items()})]  # fmt: skip
-            self.client.txn(self._guard(), ops)
-            log.warning("broken link: rank suspected", extra={"rank": victim, "reports": {r: v[1] for r, v in
-                                                                                       reports.items()}})  # fmt: skip
-            return True
-        failed = {r: p for r, (f, _, p) in reports.items() if f}
-        if not failed:
-            return False  # waits with every peer reachable: the hang check judges them
-        step = max(p["failed_step"] for p in failed.values())
-        error = next(iter(failed.values())).get("error", "")
-        n = self._rebuilds.get(step, 0)
-        if n >= MAX_REBUILDS:
-            self._fail(m, f"the collective of step {step} failed {n + 1} times with every peer reachable "
-                          f"(last error: {error}); check the network between the workers")  # fmt: skip
-            return True
-        self._rebuilds[step] = n + 1
-        self._fence(
-            s,
-            [],
-            more=[self.timeline.op(m.generation + 1, "rebuild", step=step, error=error)],
-            reason=f"rebuild: the collective of step {step} failed with every peer reachable ({error})",
-        )
-        return True
-
-    def _hung(self, s: Snapshot) -> bool:
-        """Progress-based hang detection (docs/reliability.md): when every other member
-        has waited in step W's collective for longer than the hang timeout and a rank
-        has not entered it (its training thread is stuck while its lease lives on), or
-        is stuck in an older step's, that rank is suspected, as if its agent had seen
-        it die; the recovery then fences it and its agent kills it. A rank inside
-        `ctx.busy()` is never suspected. The wait is measured on this coordinator's
-        clock from what each member reported (`waited_s`), so host clocks do not matter."""
-        m = s.m
-        prog = {r: s.get(self.keys.progress(r)) or {} for r in m.members}
-        now = time.monotonic()
-        for r, p in prog.items():  # a rank is given the whole hang timeout again after a busy pause
-            if p.get("busy"):
-                self._busy_seen[(m.generation, r)] = now
-        waiting = {r: p for r, p in prog.items() if isinstance(p.get("waiting_step"), int)
-                   and p.get("incarnation") == m.members[r].incarnation}  # fmt: skip
-        if not waiting or len(waiting) == len(m.members) and len({p["waiting_step"] for p in waiting.values()}) == 1:
-            return False
-        w = max(p["waiting_step"] for p in waiting.values())
-        waiters = [r for r, p in waiting.items() if p["waiting_step"] == w]
-        started = []
-        for r in waiters:
-            key = (m.generation, r, w)
-            if key not in self._waits:
-                self._waits[key] = now - _num(waiting[r].get("waited_s"))
-            started.append(self._waits[key])
-        limit = max(_num(waiting[r].get("hang_timeout"), 5.0) for r in waiters)
-        waited = now - max(started)
-        suspects = [r for r in m.members if r not in waiters and not prog[r].get("busy")
-                    and now - self._busy_seen.get((m.generation, r), -1e18) >= limit]  # fmt: skip
-        if not suspects or waited < limit:
-            return False
-        t = self.client.txn_ops
-        ops = [t.put(self.keys.suspect(m.members[r].incarnation),
-                     encode({"rank": r, "why": f"hung: rank(s) {waiters} waited {waited:.1f}s in step {w}'s "
-                                             f"collective (hang timeout {limit:.1f}s)", "time": time.time()}))
-               for r in suspects]  # fmt: skip
-        ops.append(self.timeline.op(m.generation, "hang", ranks=suspects, step=w, waited_s=waited))
-        self.client.txn(self._guard(), ops)
-        log.warning("hung rank(s) suspected", extra={"ranks": suspects, "step": w, "waited_s": round(waited, 2)})
-        return True
-
-    def _bug(self, s: Snapshot) -> tuple[str, str] | None:
-        """A member's recorded bug (runtime/bugs.py) that ends the job: (reason, traceback).
-        Under --on-error replace:N the process exit is recovered like any other, N times."""
-        m = s.m
-        errors = [e for inc, e in s.under(self.keys.errors_prefix).items()
-                  if m.generation == 0 or m.rank_of(inc) is not None or inc in self._bugs_seen]  # fmt: skip
-        if not errors:
-            return None
-        policy, retries = on_error_policy()
-        self._bugs_seen.update(e.get("incarnation", "") for e in errors)
-        if policy == "replace" and len(self._bugs_seen) <= retries:
-            return None
-        e = min(errors, key=lambda x: (x.get("step") if isinstance(x.get("step"), int) else -1, x.get("rank", 0)))
-        where = f"at step {e['step']}" if isinstance(e.get("step"), int) else "before training"
-        reason = (f"rank {e.get('rank')} raised {e.get('error', '?')} {where}: a bug in the training function "
-                  "ends the job (no spare is used; `--on-error replace:N` retries on spares)")  # fmt: skip
-        if policy == "replace":
-            reason += f"; {retries} retries used"
-        self._bug_time = float(e.get("time", 0.0) or 0.0)
-        return reason, str(e.get("traceback", ""))
 
     def _fail(self, m: Membership, reason: str, detail: str = "") -> None:
         log.error("job failed", extra={"reason": reason})

@@ -1,0 +1,219 @@
+"""The coordinator's checks of a committed generation that are not deaths: hung
+ranks, broken links and failed collectives, bugs in user code, replicated extras
+that differ, stragglers (docs/reliability.md). Mixed into Coordinator; they rely
+on the attributes Coordinator.__init__ sets and on its _guard, _fence and _fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import Counter
+from typing import Any
+
+from livemig.config import on_error_policy, straggler_settings
+from livemig.coordinator.snapshot import Snapshot, _num
+from livemig.rdzv.client import encode
+
+log = logging.getLogger("livemig.coordinator")
+
+LINK_GATHER_S = 2.0  # how long link reports are gathered after the first (a probe takes up to 1 s)
+MAX_REBUILDS = 2  # group rebuilds for one step whose collective failed naming nobody
+
+
+class Checks:
+    """Mixed into Coordinator."""
+
+    client: Any
+    keys: Any
+    timeline: Any
+    _busy_seen: dict[tuple[int, int], float]
+    _waits: dict[tuple[int, int, int], float]
+    _link_first: dict[int, float]
+    _rebuilds: dict[int, int]
+    _bugs_seen: set[str]
+    _slow_seen: dict[int, dict[int, float]]
+    _straggler_gen: int
+    _straggler_from: int
+    _extras_checked: bool
+    _bug_time: float
+
+    def _straggler(self, s: Snapshot) -> None:
+        """Off unless LIVEMIG_STRAGGLER_FACTOR is set: request the migration of a rank
+        whose forward+backward time stays above factor x the median of the others."""
+        factor, need = straggler_settings()
+        if factor <= 0:
+            return
+        m = s.m
+        comp = {}
+        for r in m.members:
+            p = s.get(self.keys.progress(r)) or {}
+            if "compute_s" in p:
+                comp[r] = (int(p["step"]), _num(p["compute_s"]))
+        # Judge one step at a time: the progress keys hold each rank's latest step, and
+        # comparing rank A's step s with rank B's step s-1 (or the first step, which pays
+        # for lazy allocation) flagged a healthy rank on a loaded machine.
+        latest = max((step for step, _ in comp.values()), default=-1)
+        if self._straggler_gen != m.generation:  # a new group: judge it afresh, after it settled
+            self._straggler_gen, self._straggler_from = m.generation, latest + need
+            self._slow_seen.clear()
+        comp = {r: v for r, v in comp.items() if v[0] == latest and latest >= max(1, self._straggler_from)}
+        if len(comp) < 2:
+            return
+        for r, (step, c) in comp.items():
+            others = sorted(x for q, (_, x) in comp.items() if q != r)
+            med = others[len(others) // 2]
+            seen = self._slow_seen.setdefault(r, {})
+            if med > 0 and c > factor * med:
+                seen[step] = c
+            else:
+                seen.clear()
+            if len(seen) >= need:
+                seen.clear()
+                why = f"straggler: compute {c:.3f}s > {factor:g} x median {med:.3f}s for {need} steps"
+                req = {"id": secrets.token_hex(4), "rank": r, "time": time.time(), "reason": why}
+                t = self.client.txn_ops
+                self.client.txn([*self._guard(), t.version(self.keys.migrate_request) == 0],
+                                [t.put(self.keys.migrate_request, encode(req))])  # fmt: skip
+                log.warning("straggler detected; migration requested", extra={"rank": r, "reason": req["reason"]})
+                return
+
+    def _extras_differ(self, s: Snapshot) -> str:
+        """Replicated extras must be equal on every rank (a spare takes them from any
+        peer): each worker's digests of them after step 0, compared once all are in."""
+        if self._extras_checked:
+            return ""
+        checks = s.under(self.keys.extras_check_prefix)
+        if len(checks) < s.m.world_size:
+            return ""
+        self._extras_checked = True
+        ref = checks.get("0", {}).get("digests", {})
+        for r in sorted(checks, key=lambda x: int(x) if x.isdigit() else -1):
+            for name, d in (checks[r].get("digests") or {}).items():
+                if ref.get(name) != d:
+                    return (
+                        f"the extra {name!r} differs between rank 0 and rank {r} after step 0: a spare would "
+                        f"take another rank's; register per-rank state under local={{{name!r}: ...}}"
+                    )
+        return ""
+
+    def _links(self, s: Snapshot) -> bool:
+        """Collective failures attributed (docs/reliability.md, "Broken links"). A member
+        whose collective failed, or has waited in it for a quarter of the hang timeout,
+        reports the peers it cannot reach (a TCP connect to their state servers). Once
+        every member reported, or LINK_GATHER_S after the first report, the rank named by
+        the most reports is replaced, ties to the higher rank. Failures that name nobody
+        rebuild the group with the same members, at most MAX_REBUILDS times for one step;
+        then the job fails with the collective's error. True if it acted."""
+        m = s.m
+        reports: dict[int, tuple[bool, list[int], dict]] = {}
+        for r, mem in m.members.items():
+            p = s.get(self.keys.progress(r)) or {}
+            if p.get("incarnation") != mem.incarnation or p.get("group") != m.group_gen:
+                continue
+            failed = isinstance(p.get("failed_step"), int)
+            named = [x for x in p.get("unreachable") or [] if isinstance(x, int) and x in m.members and x != r]
+            if failed or named:
+                reports[r] = (failed, named, p)
+        if not reports:
+            return False
+        first = self._link_first.setdefault(m.generation, time.monotonic())
+        if len(reports) < len(m.members) and time.monotonic() - first < LINK_GATHER_S:
+            return False
+        t = self.client.txn_ops
+        counts = Counter(x for _, named, _ in reports.values() for x in named)
+        if counts:
+            top = max(counts.values())
+            victim = max(r for r, c in counts.items() if c == top)
+            by = sorted(r for r, (_, named, _) in reports.items() if victim in named)
+            why = f"broken link: rank(s) {by} cannot reach rank {victim}'s host ({top} of {len(reports)} reports)"
+            ops = [t.put(self.keys.suspect(m.members[victim].incarnation), encode({"rank": victim, "why": why,
+                                                                                 "time": time.time()})),
+                   self.timeline.op(m.generation, "link", ranks=[victim],
+                                    reports={str(r): named for r, (_, named, _) in reports.items()})]  # fmt: skip
+            self.client.txn(self._guard(), ops)
+            log.warning("broken link: rank suspected", extra={"rank": victim, "reports": {r: v[1] for r, v in
+                                                                                       reports.items()}})  # fmt: skip
+            return True
+        failed = {r: p for r, (f, _, p) in reports.items() if f}
+        if not failed:
+            return False  # waits with every peer reachable: the hang check judges them
+        step = max(p["failed_step"] for p in failed.values())
+        error = next(iter(failed.values())).get("error", "")
+        n = self._rebuilds.get(step, 0)
+        if n >= MAX_REBUILDS:
+            self._fail(m, f"the collective of step {step} failed {n + 1} times with every peer reachable "
+                          f"(last error: {error}); check the network between the workers")  # fmt: skip
+            return True
+        self._rebuilds[step] = n + 1
+        self._fence(
+            s,
+            [],
+            more=[self.timeline.op(m.generation + 1, "rebuild", step=step, error=error)],
+            reason=f"rebuild: the collective of step {step} failed with every peer reachable ({error})",
+        )
+        return True
+
+    def _hung(self, s: Snapshot) -> bool:
+        """Progress-based hang detection (docs/reliability.md): when every other member
+        has waited in step W's collective for longer than the hang timeout and a rank
+        has not entered it (its training thread is stuck while its lease lives on), or
+        is stuck in an older step's, that rank is suspected, as if its agent had seen
+        it die; the recovery then fences it and its agent kills it. A rank inside
+        `ctx.busy()` is never suspected. The wait is measured on this coordinator's
+        clock from what each member reported (`waited_s`), so host clocks do not matter."""
+        m = s.m
+        prog = {r: s.get(self.keys.progress(r)) or {} for r in m.members}
+        now = time.monotonic()
+        for r, p in prog.items():  # a rank is given the whole hang timeout again after a busy pause
+            if p.get("busy"):
+                self._busy_seen[(m.generation, r)] = now
+        waiting = {r: p for r, p in prog.items() if isinstance(p.get("waiting_step"), int)
+                   and p.get("incarnation") == m.members[r].incarnation}  # fmt: skip
+        if not waiting or len(waiting) == len(m.members) and len({p["waiting_step"] for p in waiting.values()}) == 1:
+            return False
+        w = max(p["waiting_step"] for p in waiting.values())
+        waiters = [r for r, p in waiting.items() if p["waiting_step"] == w]
+        started = []
+        for r in waiters:
+            key = (m.generation, r, w)
+            if key not in self._waits:
+                self._waits[key] = now - _num(waiting[r].get("waited_s"))
+            started.append(self._waits[key])
+        limit = max(_num(waiting[r].get("hang_timeout"), 5.0) for r in waiters)
+        waited = now - max(started)
+        suspects = [r for r in m.members if r not in waiters and not prog[r].get("busy")
+                    and now - self._busy_seen.get((m.generation, r), -1e18) >= limit]  # fmt: skip
+        if not suspects or waited < limit:
+            return False
+        t = self.client.txn_ops
+        ops = [t.put(self.keys.suspect(m.members[r].incarnation),
+                     encode({"rank": r, "why": f"hung: rank(s) {waiters} waited {waited:.1f}s in step {w}'s "
+                                             f"collective (hang timeout {limit:.1f}s)", "time": time.time()}))
+               for r in suspects]  # fmt: skip
+        ops.append(self.timeline.op(m.generation, "hang", ranks=suspects, step=w, waited_s=waited))
+        self.client.txn(self._guard(), ops)
+        log.warning("hung rank(s) suspected", extra={"ranks": suspects, "step": w, "waited_s": round(waited, 2)})
+        return True
+
+    def _bug(self, s: Snapshot) -> tuple[str, str] | None:
+        """A member's recorded bug (runtime/bugs.py) that ends the job: (reason, traceback).
+        Under --on-error replace:N the process exit is recovered like any other, N times."""
+        m = s.m
+        errors = [e for inc, e in s.under(self.keys.errors_prefix).items()
+                  if m.generation == 0 or m.rank_of(inc) is not None or inc in self._bugs_seen]  # fmt: skip
+        if not errors:
+            return None
+        policy, retries = on_error_policy()
+        self._bugs_seen.update(e.get("incarnation", "") for e in errors)
+        if policy == "replace" and len(self._bugs_seen) <= retries:
+            return None
+        e = min(errors, key=lambda x: (x.get("step") if isinstance(x.get("step"), int) else -1, x.get("rank", 0)))
+        where = f"at step {e['step']}" if isinstance(e.get("step"), int) else "before training"
+        reason = (f"rank {e.get('rank')} raised {e.get('error', '?')} {where}: a bug in the training function "
+                  "ends the job (no spare is used; `--on-error replace:N` retries on spares)")  # fmt: skip
+        if policy == "replace":
+            reason += f"; {retries} retries used"
+        self._bug_time = float(e.get("time", 0.0) or 0.0)
+        return reason, str(e.get("traceback", ""))

@@ -118,6 +118,7 @@ ENV_WORLD_SIZE = "LIVEMIG_WORLD_SIZE"
 ENV_SPARE_ID = "LIVEMIG_SPARE_ID"
 ENV_INCARNATION = "LIVEMIG_INCARNATION"
 ENV_HOST = "LIVEMIG_HOST"  # address peers reach this process at (default 127.0.0.1)
+ENV_NODE_RANK = "LIVEMIG_NODE_RANK"  # the node rank of the agent that started this process
 ENV_BACKEND = "LIVEMIG_BACKEND"  # "gloo" (default) or "nccl"
 ENV_ZERO1_MIRROR = "LIVEMIG_ZERO1_MIRROR"  # "0": no mirror of ZeRO-1 shards (benchmarks; a lost shard is fatal)
 ENV_STRAGGLER_FACTOR = "LIVEMIG_STRAGGLER_FACTOR"  # > 0 turns the straggler hook on (e.g. 1.5)
@@ -205,3 +206,16 @@ def outage_grace_s(timeouts: Timeouts) -> float:
     failed etcd call the coordinator waits for members to re-attach expired leases."""
     raw = os.environ.get(ENV_OUTAGE_GRACE, "")
     return _env_seconds(ENV_OUTAGE_GRACE, 0).total_seconds() if raw else 2.0 * timeouts.lease_ttl_s
+
+
+def node_host() -> str:
+    """This process's host as the job knows it: --host ($LIVEMIG_HOST), else the hostname."""
+    import socket
+
+    return os.environ.get(ENV_HOST) or socket.gethostname()
+
+
+def node_rank() -> int | None:
+    """The node rank of the agent that started this process (None: a standby host's spare)."""
+    raw = os.environ.get(ENV_NODE_RANK, "")
+    return int(raw) if raw.isdigit() else None

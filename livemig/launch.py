@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +24,7 @@ from livemig.config import (
     ENV_HOST,
     ENV_INCARNATION,
     ENV_JOB,
+    ENV_NODE_RANK,
     ENV_ON_ERROR,
     ENV_PARENT_PID,
     ENV_RANK,
@@ -39,6 +40,7 @@ from livemig.config import (
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.faults import Fault, parse_fault
 from livemig.jobs import remove_job_file, state_dir, write_job_file
+from livemig.nodes import default_host
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership, new_incarnation
@@ -77,10 +79,25 @@ class RunConfig:
     max_wall: float = 3600.0
     cold_spares: bool = False  # start the spares only when the first fault lands (bench warmup)
     on_error: str = ""  # "fail" or "replace:N" (--on-error; default $LIVEMIG_ON_ERROR, else fail)
+    nnodes: int = 1  # agents of the job, one per node; nproc is the whole world (nnodes x per node)
+    node_rank: int | None = None  # None: the first free node rank (auto)
+    host: str | None = None  # address other hosts reach this node at (default: nodes.default_host)
+    # how long to wait for every node of the run to join, s
+    join_timeout: float = field(default_factory=lambda: float(os.environ.get("LIVEMIG_JOIN_TIMEOUT", "") or 300))
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.nproc // self.nnodes
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.nnodes < 1 or self.nproc % self.nnodes:
+            raise ConfigError(f"--nnodes {self.nnodes} does not divide the world size {self.nproc}")
+        if self.nnodes > 1 and not self.etcd:
+            raise ConfigError("--nnodes > 1 needs --etcd URL[,URL...], an etcd every node reaches")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} is not in 0..{self.nnodes - 1}")
         if self.spares < 0 or self.coordinators < 1:
             raise ConfigError("--spares must be >= 0 and --coordinators >= 1")
         on_error_policy(self.on_error or None)  # a bad value is refused before anything starts
@@ -114,6 +131,9 @@ class Launcher:
         self._outage = False  # etcd unreachable at the last look
         self._by_key: dict = {}  # the last snapshot of the job's keys (faults due during an outage)
         self._unrecorded: list[tuple] = []  # fault events to write once etcd answers
+        self.node_keeper: Any = None  # this agent's lease: holds its node key
+        self.node_rank = 0
+        self.run_id = ""
 
     def say(self, msg: str) -> None:
         if not self.cfg.quiet:
@@ -158,19 +178,23 @@ class Launcher:
             ).start()
             self.etcd = self.cluster.endpoints
         self.client = EtcdClient(self.etcd, cfg.timeouts.etcd)
-        self._fresh_job()
+        if cfg.etcd and not self.net_env:  # every address another host reaches: --host
+            self.net_env = {ENV_HOST: cfg.host or default_host(self.etcd)}
+        host = self.net_env.get(ENV_HOST, "127.0.0.1")
+        self._join(host)
         write_job_file(cfg.job, self.etcd)
+        self.net_env[ENV_NODE_RANK] = str(self.node_rank)
         for i in range(cfg.coordinators):
             self._spawn(f"coordinator-{i}", "coordinator",
                         [sys.executable, "-m", "livemig.coordinator", "--etcd", self.etcd, "--job", cfg.job,
-                         "--world-size", str(cfg.nproc), "--host", self.net_env.get(ENV_HOST, "127.0.0.1")],
-                        dict(self.net_env))  # fmt: skip
+                         "--world-size", str(cfg.nproc), "--host", host], dict(self.net_env))  # fmt: skip
         by_rank: dict[int, str] = {}
         for f in cfg.faults:
             if f.in_process and f.rank is not None:
                 by_rank[f.rank] = f.self_spec()
         base = [sys.executable, cfg.script, *cfg.args]
-        for r in range(cfg.nproc):
+        first = self.node_rank * cfg.nproc_per_node
+        for r in range(first, first + cfg.nproc_per_node):
             env = {ENV_ROLE: "worker", ENV_RANK: str(r), ENV_WORLD_SIZE: str(cfg.nproc)}
             if r in by_rank:
                 env[ENV_SELF_FAULT] = by_rank[r]
@@ -185,29 +209,45 @@ class Launcher:
         if not cfg.cold_spares:
             self._spawn_spares()
         self.pending = [f for f in cfg.faults if not f.in_process]
+        where = f" (node {self.node_rank} of {cfg.nnodes}, {host})" if cfg.nnodes > 1 else ""
         self.say(f"livemig: job {cfg.job}: {cfg.nproc} workers, {cfg.spares} spare(s), etcd {self.etcd}; "
-                 f"logs in {self.logdir}")  # fmt: skip
+                 f"logs in {self.logdir}{where}")  # fmt: skip
+
+    def _join(self, host: str) -> None:
+        """Create or join the job's run and take a node rank (livemig/nodes.py); wait for
+        every node. The node key lives under this agent's lease: its loss is the node's."""
+        from livemig.nodes import join_run, script_signature, wait_nodes
+        from livemig.rdzv.lease import LeaseKeeper
+
+        assert self.client is not None
+        cfg = self.cfg
+        info = {"host": host, "pid": os.getpid(), "agent": new_incarnation("agent")}
+        box: dict[str, Any] = {}
+
+        def reattach(lease: int) -> None:  # after an etcd outage: the same node key, a new lease
+            self.client.put(self.keys.node(box["rank"]), encode({**info, "run_id": box["run"]}), lease)
+
+        self.node_keeper = LeaseKeeper(self.client, cfg.timeouts.lease_ttl_s, name="node",
+                                       outage_budget_s=cfg.timeouts.etcd_outage.total_seconds(),
+                                       reattach=reattach)  # fmt: skip
+        box["run"], box["rank"] = join_run(self.client, self.keys, cfg.nnodes, cfg.nproc_per_node,
+                                           script_signature(cfg.script, cfg.args), cfg.node_rank, info,
+                                           self.node_keeper.lease_id)  # fmt: skip
+        self.run_id, self.node_rank = box["run"], box["rank"]
+        if cfg.nnodes > 1:
+            self.say(f"livemig: job {cfg.job}: node {self.node_rank} of {cfg.nnodes} joined run {self.run_id}; "
+                     "waiting for the other nodes")  # fmt: skip
+            wait_nodes(self.client, self.keys, cfg.nnodes, self.run_id, cfg.join_timeout)
 
     def _spawn_spares(self) -> None:
         cfg = self.cfg
         cold = {"LIVEMIG_SHADOW_STEPS": "0"} if cfg.cold_spares else {}
+        pre = f"n{self.node_rank}-" if cfg.nnodes > 1 else ""
         for i in range(cfg.spares):
             self._spawn(f"spare-{i}", "spare", [sys.executable, cfg.script, *cfg.args],
-                        {ENV_ROLE: "spare", ENV_SPARE_ID: f"spare-{i}", ENV_WORLD_SIZE: str(cfg.nproc),
+                        {ENV_ROLE: "spare", ENV_SPARE_ID: f"{pre}spare-{i}", ENV_WORLD_SIZE: str(cfg.nproc),
                          **self.net_env, **cold})  # fmt: skip
         self._spares_started = True
-
-    def _fresh_job(self) -> None:
-        assert self.client is not None
-        if self.client.get(self.keys.generation) is None:
-            self.client.delete_prefix(self.keys.prefix)  # leftovers of a job that never formed
-            return
-        if self.client.get(self.keys.result) is None:
-            raise ConfigError(
-                f"job {self.cfg.job!r} is still running in etcd {self.etcd}: pick another --job, "
-                f"or check it with `livemig status --job {self.cfg.job}`"
-            )
-        self.client.delete_prefix(self.keys.prefix)  # a finished job of the same name
 
     # -- the agent loop ----------------------------------------------------------------------
     def supervise(self) -> dict[str, Any]:
@@ -494,6 +534,8 @@ class Launcher:
                 except ProcessLookupError:
                     pass
                 c.proc.wait()
+        if self.node_keeper is not None:
+            self.node_keeper.stop(revoke=True)
         if self.client is not None:
             self.client.close()
         if self.cluster is not None:
@@ -593,7 +635,12 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a training script with workers, spares and a coordinator")
-    p.add_argument("--nproc", type=int, required=True, help="number of workers (the world size)")
+    p.add_argument("--nproc", type=int, help="workers on one node (the world size): --nnodes 1 --nproc-per-node N")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of the job: one agent each, same command (default 1)")
+    p.add_argument("--nproc-per-node", type=int, help="workers on each node (global rank = node rank x this + i)")
+    p.add_argument("--node-rank", default="auto", help="this node's rank, or auto: the first free one (default)")
+    p.add_argument("--host", help="address other hosts reach this node at (default $LIVEMIG_HOST, else the "
+                                  "local address of the route to etcd; 127.0.0.1 with a local etcd)")  # fmt: skip
     p.add_argument("--spares", type=int, default=0, help="warm spares to start (default 0)")
     p.add_argument("--coordinators", type=int, default=1, help="coordinator candidates (default 1)")
     p.add_argument("--job", default="", help="job name (default: the script's name)")
@@ -632,14 +679,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_run(a: argparse.Namespace) -> int:
     t = Timeouts.from_env()
-    t = Timeouts(
+    t = replace(
+        t,
         lease_ttl=timedelta(seconds=a.lease_ttl) if a.lease_ttl else t.lease_ttl,
-        etcd=t.etcd,
         collective=timedelta(seconds=a.collective_timeout) if a.collective_timeout else t.collective,
-        recovery=t.recovery,
         spare_wait=timedelta(seconds=a.spare_wait) if a.spare_wait else t.spare_wait,
     )
-    cfg = RunConfig(script=a.script, args=a.args, nproc=a.nproc, spares=a.spares,
+    if (a.nproc is None) == (a.nproc_per_node is None):
+        raise ConfigError("give --nproc N (one node) or --nnodes NN --nproc-per-node P")
+    if a.nproc is not None and a.nnodes != 1:
+        raise ConfigError("--nproc is one node's world: with --nnodes, give --nproc-per-node")
+    world = a.nproc if a.nproc is not None else a.nnodes * a.nproc_per_node
+    if a.node_rank == "auto":
+        node_rank = None
+    elif a.node_rank.isdigit():
+        node_rank = int(a.node_rank)
+    else:
+        raise ConfigError(f"--node-rank {a.node_rank!r}: expected a number or auto")
+    cfg = RunConfig(script=a.script, args=a.args, nproc=world, spares=a.spares, nnodes=a.nnodes,
+                    node_rank=node_rank, host=a.host,
                     coordinators=a.coordinators, job=a.job, etcd=a.etcd, etcd_bin=a.etcd_bin,
                     etcd_members=a.etcd_members,
                     faults=[parse_fault(f) for f in a.fault], report=a.report, timeouts=t,
@@ -647,7 +705,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     reference = None
     if a.verify:
         print("livemig: reference run without faults or spares ...", flush=True)
-        ref_cfg = RunConfig(script=a.script, args=a.args, nproc=a.nproc, job=cfg.job + "-ref",
+        ref_cfg = RunConfig(script=a.script, args=a.args, nproc=world, job=cfg.job + "-ref",
                             etcd=a.etcd, etcd_bin=a.etcd_bin, timeouts=t, quiet=True,
                             max_wall=a.max_wall)  # fmt: skip
         ref = run(ref_cfg)

@@ -78,3 +78,88 @@ class Partition:
         subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
         self.up = False
+
+
+class Hosts:
+    """K simulated hosts for tests: network namespaces `lmh<id>-<k>` on one Linux bridge,
+    host k at 10.214.<id>.<k+1>/24, the root namespace at .254 (so a test reaches all of
+    them). Processes in them share this kernel, PID space, hostname and /tmp: everything
+    that names a node must come from --host and a per-host state dir (docs/operations.md).
+    `kill_all(k)` SIGKILLs every process in host k at once (a node lost); `cut(k)` takes
+    its link down, `heal(k)` brings it back. Always `teardown()` (a context manager)."""
+
+    def __init__(self, count: int, ident: int | None = None) -> None:
+        self.id = (os.getpid() % 200) + 20 if ident is None else ident
+        self.count = count
+        self.bridge = f"lmbr{self.id}"
+        self.names = [f"lmh{self.id}-{k}" for k in range(count)]
+        self.addrs = [f"10.214.{self.id}.{k + 1}" for k in range(count)]
+        self.root_addr = f"10.214.{self.id}.254"
+
+    def _veth(self, k: int) -> tuple[str, str]:
+        return f"lmv{self.id}x{k}", f"lmp{self.id}x{k}"
+
+    def setup(self) -> Hosts:
+        self.teardown()  # leftovers of a dead run
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.root_addr}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for k, (ns, addr) in enumerate(zip(self.names, self.addrs, strict=True)):
+                outer, inner = self._veth(k)
+                _ip("netns", "add", ns)
+                _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+                _ip("link", "set", inner, "netns", ns)
+                _ip("link", "set", outer, "master", self.bridge)
+                _ip("link", "set", outer, "up")
+                _ip("netns", "exec", ns, "ip", "addr", "add", f"{addr}/24", "dev", inner)
+                _ip("netns", "exec", ns, "ip", "link", "set", inner, "up")
+                _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        except ConfigError:
+            self.teardown()
+            raise
+        return self
+
+    def wrap(self, k: int, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.names[k], *argv]
+
+    def pids(self, k: int) -> list[int]:
+        r = subprocess.run(["ip", "netns", "pids", self.names[k]], capture_output=True, text=True)
+        return [int(x) for x in r.stdout.split()]
+
+    def kill_all(self, k: int) -> list[int]:
+        """SIGKILL every process of host k at once: agent, workers, spares, coordinator."""
+        import signal
+
+        pids = self.pids(k)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def cut(self, k: int) -> None:
+        _ip("link", "set", self._veth(k)[0], "down")
+
+    def heal(self, k: int) -> None:
+        _ip("link", "set", self._veth(k)[0], "up")
+
+    def teardown(self) -> None:
+        import signal
+
+        for k, ns in enumerate(self.names):
+            for pid in self.pids(k):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "link", "del", self._veth(k)[0]], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def __enter__(self) -> Hosts:
+        return self.setup()
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from livemig.config import ENV_HOST
 
 log = logging.getLogger("livemig.comm")
 
@@ -41,6 +44,18 @@ def _store_for(addr: str, gen: int, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"gen{gen}", tcp)
 
 
+def _gloo(store: dist.Store, rank: int, world: int, timeout: timedelta) -> Any:
+    """A gloo group on the device of this process's --host address ($LIVEMIG_HOST), so peers
+    on other hosts reach it (simulated hosts share one hostname); GLOO_SOCKET_IFNAME wins."""
+    host = os.environ.get(ENV_HOST, "")
+    if not host or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, world, opts)
+
+
 def build_group(
     store_addr: str, gen: int, rank: int, world: int, timeout: timedelta,
     backend: str = "gloo", should_abort: Callable[[], bool] | None = None,
@@ -55,7 +70,7 @@ def build_group(
                 opts = dist.ProcessGroupNCCL.Options()
                 box["pg"] = dist.ProcessGroupNCCL(store, rank, world, opts)
             else:
-                box["pg"] = dist.ProcessGroupGloo(store, rank, world, timeout)
+                box["pg"] = _gloo(store, rank, world, timeout)
         except Exception as exc:  # noqa: BLE001
             box["err"] = exc
 

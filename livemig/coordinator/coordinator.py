@@ -48,6 +48,12 @@ log = logging.getLogger("livemig.coordinator")
 MIGRATION_SWITCH_LAG = 2  # steps a migrating spare may trail the group when the switch is voted
 
 
+def _node(reg: dict) -> int | None:
+    """The node rank a registration names (None: a spare of a standby host, or older records)."""
+    n = reg.get("node")
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
 def _table_before(m: Membership) -> dict[int, Member]:
     """A MIGRATING generation's table with the leaving worker back in its rank."""
     old = dict(m.members)
@@ -83,6 +89,7 @@ class Coordinator(Checks):
         self.outage_grace_s = outage_grace_s(self.timeouts)
         self._link_first: dict[int, float] = {}  # generation -> first link report seen
         self._rebuilds: dict[int, int] = {}  # step -> group rebuilds for it
+        self._lease_dead: dict[tuple[int, str], float] = {}  # (generation, incarnation) -> lease first seen gone
         self._in_grace = False
 
     def _lost(self, reason: str) -> None:
@@ -175,7 +182,7 @@ class Coordinator(Checks):
             return self._migrating(s, first_seen)
         if m.state in (GenState.FORMING, GenState.BUILDING, GenState.COMMITTED, GenState.RECOVERING):
             grace = self._outage_grace()
-            dead = [r for r, mem in m.members.items() if not s.alive(r, mem, grace)]
+            dead = self._whole_nodes(s, [r for r, mem in m.members.items() if not s.alive(r, mem, grace)], grace)
             if dead:
                 return self._fence(s, dead)
         if m.state in (GenState.FORMING, GenState.BUILDING):
@@ -207,6 +214,34 @@ class Coordinator(Checks):
         self._in_grace = since < self.outage_grace_s
         return self._in_grace
 
+    def _whole_nodes(self, s: Snapshot, dead: list[int], grace: bool) -> list[int]:
+        """A lost node is one recovery (docs/reliability.md, "Node loss"). In a job of several
+        nodes, every member started by an agent whose node key is gone (its lease expired:
+        the node died or was cut off) is dead with it, fenced in the same transaction. A
+        member whose lease alone is gone (no agent report) while its agent's key lives is
+        held back for NODE_SETTLE_S, so the leases of one node's processes, which expire
+        within a keep-alive interval of each other, are not fenced one generation each."""
+        m = s.m
+        run = s.get(self.keys.run) or {}
+        if not isinstance(run.get("nnodes"), int) or run["nnodes"] < 2:
+            return dead
+        lost = set() if grace else {mem.node for mem in m.members.values()
+                                    if mem.node is not None and self.keys.node(mem.node) not in s.kv}  # fmt: skip
+        out = sorted(set(dead) | {r for r, mem in m.members.items() if mem.node in lost})
+        now = time.monotonic()
+        settle = self.timeouts.lease_ttl_s / 2 + 0.5
+        held = []
+        for r in out:
+            mem = m.members[r]
+            by_lease = s.get(self.keys.suspect(mem.incarnation)) is None and mem.node not in lost
+            if by_lease and mem.node is not None:
+                first = self._lease_dead.setdefault((m.generation, mem.incarnation), now)
+                if now - first < settle:
+                    held.append(r)
+        if lost and out:
+            log.warning("node(s) lost: their ranks are fenced together", extra={"nodes": sorted(lost), "ranks": out})
+        return [r for r in out if r not in held]
+
     def _guard(self) -> list:
         return [self.election.guard()]
 
@@ -221,7 +256,8 @@ class Coordinator(Checks):
             if diff:
                 return self._fail(s.m, f"rank {r}'s model differs from rank 0's ({diff}); "
                                   "every worker must build the same model")  # fmt: skip
-        members = {r: Member(r, x["incarnation"], x["host"], x["pid"], x["addr"]) for r, x in regs.items()}
+        members = {r: Member(r, x["incarnation"], x["host"], x["pid"], x["addr"], node=_node(x))
+                   for r, x in regs.items()}  # fmt: skip
         m = Membership(state=GenState.FORMING, world_size=self.world_size, members=members,
                        store=self.store_addr, leader=self.id)  # fmt: skip
         cfg = encode({"world_size": self.world_size, "signature": ref, "created": time.time()})
@@ -276,7 +312,7 @@ class Coordinator(Checks):
         for r, mem in m.members.items():  # a claimed spare's address is known only now
             reg = s.get(self.keys.member(r)) or {}
             if reg.get("incarnation") == mem.incarnation:
-                mem = replace(mem, addr=reg["addr"], host=reg["host"], pid=reg["pid"])
+                mem = replace(mem, addr=reg["addr"], host=reg["host"], pid=reg["pid"], node=_node(reg))
             members[r] = mem
         new = replace(m, state=GenState.COMMITTED, members=members)
         # The events go in the commit's own transaction: a leader killed right after

@@ -24,15 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from livemig.coordinator.timeline import fold
-from livemig.rdzv.client import decode, encode
+from livemig.rdzv.client import decode, encode, prefix_end
 from livemig.rdzv.keys import JobKeys
-
-
-def prefix_end(prefix: str) -> bytes:
-    """The range end that selects every key starting with `prefix` (etcd's convention)."""
-    b = bytearray(prefix.encode())
-    b[-1] += 1
-    return bytes(b)
 
 
 def _generation(rest: str) -> int | None:

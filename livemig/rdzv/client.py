@@ -43,6 +43,13 @@ def encode(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=True)
 
 
+def prefix_end(prefix: str) -> bytes:
+    """The range end that selects every key starting with `prefix` (etcd's convention)."""
+    b = bytearray(prefix.encode())
+    b[-1] += 1
+    return bytes(b)
+
+
 def decode(raw: bytes | None) -> Any:
     if raw is None:
         return None

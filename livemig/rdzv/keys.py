@@ -49,6 +49,20 @@ class JobKeys:
     def fenced(self, incarnation: str) -> str:
         return self.fenced_prefix + incarnation
 
+    # -- runs and nodes (docs/protocol.md, "Runs and nodes") ------------------------
+    @property
+    def run(self) -> str:
+        """The current run of the job: run id, nnodes, nproc_per_node, script signature."""
+        return self.prefix + "run"
+
+    @property
+    def nodes_prefix(self) -> str:
+        return self.prefix + "nodes/"
+
+    def node(self, node_rank: int) -> str:
+        """The agent holding node rank k (under its lease): run id, host, pid."""
+        return f"{self.nodes_prefix}{node_rank}"
+
     # -- spares ------------------------------------------------------------------
     @property
     def spares_prefix(self) -> str:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from livemig.config import Timeouts
+from livemig.config import ENV_HOST, Timeouts
 from livemig.errors import FencedError, StaleGenerationError
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.keys import JobKeys
@@ -31,9 +31,11 @@ from livemig.rdzv.lease import LeaseKeeper
 log = logging.getLogger("livemig.rdzv.membership")
 
 
-def new_incarnation(role: str) -> str:
-    """A process's identity for fencing: unique per process start."""
-    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+def new_incarnation(role: str, host: str | None = None) -> str:
+    """A process's identity for fencing: unique per process start. The host part is --host
+    where given (simulated hosts share one hostname), else the hostname."""
+    host = host or os.environ.get(ENV_HOST) or socket.gethostname()
+    return f"{role}-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 class GenState(StrEnum):
@@ -74,6 +76,7 @@ class Member:
     addr: str = ""  # state-transfer endpoint, tcp://host:port
     role: str = "worker"  # "worker", or "spare" for a claimed spare
     spare_id: str = ""
+    node: int | None = None  # node rank of the agent that started it (None: a standby host's spare)
 
     @classmethod
     def from_dict(cls, d: dict) -> Member:

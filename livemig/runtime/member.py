@@ -35,6 +35,8 @@ from livemig.config import (
     ENV_JOB,
     ENV_PROBE_TIMEOUT,
     Timeouts,
+    node_host,
+    node_rank,
 )
 from livemig.errors import ConfigError, EtcdUnavailableError, FencedError, RecoveryError
 from livemig.rdzv.client import EtcdClient, encode
@@ -190,8 +192,8 @@ class MemberRuntime:
     def register(self, rank: int) -> None:
         """Register as the live holder of `rank` (refused if fenced)."""
         self.rank = rank
-        info = {"incarnation": self.incarnation, "host": socket.gethostname(), "pid": os.getpid(),
-                "addr": self.start_server().addr, "rank": rank, "state": "running"}  # fmt: skip
+        info = {"incarnation": self.incarnation, "host": node_host(), "pid": os.getpid(),
+                "addr": self.start_server().addr, "rank": rank, "state": "running", "node": node_rank()}  # fmt: skip
         if self.keeper is not None:
             self.keeper.stop(revoke=True)
         try:

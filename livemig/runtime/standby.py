@@ -12,8 +12,8 @@ import os
 import time
 
 from livemig.comm.group import retire
-from livemig.config import ENV_RANK
-from livemig.errors import ConfigError
+from livemig.config import ENV_RANK, node_host, node_rank
+from livemig.errors import ConfigError, EtcdUnavailableError
 from livemig.rdzv.client import decode
 from livemig.rdzv.watch import wait_for
 from livemig.runtime.control import _Activate, _Stop
@@ -33,14 +33,13 @@ class Standby:
         )
 
     def _standby(self) -> None:
-        import socket
 
         import psutil
 
         rt = self.runtime
         self._warm_s = time.monotonic() - self._started
         info = {
-            "incarnation": self.incarnation, "host": socket.gethostname(), "pid": os.getpid(),
+            "incarnation": self.incarnation, "host": node_host(), "pid": os.getpid(), "node": node_rank(),
             "state": "warm", "signature": self.signature(), "warmup_s": self._warm_s,
             "peak_rss_mb": psutil.Process().memory_info().rss / 2**20,
         }  # fmt: skip
@@ -52,10 +51,17 @@ class Standby:
         key = rt.keys.assignment(self.spare_id)
         while True:
             try:
-                raw = wait_for(rt.client, key, lambda s: s.get(key), 60.0, "a claim",
+                raw = wait_for(rt.client, key, lambda s: s.get(key), 2.0, "a claim",
                                abort=rt.fenced.is_set)  # fmt: skip
                 break
             except TimeoutError:
+                if rt.client.get(rt.keys.result) is not None:  # the job ended without needing us
+                    keeper.stop(revoke=True)
+                    log.info("the job ended: spare exits", extra={"spare": self.spare_id})
+                    raise _Stop() from None
+                continue
+            except EtcdUnavailableError:  # an outage: stay warm, the lease rides it through
+                time.sleep(0.5)
                 continue
             except InterruptedError:
                 rt.check_fenced()

@@ -33,6 +33,7 @@ from livemig import logs
 from livemig.agent import fenced_too_long, kill_group, report_death
 from livemig.config import (
     ENV_ETCD,
+    ENV_HOST,
     ENV_INCARNATION,
     ENV_JOB,
     ENV_ROLE,
@@ -44,6 +45,7 @@ from livemig.config import (
 )  # fmt: skip
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.jobs import resolve_etcd, state_dir
+from livemig.nodes import default_host
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import new_incarnation
@@ -66,55 +68,79 @@ def cmd_start(a: argparse.Namespace) -> int:
         raw = wait_for(client, keys.config, lambda s: s.get(keys.config), a.wait_job,
                        f"job {a.job} to form (its config key)")  # fmt: skip
         world = decode(raw)["world_size"]
-    sid = a.id or f"{a.pool}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
-    env = dict(os.environ)
-    env.update(Timeouts.from_env().to_env())
-    env.update({ENV_ETCD: etcd, ENV_JOB: a.job, ENV_ROLE: "spare", ENV_SPARE_ID: sid,
-                ENV_WORLD_SIZE: str(world), ENV_INCARNATION: new_incarnation("spare")})  # fmt: skip
-    argv = [sys.executable, a.script, *a.args]
-    if a.detach:
-        path = os.path.join(state_dir(), "spares", f"{sid}.log")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "ab") as f:
-            p = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-        print(f"spare {sid} started (pid {p.pid}); log {path}")
-        return 0
-    print(f"spare {sid}: standby for job {a.job} (world size {world})", flush=True)
-    return _supervise(argv, env, client, keys, env[ENV_INCARNATION], f"spare {sid}")
+    host = a.host or (default_host(etcd) if not etcd.startswith("http://127.") else "")
+    ident = host or socket.gethostname()
+    if a.count < 1 or (a.id and a.count > 1):
+        raise ConfigError("--count must be >= 1, and --id names a single spare (--count 1)")
+    children = []
+    for _ in range(a.count):
+        sid = a.id or f"{a.pool}-{ident}-{uuid.uuid4().hex[:6]}"
+        env = dict(os.environ)
+        env.update(Timeouts.from_env().to_env())
+        env.update({ENV_ETCD: etcd, ENV_JOB: a.job, ENV_ROLE: "spare", ENV_SPARE_ID: sid,
+                    ENV_WORLD_SIZE: str(world)})  # fmt: skip
+        if host:
+            env[ENV_HOST] = host
+        env[ENV_INCARNATION] = new_incarnation("spare", host or None)
+        argv = [sys.executable, a.script, *a.args]
+        if a.detach:
+            path = os.path.join(state_dir(), "spares", f"{sid}.log")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "ab") as f:
+                p = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            print(f"spare {sid} started (pid {p.pid}); log {path}")
+            continue
+        print(f"spare {sid}: standby for job {a.job} (world size {world})", flush=True)
+        children.append((subprocess.Popen(argv, env=env, start_new_session=True), env[ENV_INCARNATION],
+                         f"spare {sid}"))  # fmt: skip
+    return _supervise(children, client, keys) if children else 0
 
 
-def _supervise(argv: list[str], env: dict[str, str], client: EtcdClient, keys: JobKeys, inc: str,
-               name: str) -> int:  # fmt: skip
-    """Run the spare and be its agent (livemig/agent.py): kill it if it is fenced and
-    does not exit, report its death at once, remove its fence key once reaped."""
-    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+def _supervise(children: list[tuple[subprocess.Popen, str, str]], client: EtcdClient, keys: JobKeys) -> int:
+    """Be the spares' agent (livemig/agent.py): kill one that is fenced and does not exit,
+    report a death at once, remove a fence key once its process is reaped. Returns the
+    first non-zero exit code (as a shell reports a signal: 128 + n), else 0."""
     first_seen: dict[str, float] = {}
+    codes: dict[str, int] = {}
 
     def stop(*_: object) -> None:
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, stop)
     try:
-        while proc.poll() is None:
-            try:
-                if client.get(keys.fenced(inc)) is not None and fenced_too_long(first_seen, inc):
-                    kill_group(proc.pid, name)
-            except EtcdUnavailableError:
-                pass  # an outage: the spare rides it through, and so do we
+        while len(codes) < len(children):
+            for proc, inc, name in children:
+                if inc in codes:
+                    continue
+                if proc.poll() is not None:
+                    codes[inc] = proc.returncode
+                    _reaped(client, keys, inc, name, proc.returncode)
+                    continue
+                try:
+                    if client.get(keys.fenced(inc)) is not None and fenced_too_long(first_seen, inc):
+                        kill_group(proc.pid, name)
+                except EtcdUnavailableError:
+                    pass  # an outage: the spares ride it through, and so do we
             time.sleep(0.25)
     except KeyboardInterrupt:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            kill_group(proc.pid, name)
-            proc.wait()
+        for proc, _, _name in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc, _, name in children:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                kill_group(proc.pid, name)
+                proc.wait()
         return 130
     finally:
         signal.signal(signal.SIGTERM, old)
-    code = proc.returncode
+    bad = [c for c in codes.values() if c != 0]
+    return (bad[0] if bad[0] >= 0 else 128 - bad[0]) if bad else 0
+
+
+def _reaped(client: EtcdClient, keys: JobKeys, inc: str, name: str, code: int) -> None:
     seen = time.time()
     deadline = time.monotonic() + Timeouts.from_env().etcd_outage.total_seconds()
     while True:
@@ -122,11 +148,10 @@ def _supervise(argv: list[str], env: dict[str, str], client: EtcdClient, keys: J
             if code != 0:
                 report_death(client, keys, inc, name, code, seen)
             client.delete(keys.fenced(inc))
-            break
+            return
         except EtcdUnavailableError:
             if time.monotonic() > deadline:
-                break
-    return code if code >= 0 else 128 - code
+                return
 
 
 def cmd_status(a: argparse.Namespace) -> int:
@@ -187,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--world-size", type=int, help="default: read from the job's config in etcd")
     s.add_argument("--wait-job", type=float, default=300.0, help="wait this long for the job to form, s")
     s.add_argument("--detach", action="store_true", help="run in the background, log to a file")
+    s.add_argument("--count", type=int, default=1, help="spares to run on this host (default 1)")
+    s.add_argument("--host", help="address other hosts reach this one at (default $LIVEMIG_HOST, else the local "
+                                  "address of the route to etcd)")  # fmt: skip
     s.add_argument("script")
     s.add_argument("args", nargs=argparse.REMAINDER)
     s.set_defaults(fn=cmd_start)

@@ -48,7 +48,7 @@ def test_training_goes_on_through_an_etcd_outage(tmp_path, reference):
     assert not [e for e in run.report["timeline"] if e["phase"] in ("detect", "fence")], explain(run)
     codes = {p["name"]: p["exit_code"] for p in run.report["processes"]}
     assert codes["worker-0"] == codes["worker-1"] == 0, codes
-    assert codes["spare-0"] == -15, codes  # warm all along (its lease re-attached), stopped at the end
+    assert codes["spare-0"] in (0, -15), codes  # warm all along (its lease re-attached): exits at the end
 
 
 def test_a_worker_killed_during_an_outage_is_recovered_once_etcd_is_back(tmp_path, reference):

@@ -1,0 +1,137 @@
+"""Runs and nodes: how the agents of one job (`livemig run` on each worker node)
+find each other without destroying anything a live run holds.
+
+- `run` names the current run: a run id, nnodes, nproc_per_node and the script
+  signature. The first agent creates it with a create-if-absent CAS, in the same
+  transaction as its own node key; later agents of the same run join it. A run is
+  live while it has no result and at least one agent holds a node key (they are
+  leased): a job name whose last run ended (done, failed, or every agent gone) may
+  start a new run, and the old run's keys are removed in that same transaction,
+  here and nowhere else.
+- `nodes/<k>` is held by the agent of node rank k under its lease; `auto` takes
+  the first free k (a CAS each), a given k that is taken is refused.
+- An agent joining a live run with another nnodes, nproc_per_node or script is
+  refused with one line, before it starts anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+from urllib.parse import urlsplit
+
+from livemig.config import ENV_HOST
+from livemig.errors import ConfigError
+from livemig.rdzv.client import EtcdClient, decode, encode, prefix_end
+from livemig.rdzv.keys import JobKeys
+
+log = logging.getLogger("livemig.nodes")
+
+
+def default_host(etcd: str) -> str:
+    """--host's default: $LIVEMIG_HOST, else the local address of the route to the first
+    etcd endpoint (the address other hosts reach us at), 127.0.0.1 when etcd is local."""
+    if os.environ.get(ENV_HOST):
+        return os.environ[ENV_HOST]
+    first = etcd.split(",")[0].strip()
+    host = urlsplit(first if "://" in first else f"http://{first}").hostname or "127.0.0.1"
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError as exc:
+        raise ConfigError(f"cannot resolve etcd host {host!r} ({exc}): pass --host ADDR") from None
+    if addr.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((addr, 9))  # no packet is sent: this only picks the route
+            return s.getsockname()[0]
+        except OSError as exc:
+            raise ConfigError(f"no route to etcd at {addr} ({exc}): pass --host ADDR") from None
+
+
+def script_signature(script: str, args: list[str]) -> str:
+    """What every agent of one run must agree on: the script's file name and its arguments."""
+    return " ".join([os.path.basename(script), *args])
+
+
+def _run_live(client: EtcdClient, keys: JobKeys) -> bool:
+    if client.get(keys.result) is not None:
+        return False
+    kvs, _ = client.get_prefix(keys.nodes_prefix)
+    return bool(kvs)
+
+
+def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int, signature: str,
+             node_rank: int | None, node_info: dict[str, Any], lease: int) -> tuple[str, int]:  # fmt: skip
+    """Create or join the job's run and take a node rank: (run id, node rank)."""
+    t = client.txn_ops
+    want = {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "signature": signature}
+    for _ in range(20):  # a few rounds of lost races, never more
+        kv = client.get(keys.run)
+        if kv is None or not _run_live(client, keys):
+            # Remove what an ended run (or a run that never formed) left, then create ours:
+            # two transactions (etcd refuses a put inside a range deleted by the same txn).
+            cur = [t.version(keys.run) == 0] if kv is None else [t.mod(keys.run) == kv.mod_revision]
+            client.txn(cur, [t.delete(keys.prefix, range_end=prefix_end(keys.prefix))])
+            run_id = uuid.uuid4().hex[:12]
+            k = 0 if node_rank is None else node_rank
+            rec = {"run_id": run_id, **want, "created": time.time()}
+            ok, _ = client.txn([t.version(keys.run) == 0],
+                               [t.put(keys.run, encode(rec)),
+                                t.put(keys.node(k), encode({**node_info, "run_id": run_id}), lease)])  # fmt: skip
+            if ok:
+                log.info("run created", extra={"run": run_id, "node_rank": k})
+                return run_id, k
+            continue
+        run = decode(kv.value) or {}
+        for field, value in want.items():
+            if run.get(field) != value:
+                raise ConfigError(
+                    f"job {keys.job!r} is running with {field}={run.get(field)!r}, this agent has {value!r}: "
+                    "start every agent of a job with the same --nnodes, --nproc-per-node and script"
+                )
+        run_id = run["run_id"]
+        ranks = [node_rank] if node_rank is not None else list(range(nnodes))
+        for k in ranks:
+            ok, _ = client.txn([t.version(keys.node(k)) == 0, t.mod(keys.run) == kv.mod_revision],
+                               [t.put(keys.node(k), encode({**node_info, "run_id": run_id}), lease)])  # fmt: skip
+            if ok:
+                log.info("joined run", extra={"run": run_id, "node_rank": k})
+                return run_id, k
+        if node_rank is not None:
+            held = client.get(keys.node(node_rank))
+            who = decode(held.value) if held else {}
+            if held is not None:
+                raise ConfigError(
+                    f"node rank {node_rank} of job {keys.job!r} is taken by the agent on {who.get('host', '?')} "
+                    f"(pid {who.get('pid', '?')}): pass another --node-rank, or --node-rank auto"
+                )
+        elif all(client.get(keys.node(k)) is not None for k in range(nnodes)):
+            raise ConfigError(f"job {keys.job!r} already has its {nnodes} nodes: this agent is one too many")
+    raise ConfigError(f"could not join job {keys.job!r}: the run changed under us 20 times; try again")
+
+
+def wait_nodes(client: EtcdClient, keys: JobKeys, nnodes: int, run_id: str, timeout: float) -> dict[int, dict]:
+    """Block until every node rank of the run is held; one line naming the missing ones."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kvs, _ = client.get_prefix(keys.nodes_prefix)
+        nodes = {}
+        for kv in kvs:
+            rest = kv.key[len(keys.nodes_prefix) :]
+            info = decode(kv.value) or {}
+            if rest.isdigit() and info.get("run_id") == run_id:
+                nodes[int(rest)] = info
+        missing = [k for k in range(nnodes) if k not in nodes]
+        if not missing:
+            return nodes
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"job {keys.job!r}: node rank(s) {missing} did not join within {timeout:.0f}s: start "
+                f"`livemig run --nnodes {nnodes} ... --job {keys.job}` on those nodes (LIVEMIG_JOIN_TIMEOUT)"
+            )
+        time.sleep(0.1)

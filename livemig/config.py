@@ -119,6 +119,7 @@ ENV_SPARE_ID = "LIVEMIG_SPARE_ID"
 ENV_INCARNATION = "LIVEMIG_INCARNATION"
 ENV_HOST = "LIVEMIG_HOST"  # address peers reach this process at (default 127.0.0.1)
 ENV_NODE_RANK = "LIVEMIG_NODE_RANK"  # the node rank of the agent that started this process
+ENV_BUDDY_STRIDE = "LIVEMIG_BUDDY_STRIDE"  # a rank's mirror (local state, ZeRO-1 shard) is rank + this
 ENV_BACKEND = "LIVEMIG_BACKEND"  # "gloo" (default) or "nccl"
 ENV_ZERO1_MIRROR = "LIVEMIG_ZERO1_MIRROR"  # "0": no mirror of ZeRO-1 shards (benchmarks; a lost shard is fatal)
 ENV_STRAGGLER_FACTOR = "LIVEMIG_STRAGGLER_FACTOR"  # > 0 turns the straggler hook on (e.g. 1.5)
@@ -219,3 +220,15 @@ def node_rank() -> int | None:
     """The node rank of the agent that started this process (None: a standby host's spare)."""
     raw = os.environ.get(ENV_NODE_RANK, "")
     return int(raw) if raw.isdigit() else None
+
+
+def buddy_stride(world: int, stride: int | None = None) -> int:
+    """How far a rank's buddy is: its local state and ZeRO-1 shard are mirrored on rank +
+    stride, mirrors of rank - stride are held. 1 on one node; nproc_per_node in a job of
+    several nodes (set by the agents, and by livemig-spare from the run), so a buddy is on
+    the next node and a lost node never takes both copies. Falls back to 1 when the value
+    does not fit the world (a mirror on oneself)."""
+    if stride is None:
+        raw = os.environ.get(ENV_BUDDY_STRIDE, "")
+        stride = int(raw) if raw.isdigit() else 1
+    return stride if 0 < stride < world and world % stride == 0 else 1

@@ -20,6 +20,7 @@ from typing import Any
 from livemig import report
 from livemig.agent import fenced_too_long, kill_group, report_death
 from livemig.config import (
+    ENV_BUDDY_STRIDE,
     ENV_ETCD,
     ENV_HOST,
     ENV_INCARNATION,
@@ -184,6 +185,8 @@ class Launcher:
         self._join(host)
         write_job_file(cfg.job, self.etcd)
         self.net_env[ENV_NODE_RANK] = str(self.node_rank)
+        if cfg.nnodes > 1:  # a buddy on the next node (config.buddy_stride)
+            self.net_env[ENV_BUDDY_STRIDE] = str(cfg.nproc_per_node)
         for i in range(cfg.coordinators):
             self._spawn(f"coordinator-{i}", "coordinator",
                         [sys.executable, "-m", "livemig.coordinator", "--etcd", self.etcd, "--job", cfg.job,

@@ -53,6 +53,13 @@ def default_host(etcd: str) -> str:
             raise ConfigError(f"no route to etcd at {addr} ({exc}): pass --host ADDR") from None
 
 
+def stride_of(run: dict[str, Any] | None) -> int:
+    """The buddy stride of a run (config.buddy_stride): nproc_per_node with several nodes."""
+    run = run or {}
+    nnodes, per = run.get("nnodes"), run.get("nproc_per_node")
+    return per if isinstance(nnodes, int) and nnodes > 1 and isinstance(per, int) and per > 0 else 1
+
+
 def script_signature(script: str, args: list[str]) -> str:
     """What every agent of one run must agree on: the script's file name and its arguments."""
     return " ".join([os.path.basename(script), *args])

@@ -3,7 +3,7 @@ the coordinator and the CLI stay light). The mechanics are in comm/zero1.py."""
 
 from __future__ import annotations
 
-from livemig.config import LOCAL_STATE_ENTRY, SHARDING_ENTRY
+from livemig.config import LOCAL_STATE_ENTRY, SHARDING_ENTRY, buddy_stride
 
 
 def sharding_of(sig: list) -> tuple[str, bool]:
@@ -14,11 +14,12 @@ def sharding_of(sig: list) -> tuple[str, bool]:
     return "", False
 
 
-def lost_shards(world: int, mirrored: bool, holding: set[int]) -> list[str]:
-    """Shards with no surviving holder (owner r, or its mirror r+1), as readable lines."""
+def lost_shards(world: int, mirrored: bool, holding: set[int], stride: int = 1) -> list[str]:
+    """Shards with no surviving holder (owner r, or its mirror r+stride), as readable lines."""
     out = []
+    stride = buddy_stride(world, stride)
     for r in range(world):
-        nxt = (r + 1) % world
+        nxt = (r + stride) % world
         if r in holding or (mirrored and world > 1 and nxt in holding):
             continue
         who = f"its owner rank {r} and its mirror rank {nxt} both failed" if mirrored and world > 1 else (
@@ -32,12 +33,14 @@ def has_local_state(sig: list) -> bool:
     return any(isinstance(e, list | tuple) and len(e) == 3 and e[0] == LOCAL_STATE_ENTRY for e in sig)
 
 
-def lost_local_state(world: int, vacant: list[int], reports: dict[str, dict], boundary: int) -> list[str]:
-    """Vacant ranks whose local state of `boundary` no survivor holds (its mirror is the next
-    rank; a spare that joined a step ago does not hold it yet), as readable lines."""
+def lost_local_state(world: int, vacant: list[int], reports: dict[str, dict], boundary: int,
+                     stride: int = 1) -> list[str]:  # fmt: skip
+    """Vacant ranks whose local state of `boundary` no survivor holds (its mirror is rank +
+    stride; a spare that joined a step ago does not hold it yet), as readable lines."""
     out = []
+    stride = buddy_stride(world, stride)
     for r in vacant:
-        nxt = (r + 1) % world
+        nxt = (r + stride) % world
         rep = reports.get(str(nxt)) or {}
         if boundary >= -1 and boundary not in (rep.get("mirrors") or []):
             out.append(

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from livemig.config import ENV_HOST
+from livemig.config import ENV_HOST, buddy_stride
 
 log = logging.getLogger("livemig.comm")
 
@@ -146,11 +146,12 @@ def ring_exchange(
     pg: Any, blob: torch.Tensor, rank: int, world: int, timeout: timedelta,
     should_abort: Callable[[], bool] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Send `blob` (uint8) to rank+1 and return what rank-1 sent: each rank's local
-    state mirrored on its right neighbour. Sizes first, so a blob may change size."""
+    """Send `blob` (uint8) to rank+s and return what rank-s sent (s: config.buddy_stride):
+    each rank's local state mirrored on its buddy. Sizes first, so a blob may change size."""
     if pg is None:
         raise CollectiveAborted("no process group: this member is between generations")
-    right, left = (rank + 1) % world, (rank - 1) % world
+    s = buddy_stride(world)
+    right, left = (rank + s) % world, (rank - s) % world
     size_out, size_in = torch.tensor([blob.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     buf = torch.empty(0, dtype=torch.uint8)
     for tag, out in ((_RING_TAG, size_out), (_RING_TAG + 1, blob)):

@@ -45,6 +45,7 @@ import torch
 
 from livemig.comm.group import CollectiveAborted, wait_all
 from livemig.comm.reducer import GradReducer
+from livemig.config import buddy_stride
 from livemig.errors import ConfigError
 
 log = logging.getLogger("livemig.zero1")
@@ -173,7 +174,10 @@ class Zero1:
         self.red, self.rank, self.world = red, rank, world
         group_of = [pid[id(p)] for p in red.params]
         self.own = ShardState(red, group_of, template, rank)
-        self.mirror = ShardState(red, group_of, template, (rank - 1) % world) if mirror and world > 1 else None
+        self.stride = buddy_stride(world)  # we mirror the shard of rank - stride (on another node)
+        self.mirror = (
+            ShardState(red, group_of, template, (rank - self.stride) % world) if mirror and world > 1 else None
+        )
         self._gather: list[torch.Tensor] | None = None
         template.step = _forbid_step  # type: ignore[method-assign]
 
@@ -195,7 +199,7 @@ class Zero1:
         if pg is None:
             raise CollectiveAborted("no process group: this member is between generations")
         got = [torch.empty_like(g) for g in own]
-        nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        nxt, prv = (self.rank + self.stride) % self.world, (self.rank - self.stride) % self.world
         works = []
         for b, (g, r) in enumerate(zip(own, got, strict=True)):
             works.append(pg.send([g], nxt, b))

@@ -36,6 +36,7 @@ from livemig.coordinator.prune import stale_ops
 from livemig.coordinator.snapshot import Snapshot, _num, _safe_decode
 from livemig.coordinator.timeline import Timeline
 from livemig.errors import EtcdUnavailableError, NotLeaderError
+from livemig.nodes import stride_of
 from livemig.rdzv.client import KV, EtcdClient, encode
 from livemig.rdzv.election import LeaderElection
 from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, new_incarnation
@@ -242,6 +243,10 @@ class Coordinator(Checks):
             log.warning("node(s) lost: their ranks are fenced together", extra={"nodes": sorted(lost), "ranks": out})
         return [r for r in out if r not in held]
 
+    def _stride(self, s: Snapshot) -> int:
+        """The buddy stride the members use (config.buddy_stride): from the job's run."""
+        return stride_of(s.get(self.keys.run))
+
     def _guard(self) -> list:
         return [self.election.guard()]
 
@@ -357,7 +362,7 @@ class Coordinator(Checks):
         sources = sorted(r for r, c in holding.items() if c == resume - 1)
         mode, mirrored = sharding_of((s.get(self.keys.config) or {}).get("signature", []))
         if mode == "zero1":  # every shard needs a live holder; a rank behind finishes from its own slices
-            lost = lost_shards(m.world_size, mirrored, set(holding))
+            lost = lost_shards(m.world_size, mirrored, set(holding), self._stride(s))
             if lost:
                 return self._fail(m, "; ".join(lost) + ": restart from a checkpoint")
             short = [r for r, c in holding.items()
@@ -367,7 +372,7 @@ class Coordinator(Checks):
         vacant = [r for r in range(m.world_size) if r not in m.members]
         sig = (s.get(self.keys.config) or {}).get("signature", [])
         if has_local_state(sig) and m.world_size > 1 and resume >= 1:  # the replay starts at boundary resume-2
-            lost = lost_local_state(m.world_size, vacant, reports, resume - 2)
+            lost = lost_local_state(m.world_size, vacant, reports, resume - 2, self._stride(s))
             if lost:
                 return self._fail(m, "; ".join(lost) + ": restart from a checkpoint")
         # A source must hold the average of step resume-1 for members one step behind.

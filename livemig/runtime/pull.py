@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from livemig.comm.group import CollectiveAborted
+from livemig.config import buddy_stride
 from livemig.errors import RecoveryError, TransferError
 from livemig.rdzv.membership import Membership
 from livemig.state import unpack
@@ -72,7 +73,7 @@ class StatePull:
         replay = {"boundary": self._boundaries.get(self.committed - 1), "before": self._before.get(self.committed),
                   "uses_sync": self._uses_sync} if self._replays else {}  # fmt: skip
         srv.publish(m.generation, "state", lambda: (self.committed + 1, {**self.state_obj(), **replay}))
-        left = (self.rank - 1) % self.world_size
+        left = (self.rank - buddy_stride(self.world_size)) % self.world_size
         if self._mirrored.get(self.committed - 1) is not None:  # the left neighbour's local state
             blob = self._mirrored[self.committed - 1]
             srv.publish(m.generation, f"local/{left}", lambda: (self.committed + 1, {"blob": blob}))
@@ -149,7 +150,7 @@ class StatePull:
             for sh in (self._zero.own, self._zero.mirror):
                 if sh is None:
                     continue
-                holders = [sh.shard, (sh.shard + 1) % n] if self._zero.mirror is not None else [sh.shard]
+                holders = [sh.shard, (sh.shard + buddy_stride(n)) % n] if self._zero.mirror is not None else [sh.shard]
                 where, part = self._pull_any(m, f"zshard/{sh.shard}", ranks=holders)
                 if part.step != got.step:
                     raise RecoveryError(f"shard {sh.shard} from {where} is at step {part.step}, state at {got.step}")
@@ -164,7 +165,7 @@ class StatePull:
                 raise RecoveryError(f"the source holds no snapshot of the boundary before step {self.committed}")
             local = None
             if self.reg.has_local and self.world_size > 1:
-                buddy = (self.rank + 1) % self.world_size
+                buddy = (self.rank + buddy_stride(self.world_size)) % self.world_size
                 where, part = self._pull_any(m, f"local/{self.rank}", ranks=[buddy])
                 if part.step != got.step:
                     raise RecoveryError(f"the local state of rank {self.rank} on rank {buddy} is of boundary "

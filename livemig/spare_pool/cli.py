@@ -32,6 +32,7 @@ from datetime import timedelta
 from livemig import logs
 from livemig.agent import fenced_too_long, kill_group, report_death
 from livemig.config import (
+    ENV_BUDDY_STRIDE,
     ENV_ETCD,
     ENV_HOST,
     ENV_INCARNATION,
@@ -45,7 +46,7 @@ from livemig.config import (
 )  # fmt: skip
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.jobs import resolve_etcd, state_dir
-from livemig.nodes import default_host
+from livemig.nodes import default_host, stride_of
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import new_incarnation
@@ -63,12 +64,14 @@ def cmd_start(a: argparse.Namespace) -> int:
         raise ConfigError(f"training script {a.script!r} not found")
     client, etcd = _client(a)
     keys = JobKeys(a.job)
-    world = a.world_size
-    if world is None:
-        raw = wait_for(client, keys.config, lambda s: s.get(keys.config), a.wait_job,
-                       f"job {a.job} to form (its config key)")  # fmt: skip
-        world = decode(raw)["world_size"]
+    raw = wait_for(client, keys.run, lambda s: s.get(keys.run), a.wait_job,
+                   f"job {a.job} to start (its run key: an agent has started)")  # fmt: skip
+    run = decode(raw) or {}
+    world = a.world_size or int(run.get("nnodes", 1)) * int(run.get("nproc_per_node", 0))
+    if world < 1:
+        raise ConfigError(f"job {a.job}'s run names no world size; pass --world-size")
     host = a.host or (default_host(etcd) if not etcd.startswith("http://127.") else "")
+    stride = stride_of(run)
     ident = host or socket.gethostname()
     if a.count < 1 or (a.id and a.count > 1):
         raise ConfigError("--count must be >= 1, and --id names a single spare (--count 1)")
@@ -81,6 +84,8 @@ def cmd_start(a: argparse.Namespace) -> int:
                     ENV_WORLD_SIZE: str(world)})  # fmt: skip
         if host:
             env[ENV_HOST] = host
+        if stride > 1:  # the job's buddies are on the next node: mirror as its members do
+            env[ENV_BUDDY_STRIDE] = str(stride)
         env[ENV_INCARNATION] = new_incarnation("spare", host or None)
         argv = [sys.executable, a.script, *a.args]
         if a.detach:

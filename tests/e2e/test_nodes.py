@@ -41,15 +41,16 @@ def _start_etcd(procs, argv_prefix: list[str], addr: str | None) -> str:
 
 
 def _agent(procs, argv_prefix, etcd, job, tmp_path, name, *extra: str, report=None,
-           quiet: bool = False) -> subprocess.Popen:  # fmt: skip
-    cmd = [*argv_prefix, sys.executable, "-m", "livemig.cli", "run", "--nnodes", "2", "--nproc-per-node", "1",
+           quiet: bool = False, work: list[str] = WORK) -> subprocess.Popen:  # fmt: skip
+    per = [] if "--nproc-per-node" in extra else ["--nproc-per-node", "1"]
+    cmd = [*argv_prefix, sys.executable, "-m", "livemig.cli", "run", "--nnodes", "2", *per,
            "--etcd", etcd, "--job", job, "--lease-ttl", "2", *extra]  # fmt: skip
     if report:
         cmd += ["--report", str(report)]
     if quiet:
         with open(tmp_path / f"{name}.out", "wb") as f:
-            return procs.spawn([*cmd, *WORK], env=_env(tmp_path, name), stdout=f, stderr=subprocess.STDOUT)
-    return procs.spawn([*cmd, *WORK], env=_env(tmp_path, name))
+            return procs.spawn([*cmd, *work], env=_env(tmp_path, name), stdout=f, stderr=subprocess.STDOUT)
+    return procs.spawn([*cmd, *work], env=_env(tmp_path, name))
 
 
 @pytest.fixture
@@ -60,49 +61,70 @@ def hosts():
         yield h
 
 
-@needs_netns
-def test_a_whole_node_lost_is_replaced_from_a_standby_host_exactly(tmp_path, procs, hosts):
-    """etcd on host 0, one rank on each of hosts 1 and 2, two spares on standby host 3:
-    every process of host 2 (agent, worker, coordinator candidate) SIGKILLed at step 10."""
-    ref = livemig_run(tmp_path, 2, job="ref", script=STATEFUL, workload=WORK[1:], env=SLEEP)
+def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = ()) -> dict:
+    """etcd on host 0, per_node ranks on each of hosts 1 and 2, per_node spares on standby
+    host 3; every process of host 2 (agent, workers, coordinator candidate) SIGKILLed at
+    step 10. Returns the surviving agent's report, checked against a fault-free run."""
+    work = [*WORK, *args]
+    world = 2 * per_node
+    # the fault-free reference on one node, its buddies where the two-node job has them
+    ref = livemig_run(tmp_path, world, job="ref", script=STATEFUL, workload=work[1:],
+                      env={**SLEEP, "LIVEMIG_BUDDY_STRIDE": str(per_node)})  # fmt: skip
     assert ref.rc == 0, ref.stderr
     etcd = _start_etcd(procs, hosts.wrap(0, []), hosts.addrs[0])
     job = "nodes"
-    a1 = _agent(procs, hosts.wrap(1, []), etcd, job, tmp_path, "h1", "--host", hosts.addrs[1],
-                report=tmp_path / "r1.json")  # fmt: skip
-    _agent(procs, hosts.wrap(2, []), etcd, job, tmp_path, "h2", "--host", hosts.addrs[2], quiet=True)
+    agent = ["--nproc-per-node", str(per_node)]
+    a1 = _agent(procs, hosts.wrap(1, []), etcd, job, tmp_path, "h1", *agent, "--host", hosts.addrs[1],
+                "--node-rank", "0", report=tmp_path / "r1.json", work=work)  # fmt: skip
+    _agent(procs, hosts.wrap(2, []), etcd, job, tmp_path, "h2", *agent, "--host", hosts.addrs[2], "--node-rank", "1",
+           quiet=True, work=work)  # fmt: skip
     spares = procs.spawn(hosts.wrap(3, [sys.executable, "-m", "livemig.spare_pool.cli", "start", "--etcd", etcd,
-                                        "--job", job, "--count", "2", "--host", hosts.addrs[3], "--world-size",
-                                        "2", *WORK]),
+                                        "--job", job, "--count", str(per_node), "--host", hosts.addrs[3], *work]),
                          env=_env(tmp_path, "h3"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     client = EtcdClient(etcd)
     keys = JobKeys(job)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 150
     while time.monotonic() < deadline:
         kv = client.get(keys.progress(0))
         warm = [k for k in client.get_prefix(keys.spares_prefix)[0] if (decode(k.value) or {}).get("state") == "warm"]
-        if kv is not None and decode(kv.value)["step"] >= 10 and len(warm) == 2:
+        if kv is not None and decode(kv.value)["step"] >= 10 and len(warm) == per_node:
             break
         time.sleep(0.05)
     else:
-        pytest.fail("the job never reached step 10 with two warm spares")
+        pytest.fail("the job never reached step 10 with its spares warm")
     m = decode(client.get(keys.membership).value)
     hosts_of = {int(r): mem["host"] for r, mem in m["members"].items()}
-    assert hosts_of == {0: hosts.addrs[1], 1: hosts.addrs[2]}, hosts_of  # ranks advertise --host
+    want = {r: hosts.addrs[1 + r // per_node] for r in range(world)}
+    assert hosts_of == want, hosts_of  # ranks advertise --host; global rank = node rank x per node + i
     killed = hosts.kill_all(2)
-    assert len(killed) >= 3, (killed, (tmp_path / "h2.out").read_text()[-3000:])  # agent, worker, coordinator
-    out, err = a1.communicate(timeout=180)
+    assert len(killed) >= 2 + per_node, killed  # the agent, its workers, its coordinator candidate
+    out, err = a1.communicate(timeout=240)
     assert a1.returncode == 0, out.decode()[-2000:] + err.decode()[-2000:]
     rep = json.loads((tmp_path / "r1.json").read_text())
     assert rep["steps_completed"] == STEPS and rep["replicas_identical"]
     assert rep["rank_digests"] == ref.report["rank_digests"], "not bit-identical to the fault-free run"
-    (rec,) = rep["recoveries"]
-    assert rec["rank"] == 1
-    member = rep["members"]["1"]
-    assert member["role"] == "spare"  # rank 1 now runs on the standby host
+    (rec,) = rep["recoveries"]  # the whole node in one recovery
+    lost = list(range(per_node, world))
+    fence = next(e for e in rep["timeline"] if e["phase"] == "fence")
+    assert fence["ranks"] == lost, fence
     m = decode(client.get(keys.membership).value)
-    assert m["members"][1]["host"] == hosts.addrs[3] and m["members"][1]["role"] == "spare", m["members"]
+    for r in lost:  # the lost ranks now run on the standby host
+        assert m["members"][r]["host"] == hosts.addrs[3] and m["members"][r]["role"] == "spare", m["members"]
     spares.wait(timeout=30)
+    print("node loss:", rec)
+    return rep
+
+
+@needs_netns
+def test_a_whole_node_lost_is_replaced_from_a_standby_host_exactly(tmp_path, procs, hosts):
+    _node_loss(tmp_path, procs, hosts, 1)
+
+
+@needs_netns
+def test_a_node_of_two_zero1_ranks_with_local_state_lost_exactly(tmp_path, procs, hosts):
+    """Each rank's ZeRO-1 shard and local= state are mirrored on the rank one node further
+    (rank + nproc_per_node), so losing a whole node keeps a copy of each."""
+    _node_loss(tmp_path, procs, hosts, 2, ("--sharding", "zero1"))
 
 
 def test_agents_that_do_not_fit_the_run_are_refused(tmp_path, procs):

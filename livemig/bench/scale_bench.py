@@ -63,7 +63,7 @@ def measure(etcd: str, n: int) -> dict[str, Any]:
         _put_many(client, regs, lease)
         _put_many(client, sigs)
         m, _ = _wait(client, keys, lambda m: m.generation == 1)
-        _put_many(client, [(keys.ready(1, r), encode({"incarnation": inc[r]})) for r in range(n)])
+        _put_many(client, [(keys.ready(1, r), encode({"incarnation": inc[r], "time": time.time()})) for r in range(n)])
         _wait(client, keys, lambda m: m.state == GenState.COMMITTED)
         spare_inc = f"sim-{job}-spare"
         client.put(keys.spare("s0"), encode({"incarnation": spare_inc, "state": "warm", "signature": SIG,

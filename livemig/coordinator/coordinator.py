@@ -330,7 +330,7 @@ class Coordinator(Checks):
                         self.timeline.op(
                             m.generation,
                             "stream",
-                            at=x["time"] - _num(x.get("build_s")),
+                            at=_num(x.get("time"), time.time()) - _num(x.get("build_s")),
                             seconds=_num(x["stream_s"]),
                             bytes=x.get("bytes", 0),
                             source=x.get("source", ""),
@@ -560,7 +560,7 @@ class Coordinator(Checks):
                 log.info("migration: spare caught up; members vote the switch", extra={"generation": g, "lag": lag})
             return None
         if switched == set(m.members):
-            at = min(ready[str(r)]["time"] for r in m.members)
+            at = min(_num(ready[str(r)].get("time"), time.time()) for r in m.members)
             step = min(ready[str(r)]["switched"] for r in m.members)
             new = replace(m, state=GenState.COMMITTED, migration=dict(mig, phase="done", switch_step=step))
             res = {"id": mig.get("id", ""), "state": "done", "rank": rank, "generation": g, "switch_step": step,

@@ -29,7 +29,7 @@ _REQUIRED: dict[str, dict[str, tuple]] = {
     "final": {"incarnation": (str,)},
     "config": {"signature": (list,)},
     "report": {"incarnation": (str,), "committed": (int, type(None))},
-    "ready": {"incarnation": (str,), "time": _NUM},
+    "ready": {"incarnation": (str,)},
     "catchup": {"incarnation": (str,), "applied": (int,), "loaded": (int,), "time": _NUM},
     "errors": {"incarnation": (str,)},
 }

@@ -48,6 +48,14 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
                     "claim": s.get("claim"),
                 }
             )
+    nodes = []
+    for kv in kvs:
+        rest = kv.key[len(keys.nodes_prefix) :]
+        if kv.key.startswith(keys.nodes_prefix) and rest.isdigit():
+            n = decode(kv.value) or {}
+            ranks = [x["rank"] for x in members if m.members[x["rank"]].node == int(rest)]
+            nodes.append({"node_rank": int(rest), "host": n.get("host"), "pid": n.get("pid"), "ranks": ranks})
+    run = by_key.get(keys.run)
     leader = by_key.get(keys.leader)
     result = by_key.get(keys.result)
     mig_res = by_key.get(keys.migrate_result)
@@ -58,6 +66,8 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
         "world_size": m.world_size,
         "members": members,
         "spares": spares,
+        "run": decode(run.value) if run else None,
+        "nodes": sorted(nodes, key=lambda n: n["node_rank"]),
         "leader": leader.value.decode() if leader else None,
         "fenced": sorted(k[len(keys.fenced_prefix) :] for k in by_key if k.startswith(keys.fenced_prefix)),
         "result": decode(result.value) if result else None,
@@ -89,6 +99,12 @@ def render(info: dict[str, Any], as_json: bool) -> str:
         lines.append(f"{m['rank']:>4}  {m['state']:<9} {step:>6}  {m['host']:<16} {m['pid']:>7}  {m['incarnation']}")
     if not info["members"]:
         lines.append("  (no members: the job has not formed)")
+    run = info.get("run") or {}
+    if run.get("nnodes", 1) > 1:
+        lines.append(f"{'NODE':>4}  {'HOST':<16} {'PID':>7}  RANKS   (run {run.get('run_id')}, {run.get('nnodes')} "
+                     f"nodes x {run.get('nproc_per_node')})")  # fmt: skip
+        for n in info["nodes"]:
+            lines.append(f"{n['node_rank']:>4}  {n['host'] or '-':<16} {n['pid'] or 0:>7}  {n['ranks']}")
     lines.append(f"{'SPARE':<28} {'STATE':<9} {'WARMUP_S':>8}  {'HOST':<16} {'PID':>7}")
     for s in info["spares"]:
         w = "-" if s["warmup_s"] is None else f"{s['warmup_s']:.2f}"

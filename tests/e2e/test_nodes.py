@@ -137,6 +137,11 @@ def test_agents_that_do_not_fit_the_run_are_refused(tmp_path, procs):
     deadline = time.monotonic() + 30
     while client.get(JobKeys(job).node(0)) is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    st = subprocess.run([sys.executable, "-m", "livemig.cli", "status", "--etcd", etcd, "--job", job, "--json"],
+                        capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
+    info = json.loads(st.stdout)
+    assert info["run"]["nnodes"] == 2 and [n["node_rank"] for n in info["nodes"]] == [0], info
+    assert info["nodes"][0]["host"] == "127.0.0.1"
     taken = _agent(procs, [], etcd, job, tmp_path, "a1", "--node-rank", "0", "--host", "127.0.0.1")
     _, err = taken.communicate(timeout=60)
     assert taken.returncode == 2 and "node rank 0 of job 'fit' is taken" in err.decode(), err.decode()

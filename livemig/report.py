@@ -16,6 +16,7 @@ from typing import Any
 from livemig.coordinator.timeline import PHASES, read_events
 from livemig.rdzv.client import EtcdClient, decode
 from livemig.rdzv.keys import JobKeys
+from livemig.rdzv.membership import Membership
 
 
 def _group_commits(finals: dict[str, Any]) -> list[tuple[int, float]]:
@@ -41,6 +42,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
     replicated = {r: f.get("digests", {}).get("replicated", f["digest"]) for r, f in finals.items()}
     events = read_events(client, keys)
     result = client.get(keys.result)
+    table = client.get(keys.membership)
     return {
         "job": job,
         "world_size": world_size,
@@ -67,8 +69,18 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
         "recoveries": recoveries(events, commits, median_step),
         "migrations": migrations(events, commits, median_step),
         "timeline": events,
+        "nodes": nodes_of(Membership.from_bytes(table.value if table else None)),
         **({"etcd_outages": [_outage(a, b, commits) for a, b in outages]} if outages else {}),
     }
+
+
+def nodes_of(m: Membership) -> list[dict[str, Any]]:
+    """Where the final generation's ranks run: one row per (node rank, host); a rank taken
+    over by a spare of a standby host has node_rank None."""
+    rows: dict[tuple, list[int]] = {}
+    for r, mem in sorted(m.members.items()):
+        rows.setdefault((mem.node, mem.host), []).append(r)
+    return [{"node_rank": n, "host": h, "ranks": ranks} for (n, h), ranks in rows.items()]
 
 
 def _outage(start: float, end: float, commits: list[tuple[int, float]]) -> dict[str, Any]:

@@ -110,6 +110,8 @@ def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = ()
     m = decode(client.get(keys.membership).value)
     for r in lost:  # the lost ranks now run on the standby host
         assert m["members"][r]["host"] == hosts.addrs[3] and m["members"][r]["role"] == "spare", m["members"]
+    assert rep["nodes"] == [{"node_rank": 0, "host": hosts.addrs[1], "ranks": list(range(per_node))},
+                            {"node_rank": None, "host": hosts.addrs[3], "ranks": lost}], rep["nodes"]  # fmt: skip
     spares.wait(timeout=30)
     print("node loss:", rec)
     return rep

@@ -107,7 +107,8 @@ class Coordinator(Checks):
         while True:
             try:
                 state = self._lead()
-            except EtcdUnavailableError as exc:  # an outage: the election decides who leads after it
+            except (EtcdUnavailableError, InterruptedError) as exc:  # an outage (or a candidate lease lost
+                # while campaigning): the election decides who leads after it
                 log.warning("etcd unavailable while taking the lead; campaigning again", extra={"err": str(exc)})
                 state = "deposed"
                 time.sleep(0.2)

@@ -61,10 +61,11 @@ def hosts():
         yield h
 
 
-def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = ()) -> dict:
+def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = (), cut: bool = False) -> dict:
     """etcd on host 0, per_node ranks on each of hosts 1 and 2, per_node spares on standby
     host 3; every process of host 2 (agent, workers, coordinator candidate) SIGKILLed at
-    step 10. Returns the surviving agent's report, checked against a fault-free run."""
+    step 10, or (cut) host 2's link taken down until its ranks were replaced, then healed.
+    Returns the surviving agent's report, checked against a fault-free run."""
     work = [*WORK, *args]
     world = 2 * per_node
     # the fault-free reference on one node, its buddies where the two-node job has them
@@ -76,8 +77,8 @@ def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = ()
     agent = ["--nproc-per-node", str(per_node)]
     a1 = _agent(procs, hosts.wrap(1, []), etcd, job, tmp_path, "h1", *agent, "--host", hosts.addrs[1],
                 "--node-rank", "0", report=tmp_path / "r1.json", work=work)  # fmt: skip
-    _agent(procs, hosts.wrap(2, []), etcd, job, tmp_path, "h2", *agent, "--host", hosts.addrs[2], "--node-rank", "1",
-           quiet=True, work=work)  # fmt: skip
+    a2 = _agent(procs, hosts.wrap(2, []), etcd, job, tmp_path, "h2", *agent, "--host", hosts.addrs[2],
+                "--node-rank", "1", quiet=True, work=work, report=tmp_path / "r2.json")  # fmt: skip
     spares = procs.spawn(hosts.wrap(3, [sys.executable, "-m", "livemig.spare_pool.cli", "start", "--etcd", etcd,
                                         "--job", job, "--count", str(per_node), "--host", hosts.addrs[3], *work]),
                          env=_env(tmp_path, "h3"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -96,8 +97,17 @@ def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = ()
     hosts_of = {int(r): mem["host"] for r, mem in m["members"].items()}
     want = {r: hosts.addrs[1 + r // per_node] for r in range(world)}
     assert hosts_of == want, hosts_of  # ranks advertise --host; global rank = node rank x per node + i
-    killed = hosts.kill_all(2)
-    assert len(killed) >= 2 + per_node, killed  # the agent, its workers, its coordinator candidate
+    if cut:
+        hosts.cut(2)
+        while time.monotonic() < deadline:  # replaced: a committed generation without host 2
+            m = decode(client.get(keys.membership).value)
+            if m["generation"] >= 2 and m["state"] == "committed":
+                break
+            time.sleep(0.1)
+        hosts.heal(2)
+    else:
+        killed = hosts.kill_all(2)
+        assert len(killed) >= 2 + per_node, killed  # the agent, its workers, its coordinator candidate
     out, err = a1.communicate(timeout=240)
     assert a1.returncode == 0, out.decode()[-2000:] + err.decode()[-2000:]
     rep = json.loads((tmp_path / "r1.json").read_text())
@@ -113,6 +123,12 @@ def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = ()
     assert rep["nodes"] == [{"node_rank": 0, "host": hosts.addrs[1], "ranks": list(range(per_node))},
                             {"node_rank": None, "host": hosts.addrs[3], "ranks": lost}], rep["nodes"]  # fmt: skip
     spares.wait(timeout=30)
+    if cut:  # healed: host 2's processes found themselves fenced and stopped, writing nothing
+        a2.wait(timeout=60)
+        rep2 = json.loads((tmp_path / "r2.json").read_text())
+        codes = {p["name"]: p["exit_code"] for p in rep2["processes"] if p["role"] == "worker"}
+        assert all(c in (3, -9) for c in codes.values()), codes
+        assert rep2["rank_digests"] == rep["rank_digests"]
     print("node loss:", rec)
     return rep
 
@@ -120,6 +136,11 @@ def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = ()
 @needs_netns
 def test_a_whole_node_lost_is_replaced_from_a_standby_host_exactly(tmp_path, procs, hosts):
     _node_loss(tmp_path, procs, hosts, 1)
+
+
+@needs_netns
+def test_a_worker_host_cut_off_is_replaced_and_stops_as_fenced_when_healed(tmp_path, procs, hosts):
+    _node_loss(tmp_path, procs, hosts, 1, cut=True)
 
 
 @needs_netns

@@ -143,7 +143,7 @@ class Launcher:
     # -- processes --------------------------------------------------------------------------
     def _spawn(self, name: str, role: str, argv: list[str], env: dict[str, str],
                rank: int | None = None) -> Child:  # fmt: skip
-        inc = new_incarnation(role)
+        inc = new_incarnation(role, self.net_env.get(ENV_HOST))  # --host names the node, not the hostname
         full = dict(os.environ)
         full.update(self.cfg.timeouts.to_env())
         if self.cfg.on_error:

@@ -177,3 +177,57 @@ def test_agents_that_do_not_fit_the_run_are_refused(tmp_path, procs):
     for a in (a0, a1):
         out, err = a.communicate(timeout=120)
         assert a.returncode == 0, out.decode()[-1500:] + err.decode()[-1500:]
+
+
+@needs_netns
+def test_the_node_of_the_leader_and_an_etcd_member_lost_exactly(tmp_path, procs, hosts):
+    """A 3-member etcd (`livemig etcd`) on hosts 0, 1 and 2; two ranks on each of hosts 1
+    and 2; spares on host 3. The host whose coordinator candidate leads is lost with its
+    etcd member: quorum holds, the other node's candidate takes over, both lost ranks are
+    replaced in one recovery, exact."""
+    per_node, world = 2, 4
+    ref = livemig_run(tmp_path, world, job="ref", script=STATEFUL, workload=WORK[1:],
+                      env={**SLEEP, "LIVEMIG_BUDDY_STRIDE": str(per_node)})  # fmt: skip
+    assert ref.rc == 0, ref.stderr
+    cluster = ",".join(f"e{k}=http://{hosts.addrs[k]}:2380" for k in range(3))
+    for k in range(3):
+        procs.spawn(hosts.wrap(k, [sys.executable, "-m", "livemig.cli", "etcd", "--name", f"e{k}", "--listen",
+                                   hosts.addrs[k], "--cluster", cluster, "--data-dir", str(tmp_path / f"etcd{k}")]),
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    etcd = ",".join(f"http://{hosts.addrs[k]}:2379" for k in range(3))
+    job = "ha"
+    agents = {}
+    for k in (1, 2):
+        agents[k] = _agent(procs, hosts.wrap(k, []), etcd, job, tmp_path, f"h{k}", "--nproc-per-node", "2",
+                           "--host", hosts.addrs[k], "--node-rank", str(k - 1), quiet=True,
+                           report=tmp_path / f"r{k}.json")  # fmt: skip
+    procs.spawn(hosts.wrap(3, [sys.executable, "-m", "livemig.spare_pool.cli", "start", "--etcd", etcd, "--job", job,
+                               "--count", "2", "--host", hosts.addrs[3], *WORK]),
+                env=_env(tmp_path, "h3"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    client = EtcdClient(etcd)
+    keys = JobKeys(job)
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        kv = client.get(keys.progress(0))
+        warm = [k for k in client.get_prefix(keys.spares_prefix)[0] if (decode(k.value) or {}).get("state") == "warm"]
+        if kv is not None and decode(kv.value)["step"] >= 10 and len(warm) == 2 and client.get(keys.leader):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the job never reached step 10 with its spares warm")
+    leader = client.get(keys.leader).value.decode()  # coordinator-<host>-<pid>-<random>
+    victim = hosts.addrs.index(leader.split("-")[1])
+    assert victim in (1, 2), leader
+    hosts.kill_all(victim)  # its agent, two workers, the leading coordinator, an etcd member
+    survivor = 3 - victim
+    agents[survivor].wait(timeout=240)
+    rep = json.loads((tmp_path / f"r{survivor}.json").read_text())
+    assert agents[survivor].returncode == 0, (tmp_path / f"h{survivor}.out").read_text()[-3000:]
+    assert rep["steps_completed"] == STEPS and rep["rank_digests"] == ref.report["rank_digests"]
+    (rec,) = rep["recoveries"]
+    lost = [r for r in range(world) if r // per_node == victim - 1]
+    fence = next(e for e in rep["timeline"] if e["phase"] == "fence")
+    assert fence["ranks"] == lost, fence
+    new_leader = client.get(keys.leader)
+    assert new_leader is None or hosts.addrs[survivor] in new_leader.value.decode()
+    print("leader node loss:", rec)

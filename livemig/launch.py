@@ -230,6 +230,16 @@ class Launcher:
         def reattach(lease: int) -> None:  # after an etcd outage: the same node key, a new lease
             self.client.put(self.keys.node(box["rank"]), encode({**info, "run_id": box["run"]}), lease)
 
+        # etcd may come up with the agents (a batch script, a pod): wait for it up to the join timeout
+        deadline = time.monotonic() + cfg.join_timeout
+        while True:
+            try:
+                self.client.get(self.keys.run)
+                break
+            except EtcdUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                self.say(f"livemig: etcd at {self.etcd} does not answer yet; waiting (LIVEMIG_JOIN_TIMEOUT)")
         self.node_keeper = LeaseKeeper(self.client, cfg.timeouts.lease_ttl_s, name="node",
                                        outage_budget_s=cfg.timeouts.etcd_outage.total_seconds(),
                                        reattach=reattach)  # fmt: skip

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 from livemig.comm.group import retire
 from livemig.config import ENV_RANK, node_host, node_rank
 from livemig.errors import ConfigError, EtcdUnavailableError
 from livemig.rdzv.client import decode
-from livemig.rdzv.watch import wait_for
+from livemig.rdzv.watch import PrefixWatch, wait_for
 from livemig.runtime.control import _Activate, _Stop
 from livemig.state import digest
 
@@ -49,22 +50,25 @@ class Standby:
         log.info("spare warm", extra={"spare": self.spare_id, "warmup_s": round(self._warm_s, 3)})
         t_warm = time.monotonic()
         key = rt.keys.assignment(self.spare_id)
-        while True:
-            try:
-                raw = wait_for(rt.client, key, lambda s: s.get(key), 2.0, "a claim",
-                               abort=rt.fenced.is_set)  # fmt: skip
-                break
-            except TimeoutError:
-                if rt.client.get(rt.keys.result) is not None:  # the job ended without needing us
-                    keeper.stop(revoke=True)
-                    log.info("the job ended: spare exits", extra={"spare": self.spare_id})
-                    raise _Stop() from None
-                continue
-            except EtcdUnavailableError:  # an outage: stay warm, the lease rides it through
-                time.sleep(0.5)
-                continue
-            except InterruptedError:
-                rt.check_fenced()
+        ended = threading.Event()  # the job's result: a spare that was not needed exits at once
+        _, rev = rt.client.get_with_revision(rt.keys.result)
+        watch = PrefixWatch(rt.client, rt.keys.result, lambda ev: ended.set(), rev + 1)
+        try:
+            while True:
+                try:
+                    raw = wait_for(rt.client, key, lambda s: s.get(key), 2.0, "a claim",
+                                   abort=lambda: rt.fenced.is_set() or ended.is_set())  # fmt: skip
+                    break
+                except (TimeoutError, InterruptedError):
+                    rt.check_fenced()
+                    if ended.is_set() or rt.client.get(rt.keys.result) is not None:
+                        keeper.stop(revoke=True)
+                        log.info("the job ended: spare exits", extra={"spare": self.spare_id})
+                        raise _Stop() from None
+                except EtcdUnavailableError:  # an outage: stay warm, the lease rides it through
+                    time.sleep(0.5)
+        finally:
+            watch.cancel()
         a = decode(raw)
         self._standby_info = {
             "warmup_s": self._warm_s, "warm_rss_mb": info["peak_rss_mb"],

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import time
+import uuid
 from datetime import timedelta
 
 import psutil
@@ -37,15 +38,45 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--for", dest="duration", type=float, default=30.0, help="slow: for this long, s (default 30)")
     p.add_argument("--member", type=int, default=0, help="etcd-kill: index of the etcd member (default 0)")
     p.add_argument("--pid", type=int, help="signal this pid instead (e.g. to resume a fenced process)")
+    p.add_argument("--via-agent", action="store_true",
+                   help="kill/hang/resume: ask the target's agent through etcd even if it runs here (automatic "
+                        "for a process on another host)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this long, s")
     p.add_argument("--etcd")
     p.add_argument("--etcd-timeout", type=float, default=5.0)
     p.set_defaults(fn=cmd_inject)
 
 
+def _is_local(host: str) -> bool:
+    if not host or host in (socket.gethostname(), "sim"):
+        return True
+    return any(a.address == host for addrs in psutil.net_if_addrs().values() for a in addrs)
+
+
 def _local(host: str, what: str) -> None:
-    if host and host not in (socket.gethostname(), "sim"):
+    if not _is_local(host):
         raise ConfigError(f"{what} runs on host {host}: run `livemig inject` there")
+
+
+def _via_agent(a: argparse.Namespace, client: EtcdClient, rdzv: Rendezvous, step: int) -> int:
+    """kill / hang / resume of a rank on another host: a request its agent carries out."""
+    m = rdzv.read()
+    mem = m.members.get(a.rank) if a.rank is not None else None
+    if mem is None:
+        raise ConfigError(f"job {a.job} has no member with rank {a.rank} (generation {m.generation})")
+    rid = uuid.uuid4().hex[:8]
+    key = rdzv.keys.inject_request(rid)
+    client.put(key, encode({"kind": a.kind, "rank": a.rank, "incarnation": mem.incarnation, "step": step,
+                            "time": time.time()}))  # fmt: skip
+    deadline = time.monotonic() + 30
+    while client.get(key) is not None:
+        if time.monotonic() > deadline:
+            client.delete(key)
+            raise ConfigError(f"no agent carried out {a.kind} of rank {a.rank} ({mem.host}) within 30 s: "
+                              "is its `livemig run` alive?")  # fmt: skip
+        time.sleep(0.05)
+    print(f"injected {a.kind} into rank {a.rank} on {mem.host} (by its agent) at step {step}")
+    return 0
 
 
 def _target_pid(a: argparse.Namespace, rdzv: Rendezvous, client: EtcdClient) -> int:
@@ -112,6 +143,10 @@ def cmd_inject(a: argparse.Namespace) -> int:
         client.put(keys.inject_corrupt(a.rank), encode({"time": time.time()}))
         print(f"rank {a.rank} will corrupt the next chunk it serves")
         return 0
+    if a.kind in ("kill", "hang", "resume") and a.pid is None and a.rank is not None:
+        mem = rdzv.read().members.get(a.rank)
+        if a.via_agent or (mem is not None and not _is_local(mem.host)):
+            return _via_agent(a, client, rdzv, step)
     pid = _target_pid(a, rdzv, client)
     sig = {"hang": signal.SIGSTOP, "resume": signal.SIGCONT}.get(a.kind, signal.SIGKILL)
     try:

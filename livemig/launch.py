@@ -6,6 +6,7 @@ etcd at once, inject planned faults); print progress; clean up everything.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -289,6 +290,7 @@ class Launcher:
             self._faults(by_key)
             self._kill_fenced(by_key)
             self._forget_fenced(by_key)
+            self._inject_requests(by_key)
             self._progress(by_key)
             res = by_key.get(self.keys.result)
             if res is not None and result is None:
@@ -370,6 +372,26 @@ class Launcher:
         for c in self.children:
             if c.proc.poll() is not None and c.reported and self.keys.fenced(c.incarnation) in by_key:
                 self.client.delete(self.keys.fenced(c.incarnation))
+
+    def _inject_requests(self, by_key: dict) -> None:
+        """`livemig inject` from another host (inject.py): kill, hang or resume one of our children."""
+        assert self.client is not None
+        for key, kv in by_key.items():
+            if not key.startswith(self.keys.inject_requests_prefix):
+                continue
+            req = decode(kv.value) or {}
+            child = next((c for c in self.children if c.incarnation == req.get("incarnation")), None)
+            if child is None or child.proc.poll() is not None:
+                continue
+            sig = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "resume": signal.SIGCONT}.get(req.get("kind"))
+            if sig is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.proc.pid, sig)
+                if req["kind"] != "resume":
+                    record_fault(self.client, self.keys, req["kind"], req.get("rank"), int(req.get("step", 0)),
+                                 time.time())  # fmt: skip
+                self.say(f"livemig: injected {req['kind']} of {child.name} (requested through etcd)")
+            self.client.delete(key)
 
     def _holder(self, rank: int, by_key: dict) -> Child | None:
         raw = by_key.get(self.keys.membership)

@@ -151,6 +151,14 @@ class JobKeys:
         """A member's end-of-run record: steps, state digest, commit times."""
         return f"{self.final_prefix}{rank}"
 
+    @property
+    def inject_requests_prefix(self) -> str:
+        return self.prefix + "inject/requests/"
+
+    def inject_request(self, rid: str) -> str:
+        """`livemig inject` for a process on another host: its agent carries it out, then deletes this."""
+        return f"{self.inject_requests_prefix}{rid}"
+
     def inject_corrupt(self, rank: int) -> str:
         """Fault injection: the member holding `rank` corrupts the next chunk it serves."""
         return f"{self.prefix}inject/corrupt/{rank}"

@@ -152,10 +152,13 @@ def test_a_node_of_two_zero1_ranks_with_local_state_lost_exactly(tmp_path, procs
 
 def test_agents_that_do_not_fit_the_run_are_refused(tmp_path, procs):
     """A second agent with a taken node rank, and one with another --nproc-per-node, are
-    refused with one line; the agent of the missing node rank then completes the job."""
+    refused with one line; the agent of the missing node rank then joins, and a kill asked
+    with `livemig inject --via-agent` (how a rank on another host is reached) is carried
+    out by the agent holding the rank and recovered on its node's spare."""
     etcd = _start_etcd(procs, [], None)
     job = "fit"
-    a0 = _agent(procs, [], etcd, job, tmp_path, "a0", "--node-rank", "0", "--host", "127.0.0.1")
+    a0 = _agent(procs, [], etcd, job, tmp_path, "a0", "--node-rank", "0", "--host", "127.0.0.1", "--spares", "1",
+                report=tmp_path / "r0.json")  # fmt: skip
     client = EtcdClient(etcd)
     deadline = time.monotonic() + 30
     while client.get(JobKeys(job).node(0)) is None and time.monotonic() < deadline:
@@ -174,9 +177,15 @@ def test_agents_that_do_not_fit_the_run_are_refused(tmp_path, procs):
     _, err = other.communicate(timeout=60)
     assert other.returncode == 2 and "nproc_per_node=1, this agent has 2" in err.decode(), err.decode()
     a1 = _agent(procs, [], etcd, job, tmp_path, "a3", "--node-rank", "auto", "--host", "127.0.0.1")
+    inject = subprocess.run([sys.executable, "-m", "livemig.cli", "inject", "kill", "--etcd", etcd, "--job", job,
+                             "--rank", "1", "--at-step", "15", "--via-agent", "--timeout", "120"],
+                            capture_output=True, text=True, timeout=150, cwd=REPO)  # fmt: skip
+    assert inject.returncode == 0 and "by its agent" in inject.stdout, inject.stdout + inject.stderr
     for a in (a0, a1):
         out, err = a.communicate(timeout=120)
         assert a.returncode == 0, out.decode()[-1500:] + err.decode()[-1500:]
+    rep = json.loads((tmp_path / "r0.json").read_text())
+    assert rep["steps_completed"] == STEPS and rep["replicas_identical"] and len(rep["recoveries"]) == 1, rep
 
 
 @needs_netns

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 from livemig.comm.group import retire
 from livemig.config import ENV_RANK, node_host, node_rank
@@ -21,6 +22,13 @@ from livemig.runtime.control import _Activate, _Stop
 from livemig.state import digest
 
 log = logging.getLogger("livemig.runtime.standby")
+
+
+def _result_exists(rt: Any) -> bool:
+    try:
+        return rt.client.get(rt.keys.result) is not None
+    except EtcdUnavailableError:  # an outage: the lease rides it through, and so does the wait
+        return False
 
 
 class Standby:
@@ -51,7 +59,9 @@ class Standby:
         t_warm = time.monotonic()
         key = rt.keys.assignment(self.spare_id)
         ended = threading.Event()  # the job's result: a spare that was not needed exits at once
-        _, rev = rt.client.get_with_revision(rt.keys.result)
+        result, rev = rt.client.get_with_revision(rt.keys.result)
+        if result is not None:
+            ended.set()
         watch = PrefixWatch(rt.client, rt.keys.result, lambda ev: ended.set(), rev + 1)
         try:
             while True:
@@ -61,7 +71,7 @@ class Standby:
                     break
                 except (TimeoutError, InterruptedError):
                     rt.check_fenced()
-                    if ended.is_set() or rt.client.get(rt.keys.result) is not None:
+                    if ended.is_set() or _result_exists(rt):
                         keeper.stop(revoke=True)
                         log.info("the job ended: spare exits", extra={"spare": self.spare_id})
                         raise _Stop() from None

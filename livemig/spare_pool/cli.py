@@ -64,8 +64,16 @@ def cmd_start(a: argparse.Namespace) -> int:
         raise ConfigError(f"training script {a.script!r} not found")
     client, etcd = _client(a)
     keys = JobKeys(a.job)
-    raw = wait_for(client, keys.run, lambda s: s.get(keys.run), a.wait_job,
-                   f"job {a.job} to start (its run key: an agent has started)")  # fmt: skip
+    deadline = time.monotonic() + a.wait_job
+    while True:  # etcd may come up with the job (a batch script): wait for it too
+        try:
+            raw = wait_for(client, keys.run, lambda s: s.get(keys.run), max(0.1, deadline - time.monotonic()),
+                           f"job {a.job} to start (its run key: an agent has started)")  # fmt: skip
+            break
+        except EtcdUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
     run = decode(raw) or {}
     world = a.world_size or int(run.get("nnodes", 1)) * int(run.get("nproc_per_node", 0))
     if world < 1:

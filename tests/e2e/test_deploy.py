@@ -67,20 +67,20 @@ def test_slurm_batch_scripts_run_a_job_over_two_nodes_with_spares(tmp_path):
                     TRAIN=train, LIVEMIG_JOB="slurm-test", FAKE_SLURM_STATE=str(tmp_path),
                     FAKE_SLURM_NETNS=",".join(f"{a}={n}" for a, n in zip(hosts.addrs, hosts.names, strict=True)),
                     LIVEMIG_RUN_ARGS="--lease-ttl 2", TMPDIR=str(tmp_path))  # fmt: skip
+        etcd = f"http://{hosts.addrs[0]}:2379"  # where livemig.sbatch starts it: the first node
+        spares = subprocess.Popen(  # first: they wait for etcd and the job, and are warm when it forms
+            ["bash", os.path.join(SLURM, "spares.sbatch"), "--steps", "30", "--layers", "2", "--batch", "32"],
+            env=dict(base, SLURM_JOB_ID="43", SLURM_NNODES="1", SLURM_JOB_NODELIST=hosts.addrs[2],
+                     LIVEMIG_ETCD=etcd, SPARES_PER_NODE="2"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
         workers = subprocess.Popen(
             ["bash", os.path.join(SLURM, "livemig.sbatch"), "--steps", "30", "--layers", "2", "--batch", "32"],
             env=dict(base, SLURM_JOB_ID="42", SLURM_NNODES="2", SLURM_JOB_NODELIST=",".join(hosts.addrs[:2])),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )  # fmt: skip
         out = workers.stdout.readline()
-        assert out.startswith("livemig: job slurm-test on 2 nodes, etcd http://"), out
-        etcd = out.split()[-1]
-        spares = subprocess.Popen(
-            ["bash", os.path.join(SLURM, "spares.sbatch"), "--steps", "30", "--layers", "2", "--batch", "32"],
-            env=dict(base, SLURM_JOB_ID="43", SLURM_NNODES="1", SLURM_JOB_NODELIST=hosts.addrs[2],
-                     LIVEMIG_ETCD=etcd, SPARES_PER_NODE="2"),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )  # fmt: skip
+        assert out.startswith(f"livemig: job slurm-test on 2 nodes, etcd {etcd}"), out
         try:
             rest, _ = workers.communicate(timeout=240)
             sp_out, _ = spares.communicate(timeout=60)

@@ -53,6 +53,26 @@ def _agent(procs, argv_prefix, etcd, job, tmp_path, name, *extra: str, report=No
     return procs.spawn([*cmd, *work], env=_env(tmp_path, name))
 
 
+def _standby(procs, hosts, etcd: str, job: str, tmp_path, count: int, work: list[str]) -> subprocess.Popen:
+    """`count` spares on standby host 3."""
+    return procs.spawn(hosts.wrap(3, [sys.executable, "-m", "livemig.spare_pool.cli", "start", "--etcd", etcd,
+                                      "--job", job, "--count", str(count), "--host", hosts.addrs[3], *work]),
+                       env=_env(tmp_path, "h3"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+def _until_step_10_with_warm_spares(client: EtcdClient, keys: JobKeys, count: int) -> float:
+    """Wait until rank 0 committed step 10, `count` spares are warm and a leader leads;
+    returns the test's deadline for what follows."""
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        kv = client.get(keys.progress(0))
+        warm = [k for k in client.get_prefix(keys.spares_prefix)[0] if (decode(k.value) or {}).get("state") == "warm"]
+        if kv is not None and decode(kv.value)["step"] >= 10 and len(warm) == count and client.get(keys.leader):
+            return deadline
+        time.sleep(0.05)
+    pytest.fail("the job never reached step 10 with its spares warm")
+
+
 @pytest.fixture
 def hosts():
     from livemig.netns import Hosts
@@ -79,20 +99,10 @@ def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = ()
                 "--node-rank", "0", report=tmp_path / "r1.json", work=work)  # fmt: skip
     a2 = _agent(procs, hosts.wrap(2, []), etcd, job, tmp_path, "h2", *agent, "--host", hosts.addrs[2],
                 "--node-rank", "1", quiet=True, work=work, report=tmp_path / "r2.json")  # fmt: skip
-    spares = procs.spawn(hosts.wrap(3, [sys.executable, "-m", "livemig.spare_pool.cli", "start", "--etcd", etcd,
-                                        "--job", job, "--count", str(per_node), "--host", hosts.addrs[3], *work]),
-                         env=_env(tmp_path, "h3"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    spares = _standby(procs, hosts, etcd, job, tmp_path, per_node, work)
     client = EtcdClient(etcd)
     keys = JobKeys(job)
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline:
-        kv = client.get(keys.progress(0))
-        warm = [k for k in client.get_prefix(keys.spares_prefix)[0] if (decode(k.value) or {}).get("state") == "warm"]
-        if kv is not None and decode(kv.value)["step"] >= 10 and len(warm) == per_node:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the job never reached step 10 with its spares warm")
+    deadline = _until_step_10_with_warm_spares(client, keys, per_node)
     m = decode(client.get(keys.membership).value)
     hosts_of = {int(r): mem["host"] for r, mem in m["members"].items()}
     want = {r: hosts.addrs[1 + r // per_node] for r in range(world)}
@@ -210,20 +220,10 @@ def test_the_node_of_the_leader_and_an_etcd_member_lost_exactly(tmp_path, procs,
         agents[k] = _agent(procs, hosts.wrap(k, []), etcd, job, tmp_path, f"h{k}", "--nproc-per-node", "2",
                            "--host", hosts.addrs[k], "--node-rank", str(k - 1), quiet=True,
                            report=tmp_path / f"r{k}.json")  # fmt: skip
-    procs.spawn(hosts.wrap(3, [sys.executable, "-m", "livemig.spare_pool.cli", "start", "--etcd", etcd, "--job", job,
-                               "--count", "2", "--host", hosts.addrs[3], *WORK]),
-                env=_env(tmp_path, "h3"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    _standby(procs, hosts, etcd, job, tmp_path, 2, WORK)
     client = EtcdClient(etcd)
     keys = JobKeys(job)
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline:
-        kv = client.get(keys.progress(0))
-        warm = [k for k in client.get_prefix(keys.spares_prefix)[0] if (decode(k.value) or {}).get("state") == "warm"]
-        if kv is not None and decode(kv.value)["step"] >= 10 and len(warm) == 2 and client.get(keys.leader):
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the job never reached step 10 with its spares warm")
+    _until_step_10_with_warm_spares(client, keys, 2)
     leader = client.get(keys.leader).value.decode()  # coordinator-<host>-<pid>-<random>
     victim = hosts.addrs.index(leader.split("-")[1])
     assert victim in (1, 2), leader

@@ -7,10 +7,12 @@
    them in parallel from a single thread (one DEALER socket per source,
    `WINDOW` requests outstanding on each: no stop-and-wait).
 3. Each chunk's data frame is received with `recv_into` straight into the
-   destination tensor's bytes, then checked against the header's xxh3. A
-   bad chunk is refetched from another source; a source that errors, sends
-   bad data repeatedly, or stalls past `timeout` is dropped and its
-   outstanding and remaining chunks go to the others.
+   destination tensor's bytes, then checked against the header's keyed MAC
+   (protocol.py). Every reply's tag is checked against the nonce of the
+   request it answers. A bad chunk or a forged reply is refetched from another
+   source; a source that errors, sends bad data repeatedly, or stalls past
+   `timeout` is dropped and its outstanding and remaining chunks go to the
+   others.
 4. The state is returned only when every chunk verified: a caller never
    sees (or commits) a half-loaded state.
 
@@ -21,6 +23,7 @@ Peak extra memory on the receiver is what zmq holds between arrival and
 from __future__ import annotations
 
 import collections
+import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -66,10 +69,33 @@ class _Source:
         self.bad = 0
         self.served = 0
         self.error = ""
+        self.nonces: dict[int, bytes] = {}  # outstanding request -> its nonce (-1: the header)
 
     def request(self, job: str, secret: bytes, gen: int, item: str, op: str, **kw: Any) -> None:
-        body = P.pack({"op": op, "job": job, "gen": gen, "item": item, **kw})
+        body, nonce = P.request_body(job, gen, item, op, **kw)
+        self.nonces[int(kw.get("seq", -1))] = nonce
         self.sock.send_multipart([P.mac(secret, body), body])
+
+    def reply(self, key: bytes) -> tuple[dict | None, bool]:
+        """The next reply's meta (None if it is not an authentic answer to one of our
+        requests) and whether a data frame follows. The tag is checked against the nonce
+        of the request the reply names (the header: -1)."""
+        raw = self.sock.recv()
+        got = self.sock.recv() if self.sock.getsockopt(zmq.RCVMORE) else b""
+        more = bool(self.sock.getsockopt(zmq.RCVMORE))
+        try:
+            meta = P.unpack(raw)
+        except Exception:  # noqa: BLE001 - garbage on the wire
+            return None, more
+        if not isinstance(meta, dict):
+            return None, more
+        seq = meta.get("seq", -1) if meta.get("ok") else None
+        cands = [self.nonces[seq]] if isinstance(seq, int) and seq in self.nonces else list(self.nonces.values())
+        if any(P.tag_ok(key, n, raw, got) for n in cands):
+            return meta, more
+        if not meta.get("ok") and P.tag_ok(key, b"", raw, got):
+            return meta, more  # a request the server could not read back (its nonce unknown to it)
+        return None, more
 
     def close(self) -> None:
         self.sock.close(0)
@@ -99,12 +125,12 @@ def pull(
         dests = _destinations(metas, alloc)
         views = [as_bytes(t).numpy() for t in dests]
         chunks = P.plan([m["nbytes"] for m in metas], header["chunk"])
-        hashes = header["hashes"]
-        if len(hashes) != len(chunks) or P.combine(hashes) != header["digest"]:
+        macs = header["macs"]
+        if len(macs) != len(chunks) or P.combine(macs) != header["digest"]:
             raise TransferError(f"source {alive[0].addr} sent an inconsistent header")
         for src, rng in zip(alive, P.stripes(len(chunks), len(alive)), strict=True):
             src.queue.extend(rng)
-        refetched = _stream(alive, chunks, hashes, views, job, secret, gen, item, stall_s, dropped, abort)
+        refetched = _stream(alive, chunks, macs, views, job, secret, gen, item, stall_s, dropped, abort)
         state = unflatten(header["skeleton"], dests)
         return Pulled(
             header["step"], state, sum(m["nbytes"] for m in metas), time.monotonic() - t0,
@@ -119,6 +145,7 @@ def _headers(sources: list[_Source], job: str, secret: bytes, gen: int, item: st
              dropped: list[str], stall: float = 3.0, abort: Callable[[], bool] | None = None,
              ) -> tuple[dict, list[_Source]]:  # fmt: skip
     """Headers from every source; once one answered, the others get `stall` more seconds."""
+    key = P.reply_key(secret)
     for s in sources:
         s.request(job, secret, gen, item, "header")
     headers: dict[str, dict] = {}
@@ -133,8 +160,15 @@ def _headers(sources: list[_Source], job: str, secret: bytes, gen: int, item: st
         for sock, _ in poller.poll(50):
             s = pending.pop(sock)
             poller.unregister(sock)
-            meta = P.unpack(sock.recv_multipart()[0])
-            if meta.get("ok"):
+            meta, more = s.reply(key)
+            while more:  # a data frame with a header reply: not ours to keep
+                more = bool(sock.recv() is not None and sock.getsockopt(zmq.RCVMORE))
+            if meta is None:
+                s.error = (
+                    "authentication failed: its reply is not signed with this job's secret (forged? wrong secret?)"
+                )
+                log.error("unauthenticated transfer reply", extra={"source": s.addr})
+            elif meta.get("ok") and isinstance(meta.get("macs"), list):
                 headers[s.addr] = meta
                 deadline = min(deadline, time.monotonic() + stall)
             else:
@@ -168,9 +202,10 @@ def _destinations(metas: list[dict], alloc: Alloc | None) -> list[torch.Tensor]:
     return dests
 
 
-def _stream(alive: list[_Source], chunks: list[P.Chunk], hashes: list[int], views: list, job: str,
+def _stream(alive: list[_Source], chunks: list[P.Chunk], macs: list[bytes], views: list, job: str,
             secret: bytes, gen: int, item: str, timeout: float, dropped: list[str],
             abort: Callable[[], bool] | None = None) -> int:  # fmt: skip
+    key = P.reply_key(secret)
     remaining = len(chunks)
     done = [False] * len(chunks)
     refetched = 0
@@ -213,19 +248,29 @@ def _stream(alive: list[_Source], chunks: list[P.Chunk], hashes: list[int], view
             s = by_sock.get(sock)
             if s is None:
                 continue
-            meta = P.unpack(sock.recv())
+            meta, more = s.reply(key)
             s.last_reply = time.monotonic()
+            seq = meta.get("seq") if meta is not None else None
+            if meta is None or (meta.get("ok") and not (isinstance(seq, int) and 0 <= seq < len(chunks))):
+                while more:  # discard the rest of a forged reply; never written anywhere
+                    sock.recv()
+                    more = bool(sock.getsockopt(zmq.RCVMORE))
+                s.bad += 1
+                log.error("unauthenticated transfer reply dropped", extra={"source": s.addr})
+                if s.bad >= MAX_BAD_CHUNKS:
+                    drop(s, f"source {s.addr} sent {s.bad} replies that failed authentication")
+                continue
             if not meta.get("ok"):
                 drop(s, f"source {s.addr} refused: {meta.get('error')}")
                 continue
-            seq = meta["seq"]
             c = chunks[seq]
             dest = views[c.tensor][c.offset : c.offset + c.length]
-            n = sock.recv_into(dest) if sock.getsockopt(zmq.RCVMORE) else -1
+            n = sock.recv_into(dest) if more else -1
             s.inflight.pop(seq, None)
+            s.nonces.pop(seq, None)
             if done[seq]:
                 continue  # a duplicate after a reassignment: already verified
-            if n != c.length or P.chunk_hash(dest) != hashes[seq]:
+            if n != c.length or not hmac.compare_digest(P.chunk_mac(key, dest), bytes(macs[seq])):
                 s.bad += 1
                 refetched += 1
                 log.warning("chunk failed its checksum; refetching", extra={"seq": seq, "source": s.addr})

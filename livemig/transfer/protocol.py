@@ -1,31 +1,41 @@
 """Wire format of state transfer (zmq multipart, msgpack, raw bytes; no pickle).
 
-Request:  [mac, body]       body = msgpack {op, job, gen, item, seq?}
-          mac = HMAC-SHA256(job secret, body): unauthenticated requests are refused.
-Reply to "header": [msgpack {ok, step, gen, skeleton, tensors, chunk, hashes, digest}]
-Reply to "chunk":  [msgpack {ok, seq}, raw bytes of the chunk]
-Error replies:     [msgpack {ok: False, error: "..."}]
+Request:  [mac, body]   body = msgpack {op, job, gen, item, seq?, nonce, time}
+          mac = HMAC-SHA256(job secret, body). The server refuses a request whose MAC
+          is wrong, whose time is more than MAX_SKEW_S away from its clock, or whose
+          nonce it has seen within that window (a replay); requests over
+          MAX_REQUEST_BYTES are dropped by zmq itself (MAXMSGSIZE).
+Reply:    [meta, tag]          header and error replies
+          [meta, tag, data]    a chunk (the data frame last: received in place)
+          tag = keyed BLAKE3(reply key, nonce || meta): bound to the request's nonce,
+          so a reply can be neither forged nor replayed into another request.
+Header meta: {ok, step, gen, skeleton, tensors, chunk, macs, digest}.
 
-The chunk plan (tensor index, byte offset, length) is derived from the
-tensor sizes and the chunk size alone, so sender and receiver agree on it
-without sending it. Each chunk's checksum is xxh3-64 (non-cryptographic,
-~20 GB/s here: it catches corruption at a small fraction of the link's
-cost; authentication is the HMAC on requests). The whole-state digest is
-sha256 over the chunk checksums in plan order; the receiver accepts the
-state only if every chunk matched and the header's digest is consistent.
+Each chunk's data is authenticated by `macs[seq]` from the (authenticated) header:
+keyed BLAKE3 of the chunk's bytes, computed once per served snapshot. A MAC
+over a non-cryptographic checksum would not authenticate the data (xxh3 collides
+on purpose-built input), so the data itself is hashed with the key; a chunk that
+does not match is refetched from another source, and the state is returned only
+when every chunk matched. The whole-state digest is sha256 over the chunk MACs in
+plan order. The reply key is derived from the job secret (never the secret itself).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import time
 from dataclasses import dataclass
 
+import blake3
 import msgpack
-import xxhash
 
 CHUNK_BYTES = 4 << 20
 WINDOW = 4  # outstanding chunk requests per source
+MAX_SKEW_S = 60.0  # a request's time may differ this much from the server's clock (hosts' clocks)
+MAX_REQUEST_BYTES = 64 << 10  # zmq drops a peer that sends a larger message to a state server
+TAG_BYTES = 16
 
 
 def pack(obj: object) -> bytes:
@@ -44,8 +54,28 @@ def verify(secret: bytes, body: bytes, tag: bytes) -> bool:
     return hmac.compare_digest(mac(secret, body), tag)
 
 
-def chunk_hash(buf: object) -> int:
-    return xxhash.xxh3_64_intdigest(buf)
+def request_body(job: str, gen: int, item: str, op: str, **kw: object) -> tuple[bytes, bytes]:
+    """(body, nonce) of a fresh request: a random nonce and the sender's time."""
+    nonce = os.urandom(16)
+    return pack({"op": op, "job": job, "gen": gen, "item": item, "nonce": nonce, "time": time.time(), **kw}), nonce
+
+
+def reply_key(secret: bytes) -> bytes:
+    """The 32-byte BLAKE3 key of replies and chunk MACs, derived from the job secret."""
+    return blake3.blake3(secret, derive_key_context="livemig 2026 state transfer reply key").digest()
+
+
+def tag(key: bytes, nonce: bytes, meta: bytes) -> bytes:
+    return blake3.blake3(nonce + meta, key=key).digest(TAG_BYTES)
+
+
+def tag_ok(key: bytes, nonce: bytes, meta: bytes, got: bytes) -> bool:
+    return hmac.compare_digest(tag(key, nonce, meta), got)
+
+
+def chunk_mac(key: bytes, buf: object) -> bytes:
+    """Keyed BLAKE3 of a chunk's bytes (several threads for a large chunk)."""
+    return blake3.blake3(buf, key=key, max_threads=blake3.blake3.AUTO).digest(TAG_BYTES)
 
 
 @dataclass(frozen=True)
@@ -68,9 +98,9 @@ def stripes(n_chunks: int, n_sources: int) -> list[range]:
     return [range(i * n_chunks // n_sources, (i + 1) * n_chunks // n_sources) for i in range(n_sources)]
 
 
-def combine(hashes: list[int]) -> str:
-    """Digest of the whole state from its chunk checksums, in plan order."""
+def combine(macs: list[bytes]) -> str:
+    """Digest of the whole state from its chunk MACs, in plan order."""
     h = hashlib.sha256()
-    for c in hashes:
-        h.update(int(c).to_bytes(8, "little"))
+    for c in macs:
+        h.update(bytes(c))
     return h.hexdigest()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,13 +29,13 @@ Provider = Callable[[], tuple[int, Any]]
 
 
 class _Snapshot:
-    def __init__(self, step: int, obj: Any) -> None:
+    def __init__(self, step: int, obj: Any, key: bytes) -> None:
         self.tensors: list[torch.Tensor] = []
         self.skeleton = flatten(obj, self.tensors)
         self.step = step
         self.bytes = [as_bytes(t.contiguous()) for t in self.tensors]
         self.chunks = P.plan([b.numel() for b in self.bytes])
-        self.hashes = [P.chunk_hash(self._view(c)) for c in self.chunks]
+        self.macs = [P.chunk_mac(key, self._view(c)) for c in self.chunks]
 
     def _view(self, c: P.Chunk) -> memoryview:
         return memoryview(self.bytes[c.tensor][c.offset : c.offset + c.length].numpy())
@@ -55,9 +56,13 @@ class StateServer:
         self.served_chunks = 0
         self.job = job
         self.secret = secret
+        self.key = P.reply_key(secret)
+        self._seen: dict[bytes, float] = {}  # request nonces within the skew window: replays are refused
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_REQUEST_BYTES)  # a larger frame drops its sender
+        self._sock.setsockopt(zmq.RCVHWM, 4 * P.WINDOW)  # outstanding requests queued per connection
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.addr = f"tcp://{host}:{port}"
         self._lock = threading.Lock()
@@ -107,35 +112,61 @@ class StateServer:
             snap = self._snaps.get((gen, item))
             if snap is None:
                 step, obj = provider()
-                snap = self._snaps[(gen, item)] = _Snapshot(step, obj)
+                snap = self._snaps[(gen, item)] = _Snapshot(step, obj, self.key)
             return snap
 
-    def _handle(self, frames: list[bytes]) -> list[Any]:
+    def _check(self, frames: list[bytes]) -> tuple[dict | None, bytes, str]:
+        """(request, nonce, error): an authenticated, fresh, never-seen request, else why not."""
         if len(frames) != 2 or not P.verify(self.secret, frames[1], frames[0]):
-            log.warning("refused unauthenticated transfer request")
-            return [P.pack({"ok": False, "error": "authentication failed: wrong job secret"})]
-        req = P.unpack(frames[1])
+            return None, b"", "authentication failed: wrong job secret"
+        try:
+            req = P.unpack(frames[1])
+        except Exception:  # noqa: BLE001 - msgpack raises several types; authenticated but malformed
+            return None, b"", "malformed request"
+        nonce = req.get("nonce") if isinstance(req, dict) else None
+        sent = req.get("time") if isinstance(req, dict) else None
+        if not isinstance(nonce, bytes) or len(nonce) != 16 or not isinstance(sent, int | float):
+            return None, b"", "request without nonce and time (an older livemig?)"
+        now = time.time()
+        if abs(now - sent) > P.MAX_SKEW_S:
+            return None, nonce, f"stale request: {now - sent:+.0f}s from this host's clock (max {P.MAX_SKEW_S:g}s)"
+        if nonce in self._seen:
+            return None, nonce, "replayed request refused"
+        self._seen[nonce] = now
+        if len(self._seen) > 100_000 or next(iter(self._seen.values())) < now - 2 * P.MAX_SKEW_S:
+            self._seen = {k: t for k, t in self._seen.items() if t >= now - 2 * P.MAX_SKEW_S}
+        return req, nonce, ""
+
+    def _reply(self, nonce: bytes, meta: dict, data: object = None) -> list[Any]:
+        raw = P.pack(meta)
+        return [raw, P.tag(self.key, nonce, raw)] + ([data] if data is not None else [])
+
+    def _handle(self, frames: list[bytes]) -> list[Any]:
+        req, nonce, why = self._check(frames)
+        if req is None:
+            log.warning("refused transfer request", extra={"why": why, "frames": len(frames)})
+            return self._reply(nonce, {"ok": False, "error": why})
         if req.get("job") != self.job:
-            return [P.pack({"ok": False, "error": f"wrong job {req.get('job')!r}"})]
+            return self._reply(nonce, {"ok": False, "error": f"wrong job {req.get('job')!r}"})
         try:
             snap = self._snapshot(int(req["gen"]), str(req["item"]))
         except (PermissionError, LookupError) as exc:
-            return [P.pack({"ok": False, "error": str(exc)})]
+            return self._reply(nonce, {"ok": False, "error": str(exc)})
         if req["op"] == "header":
-            return [P.pack({
+            return self._reply(nonce, {
                 "ok": True,
                 "step": snap.step,
                 "gen": req["gen"],
                 "skeleton": snap.skeleton,
                 "tensors": [tensor_meta(t) for t in snap.tensors],
                 "chunk": P.CHUNK_BYTES,
-                "hashes": snap.hashes,
-                "digest": P.combine(snap.hashes),
-            })]  # fmt: skip
+                "macs": snap.macs,
+                "digest": P.combine(snap.macs),
+            })  # fmt: skip
         if req["op"] == "chunk":
             seq = int(req["seq"])
             if not 0 <= seq < len(snap.chunks):
-                return [P.pack({"ok": False, "error": f"no chunk {seq}"})]
+                return self._reply(nonce, {"ok": False, "error": f"no chunk {seq}"})
             self.served_chunks += 1
             if self.hooks.die_after is not None and self.served_chunks > self.hooks.die_after:
                 os._exit(9)  # test hook: a source dying mid-transfer
@@ -146,8 +177,8 @@ class StateServer:
                 flipped = bytearray(data)  # type: ignore[arg-type]
                 flipped[len(flipped) // 2] ^= 0xFF
                 data = bytes(flipped)
-            return [P.pack({"ok": True, "seq": seq}), data]
-        return [P.pack({"ok": False, "error": f"unknown op {req['op']!r}"})]
+            return self._reply(nonce, {"ok": True, "seq": seq}, data)
+        return self._reply(nonce, {"ok": False, "error": f"unknown op {req['op']!r}"})
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -160,6 +191,6 @@ class StateServer:
                 reply = self._handle(frames)
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop serving
                 log.exception("transfer request failed")
-                reply = [P.pack({"ok": False, "error": f"server error: {exc}"})]
+                reply = self._reply(b"", {"ok": False, "error": f"server error: {exc}"})
             self._sock.send_multipart([ident, *reply], copy=False)
         self._sock.close(0)

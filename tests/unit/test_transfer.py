@@ -79,10 +79,10 @@ def test_source_corrupting_everything_is_dropped(served, monkeypatch):
 
     def corrupt(self, frames):
         reply = orig(self, frames)
-        if len(reply) == 2:
-            data = bytearray(bytes(reply[1]))
+        if len(reply) == 3:  # [meta, tag, data]: the data of a chunk
+            data = bytearray(bytes(reply[2]))
             data[7] ^= 0xFF
-            reply[1] = bytes(data)
+            reply[2] = bytes(data)
         return reply
 
     monkeypatch.setattr(StateServer, "_handle", corrupt)
@@ -157,3 +157,91 @@ def test_request_of_another_job_refused(served):
     srv, *_ = served
     with pytest.raises(TransferError, match="wrong job 'other'"):
         pull(srv.addr, "other", b"secret", 5, "state", 2.0)
+
+
+def _req(secret: bytes, **over) -> list[bytes]:
+    body, _ = P.request_body("job", 5, "state", "header")
+    if over:
+        d = P.unpack(body)
+        d.update(over)
+        body = P.pack(d)
+    return [P.mac(secret, body), body]
+
+
+def test_hostile_frames_are_survived_then_a_pull_is_exact(served):
+    """Thousands of random, truncated, oversized, unauthenticated, stale and replayed
+    frames: the server answers or drops each, stays up, and then serves an exact pull."""
+    import random
+    import time
+
+    srv, model, _ = served
+    rng = random.Random(7)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(srv.addr)
+    good = _req(b"secret")
+    frames: list[list[bytes]] = [good, good]  # the second is a replay
+    for _ in range(2000):
+        kind = rng.randrange(6)
+        if kind == 0:
+            frames.append([rng.randbytes(rng.randrange(0, 300)) for _ in range(rng.randrange(1, 4))])
+        elif kind == 1:
+            frames.append([good[0], good[1][: rng.randrange(len(good[1]))]])  # truncated
+        elif kind == 2:
+            frames.append(_req(b"wrong"))
+        elif kind == 3:
+            frames.append(_req(b"secret", time=time.time() - 3600))  # stale
+        elif kind == 4:
+            frames.append([P.mac(b"secret", b"\xc1garbage"), b"\xc1garbage"])  # authenticated garbage
+        else:
+            frames.append(_req(b"secret", nonce=b"short"))
+    for f in frames:
+        sock.send_multipart(f)
+    answered, deadline = 0, time.monotonic() + 30
+    while answered < len(frames) and time.monotonic() < deadline:
+        if sock.poll(1000):
+            sock.recv_multipart()
+            answered += 1
+    big = ctx.socket(zmq.DEALER)  # oversized: zmq drops the peer, the server carries on
+    big.setsockopt(zmq.LINGER, 0)
+    big.connect(srv.addr)
+    big.send_multipart([b"x", b"y" * (P.MAX_REQUEST_BYTES + 1)])
+    time.sleep(0.2)
+    sock.close(0)
+    big.close(0)
+    assert answered == len(frames), answered  # each hostile request answered with a refusal
+    got = pull(srv.addr, "job", b"secret", 5, "state", 5.0)
+    for a, b in zip(model.state_dict().values(), got.state["model"].values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_replayed_request_is_refused(served):
+    srv, *_ = served
+    key = P.reply_key(b"secret")
+    req = _req(b"secret")
+    nonce = P.unpack(req[1])["nonce"]
+    metas = []
+    for _ in range(2):
+        reply = srv._handle(req)
+        assert P.tag_ok(key, nonce, reply[0], reply[1])
+        metas.append(P.unpack(reply[0]))
+    assert metas[0]["ok"] and not metas[1]["ok"] and "replayed" in metas[1]["error"], metas
+
+
+def test_a_forged_reply_is_never_loaded(served, monkeypatch):
+    """A source whose replies are not signed with the job's key (a man in the middle,
+    a peer without the secret) is dropped; the pull takes the state from an honest one."""
+    srv, model, opt = served
+    liar = StateServer("job", b"secret")
+    liar.publish(5, "state", lambda: (11, {"model": model.state_dict(), "optimizer": opt.state_dict()}))
+    liar.key = P.reply_key(b"not the job's secret")  # its tags and MACs are forgeries
+    try:
+        got = pull([liar.addr, srv.addr], "job", b"secret", 5, "state", 5.0)
+        assert got.sources_used == [srv.addr]
+        for a, b in zip(model.state_dict().values(), got.state["model"].values(), strict=True):
+            assert torch.equal(a, b)
+        with pytest.raises(TransferError, match="authentication failed"):
+            pull(liar.addr, "job", b"secret", 5, "state", 2.0)
+    finally:
+        liar.close()

@@ -154,12 +154,16 @@ def _supervise(children: list[tuple[subprocess.Popen, str, str]], client: EtcdCl
 
 
 def _reaped(client: EtcdClient, keys: JobKeys, inc: str, name: str, code: int) -> None:
+    """Report a spare that died and forget its fence key. A clean exit needs neither (and
+    the job's etcd may be gone with the job); otherwise etcd gets 10 s at most: its lease
+    tells the same a little later."""
+    if code == 0:
+        return
     seen = time.time()
-    deadline = time.monotonic() + Timeouts.from_env().etcd_outage.total_seconds()
+    deadline = time.monotonic() + min(10.0, Timeouts.from_env().etcd_outage.total_seconds())
     while True:
         try:
-            if code != 0:
-                report_death(client, keys, inc, name, code, seen)
+            report_death(client, keys, inc, name, code, seen)
             client.delete(keys.fenced(inc))
             return
         except EtcdUnavailableError:

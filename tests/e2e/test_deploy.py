@@ -80,7 +80,9 @@ def test_slurm_batch_scripts_run_a_job_over_two_nodes_with_spares(tmp_path):
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )  # fmt: skip
         out = workers.stdout.readline()
-        assert out.startswith(f"livemig: job slurm-test on 2 nodes, etcd {etcd}"), out
+        if not out.startswith(f"livemig: job slurm-test on 2 nodes, etcd {etcd}"):
+            os.killpg(workers.pid, 9)
+            pytest.fail(out + workers.stdout.read()[-3000:])
         try:
             rest, _ = workers.communicate(timeout=240)
             sp_out, _ = spares.communicate(timeout=60)

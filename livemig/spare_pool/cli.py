@@ -37,6 +37,7 @@ from livemig.config import (
     ENV_HOST,
     ENV_INCARNATION,
     ENV_JOB,
+    ENV_PARENT_PID,
     ENV_ROLE,
     ENV_SPARE_ID,
     ENV_WORLD_SIZE,
@@ -92,6 +93,8 @@ def cmd_start(a: argparse.Namespace) -> int:
                     ENV_WORLD_SIZE: str(world)})  # fmt: skip
         if host:
             env[ENV_HOST] = host
+        if not a.detach:  # its own session (so a kill reaches its group only): it exits with us
+            env[ENV_PARENT_PID] = str(os.getpid())
         if stride > 1:  # the job's buddies are on the next node: mirror as its members do
             env[ENV_BUDDY_STRIDE] = str(stride)
         env[ENV_INCARNATION] = new_incarnation("spare", host or None)

@@ -6,6 +6,7 @@ import json
 import time
 from typing import Any
 
+from livemig.errors import ConfigError
 from livemig.rdzv.client import EtcdClient, decode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership
@@ -14,6 +15,8 @@ from livemig.rdzv.membership import Membership
 def collect(client: EtcdClient, job: str) -> dict[str, Any]:
     keys = JobKeys(job)
     kvs, _ = client.get_prefix(keys.prefix)
+    if not kvs:
+        raise ConfigError(f"no job {job!r} in etcd at {client.describe()}: check the name (--job), or --etcd")
     by_key = {kv.key: kv for kv in kvs}
     m = Membership.from_bytes(by_key[keys.membership].value if keys.membership in by_key else None)
     members = []

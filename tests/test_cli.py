@@ -65,3 +65,9 @@ def test_status_reads_job_keys(etcd):
     assert info["members"][0]["state"] == "missing"  # no live registration
     r = run_cli("status", "--job", "statusjob", "--etcd", etcd.endpoints)
     assert "generation 1" in r.stdout
+
+
+def test_status_of_a_job_that_is_not_there_says_so(etcd):
+    r = run_cli("status", "--job", "typo", "--etcd", etcd.endpoints)
+    assert r.returncode == 2
+    assert "no job 'typo' in etcd" in one_line(r.stderr)

@@ -131,7 +131,12 @@ def test_spare_with_different_model_is_refused(tmp_path, procs):
     assert client.get(keys.spare("bad")) is not None, "the bad spare never registered"
     from livemig.rdzv.membership import Rendezvous
 
+    # a spare may be warm before the job formed (it waits for the run, not the formation)
     m = Rendezvous(client, "mis").read()
+    while 1 not in m.members and time.time() < deadline:
+        time.sleep(0.1)
+        m = Rendezvous(client, "mis").read()
+    assert 1 in m.members, "the job never formed"
     assert client.get(keys.result) is None, "the job ended before the fault: make it longer"
     os.kill(m.members[1].pid, signal.SIGKILL)
     out, err = bad.communicate(timeout=60)

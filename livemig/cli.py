@@ -11,13 +11,16 @@ from datetime import timedelta
 from livemig import logs
 from livemig.config import make_interruptible, validate_job_name
 from livemig.errors import LivemigError
+from livemig.rdzv.security import add_arguments as add_security_arguments
+from livemig.rdzv.security import apply_arguments as apply_security_arguments
 
 
 def _add_etcd(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--etcd",
-        help="etcd endpoints http://HOST:PORT[,...] (default: $LIVEMIG_ETCD, or the local run of --job)",
+        help="etcd endpoints https://HOST:PORT[,...] (default: $LIVEMIG_ETCD, or the local run of --job)",
     )
+    add_security_arguments(p)
     p.add_argument(
         "--etcd-timeout",
         type=float,
@@ -122,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parser.parse_args(args)
     logs.setup(a.log_level, role="cli")
     try:
+        apply_security_arguments(a)  # flags -> environment: every process started from here inherits them
         return int(a.fn(a) or 0)
     except LivemigError as exc:
         print(f"livemig: error: {exc}", file=sys.stderr)

@@ -21,6 +21,13 @@ class EtcdUnavailableError(LivemigError):
     exit_code = 2
 
 
+class EtcdAccessError(LivemigError):
+    """etcd answered and refused: wrong password, no permission, or a TLS setting it rejects.
+    Not an outage: retrying does not help, so nobody rides it out."""
+
+    exit_code = 2
+
+
 class EtcdBinaryNotFound(LivemigError):
     exit_code = 2
 

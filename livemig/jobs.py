@@ -12,6 +12,7 @@ import psutil
 
 from livemig.config import ENV_ETCD, ENV_STATE_DIR, validate_job_name
 from livemig.errors import ConfigError
+from livemig.rdzv.security import EtcdSecurity
 
 
 def state_dir() -> str:
@@ -22,12 +23,18 @@ def job_file(job: str) -> str:
     return os.path.join(state_dir(), "jobs", f"{validate_job_name(job)}.json")
 
 
-def write_job_file(job: str, etcd: str, pid: int | None = None) -> str:
+def write_job_file(job: str, etcd: str, pid: int | None = None, security: EtcdSecurity | None = None) -> str:
+    """The job's etcd and the credentials that reach it (paths, never a password): 0600 in a
+    0700 directory, since the client key it names opens the job."""
     path = job_file(job)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"job": job, "etcd": etcd, "pid": pid or os.getpid(), "started": time.time()}, f)
+    info = {"job": job, "etcd": etcd, "pid": pid or os.getpid(), "started": time.time()}
+    if security is not None and security.tls:
+        info["tls"] = {"ca": security.ca, "cert": security.cert, "key": security.key}
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f)
     os.replace(tmp, path)
     return path
 
@@ -40,16 +47,25 @@ def remove_job_file(job: str) -> None:
 
 
 def resolve_etcd(job: str, etcd: str | None) -> str:
-    """--etcd, then $LIVEMIG_ETCD, then a live local `livemig run` of `job`."""
-    if etcd:
-        return etcd
-    if os.environ.get(ENV_ETCD):
-        return os.environ[ENV_ETCD]
+    """--etcd, then $LIVEMIG_ETCD, then a live local `livemig run` of `job`.
+
+    A local run's embedded etcd speaks TLS with its own certificates: when no
+    credentials were given (flags or environment), the job file's are adopted
+    for this process and what it starts (a spare, say)."""
+    given = etcd or os.environ.get(ENV_ETCD)
     path = job_file(job)
     try:
         with open(path) as f:
             info = json.load(f)
     except (OSError, ValueError):
+        info = None
+    if info is not None and isinstance(info.get("tls"), dict) and not EtcdSecurity.from_env().tls:
+        if not given or set(given.split(",")) <= set(str(info.get("etcd", "")).split(",")):
+            tls = info["tls"]
+            EtcdSecurity(ca=tls.get("ca"), cert=tls.get("cert"), key=tls.get("key")).apply_to_environ()
+    if given:
+        return given
+    if info is None:
         raise ConfigError(
             f"no etcd for job {job!r}: pass --etcd http://HOST:PORT (no local run found at {path})"
         ) from None
@@ -59,3 +75,18 @@ def resolve_etcd(job: str, etcd: str | None) -> str:
             "pass --etcd to reach another etcd"
         )
     return str(info["etcd"])
+
+
+def prune_stale_dirs(root: str) -> None:
+    """Remove `root/NAME-PID` directories whose process is gone (a launcher killed by
+    SIGKILL leaves its run's certificates behind: the next run removes them)."""
+    import shutil
+
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return
+    for name in entries:
+        pid = name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)

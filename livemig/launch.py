@@ -41,11 +41,13 @@ from livemig.config import (
 )  # fmt: skip
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.faults import Fault, parse_fault
-from livemig.jobs import remove_job_file, state_dir, write_job_file
+from livemig.jobs import prune_stale_dirs, remove_job_file, state_dir, write_job_file
 from livemig.nodes import default_host
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership, new_incarnation
+from livemig.rdzv.security import EtcdSecurity
+from livemig.rdzv.security import add_arguments as add_security_arguments
 
 log = logging.getLogger("livemig.launch")
 
@@ -136,6 +138,8 @@ class Launcher:
         self.node_keeper: Any = None  # this agent's lease: holds its node key
         self.node_rank = 0
         self.run_id = ""
+        # etcd credentials of this run: the embedded etcd's own, else the environment's
+        self.security = EtcdSecurity.from_env()
 
     def say(self, msg: str) -> None:
         if not self.cfg.quiet:
@@ -149,6 +153,8 @@ class Launcher:
         full.update(self.cfg.timeouts.to_env())
         if self.cfg.on_error:
             full[ENV_ON_ERROR] = self.cfg.on_error
+        full.update(EtcdSecurity().to_env_clear())
+        full.update(self.security.to_env())
         full.update({ENV_ETCD: self.etcd, ENV_JOB: self.cfg.job, ENV_INCARNATION: inc,
                      ENV_PARENT_PID: str(os.getpid()), **env})  # fmt: skip
         path = os.path.join(self.logdir, f"{name}.log")
@@ -175,16 +181,22 @@ class Launcher:
 
                 self.partition = Partition().setup()
                 self.net_env = {ENV_HOST: self.partition.host_ip, "GLOO_SOCKET_IFNAME": self.partition.host_if}
+            # secure by default: TLS only, client certificates from a CA made for this run
+            tls_root = os.path.join(state_dir(), "tls")
+            prune_stale_dirs(tls_root)
             self.cluster = EtcdCluster(
-                cfg.etcd_members, cfg.etcd_bin, extra_host=self.partition.etcd_ip if self.partition else None
-            ).start()
+                cfg.etcd_members, cfg.etcd_bin, extra_host=self.partition.etcd_ip if self.partition else None,
+                tls=True, tls_dir=os.path.join(tls_root, f"{cfg.job}-{os.getpid()}"),
+                names=[cfg.host] if cfg.host else [],
+            ).start()  # fmt: skip
             self.etcd = self.cluster.endpoints
-        self.client = EtcdClient(self.etcd, cfg.timeouts.etcd)
+            self.security = self.cluster.security
+        self.client = EtcdClient(self.etcd, cfg.timeouts.etcd, self.security)
         if cfg.etcd and not self.net_env:  # every address another host reaches: --host
             self.net_env = {ENV_HOST: cfg.host or default_host(self.etcd)}
         host = self.net_env.get(ENV_HOST, "127.0.0.1")
         self._join(host)
-        write_job_file(cfg.job, self.etcd)
+        write_job_file(cfg.job, self.etcd, security=self.security)
         self.net_env[ENV_NODE_RANK] = str(self.node_rank)
         if cfg.nnodes > 1:  # a buddy on the next node (config.buddy_stride)
             self.net_env[ENV_BUDDY_STRIDE] = str(cfg.nproc_per_node)
@@ -682,6 +694,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--etcd", help="etcd endpoints; default: start an embedded etcd for this run")
     p.add_argument("--etcd-bin", help="etcd binary for the embedded etcd")
     p.add_argument("--etcd-members", type=int, default=1, help="embedded etcd cluster size (default 1; 3 for HA)")
+    add_security_arguments(p)
     p.add_argument(
         "--fault",
         action="append",

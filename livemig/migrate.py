@@ -19,6 +19,7 @@ from livemig.config import validate_job_name
 from livemig.errors import ConfigError
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.keys import JobKeys
+from livemig.rdzv.security import add_arguments as add_security_arguments
 
 
 def request_migration(client: EtcdClient, keys: JobKeys, rank: int, reason: str = "") -> str:
@@ -52,6 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the outcome (default 300; 0: don't)")
     p.add_argument("--etcd")
     p.add_argument("--etcd-timeout", type=float, default=5.0)
+    add_security_arguments(p)
     p.set_defaults(fn=cmd_migrate)
 
 

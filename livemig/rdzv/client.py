@@ -13,6 +13,7 @@ is what they must do after any lost race anyway.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ import msgpack
 import pyetcd
 from pyetcd import exceptions as etcd_exc
 
-from livemig.errors import ConfigError, EtcdUnavailableError
+from livemig.errors import ConfigError, EtcdAccessError, EtcdUnavailableError
+from livemig.rdzv.security import ENV_PASSWORD_FILE, ENV_USER, EtcdSecurity
 
 log = logging.getLogger("livemig.rdzv.client")
 T = TypeVar("T")
@@ -60,13 +62,14 @@ def decode(raw: bytes | None) -> Any:
 class Endpoint:
     host: str
     port: int
+    secure: bool = False
 
     def __str__(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.secure else 'http'}://{self.host}:{self.port}"
 
 
 def parse_endpoints(urls: str | Iterable[str]) -> list[Endpoint]:
-    """Parse `http://h:p[,http://h:p...]`; raise ConfigError on anything else."""
+    """Parse `http(s)://h:p[,...]`; raise ConfigError on anything else (mixed schemes too)."""
     items = urls.split(",") if isinstance(urls, str) else list(urls)
     items = [u.strip() for u in items if u.strip()]
     if not items:
@@ -78,12 +81,8 @@ def parse_endpoints(urls: str | Iterable[str]) -> list[Endpoint]:
             port = parts.port
         except ValueError:
             port = None
-        if parts.scheme == "https":
-            raise ConfigError(
-                f"etcd URL {u!r} uses https, which livemig does not support yet: use http:// on a trusted network"
-            )
         if (
-            parts.scheme != "http"
+            parts.scheme not in ("http", "https")
             or not parts.hostname
             or port is None
             or parts.path
@@ -92,8 +91,12 @@ def parse_endpoints(urls: str | Iterable[str]) -> list[Endpoint]:
                 "/",
             )
         ):
-            raise ConfigError(f"malformed etcd URL {u!r}: expected http://HOST:PORT, several separated by commas")
-        out.append(Endpoint(parts.hostname, port))
+            raise ConfigError(
+                f"malformed etcd URL {u!r}: expected https://HOST:PORT (or http://), several separated by commas"
+            )
+        out.append(Endpoint(parts.hostname, port, parts.scheme == "https"))
+    if len({e.secure for e in out}) > 1:
+        raise ConfigError(f"etcd URLs {urls!r} mix http:// and https://: one cluster speaks one of them")
     return out
 
 
@@ -117,21 +120,41 @@ class EtcdClient:
         self,
         endpoints: str | Iterable[str] | list[Endpoint],
         timeout: timedelta = timedelta(seconds=5),
+        security: EtcdSecurity | None = None,
     ) -> None:
         if isinstance(endpoints, list) and endpoints and isinstance(endpoints[0], Endpoint):
             self.endpoints = list(endpoints)
         else:
             self.endpoints = parse_endpoints(endpoints)  # type: ignore[arg-type]
         self.timeout = timeout
+        # the environment carries the credentials to every process (rdzv/security.py)
+        self.security = security if security is not None else EtcdSecurity.from_env()
+        self.security.check()
+        secure = self.endpoints[0].secure
+        if self.security.tls and not secure:
+            raise ConfigError(
+                f"etcd TLS files are set ({', '.join(self.security.to_env())}) but the etcd URL "
+                f"{self.describe()} is plaintext: use https://"
+            )
+        creds = self.security.credentials() if secure else None
         # Per-RPC limit: short enough that a member without quorum does not
         # eat the whole budget before we fail over to the next one.
         rpc = max(0.5, min(2.0, timeout.total_seconds() / 3))
         self._raw = pyetcd.MultiEndpointEtcd3Client(
-            endpoints=[pyetcd.Endpoint(e.host, e.port, secure=False, time_retry=0.3) for e in self.endpoints],
+            endpoints=[
+                pyetcd.Endpoint(e.host, e.port, secure=secure, creds=creds, time_retry=0.3) for e in self.endpoints
+            ],  # fmt: skip
             timeout=rpc,
             failover=True,
         )
         self.txn_ops = self._raw.transactions
+        # Password auth: a token taken lazily (etcd may not be up yet) inside the retry
+        # loop, and taken again when etcd says it expired (simple tokens die after
+        # --auth-token-ttl of disuse, JWTs at their expiry).
+        self._password: str | None = self.security.password() if self.security.user else None
+        self._token: str | None = None
+        self._auth_lock = threading.Lock()
+        self.reauths = 0
         # Monotonic times of the last failed RPC and the last answer: the coordinator's
         # outage grace and the members' outage budget read them (docs/reliability.md).
         self.last_failure = -1e18
@@ -152,15 +175,44 @@ class EtcdClient:
 
     # -- the retry loop ------------------------------------------------------------
     def call(self, what: str, fn: Callable[[], T], timeout: timedelta | None = None) -> T:
-        """Run `fn` until it succeeds or the deadline passes, failing over."""
+        """Run `fn` until it succeeds or the deadline passes, failing over.
+
+        etcd's refusals (permission, bad password) end the call at once with
+        EtcdAccessError; an expired token is renewed and the call retried."""
         limit = (timeout or self.timeout).total_seconds()
         deadline = time.monotonic() + limit
         last: Exception | None = None
         while True:
             try:
+                if self._password is not None and self._token is None:
+                    self._authenticate()
                 out = fn()
                 self.last_success = time.monotonic()
                 return out
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code == grpc.StatusCode.UNAUTHENTICATED and self._password is not None:
+                    self._drop_token()  # expired or revoked: take a new one on the next try
+                    last = exc
+                elif code == grpc.StatusCode.PERMISSION_DENIED and not self.security.user:
+                    raise EtcdAccessError(
+                        f"etcd refused {what}: permission denied to an unauthenticated client (auth is on: set "
+                        f"{ENV_USER} and {ENV_PASSWORD_FILE}, or --etcd-user and --etcd-password-file)"
+                    ) from None
+                elif code == grpc.StatusCode.PERMISSION_DENIED:
+                    raise EtcdAccessError(
+                        f"etcd refused {what} for user {self.security.user}: permission denied (the job's etcd "
+                        "role must grant readwrite on its /livemig/<job>/ prefix: scripts/etcd-job-user.sh)"
+                    ) from None
+                elif code == grpc.StatusCode.UNAUTHENTICATED:
+                    raise EtcdAccessError(
+                        f"etcd at {self.describe()} requires authentication for {what}: set {ENV_USER} and "
+                        f"{ENV_PASSWORD_FILE} (or --etcd-user/--etcd-password-file)"
+                    ) from None
+                else:
+                    last = exc
+                    self.last_failure = time.monotonic()
+                    self.mark_failed()
             except _RETRYABLE as exc:
                 last = exc
                 self.last_failure = time.monotonic()
@@ -169,10 +221,53 @@ class EtcdClient:
                 break
             time.sleep(0.05)
         reason = type(last).__name__ if last else "timeout"
+        details = last.details() if isinstance(last, grpc.RpcError) and hasattr(last, "details") else ""
+        if details:
+            reason += f": {str(details).splitlines()[0][:160]}"
         raise EtcdUnavailableError(
             f"etcd {what} failed: no answer from {self.describe()} within {limit:.1f}s "
-            f"({reason}; is etcd running, and does the cluster have quorum?)"
+            f"({reason}; is etcd running{', with TLS' if self.endpoints[0].secure else ''}, "
+            "and does the cluster have quorum?)"
         )
+
+    def _authenticate(self) -> None:
+        """Take a token for the user; every later RPC (watch streams opened later too) sends it."""
+        from pyetcd import etcdrpc
+
+        with self._auth_lock:
+            if self._token is not None:
+                return
+            try:
+                resp = self._raw.authstub.Authenticate(
+                    etcdrpc.AuthenticateRequest(name=self.security.user, password=self._password),
+                    self._raw.timeout,
+                )
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                details = str(exc.details() if hasattr(exc, "details") else exc)
+                if code == grpc.StatusCode.FAILED_PRECONDITION and "not enabled" in details:
+                    log.warning("etcd auth is not enabled: the user and password are not used",
+                                extra={"endpoints": self.describe()})  # fmt: skip
+                    self._password = None
+                    return
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise EtcdAccessError(
+                        f"etcd refused the login of user {self.security.user!r} ({details}): "
+                        f"check {ENV_USER} and the password file {self.security.password_file}"
+                    ) from None
+                raise
+            self._token = resp.token
+            self._raw.metadata = (("token", resp.token),)
+            self._raw.call_credentials = None  # metadata works on plain and TLS channels alike
+            self.reauths += 1
+            log.debug("etcd token taken", extra={"user": self.security.user, "count": self.reauths})
+
+    def _drop_token(self) -> None:
+        with self._auth_lock:
+            self._token = None
+            self._raw.metadata = None
+            # the cached watch stream carries the old token; its watches re-establish (watch.py)
+            self._raw._clear_old_stubs()
 
     def mark_failed(self) -> None:
         """Make the next call try another endpoint (pyetcd's failover hook)."""
@@ -246,8 +341,10 @@ class EtcdClient:
 
         return self.call("lease keep-alive", op)
 
-    def revision(self) -> int:
-        return self.get_with_revision("/")[1]
+    def revision(self, key: str) -> int:
+        """The store's revision, read through `key` (a key the caller may read: with a
+        job's role, nothing outside its prefix is)."""
+        return self.get_with_revision(key)[1]
 
 
 def _kv(kv: Any) -> KV:

@@ -24,6 +24,7 @@ from datetime import timedelta
 
 from livemig.config import ENV_ETCD_BIN, make_interruptible
 from livemig.errors import EtcdBinaryNotFound, LivemigError
+from livemig.rdzv.security import EtcdSecurity, Pki, local_names, make_pki
 
 log = logging.getLogger("livemig.rdzv.embedded")
 
@@ -70,14 +71,15 @@ class _Member:
     data_dir: str
     guard: subprocess.Popen | None = None
     etcd_pid: int = 0
+    scheme: str = "http"
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{self.scheme}://127.0.0.1:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"{self.scheme}://127.0.0.1:{self.peer_port}"
 
 
 @dataclass
@@ -86,6 +88,12 @@ class EtcdCluster:
 
     Usable as a context manager. `endpoints` is the comma-separated URL list
     to hand to `--etcd`.
+
+    tls=True: a new CA and certificates in `tls_dir` (default: under the data
+    root), TLS only for clients and peers, client certificates required;
+    `security` is what a client presents. `livemig run` starts it so; the test
+    fixtures keep plaintext (an external etcd on a private network, the other
+    setup users run).
     """
 
     size: int = 1
@@ -94,6 +102,15 @@ class EtcdCluster:
     members: list[_Member] = field(default_factory=list)
     root: str = ""
     extra_host: str | None = None  # also listen for clients here (a partition's veth address)
+    tls: bool = False
+    tls_dir: str | None = None
+    names: list[str] = field(default_factory=list)  # more names for the server certificate
+    extra_args: list[str] = field(default_factory=list)  # more etcd flags (e.g. --auth-token-ttl)
+    pki: Pki | None = None
+
+    @property
+    def security(self) -> EtcdSecurity:
+        return self.pki.client() if self.pki else EtcdSecurity()
 
     def start(self) -> EtcdCluster:
         binary = find_etcd_binary(self.etcd_bin)
@@ -101,8 +118,14 @@ class EtcdCluster:
         # (inherited from a shell's background job) would keep both alive.
         make_interruptible()
         self.root = tempfile.mkdtemp(prefix="livemig-etcd-")
+        if self.tls:
+            extra = [self.extra_host] if self.extra_host else []
+            self.pki = make_pki(self.tls_dir or os.path.join(self.root, "pki"), local_names() + extra + self.names)
+        scheme = "https" if self.tls else "http"
         for i in range(self.size):
-            self.members.append(_Member(f"m{i}", free_port(), free_port(), os.path.join(self.root, f"m{i}")))
+            self.members.append(
+                _Member(f"m{i}", free_port(), free_port(), os.path.join(self.root, f"m{i}"), scheme=scheme)
+            )
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for m in self.members:
             self._spawn(binary, m, initial)
@@ -130,6 +153,8 @@ class EtcdCluster:
             "--election-timeout", "250",
             "--logger", "zap",
             "--log-level", "error",
+            *(self.pki.server_args() if self.pki else []),
+            *self.extra_args,
         ]  # fmt: skip
         m.guard = subprocess.Popen(
             [sys.executable, "-m", "livemig.rdzv._guard", "--parent", str(os.getpid()),
@@ -144,12 +169,12 @@ class EtcdCluster:
 
     def _client_urls(self, m: _Member) -> str:
         if self.extra_host:
-            return f"{m.client_url},http://{self.extra_host}:{m.client_port}"
+            return f"{m.client_url},{m.scheme}://{self.extra_host}:{m.client_port}"
         return m.client_url
 
     def endpoints_on(self, host: str) -> str:
         """The client endpoints as reached through `host` (see extra_host)."""
-        return ",".join(f"http://{host}:{m.client_port}" for m in self.members if m.guard is not None)
+        return ",".join(f"{m.scheme}://{host}:{m.client_port}" for m in self.members if m.guard is not None)
 
     @property
     def endpoints(self) -> str:
@@ -163,7 +188,7 @@ class EtcdCluster:
         from livemig.rdzv.client import EtcdClient
 
         deadline = time.monotonic() + timeout
-        client = EtcdClient(self.all_endpoints(), timedelta(seconds=1))
+        client = EtcdClient(self.all_endpoints(), timedelta(seconds=1), self.security)
         try:
             while True:
                 for m in self.members:
@@ -239,6 +264,8 @@ class EtcdCluster:
             self._stop_member(m, delete=True)
         if self.root:
             shutil.rmtree(self.root, ignore_errors=True)
+        if self.pki is not None and self.tls_dir:
+            shutil.rmtree(self.tls_dir, ignore_errors=True)
         try:
             atexit.unregister(self.stop)
         except Exception:  # noqa: BLE001

@@ -79,7 +79,7 @@ class PrefixWatch:
         )
 
     def _resync(self) -> None:
-        self.last_revision = self.client.revision()
+        self.last_revision = self.client.revision(self.prefix)
         if self.on_resync:
             self.on_resync()
 

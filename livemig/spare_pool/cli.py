@@ -51,6 +51,8 @@ from livemig.nodes import default_host, stride_of
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import new_incarnation
+from livemig.rdzv.security import add_arguments as add_security_arguments
+from livemig.rdzv.security import apply_arguments as apply_security_arguments
 from livemig.rdzv.watch import wait_for
 
 
@@ -224,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--job", required=True)
         sp.add_argument("--etcd", help="etcd endpoints (default: $LIVEMIG_ETCD or the local run of --job)")
         sp.add_argument("--etcd-timeout", type=float, default=5.0)
+        add_security_arguments(sp)
 
     s = sub.add_parser("start", help="run SCRIPT as a warm spare of the job")
     common(s)
@@ -258,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logs.setup(a.log_level, role="spare-cli")
     try:
+        apply_security_arguments(a)  # flags -> environment: the spares it starts inherit them
         return int(a.fn(a) or 0)
     except LivemigError as exc:
         print(f"livemig-spare: error: {exc}", file=sys.stderr)

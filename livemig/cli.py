@@ -30,12 +30,11 @@ def _add_etcd(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    from livemig.jobs import resolve_etcd
-    from livemig.rdzv.client import EtcdClient
+    from livemig.jobs import connect
     from livemig.status import collect, render
 
     job = validate_job_name(a.job)
-    client = EtcdClient(resolve_etcd(job, a.etcd), timedelta(seconds=a.etcd_timeout))
+    client = connect(job, a.etcd, timedelta(seconds=a.etcd_timeout))
     try:
         print(render(collect(client, job), a.json))
     finally:

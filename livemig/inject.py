@@ -17,7 +17,7 @@ import psutil
 from livemig.config import validate_job_name
 from livemig.errors import ConfigError
 from livemig.faults import KINDS, PHASE_DURING, Fault
-from livemig.jobs import resolve_etcd
+from livemig.jobs import connect
 from livemig.launch import phase_reached, record_fault, step_reached
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.membership import Rendezvous
@@ -121,7 +121,7 @@ def _target_pid(a: argparse.Namespace, rdzv: Rendezvous, client: EtcdClient) -> 
 
 def cmd_inject(a: argparse.Namespace) -> int:
     job = validate_job_name(a.job)
-    client = EtcdClient(resolve_etcd(job, a.etcd), timedelta(seconds=a.etcd_timeout))
+    client = connect(job, a.etcd, timedelta(seconds=a.etcd_timeout))
     rdzv = Rendezvous(client, job)
     keys = rdzv.keys
     f = Fault(a.kind if a.kind != "resume" else "hang", a.rank, a.at_step, a.during or "")

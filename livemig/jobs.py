@@ -7,12 +7,17 @@ from __future__ import annotations
 import json
 import os
 import time
+from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import psutil
 
 from livemig.config import ENV_ETCD, ENV_STATE_DIR, validate_job_name
 from livemig.errors import ConfigError
 from livemig.rdzv.security import EtcdSecurity
+
+if TYPE_CHECKING:
+    from livemig.rdzv.client import EtcdClient
 
 
 def state_dir() -> str:
@@ -46,35 +51,47 @@ def remove_job_file(job: str) -> None:
         pass
 
 
-def resolve_etcd(job: str, etcd: str | None) -> str:
-    """--etcd, then $LIVEMIG_ETCD, then a live local `livemig run` of `job`.
-
-    A local run's embedded etcd speaks TLS with its own certificates: when no
-    credentials were given (flags or environment), the job file's are adopted
-    for this process and what it starts (a spare, say)."""
+def resolve(job: str, etcd: str | None) -> tuple[str, EtcdSecurity]:
+    """The job's etcd and the credentials to present: --etcd, then $LIVEMIG_ETCD, then a
+    live local `livemig run` of `job`; credentials from the flags/environment, else (a
+    local run's embedded etcd, TLS with its own certificates) from the job file."""
     given = etcd or os.environ.get(ENV_ETCD)
+    env = EtcdSecurity.from_env()
     path = job_file(job)
     try:
         with open(path) as f:
             info = json.load(f)
     except (OSError, ValueError):
         info = None
-    if info is not None and isinstance(info.get("tls"), dict) and not EtcdSecurity.from_env().tls:
+    security = env
+    if info is not None and isinstance(info.get("tls"), dict) and not (env.tls or env.user):
         if not given or set(given.split(",")) <= set(str(info.get("etcd", "")).split(",")):
             tls = info["tls"]
-            EtcdSecurity(ca=tls.get("ca"), cert=tls.get("cert"), key=tls.get("key")).apply_to_environ()
+            security = EtcdSecurity(ca=tls.get("ca"), cert=tls.get("cert"), key=tls.get("key"))
     if given:
-        return given
+        return given, security
     if info is None:
         raise ConfigError(
-            f"no etcd for job {job!r}: pass --etcd http://HOST:PORT (no local run found at {path})"
+            f"no etcd for job {job!r}: pass --etcd https://HOST:PORT (no local run found at {path})"
         ) from None
     if not psutil.pid_exists(int(info.get("pid", -1))):
         raise ConfigError(
             f"job {job!r} ran locally but its launcher (pid {info.get('pid')}) has exited; "
             "pass --etcd to reach another etcd"
         )
-    return str(info["etcd"])
+    return str(info["etcd"]), security
+
+
+def resolve_etcd(job: str, etcd: str | None) -> str:
+    return resolve(job, etcd)[0]
+
+
+def connect(job: str, etcd: str | None, timeout: timedelta) -> EtcdClient:
+    """A client of the job's etcd (resolve()): what every CLI command uses."""
+    from livemig.rdzv.client import EtcdClient
+
+    endpoints, security = resolve(job, etcd)
+    return EtcdClient(endpoints, timeout, security)
 
 
 def prune_stale_dirs(root: str) -> None:

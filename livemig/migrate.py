@@ -58,12 +58,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_migrate(a: argparse.Namespace) -> int:
-    from livemig.jobs import resolve_etcd
+    from livemig.jobs import connect
 
     job = validate_job_name(a.job)
     if a.rank < 0:
         raise ConfigError("--rank must be >= 0")
-    client = EtcdClient(resolve_etcd(job, a.etcd), timedelta(seconds=a.etcd_timeout))
+    client = connect(job, a.etcd, timedelta(seconds=a.etcd_timeout))
     keys = JobKeys(job)
     try:
         rid = request_migration(client, keys, a.rank, a.reason)

@@ -14,16 +14,36 @@ import statistics
 from typing import Any
 
 from livemig.coordinator.timeline import PHASES, read_events
-from livemig.rdzv.client import EtcdClient, decode
+from livemig.rdzv.client import EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership
+
+_NUM = (int, float)
+# A final record as the report reads it (conform(): anything else under final/ is skipped).
+FINAL_NEED = {"steps": (int,), "digest": (str,)}
+FINAL_MAY = {"digests": (dict,), "shard_digest": (str,), "mirror_digest": (str,), "mirror_of": (int,),
+             "commits": (list,), "role": (str,), "joined_at_step": (int,), "standby": (dict,),
+             "peak_rss_mb": _NUM}  # fmt: skip
+
+
+def read_finals(client: EtcdClient, keys: JobKeys) -> dict[str, dict]:
+    kvs, _ = client.get_prefix(keys.final_prefix)
+    out = {}
+    for kv in kvs:
+        rank, f = kv.key[len(keys.final_prefix) :], conform(kv.value, FINAL_NEED, FINAL_MAY)
+        if f is not None and rank.isdigit():
+            f["digests"] = {k: v for k, v in f.get("digests", {}).items() if isinstance(v, str)}
+            out[rank] = f
+    return out
 
 
 def _group_commits(finals: dict[str, Any]) -> list[tuple[int, float]]:
     by_step: dict[int, float] = {}
     for f in finals.values():
-        for step, t in f.get("commits", []):
-            by_step[int(step)] = max(by_step.get(int(step), 0.0), float(t))
+        for c in f.get("commits", []):
+            if isinstance(c, list | tuple) and len(c) == 2 and all(isinstance(x, _NUM) for x in c):
+                step, t = c
+                by_step[int(step)] = max(by_step.get(int(step), 0.0), float(t))
     return sorted(by_step.items())
 
 
@@ -32,8 +52,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
     """outages: (start, end) wall times of injected etcd outages: the steps the group
     committed inside each are reported (training must go on while etcd is away)."""
     keys = JobKeys(job)
-    kvs, _ = client.get_prefix(keys.final_prefix)
-    finals = {kv.key[len(keys.final_prefix) :]: decode(kv.value) for kv in kvs}
+    finals = read_finals(client, keys)
     commits = _group_commits(finals)
     gaps = [b - a for (s, a), (u, b) in zip(commits, commits[1:], strict=False) if u == s + 1]  # adjacent steps
     median_step = statistics.median(gaps) if gaps else 0.0
@@ -46,7 +65,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
     return {
         "job": job,
         "world_size": world_size,
-        "result": decode(result.value) if result else None,
+        "result": conform(result.value, {}) if result else None,
         "steps_completed": min((f["steps"] for f in finals.values()), default=0),
         "wall_s": wall_s,
         "step_time_s_median": median_step,
@@ -60,7 +79,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
             r: {
                 "role": f.get("role"),
                 "joined_at_step": f.get("joined_at_step"),
-                "first_commit": f["commits"][0] if f.get("commits") else None,
+                "first_commit": (_group_commits({r: f}) or [None])[0],
                 **({"standby": f["standby"]} if "standby" in f else {}),
                 **({"peak_rss_mb": f["peak_rss_mb"]} if "peak_rss_mb" in f else {}),
             }
@@ -126,12 +145,12 @@ def sharded_state(finals: dict[str, dict]) -> dict[str, Any] | None:
         h.update(finals[r]["shard_digest"].encode())
 
     def owner(f: dict) -> dict:
-        return finals.get(str(f["mirror_of"]), {})
+        return finals.get(str(f.get("mirror_of")), {})
 
     bad = [
         r
         for r in ranks
-        if "mirror_of" in finals[r] and finals[r]["mirror_digest"] != owner(finals[r]).get("shard_digest")
+        if "mirror_of" in finals[r] and finals[r].get("mirror_digest") != owner(finals[r]).get("shard_digest")
     ]
     return {"state_digest": h.hexdigest(), "mirrors_exact": not bad, "mirror_mismatch_ranks": bad,
             "mirrored": any("mirror_of" in f for f in finals.values())}  # fmt: skip
@@ -193,7 +212,7 @@ def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step
                 cur["bytes_streamed"] += ev.get("bytes", 0)
                 cur["stream_s"] = max(cur["stream_s"], ev.get("seconds", 0.0))
             cur["t"].setdefault(ph, ev["time"])
-            cur["generation"] = ev["generation"]
+            cur["generation"] = ev.get("generation")
             if ph == "commit":
                 out.append(_finish(cur, commits, median_step))
                 cur = None

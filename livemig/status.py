@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from livemig.errors import ConfigError
-from livemig.rdzv.client import EtcdClient, decode
+from livemig.rdzv.client import EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership
 
@@ -23,9 +23,9 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
     for rank in sorted(m.members):
         mem = m.members[rank]
         reg = by_key.get(keys.member(rank))
-        live = decode(reg.value) if reg else None
+        live = conform(reg.value, {}) if reg else None
         prog = by_key.get(keys.progress(rank))
-        progress = decode(prog.value) if prog else {}
+        progress = (conform(prog.value, {}, {"step": (int,)}) if prog else None) or {}
         alive = bool(live and live.get("incarnation") == mem.incarnation)
         members.append(
             {
@@ -40,7 +40,9 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
     spares = []
     for kv in kvs:
         if kv.key.startswith(keys.spares_prefix):
-            s = decode(kv.value)
+            s = conform(kv.value, {})
+            if s is None:
+                continue
             spares.append(
                 {
                     "id": kv.key[len(keys.spares_prefix) :],
@@ -55,7 +57,7 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
     for kv in kvs:
         rest = kv.key[len(keys.nodes_prefix) :]
         if kv.key.startswith(keys.nodes_prefix) and rest.isdigit():
-            n = decode(kv.value) or {}
+            n = conform(kv.value, {}) or {}
             ranks = [x["rank"] for x in members if m.members[x["rank"]].node == int(rest)]
             nodes.append({"node_rank": int(rest), "host": n.get("host"), "pid": n.get("pid"), "ranks": ranks})
     run = by_key.get(keys.run)
@@ -69,20 +71,29 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
         "world_size": m.world_size,
         "members": members,
         "spares": spares,
-        "run": decode(run.value) if run else None,
+        "run": conform(run.value, {}) if run else None,
         "nodes": sorted(nodes, key=lambda n: n["node_rank"]),
-        "leader": leader.value.decode() if leader else None,
+        "leader": leader.value.decode(errors="replace") if leader else None,
         "fenced": sorted(k[len(keys.fenced_prefix) :] for k in by_key if k.startswith(keys.fenced_prefix)),
-        "result": decode(result.value) if result else None,
+        "result": conform(result.value, {}) if result else None,
         "migration": {k: m.migration.get(k) for k in ("rank", "phase", "reason", "spare")} if m.migration else None,
-        "last_migration": decode(mig_res.value) if mig_res else None,
+        "last_migration": conform(mig_res.value, {}) if mig_res else None,
         "read_at": time.time(),
     }
 
 
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    return v
+
+
 def render(info: dict[str, Any], as_json: bool) -> str:
     if as_json:
-        return json.dumps(info, indent=2, sort_keys=True)
+        # default=repr: a value someone wrote in etcd may hold bytes, or keys of mixed types
+        return json.dumps(_jsonable(info), indent=2, sort_keys=True, default=repr)
     lines = [
         f"job {info['job']}  generation {info['generation']}  state {info['state']}  "
         f"world {info['world_size']}  leader {info['leader'] or '-'}",

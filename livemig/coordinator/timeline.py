@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Any
 
-from livemig.rdzv.client import EtcdClient, decode, encode
+from livemig.rdzv.client import EtcdClient, conform, encode
 from livemig.rdzv.keys import JobKeys
 
 log = logging.getLogger("livemig.timeline")
@@ -44,11 +44,18 @@ class Timeline:
 ARCHIVE_EVENTS = 1000
 
 
+# what a reader of an event relies on; other fields are read with .get (conform())
+EVENT_NEED = {"phase": (str,), "time": (int, float)}
+EVENT_MAY = {"generation": (int,), "ranks": (list,), "bytes": (int, float), "seconds": (int, float),
+             "rank": (int,), "step": (int,), "reason": (str,)}  # fmt: skip
+
+
 def read_events(client: EtcdClient, keys: JobKeys) -> list[dict[str, Any]]:
     kvs, _ = client.get_prefix(keys.timeline_prefix)
     archive = client.get(keys.timeline_archive)
-    old = (decode(archive.value) or {}).get("events", []) if archive else []
-    return sorted([*old, *(decode(kv.value) for kv in kvs)], key=lambda e: e["time"])
+    old = (conform(archive.value, {"events": (list,)}) or {}).get("events", []) if archive else []
+    events = [conform(e, EVENT_NEED, EVENT_MAY) for e in [*old, *(kv.value for kv in kvs)]]
+    return sorted([e for e in events if e is not None], key=lambda e: e["time"])
 
 
 def fold(archive: dict[str, Any] | None, events: list[dict[str, Any]]) -> dict[str, Any]:

@@ -58,6 +58,29 @@ def decode(raw: bytes | None) -> Any:
     return msgpack.unpackb(raw, raw=False, strict_map_key=False)
 
 
+_NUMBER = (int, float)
+
+
+def conform(raw: bytes | Any, need: dict[str, tuple], may: dict[str, tuple] | None = None) -> dict | None:
+    """A record as a reader may use it, or None: `raw` (bytes, or an already decoded
+    value) must be a dict with every `need` field of its types; a `may` field of another
+    type is dropped, so `.get` answers None. Anyone with access to etcd can write any
+    value under a job's prefix: readers outside the coordinator's pass use this."""
+    try:
+        value = decode(raw) if isinstance(raw, bytes | None) else raw
+    except Exception:  # noqa: BLE001 - msgpack raises several types
+        return None
+    if not isinstance(value, dict):
+        return None
+
+    def ok(v: Any, types: tuple) -> bool:
+        return isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
+
+    if any(f not in value or not ok(value[f], t) for f, t in need.items()):
+        return None
+    return {k: v for k, v in value.items() if isinstance(k, str) and (k not in (may or {}) or ok(v, may[k]))}
+
+
 @dataclass(frozen=True)
 class Endpoint:
     host: str

@@ -46,7 +46,7 @@ from livemig.config import (
     validate_job_name,
 )  # fmt: skip
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
-from livemig.jobs import resolve_etcd, state_dir
+from livemig.jobs import resolve, state_dir
 from livemig.nodes import default_host, stride_of
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.keys import JobKeys
@@ -58,8 +58,9 @@ from livemig.rdzv.watch import wait_for
 
 def _client(a: argparse.Namespace) -> tuple[EtcdClient, str]:
     job = validate_job_name(a.job)
-    etcd = resolve_etcd(job, a.etcd)
-    return EtcdClient(etcd, timedelta(seconds=a.etcd_timeout)), etcd
+    etcd, security = resolve(job, a.etcd)
+    security.apply_to_environ()  # the spares this starts present the same credentials
+    return EtcdClient(etcd, timedelta(seconds=a.etcd_timeout), security), etcd
 
 
 def cmd_start(a: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ killed by its agent and replaced within the documented bound, exactly."""
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import pytest
 
@@ -46,7 +47,7 @@ def test_livemig_spare_kills_its_fenced_spare(tmp_path, procs):
     import sys
     import time
 
-    from livemig.rdzv.client import EtcdClient, decode
+    from livemig.rdzv.client import decode
     from livemig.rdzv.keys import JobKeys
 
     env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path), PYTHONPATH=REPO, LIVEMIG_FENCED_KILL_S="2")
@@ -60,7 +61,7 @@ def test_livemig_spare_kills_its_fenced_spare(tmp_path, procs):
     assert "livemig: job agent" in job.stdout.readline()
     spare = procs.spawn([sys.executable, "-m", "livemig.spare_pool.cli", "start", "--job", "agent", "--id", "s1",
                          mlp, "--steps", "2000", "--layers", "2", "--batch", "32"], env=env)  # fmt: skip
-    client = EtcdClient(_etcd_of("agent", tmp_path))
+    client = _etcd_of("agent", tmp_path)
     keys = JobKeys("agent")
     deadline = time.time() + 90
     while client.get(keys.spare("s1")) is None and time.time() < deadline:
@@ -77,11 +78,11 @@ def test_livemig_spare_kills_its_fenced_spare(tmp_path, procs):
     assert client.get(keys.fenced(inc)) is None  # reaped: the fence key goes
 
 
-def _etcd_of(job: str, tmp_path) -> str:
-    from livemig.jobs import resolve_etcd
+def _etcd_of(job: str, tmp_path):  # -> EtcdClient
+    from livemig.jobs import connect
 
     os.environ["LIVEMIG_STATE_DIR"] = str(tmp_path)
     try:
-        return resolve_etcd(job, None)
+        return connect(job, None, timedelta(seconds=5))
     finally:
         del os.environ["LIVEMIG_STATE_DIR"]

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 from livemig.coordinator.timeline import PHASES
 from tests.e2e.conftest import MLP, REPO, STEPS, explain, livemig_run
@@ -115,13 +116,12 @@ def test_spare_with_different_model_is_refused(tmp_path, procs):
     assert "livemig: job mis" in line, line
     bad = procs.spawn([sys.executable, "-m", "livemig.spare_pool.cli", "start", "--job", "mis", "--id", "bad",
                        MLP, "--steps", "400", "--layers", "2", "--batch", "32", "--width", "512"], env=env)  # fmt: skip
-    from livemig.jobs import resolve_etcd
-    from livemig.rdzv.client import EtcdClient
+    from livemig.jobs import connect
     from livemig.rdzv.keys import JobKeys
 
     os.environ["LIVEMIG_STATE_DIR"] = str(tmp_path)
     try:
-        client = EtcdClient(resolve_etcd("mis", None))
+        client = connect("mis", None, timedelta(seconds=5))
     finally:
         del os.environ["LIVEMIG_STATE_DIR"]
     keys = JobKeys("mis")

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import psutil
 import pytest
@@ -59,8 +60,7 @@ def test_malformed_values_under_job_prefix_are_ignored(tmp_path, reference):
     """Garbage written under the job's prefix is logged and ignored; the job finishes exactly."""
     import json
 
-    from livemig.jobs import resolve_etcd
-    from livemig.rdzv.client import EtcdClient
+    from livemig.jobs import connect
     from livemig.rdzv.keys import JobKeys
 
     env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path))
@@ -72,7 +72,7 @@ def test_malformed_values_under_job_prefix_are_ignored(tmp_path, reference):
     )  # fmt: skip
     try:
         assert "livemig: job junk" in job.stdout.readline()
-        client = EtcdClient(resolve_etcd("junk", None))
+        client = connect("junk", None, timedelta(seconds=5))
         keys = JobKeys("junk")
         for key, raw in [(keys.spare("garbage"), b"\xc1\xff not msgpack"), (keys.member(7), b"\x93\x01\x02\x03"),
                          (keys.suspect("nobody"), b"{]"), (keys.prefix + "signatures/junk", b"\x00"),

@@ -138,3 +138,15 @@ def test_livemig_etcd_with_a_tls_dir_serves_tls_and_writes_a_bundle_for_the_othe
     assert client.get("/livemig/x/k").value == b"v"
     with pytest.raises(EtcdUnavailableError):
         EtcdClient(f"http://127.0.0.1:{port}", SHORT, EtcdSecurity()).get("/livemig/x/k")
+
+
+def test_failover_across_members_works_over_tls():
+    with EtcdCluster(size=3, tls=True) as cluster:
+        client = EtcdClient(cluster.endpoints, timedelta(seconds=10), cluster.security)
+        client.put("/livemig/f/k", b"1")
+        in_use = client.raw.endpoint_in_use.netloc
+        i = next(k for k, m in enumerate(cluster.members) if m.client_url.endswith(in_use))
+        cluster.kill_member(i)
+        client.put("/livemig/f/k", b"2")  # answered by another member, over TLS
+        assert client.get("/livemig/f/k").value == b"2"
+        assert client.raw.endpoint_in_use.netloc != in_use

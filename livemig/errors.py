@@ -28,6 +28,13 @@ class EtcdAccessError(LivemigError):
     exit_code = 2
 
 
+class CorruptStateError(LivemigError):
+    """A key only the coordinator writes, by CAS (the membership table), holds no valid
+    record: nothing can be decided from it, so the run ends with this one line."""
+
+    exit_code = 4
+
+
 class EtcdBinaryNotFound(LivemigError):
     exit_code = 2
 

@@ -35,7 +35,7 @@ from livemig.coordinator.checks import Checks
 from livemig.coordinator.prune import stale_ops
 from livemig.coordinator.snapshot import Snapshot, _num, _safe_decode
 from livemig.coordinator.timeline import Timeline
-from livemig.errors import EtcdUnavailableError, NotLeaderError
+from livemig.errors import CorruptStateError, EtcdUnavailableError, NotLeaderError
 from livemig.nodes import stride_of
 from livemig.rdzv.client import KV, EtcdClient, encode
 from livemig.rdzv.election import LeaderElection
@@ -112,6 +112,12 @@ class Coordinator(Checks):
                 log.warning("etcd unavailable while taking the lead; campaigning again", extra={"err": str(exc)})
                 state = "deposed"
                 time.sleep(0.2)
+            except CorruptStateError as exc:  # the table only leaders write: end the run plainly
+                log.error("job failed", extra={"reason": str(exc)})
+                res = {"state": str(GenState.FAILED), "reason": str(exc), "generation": -1, "time": time.time()}
+                self.client.put(self.keys.result, encode(res))
+                self.election.resign()
+                return GenState.FAILED
             if state != "deposed":
                 return state
             log.warning("stepped down; campaigning again")

@@ -23,7 +23,7 @@ from enum import StrEnum
 from typing import Any
 
 from livemig.config import ENV_HOST, Timeouts
-from livemig.errors import FencedError, StaleGenerationError
+from livemig.errors import CorruptStateError, FencedError, StaleGenerationError
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.lease import LeaseKeeper
@@ -117,9 +117,15 @@ class Membership:
     def from_bytes(cls, raw: bytes | None) -> Membership:
         if not raw:
             return cls()
-        d = decode(raw)
-        d["members"] = {int(r): Member.from_dict(m) for r, m in d.get("members", {}).items()}
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+        try:
+            d = decode(raw)
+            d["members"] = {int(r): Member.from_dict(m) for r, m in d.get("members", {}).items()}
+            return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+        except Exception as exc:  # noqa: BLE001 - msgpack, a missing field, a wrong type
+            raise CorruptStateError(
+                f"the job's membership table in etcd is not a valid record ({type(exc).__name__}): its state is "
+                "corrupt and nothing can be decided from it; this run ends, start a new one"
+            ) from None
 
     def rank_of(self, incarnation: str) -> int | None:
         for r, m in self.members.items():

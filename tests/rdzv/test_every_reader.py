@@ -125,3 +125,19 @@ def test_random_hostile_values_under_every_key_break_no_reader(client, seed):
             coord.election.try_acquire()
     finally:
         coord.election.resign()
+
+
+def test_a_corrupt_membership_table_ends_the_job_with_one_line(client):
+    """The table is written only by the leading coordinator, by CAS: nothing can be decided
+    from a corrupt one, so the run fails with a reason instead of a coordinator that crashes
+    or loops on it."""
+    from livemig.rdzv.client import decode
+    from livemig.rdzv.membership import GenState
+
+    keys = JobKeys(JOB)
+    client.put(keys.membership, b"\xc1 not a table")
+    coord = Coordinator(client, JOB, 2)
+    assert coord.run() == GenState.FAILED
+    res = decode(client.get(keys.result).value)
+    assert res["state"] == "failed" and "membership table in etcd is not a valid record" in res["reason"], res
+    assert "\n" not in res["reason"]

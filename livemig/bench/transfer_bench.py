@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -66,9 +67,10 @@ def _push(port: int, mb: int) -> None:
     ctx.term()  # flush: exiting with zero-copy frames in flight frees their memory under zmq
 
 
-def _spawn(*args: str) -> subprocess.Popen:
+def _spawn(*args: str, encrypt: bool = False) -> subprocess.Popen:
+    env = dict(os.environ, **{P.ENV_ENCRYPT: "1" if encrypt else "0"})
     return subprocess.Popen([sys.executable, "-m", "livemig.bench.transfer_bench", *args],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)  # fmt: skip
 
 
 def link_once(mb: int) -> float:
@@ -109,9 +111,9 @@ def _reset_hwm() -> bool:
         return False
 
 
-def livemig_once(addrs: list[str], mb: int) -> tuple[float, float]:
+def livemig_once(addrs: list[str], mb: int, encrypt: bool = False) -> tuple[float, float]:
     """One pull in a fresh receiver process, so its peak memory is its own."""
-    p = _spawn("--role", "recv", "--size-mb", str(mb), "--addrs", ",".join(addrs))
+    p = _spawn("--role", "recv", "--size-mb", str(mb), "--addrs", ",".join(addrs), encrypt=encrypt)
     out, _ = p.communicate(timeout=600)
     r = json.loads(out.decode().strip().splitlines()[-1])
     return r["gbps"], r["extra_mb"]
@@ -146,22 +148,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sources", type=int, default=1, help="source processes (default 1)")
     p.add_argument("--repeat", type=int, default=3, help="interleaved repetitions (default 3)")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--encrypt", action="store_true",
+                   help="also pull over zmq CURVE (LIVEMIG_TRANSFER_ENCRYPT=1), interleaved: its cost")  # fmt: skip
 
 
 def run(a: argparse.Namespace) -> int:
     template = synthetic_state(a.size_mb)
     servers = [_spawn("--role", "serve", "--size-mb", str(a.size_mb)) for _ in range(a.sources)]
+    enc_servers = [_spawn("--role", "serve", "--size-mb", str(a.size_mb), encrypt=True)
+                   for _ in range(a.sources if a.encrypt else 0)]  # fmt: skip
+    servers += enc_servers
     try:
-        addrs = [s.stdout.readline().decode().strip() for s in servers]
+        addrs = [s.stdout.readline().decode().strip() for s in servers[: a.sources]]
+        enc_addrs = [s.stdout.readline().decode().strip() for s in enc_servers]
         t0 = time.perf_counter()
         pull(addrs, "bench", SECRET, 1, "state", 60.0, lambda i, m: None)  # warm: snapshot hashes
         warm_s = time.perf_counter() - t0
-        links, ours, extras = [], [], []
+        if enc_addrs:
+            livemig_once(enc_addrs, a.size_mb, encrypt=True)  # warm its snapshot too
+        links, ours, extras, encs = [], [], [], []
         for _ in range(a.repeat):
             links.append(link_once(a.size_mb))
             g, extra = livemig_once(addrs, a.size_mb)
             ours.append(g)
             extras.append(extra)
+            if enc_addrs:
+                encs.append(livemig_once(enc_addrs, a.size_mb, encrypt=True)[0])
         ck = checksum_gbps(template)
     finally:
         for s in servers:
@@ -182,6 +194,10 @@ def run(a: argparse.Namespace) -> int:
         "chunk_mb": P.CHUNK_BYTES / 2**20,
         "samples": {"link_gbps": links, "livemig_gbps": ours, "receiver_peak_extra_mb": extras},
     }
+    if encs:
+        res["encrypted_gbps"] = statistics.median(encs)
+        res["encrypted_ratio_to_plain"] = statistics.median(e / o for e, o in zip(encs, ours, strict=True))
+        res["samples"]["encrypted_gbps"] = encs
     print(f"transfer of {a.size_mb} MiB ({len(template)} tensors) from {a.sources} source(s), "
           f"{a.repeat} interleaved runs (GB/s = 1e9 bytes/s)")  # fmt: skip
     spread = f"min {min(links):.2f} max {max(links):.2f}"
@@ -190,6 +206,10 @@ def run(a: argparse.Namespace) -> int:
     print(f"  ratio_to_link           {res['ratio_to_link']:.2f}")
     print(f"  checksum_gbps           {ck:.2f}   (keyed BLAKE3 chunk MAC)")
     print(f"  receiver_peak_extra_mb  {res['receiver_peak_extra_mb']:.1f}")
+    if encs:
+        print(f"  encrypted_gbps          {res['encrypted_gbps']:.2f}   (zmq CURVE; min {min(encs):.2f} "
+              f"max {max(encs):.2f})")  # fmt: skip
+        print(f"  encrypted_ratio_to_plain {res['encrypted_ratio_to_plain']:.2f}")
     print(f"  first pull incl. source snapshot hashing: {warm_s:.3f} s")
     if a.json:
         with open(a.json, "w") as f:

@@ -58,10 +58,11 @@ Alloc = Callable[[int, dict], torch.Tensor | None]
 
 
 class _Source:
-    def __init__(self, ctx: zmq.Context, addr: str) -> None:
+    def __init__(self, ctx: zmq.Context, addr: str, secret: bytes) -> None:
         self.addr = addr
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        P.secure_client(self.sock, secret)  # CURVE when LIVEMIG_TRANSFER_ENCRYPT=1
         self.sock.connect(addr)
         self.queue: collections.deque[int] = collections.deque()
         self.inflight: dict[int, float] = {}
@@ -116,7 +117,7 @@ def pull(
     if not addrs:
         raise TransferError("no source to pull from")
     ctx = zmq.Context.instance()
-    sources = [_Source(ctx, a) for a in addrs]
+    sources = [_Source(ctx, a, secret) for a in addrs]
     dropped: list[str] = []
     try:
         stall_s = min(timeout, 3.0) if stall is None else stall

@@ -18,6 +18,12 @@ on purpose-built input), so the data itself is hashed with the key; a chunk that
 does not match is refetched from another source, and the state is returned only
 when every chunk matched. The whole-state digest is sha256 over the chunk MACs in
 plan order. The reply key is derived from the job secret (never the secret itself).
+
+Encryption (LIVEMIG_TRANSFER_ENCRYPT=1, the same on every host of the job): zmq
+CURVE. The server's key pair is derived from the job secret, so every holder of
+the job's credentials knows the server's public key and nobody else can play
+the server; each client connects with a fresh key pair. The MACs above stay:
+CURVE hides the data, the MACs bind it to the job and the request.
 """
 
 from __future__ import annotations
@@ -36,6 +42,43 @@ WINDOW = 4  # outstanding chunk requests per source
 MAX_SKEW_S = 60.0  # a request's time may differ this much from the server's clock (hosts' clocks)
 MAX_REQUEST_BYTES = 64 << 10  # zmq drops a peer that sends a larger message to a state server
 TAG_BYTES = 16
+
+
+ENV_ENCRYPT = "LIVEMIG_TRANSFER_ENCRYPT"
+
+
+def encrypted() -> bool:
+    return os.environ.get(ENV_ENCRYPT, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys of every state server of the job: any 32 bytes are a
+    Curve25519 secret key, so one derived from the job secret serves."""
+    import zmq
+    from zmq.utils import z85
+
+    sk = z85.encode(blake3.blake3(b"livemig curve server", key=hashlib.sha256(secret).digest()).digest(32))
+    return zmq.curve_public(sk), sk
+
+
+def secure_server(sock: object, secret: bytes) -> None:
+    import zmq
+
+    if encrypted():
+        _, sk = curve_server_keys(secret)
+        sock.setsockopt(zmq.CURVE_SERVER, 1)  # type: ignore[attr-defined]
+        sock.setsockopt(zmq.CURVE_SECRETKEY, sk)  # type: ignore[attr-defined]
+
+
+def secure_client(sock: object, secret: bytes) -> None:
+    import zmq
+
+    if encrypted():
+        pk, _ = curve_server_keys(secret)
+        public, own = zmq.curve_keypair()
+        sock.setsockopt(zmq.CURVE_SERVERKEY, pk)  # type: ignore[attr-defined]
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)  # type: ignore[attr-defined]
+        sock.setsockopt(zmq.CURVE_SECRETKEY, own)  # type: ignore[attr-defined]
 
 
 def pack(obj: object) -> bytes:

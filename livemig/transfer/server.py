@@ -63,6 +63,7 @@ class StateServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_REQUEST_BYTES)  # a larger frame drops its sender
         self._sock.setsockopt(zmq.RCVHWM, 4 * P.WINDOW)  # outstanding requests queued per connection
+        P.secure_server(self._sock, secret)  # CURVE when LIVEMIG_TRANSFER_ENCRYPT=1
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.addr = f"tcp://{host}:{port}"
         self._lock = threading.Lock()

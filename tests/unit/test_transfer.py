@@ -245,3 +245,73 @@ def test_a_forged_reply_is_never_loaded(served, monkeypatch):
             pull(liar.addr, "job", b"secret", 5, "state", 2.0)
     finally:
         liar.close()
+
+
+class _Tap:
+    """A TCP relay that keeps every byte a server sends: what an eavesdropper sees."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+        import threading
+
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.seen = bytearray()
+        self._lsock = socket.create_server(("127.0.0.1", 0))
+        self.addr = f"tcp://127.0.0.1:{self._lsock.getsockname()[1]}"
+        self._target = (host, int(port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                a, _ = self._lsock.accept()
+            except OSError:
+                return
+            b = socket.create_connection(self._target)
+            threading.Thread(target=self._pump, args=(a, b, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(b, a, True), daemon=True).start()
+
+    def _pump(self, src, dst, keep: bool) -> None:
+        while True:
+            try:
+                data = src.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                for s in (src, dst):
+                    s.close()
+                return
+            if keep:
+                self.seen += data
+            dst.sendall(data)
+
+    def close(self) -> None:
+        self._lsock.close()
+
+
+@pytest.mark.parametrize("encrypt", ["0", "1"])
+def test_encryption_hides_the_state_on_the_wire(monkeypatch, encrypt):
+    """LIVEMIG_TRANSFER_ENCRYPT=1: zmq CURVE with the server's keys derived from the job
+    secret. The pull stays exact; the bytes on the wire no longer hold the weights."""
+    monkeypatch.setenv(P.ENV_ENCRYPT, encrypt)
+    marker = torch.arange(1 << 16, dtype=torch.int64) * 7919 + 12345  # recognisable bytes
+    srv = StateServer("job", b"secret")
+    srv.publish(5, "state", lambda: (3, {"w": marker.clone()}))
+    tap = _Tap(srv.addr)
+    try:
+        got = pull(tap.addr, "job", b"secret", 5, "state", 5.0)
+        assert torch.equal(got.state["w"], marker)
+        needle = marker[1000:1064].numpy().tobytes()
+        assert (needle in bytes(tap.seen)) == (encrypt == "0")
+        if encrypt == "1":  # a client without the job secret cannot even complete the handshake
+            with pytest.raises(TransferError):
+                pull(srv.addr, "job", b"other-secret", 5, "state", 1.5)
+            monkeypatch.setenv(P.ENV_ENCRYPT, "0")  # nor can a plaintext one
+            with pytest.raises(TransferError):
+                pull(srv.addr, "job", b"secret", 5, "state", 1.5)
+    finally:
+        tap.close()
+        srv.close()

@@ -7,9 +7,13 @@ them, so a wait can end early when the generation moves on (the
 coordinator fenced a hung peer) instead of sitting out the full timeout.
 
 Broken groups are never destroyed while a gloo thread may still be inside a
-collective on them: they go to a graveyard that lives until process exit,
-where `release_all()` drops them before the interpreter shuts down (a gloo
-group with a dead peer alive at exit aborts the process).
+collective on them: a retired group waits in a graveyard until no operation
+of it can still run (its last collective completed: at once; otherwise once
+the collective timeout, after which gloo itself ends any pending operation,
+has passed since it was retired), then it is shut down and its sockets
+closed; `release_all()` drops what is left before the interpreter shuts down
+(a gloo group with a dead peer alive at exit aborts the process). So sockets
+and file descriptors do not grow with each recovery.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from livemig.config import ENV_HOST, buddy_stride
 
 log = logging.getLogger("livemig.comm")
 
-_GRAVEYARD: list[Any] = []
+_GRAVEYARD: list[tuple[Any, float]] = []  # (group, monotonic time after which no operation can run)
+_GRAVE_LOCK = threading.Lock()
 BUCKET_BYTES = 32 << 20
 
 
@@ -88,14 +93,50 @@ def build_group(
     return box["pg"]
 
 
-def retire(pg: Any) -> None:
-    """Keep a broken or replaced group alive until exit (see module doc)."""
-    if pg is not None:
-        _GRAVEYARD.append(pg)
+def retire(pg: Any, idle: bool = False, timeout: timedelta | None = None) -> None:
+    """Put a replaced or broken group in the graveyard (module doc). idle: no operation of it
+    can be pending (its last collective completed): shut down at once. Otherwise after
+    `timeout` (default: the collective timeout, $LIVEMIG_COLLECTIVE_TIMEOUT) plus a margin."""
+    if pg is None:
+        return
+    if timeout is None:
+        from livemig.config import Timeouts
+
+        timeout = Timeouts.from_env().collective
+    safe = time.monotonic() + (0.0 if idle else timeout.total_seconds() + 5.0)
+    with _GRAVE_LOCK:
+        _GRAVEYARD.append((pg, safe))
+    sweep()
+
+
+def sweep() -> int:
+    """Shut down the groups in the graveyard that no operation can still use; returns how many."""
+    now = time.monotonic()
+    with _GRAVE_LOCK:
+        due = [pg for pg, safe in _GRAVEYARD if safe <= now]
+        _GRAVEYARD[:] = [(pg, safe) for pg, safe in _GRAVEYARD if safe > now]
+    for pg in due:
+        _shutdown(pg)
+    if due:
+        gc.collect()
+    return len(due)
+
+
+def _shutdown(pg: Any) -> None:
+    try:
+        pg.shutdown()  # closes its pairs' sockets now, not when the last reference goes
+    except Exception as exc:  # noqa: BLE001 - an already broken group: its references go anyway
+        log.debug("group shutdown failed", extra={"err": str(exc)})
+
+
+def graveyard_size() -> int:
+    with _GRAVE_LOCK:
+        return len(_GRAVEYARD)
 
 
 def release_all() -> None:
-    _GRAVEYARD.clear()
+    with _GRAVE_LOCK:
+        _GRAVEYARD.clear()
     gc.collect()
 
 

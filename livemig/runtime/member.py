@@ -166,7 +166,7 @@ class MemberRuntime:
         pg = self.prebuilt(g)
         if pg is None:
             raise CollectiveAborted(f"no prebuilt group for generation {g}")
-        retire(self.pg)
+        retire(self.pg, idle=True)  # a step boundary: its last collective completed
         self.pg, self.gen, self._pre = pg, g, None
         log.info("switched group (planned migration)", extra={"generation": g})
 
@@ -424,7 +424,7 @@ class MemberRuntime:
                 self.server.withdraw()
             log.info("switched group", extra={"generation": g, "rank": rank})
         else:
-            retire(pg)
+            retire(pg, idle=True)  # built, never used: the generation moved on before its commit
 
     def wait_result(self, member: Any) -> Membership:
         """After the last step: stay a member (serving, rebuilding) until DONE."""

@@ -86,6 +86,7 @@ class RunConfig:
     nnodes: int = 1  # agents of the job, one per node; nproc is the whole world (nnodes x per node)
     node_rank: int | None = None  # None: the first free node rank (auto)
     host: str | None = None  # address other hosts reach this node at (default: nodes.default_host)
+    buddy_stride: int = 0  # mirror rank-local state on rank + this (default: nproc_per_node with nnodes > 1)
     # how long to wait for every node of the run to join, s
     join_timeout: float = field(default_factory=lambda: float(os.environ.get("LIVEMIG_JOIN_TIMEOUT", "") or 300))
 
@@ -198,8 +199,9 @@ class Launcher:
         self._join(host)
         write_job_file(cfg.job, self.etcd, security=self.security)
         self.net_env[ENV_NODE_RANK] = str(self.node_rank)
-        if cfg.nnodes > 1:  # a buddy on the next node (config.buddy_stride)
-            self.net_env[ENV_BUDDY_STRIDE] = str(cfg.nproc_per_node)
+        stride = cfg.buddy_stride or (cfg.nproc_per_node if cfg.nnodes > 1 else 0)
+        if stride:  # a buddy on the next node (config.buddy_stride)
+            self.net_env[ENV_BUDDY_STRIDE] = str(stride)
         for i in range(cfg.coordinators):
             self._spawn(f"coordinator-{i}", "coordinator",
                         [sys.executable, "-m", "livemig.coordinator", "--etcd", self.etcd, "--job", cfg.job,
@@ -240,8 +242,20 @@ class Launcher:
         info = {"host": host, "pid": os.getpid(), "agent": new_incarnation("agent")}
         box: dict[str, Any] = {}
 
-        def reattach(lease: int) -> None:  # after an etcd outage: the same node key, a new lease
-            self.client.put(self.keys.node(box["rank"]), encode({**info, "run_id": box["run"]}), lease)
+        def reattach(lease: int) -> None:  # after an etcd outage or a healed cut: the node key, a new lease
+            """Only while the node still holds ranks: a node whose ranks were replaced while it was
+            cut off stays gone (its processes learn they are fenced and stop), and only where the
+            key is absent (a CAS: never over another agent's)."""
+            raw = self.client.get(self.keys.membership)
+            m = Membership.from_bytes(raw.value if raw else None)
+            mine = {c.incarnation for c in self.children}
+            if m.members and not any(mem.incarnation in mine for mem in m.members.values()):
+                log.warning("this node's ranks were replaced while it was away; not re-attaching its node key",
+                            extra={"node_rank": box["rank"]})  # fmt: skip
+                return
+            t = self.client.txn_ops
+            key = self.keys.node(box["rank"])
+            self.client.txn([t.version(key) == 0], [t.put(key, encode({**info, "run_id": box["run"]}), lease=lease)])
 
         # etcd may come up with the agents (a batch script, a pod): wait for it up to the join timeout
         deadline = time.monotonic() + cfg.join_timeout
@@ -751,16 +765,27 @@ def cmd_run(a: argparse.Namespace) -> int:
                     faults=[parse_fault(f) for f in a.fault], report=a.report, timeouts=t,
                     log_every=a.log_every, max_wall=a.max_wall, on_error=a.on_error)  # fmt: skip
     reference = None
-    if a.verify:
+
+    def verify() -> dict[str, Any]:
+        """The fault-free reference: the whole world as local processes with an embedded etcd,
+        each rank's mirror where the job has it (the buddy on the next node)."""
         print("livemig: reference run without faults or spares ...", flush=True)
         ref_cfg = RunConfig(script=a.script, args=a.args, nproc=world, job=cfg.job + "-ref",
-                            etcd=a.etcd, etcd_bin=a.etcd_bin, timeouts=t, quiet=True,
-                            max_wall=a.max_wall)  # fmt: skip
+                            etcd=a.etcd if a.nnodes == 1 else None, etcd_bin=a.etcd_bin, timeouts=t, quiet=True,
+                            max_wall=a.max_wall, buddy_stride=cfg.nproc_per_node if a.nnodes > 1 else 0)  # fmt: skip
         ref = run(ref_cfg)
         if (ref["result"] or {}).get("state") != "done":
             raise LivemigError(f"the fault-free reference run failed: {ref['result']}")
-        reference = ref["state_digest"]
+        return ref
+
+    # one node: the reference first (as before); several: after the job, on this node, so that
+    # no agent holds the others up while they wait to join
+    ref = verify() if a.verify and a.nnodes == 1 else None
     rep = run(cfg)
+    if a.verify and a.nnodes > 1:
+        ref = verify()
+    if ref is not None:
+        reference = ref["state_digest"]
     if reference is not None:
         rep["reference_digest"] = reference
         rep["bit_identical"] = reference == rep["state_digest"]

@@ -9,7 +9,8 @@ supervisor, or `--detach`): the decorator builds the model, registers the
 spare as warm under a lease and blocks until the coordinator claims it. In
 the foreground `livemig-spare` is the spare's agent (livemig/agent.py): it
 reports its death at once and kills it if it is fenced and does not exit
-(a wedged spare-turned-member); `--detach` leaves that to the lease.
+(a wedged spare-turned-member); `--detach` runs this same agent in the
+background (its own session, output in a log file), so detached spares keep it.
 `stop` asks an unclaimed spare to exit through etcd, so it works for spares
 on any host; a claimed spare is a member and is not stopped.
 """
@@ -63,9 +64,27 @@ def _client(a: argparse.Namespace) -> tuple[EtcdClient, str]:
     return EtcdClient(etcd, timedelta(seconds=a.etcd_timeout), security), etcd
 
 
+def _detach(a: argparse.Namespace) -> int:
+    """--detach: this command again, without --detach, in its own session with its output in
+    a log file: the spares keep an agent (it kills a fenced spare that hangs, reports deaths)."""
+    argv = list(a.raw_argv)
+    cut = argv.index(a.script)  # --detach is an option of ours, before the script and its arguments
+    argv = [x for x in argv[:cut] if x != "--detach"] + argv[cut:]
+    path = os.path.join(state_dir(), "spares", f"{a.job}-{int(time.time())}-{os.getpid()}.log")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "ab") as f:
+        p = subprocess.Popen([sys.executable, "-m", "livemig.spare_pool.cli", *argv], stdout=f,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    print(f"livemig-spare: {a.count} spare(s) for job {a.job} under agent pid {p.pid} (stop it with kill {p.pid}); "
+          f"log {path}")  # fmt: skip
+    return 0
+
+
 def cmd_start(a: argparse.Namespace) -> int:
     if not os.path.isfile(a.script):
         raise ConfigError(f"training script {a.script!r} not found")
+    if a.detach:
+        return _detach(a)
     client, etcd = _client(a)
     keys = JobKeys(a.job)
     deadline = time.monotonic() + a.wait_job
@@ -96,24 +115,15 @@ def cmd_start(a: argparse.Namespace) -> int:
                     ENV_WORLD_SIZE: str(world)})  # fmt: skip
         if host:
             env[ENV_HOST] = host
-        if not a.detach:  # its own session (so a kill reaches its group only): it exits with us
-            env[ENV_PARENT_PID] = str(os.getpid())
+        env[ENV_PARENT_PID] = str(os.getpid())  # its own session (a kill reaches its group only): exits with us
         if stride > 1:  # the job's buddies are on the next node: mirror as its members do
             env[ENV_BUDDY_STRIDE] = str(stride)
         env[ENV_INCARNATION] = new_incarnation("spare", host or None)
         argv = [sys.executable, a.script, *a.args]
-        if a.detach:
-            path = os.path.join(state_dir(), "spares", f"{sid}.log")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "ab") as f:
-                p = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-            print(f"spare {sid} started (pid {p.pid}); log {path}")
-            continue
         print(f"spare {sid}: standby for job {a.job} (world size {world})", flush=True)
         children.append((subprocess.Popen(argv, env=env, start_new_session=True), env[ENV_INCARNATION],
                          f"spare {sid}"))  # fmt: skip
-    return _supervise(children, client, keys) if children else 0
+    return _supervise(children, client, keys)
 
 
 def _supervise(children: list[tuple[subprocess.Popen, str, str]], client: EtcdClient, keys: JobKeys) -> int:
@@ -235,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--id", help="spare id (default POOL-HOST-RANDOM)")
     s.add_argument("--world-size", type=int, help="default: read from the job's config in etcd")
     s.add_argument("--wait-job", type=float, default=300.0, help="wait this long for the job to form, s")
-    s.add_argument("--detach", action="store_true", help="run in the background, log to a file")
+    s.add_argument("--detach", action="store_true",
+                   help="run in the background (the spares with their agent), log to a file")  # fmt: skip
     s.add_argument("--count", type=int, default=1, help="spares to run on this host (default 1)")
     s.add_argument("--host", help="address other hosts reach this one at (default $LIVEMIG_HOST, else the local "
                                   "address of the route to etcd)")  # fmt: skip
@@ -259,7 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     make_interruptible()  # Ctrl-C / kill -INT stop it, even started as a background job
-    a = build_parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(raw)
+    a.raw_argv = raw
     logs.setup(a.log_level, role="spare-cli")
     try:
         apply_security_arguments(a)  # flags -> environment: the spares it starts inherit them

@@ -135,6 +135,8 @@ def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = ()
     spares.wait(timeout=30)
     if cut:  # healed: host 2's processes found themselves fenced and stopped, writing nothing
         a2.wait(timeout=60)
+        out2 = (tmp_path / "h2.out").read_text()  # its agent did not put its node key back: the node was replaced
+        assert "not re-attaching its node key" in out2, out2[-3000:]
         rep2 = json.loads((tmp_path / "r2.json").read_text())
         codes = {p["name"]: p["exit_code"] for p in rep2["processes"] if p["role"] == "worker"}
         assert all(c in (3, -9) for c in codes.values()), codes
@@ -168,7 +170,7 @@ def test_agents_that_do_not_fit_the_run_are_refused(tmp_path, procs):
     etcd = _start_etcd(procs, [], None)
     job = "fit"
     a0 = _agent(procs, [], etcd, job, tmp_path, "a0", "--node-rank", "0", "--host", "127.0.0.1", "--spares", "1",
-                report=tmp_path / "r0.json")  # fmt: skip
+                "--verify", report=tmp_path / "r0.json")  # fmt: skip
     client = EtcdClient(etcd)
     deadline = time.monotonic() + 30
     while client.get(JobKeys(job).node(0)) is None and time.monotonic() < deadline:
@@ -196,6 +198,8 @@ def test_agents_that_do_not_fit_the_run_are_refused(tmp_path, procs):
         assert a.returncode == 0, out.decode()[-1500:] + err.decode()[-1500:]
     rep = json.loads((tmp_path / "r0.json").read_text())
     assert rep["steps_completed"] == STEPS and rep["replicas_identical"] and len(rep["recoveries"]) == 1, rep
+    # --verify across nodes: the fault-free reference ran after the job, on a0's node, rank by rank
+    assert rep["bit_identical"] and rep["ranks_differing"] == [], rep
 
 
 @needs_netns

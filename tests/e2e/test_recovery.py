@@ -3,12 +3,15 @@ state digest equals the fault-free run's, and every step completed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from datetime import timedelta
+
+import psutil
 
 from livemig.coordinator.timeline import PHASES
 from tests.e2e.conftest import MLP, REPO, STEPS, explain, livemig_run
@@ -145,12 +148,22 @@ def test_spare_with_different_model_is_refused(tmp_path, procs):
         "refused by the job" in err.decode()
         and "entry 0: job has 0.weight float32(1024, 1024), spare has 0.weight float32(512, 512)" in err.decode()
     ), err.decode()
-    good = procs.spawn([sys.executable, "-m", "livemig.spare_pool.cli", "start", "--job", "mis", "--id", "good",
-                        MLP, "--steps", "400", "--layers", "2", "--batch", "32"], env=env)  # fmt: skip
-    rest, _ = job.communicate(timeout=180)
-    assert job.returncode == 0, line + rest
-    good.wait(timeout=30)
-    assert good.returncode == 0
+    # --detach: livemig-spare goes to the background with its spare (it stays the spare's agent)
+    good = subprocess.run([sys.executable, "-m", "livemig.spare_pool.cli", "start", "--detach", "--job", "mis",
+                           "--id", "good", MLP, "--steps", "400", "--layers", "2", "--batch", "32"],
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert good.returncode == 0 and "under agent pid" in good.stdout, good.stdout + good.stderr
+    agent = int(good.stdout.split("under agent pid ")[1].split()[0])
+    try:
+        rest, _ = job.communicate(timeout=180)
+        assert job.returncode == 0, line + rest
+        deadline = time.time() + 30  # the detached agent and its spare end with the job
+        while psutil.pid_exists(agent) and psutil.Process(agent).status() != psutil.STATUS_ZOMBIE:
+            assert time.time() < deadline, "the detached livemig-spare outlived the job"
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent, signal.SIGKILL)
     import json
 
     rep = json.loads((tmp_path / "r.json").read_text())

@@ -188,6 +188,14 @@ class EtcdCluster:
         from livemig.rdzv.client import EtcdClient
 
         deadline = time.monotonic() + timeout
+        # the port first: a gRPC channel whose first connect is refused backs off ~1 s before the next
+        for m in self.members:
+            while m.guard is not None and m.guard.poll() is None and time.monotonic() < deadline:
+                try:
+                    socket.create_connection(("127.0.0.1", m.client_port), timeout=0.2).close()
+                    break
+                except OSError:
+                    time.sleep(0.01)
         client = EtcdClient(self.all_endpoints(), timedelta(seconds=1), self.security)
         try:
             while True:

@@ -128,3 +128,26 @@ def test_generation_record_roundtrip_large_world(etcd):
     back = rdzv.read()
     assert back.generation == 1 and back.world_size == 4096
     assert back.members[4095] == members[4095]
+
+
+def test_the_member_table_of_10000_ranks_with_real_host_names_stays_under_1_mib():
+    """One value holds the table and etcd refuses requests over 1.5 MiB: realistic records
+    (DNS host names, incarnations and addresses that name them, claimed spares) fit in
+    well under 1 MiB, and come back field for field."""
+    import os
+
+    from livemig.rdzv.membership import Member, Membership
+
+    members = {}
+    for r in range(10_000):
+        host = f"gpu-node-{r // 8:05d}.rack{r // 512:02d}.training.example-cluster.internal"
+        role, pre = ("spare", "spare") if r % 97 == 0 else ("worker", "worker")
+        inc = f"{pre}-{host}-{100000 + r}-{os.urandom(4).hex()}"
+        members[r] = Member(r, inc, host, 200000 + r, f"tcp://{host}:{40000 + r % 20000}", role,
+                            f"spare-{host}-abc123" if role == "spare" else "", None if role == "spare" else r // 8)  # fmt: skip
+    members[7] = Member(7, "odd-incarnation", "h", 1, "ipc:///tmp/x", "observer", "", None)  # no pattern: kept whole
+    m = Membership(generation=12, state="committed", world_size=10_000, members=members, store="10.0.0.1:29500")
+    raw = m.to_bytes()
+    assert len(raw) < 1 << 20, f"{len(raw) / 2**20:.2f} MiB"
+    back = Membership.from_bytes(raw)
+    assert back.members == members and back.generation == 12

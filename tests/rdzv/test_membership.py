@@ -144,7 +144,8 @@ def test_the_member_table_of_10000_ranks_with_real_host_names_stays_under_1_mib(
         role, pre = ("spare", "spare") if r % 97 == 0 else ("worker", "worker")
         inc = f"{pre}-{host}-{100000 + r}-{os.urandom(4).hex()}"
         members[r] = Member(r, inc, host, 200000 + r, f"tcp://{host}:{40000 + r % 20000}", role,
-                            f"spare-{host}-abc123" if role == "spare" else "", None if role == "spare" else r // 8)  # fmt: skip
+                            f"spare-{host}-abc123" if role == "spare" else "",
+                            None if role == "spare" else r // 8)  # fmt: skip
     members[7] = Member(7, "odd-incarnation", "h", 1, "ipc:///tmp/x", "observer", "", None)  # no pattern: kept whole
     m = Membership(generation=12, state="committed", world_size=10_000, members=members, store="10.0.0.1:29500")
     raw = m.to_bytes()

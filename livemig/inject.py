@@ -40,8 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--member", type=int, default=0, help="etcd-kill: index of the etcd member (default 0)")
     p.add_argument("--pid", type=int, help="signal this pid instead (e.g. to resume a fenced process)")
     p.add_argument("--via-agent", action="store_true",
-                   help="kill/hang/resume: ask the target's agent through etcd even if it runs here (automatic "
-                        "for a process on another host)")  # fmt: skip
+                   help="kill/hang/resume/slow: ask the target's agent through etcd even if it runs here "
+                        "(automatic for a process on another host)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="give up waiting after this long, s")
     p.add_argument("--etcd")
     p.add_argument("--etcd-timeout", type=float, default=5.0)
@@ -61,7 +61,7 @@ def _local(host: str, what: str) -> None:
 
 
 def _via_agent(a: argparse.Namespace, client: EtcdClient, rdzv: Rendezvous, step: int) -> int:
-    """kill / hang / resume of a rank on another host: a request its agent carries out."""
+    """kill / hang / resume / slow of a rank on another host: a request its agent carries out."""
     m = rdzv.read()
     mem = m.members.get(a.rank) if a.rank is not None else None
     if mem is None:
@@ -69,7 +69,7 @@ def _via_agent(a: argparse.Namespace, client: EtcdClient, rdzv: Rendezvous, step
     rid = uuid.uuid4().hex[:8]
     key = rdzv.keys.inject_request(rid)
     client.put(key, encode({"kind": a.kind, "rank": a.rank, "incarnation": mem.incarnation, "step": step,
-                            "time": time.time()}))  # fmt: skip
+                            "time": time.time(), "factor": a.factor, "duration": a.duration}))  # fmt: skip
     deadline = time.monotonic() + 30
     while client.get(key) is not None:
         if time.monotonic() > deadline:
@@ -145,7 +145,7 @@ def cmd_inject(a: argparse.Namespace) -> int:
         client.put(keys.inject_corrupt(a.rank), encode({"time": time.time()}))
         print(f"rank {a.rank} will corrupt the next chunk it serves")
         return 0
-    if a.kind in ("kill", "hang", "resume") and a.pid is None and a.rank is not None:
+    if a.kind in ("kill", "hang", "resume", "slow") and a.pid is None and a.rank is not None:
         mem = rdzv.read().members.get(a.rank)
         if a.via_agent or (mem is not None and not _is_local(mem.host)):
             return _via_agent(a, client, rdzv, step)

@@ -43,7 +43,7 @@ from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.faults import Fault, parse_fault
 from livemig.jobs import prune_stale_dirs, remove_job_file, state_dir, write_job_file
 from livemig.nodes import default_host
-from livemig.rdzv.client import EtcdClient, decode, encode
+from livemig.rdzv.client import EtcdClient, conform, decode, encode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership, new_incarnation
 from livemig.rdzv.security import EtcdSecurity
@@ -126,7 +126,7 @@ class Launcher:
         self.pending = list(cfg.faults)
         self.injected: list[dict] = []
         self._resumes: list[tuple[float, Child]] = []
-        self._slow: list[tuple[Child, float]] = []
+        self._slow: list[tuple[Child, float, float]] = []  # (target, factor, until: monotonic)
         self._armed: dict[int, float] = {}
         self.partition: Any = None
         self.net_env: dict[str, str] = {}
@@ -400,17 +400,26 @@ class Launcher:
                 self.client.delete(self.keys.fenced(c.incarnation))
 
     def _inject_requests(self, by_key: dict) -> None:
-        """`livemig inject` from another host (inject.py): kill, hang or resume one of our children."""
+        """`livemig inject` from another host (inject.py): kill, hang, resume or slow one of our children."""
         assert self.client is not None
         for key, kv in by_key.items():
             if not key.startswith(self.keys.inject_requests_prefix):
                 continue
-            req = decode(kv.value) or {}
+            req = conform(kv.value, {"kind": (str,), "incarnation": (str,)}, {"step": (int,), "rank": (int,)})
+            if req is None:  # not a request livemig wrote: dropped, once
+                log.warning("dropping a malformed inject request", extra={"key": key})
+                self.client.delete(key)
+                continue
             child = next((c for c in self.children if c.incarnation == req.get("incarnation")), None)
             if child is None or child.proc.poll() is not None:
                 continue
             sig = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "resume": signal.SIGCONT}.get(req.get("kind"))
-            if sig is not None:
+            if req.get("kind") == "slow":
+                factor, duration = req.get("factor"), req.get("duration")
+                if isinstance(factor, int | float) and factor > 1 and isinstance(duration, int | float):
+                    self._slow.append((child, float(factor), time.monotonic() + float(duration)))
+                    self.say(f"livemig: slowing {child.name} {factor:g}x for {duration:g}s (requested through etcd)")
+            elif sig is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(child.proc.pid, sig)
                 if req["kind"] != "resume":
@@ -447,13 +456,16 @@ class Launcher:
                 elif target.proc.poll() is None:
                     os.killpg(target.proc.pid, signal.SIGCONT)
                     self.say(f"livemig: resumed {target.name} (SIGCONT)")
-        for target, factor in list(self._slow):
+        for entry in list(self._slow):
+            target, factor, until = entry
             if target.proc.poll() is not None:
-                self._slow.remove((target, factor))
+                self._slow.remove(entry)
                 continue
-            if not self._is_member(target, by_key):  # migrated away or fenced: let it exit at full speed
-                self._slow.remove((target, factor))
+            # migrated away or fenced: let it exit at full speed; or its time is up (inject slow --for)
+            if not self._is_member(target, by_key) or time.monotonic() >= until:
+                self._slow.remove(entry)
                 os.killpg(target.proc.pid, signal.SIGCONT)
+                target._stopped = False  # type: ignore[attr-defined]
                 continue
             # Duty cycle of 100 ms: run 100/factor ms, stopped the rest.
             phase = (now * 10) % 1.0
@@ -490,7 +502,7 @@ class Launcher:
                 return False
             what = f"{target.name}" + (f" (rank {target.rank})" if target.rank is not None else "")
             if f.kind == "slow":
-                self._slow.append((target, f.factor))
+                self._slow.append((target, f.factor, float("inf")))
             elif f.kind in ("partition", "link"):
                 if self.partition is None or target.rank != f.rank or target.name != f"worker-{f.rank}":
                     raise ConfigError(f"{f.kind} targets the worker started in the namespace (its first holder)")

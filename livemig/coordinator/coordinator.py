@@ -40,11 +40,12 @@ from livemig.nodes import stride_of
 from livemig.rdzv.client import KV, EtcdClient, encode
 from livemig.rdzv.election import LeaderElection
 from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, new_incarnation
-from livemig.rdzv.watch import PrefixWatch
+from livemig.rdzv.watch import PrefixMirror
 from livemig.sharding import has_local_state, lost_local_state, lost_shards, sharding_of
 from livemig.state import first_mismatch
 
 log = logging.getLogger("livemig.coordinator")
+FULL_READ_S = 5.0  # a pass reads etcd itself at least this often, whatever the mirror says
 
 MIGRATION_SWITCH_LAG = 2  # steps a migrating spare may trail the group when the switch is voted
 
@@ -78,6 +79,11 @@ class Coordinator(Checks):
         self.store: Any = None
         self.store_addr = ""
         self._wake = threading.Event()
+        # passes read a watch-fed mirror of the job's keys (_read); counted in the log at the end
+        self.reads = {"mirror": 0, "full": 0}
+        self._writes_seen = -1
+        self._floor = 0
+        self._full_at = -1e18
         self._stop = threading.Event()
         self._since: dict[tuple[int, str], float] = {}  # when we first saw (generation, state)
         self._bug_time = 0.0
@@ -136,12 +142,11 @@ class Coordinator(Checks):
         self.client.txn([t.version(self.keys.secret) == 0],
                         [t.put(self.keys.secret, secrets.token_bytes(32))])  # fmt: skip
         self._takeover()
-        _, rev = self.client.get_prefix(self.keys.prefix)
-        watch = PrefixWatch(self.client, self.keys.prefix, lambda ev: self._wake.set(), rev + 1)
+        mirror = PrefixMirror(self.client, self.keys.prefix, self._on_change)
         try:
             while not self._stop.is_set():
                 try:
-                    kvs, _ = self.client.get_prefix(self.keys.prefix)
+                    kvs = self._read(mirror)
                 except EtcdUnavailableError as exc:  # failover in progress; the lease decides leadership
                     log.warning("etcd unavailable; retrying", extra={"err": str(exc)})
                     continue
@@ -159,8 +164,32 @@ class Coordinator(Checks):
                 self._wake.clear()
             return "deposed"
         finally:
-            watch.cancel()
+            mirror.cancel()
+            log.info("coordinator passes", extra=dict(self.reads))
             self.election.resign()
+
+    def _on_change(self, events: list) -> None:
+        """Wake a pass for a change, but not for members' per-step progress alone: the passes
+        run every 0.2 s anyway, which is all the hang and straggler checks need."""
+        progress = self.keys.progress_prefix
+        if not events or any(not e.key.startswith(progress) for e in events):
+            self._wake.set()
+
+    def _read(self, mirror: PrefixMirror) -> list:
+        """The job's keys for one pass: from the watch-fed mirror, or from etcd itself after
+        this coordinator wrote (its own writes must be in the next pass), when the mirror
+        lags the last full read, and at least every FULL_READ_S (a safety net)."""
+        now = time.monotonic()
+        kvs, rev = mirror.kvs()
+        if self.client.writes == self._writes_seen and rev >= self._floor and now - self._full_at < FULL_READ_S:
+            self.reads["mirror"] += 1
+            return kvs
+        self._writes_seen = self.client.writes
+        kvs, _ = self.client.get_prefix(self.keys.prefix)
+        self._floor = max((kv.mod_revision for kv in kvs), default=0)
+        self._full_at = now
+        self.reads["full"] += 1
+        return kvs
 
     def _takeover(self) -> None:
         """A new leader re-issues an in-flight build against its own store; a planned

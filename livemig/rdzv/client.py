@@ -182,6 +182,9 @@ class EtcdClient:
         # outage grace and the members' outage budget read them (docs/reliability.md).
         self.last_failure = -1e18
         self.last_success = time.monotonic()
+        # writes issued through this client (successful or not): a reader of a watch-fed
+        # mirror reads etcd itself after its own writes (read-your-writes; coordinator.py)
+        self.writes = 0
 
     @property
     def raw(self) -> pyetcd.MultiEndpointEtcd3Client:
@@ -330,15 +333,19 @@ class EtcdClient:
         return self.call(f"get {prefix}*", op, timeout)
 
     def put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        self.writes += 1
         self.call(f"put {key}", lambda: self._raw.put(key, value, lease=lease))
 
     def delete(self, key: str) -> None:
+        self.writes += 1
         self.call(f"delete {key}", lambda: self._raw.delete(key))
 
     def delete_prefix(self, prefix: str) -> None:
+        self.writes += 1
         self.call(f"delete {prefix}*", lambda: self._raw.delete_prefix(prefix))
 
     def txn(self, compare: list, success: list, failure: list | None = None) -> tuple[bool, list]:
+        self.writes += 1
         return self.call("transaction", lambda: self._raw.transaction(compare, success, failure or []))
 
     # -- leases --------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 from pyetcd import events as etcd_events
 from pyetcd import exceptions as etcd_exc
 
-from livemig.rdzv.client import EtcdClient
+from livemig.rdzv.client import KV, EtcdClient
 
 log = logging.getLogger("livemig.rdzv.watch")
 
@@ -30,6 +30,9 @@ class WatchEvent:
     key: str
     value: bytes
     mod_revision: int
+    create_revision: int = 0
+    version: int = 0
+    lease: int = 0
 
 
 class PrefixWatch:
@@ -103,7 +106,11 @@ class PrefixWatch:
             if ev.mod_revision <= self.last_revision:
                 continue  # already delivered before a reconnect
             kind = "delete" if isinstance(ev, etcd_events.DeleteEvent) else "put"
-            out.append(WatchEvent(kind, ev.key.decode(), ev.value, ev.mod_revision))
+            if kind == "put":
+                out.append(WatchEvent(kind, ev.key.decode(), ev.value, ev.mod_revision, ev.create_revision,
+                                      ev.version, ev.lease))  # fmt: skip
+            else:
+                out.append(WatchEvent(kind, ev.key.decode(), ev.value, ev.mod_revision))
         if out:
             self.last_revision = max(e.mod_revision for e in out)
             try:
@@ -118,6 +125,55 @@ class PrefixWatch:
                 self.client.raw.cancel_watch(self._watch_id)
         except Exception:  # noqa: BLE001
             pass
+
+
+class PrefixMirror:
+    """Every key under a prefix, kept in memory by a watch, so a reader that looks often
+    (the coordinator, every pass) reads no etcd: one full read at the start and after a
+    watch gap (compaction), then each change applied as it comes.
+
+    revision: the newest mod revision applied (a lower bound of how current it is).
+    on_change(events) runs after each batch is applied ([] after a full re-read)."""
+
+    def __init__(
+        self, client: EtcdClient, prefix: str, on_change: Callable[[list[WatchEvent]], None] | None = None
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.on_change = on_change
+        self._lock = threading.Lock()
+        self.reloads = 0
+        kvs, rev = client.get_prefix(prefix)
+        self._kv: dict[str, KV] = {kv.key: kv for kv in kvs}
+        self.revision = max((kv.mod_revision for kv in kvs), default=0)
+        self._watch = PrefixWatch(client, prefix, self._apply, start_revision=rev + 1, on_resync=self._reload)
+
+    def _apply(self, events: list[WatchEvent]) -> None:
+        with self._lock:
+            for e in events:
+                if e.kind == "put":
+                    self._kv[e.key] = KV(e.key, e.value, e.mod_revision, e.create_revision, e.version, e.lease)
+                else:
+                    self._kv.pop(e.key, None)
+                self.revision = max(self.revision, e.mod_revision)
+        if self.on_change is not None:
+            self.on_change(events)
+
+    def _reload(self) -> None:
+        kvs, _ = self.client.get_prefix(self.prefix)
+        with self._lock:
+            self._kv = {kv.key: kv for kv in kvs}
+            self.revision = max([self.revision, *(kv.mod_revision for kv in kvs)])
+            self.reloads += 1
+        if self.on_change is not None:
+            self.on_change([])
+
+    def kvs(self) -> tuple[list[KV], int]:
+        with self._lock:
+            return list(self._kv.values()), self.revision
+
+    def cancel(self) -> None:
+        self._watch.cancel()
 
 
 def wait_for(

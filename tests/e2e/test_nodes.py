@@ -193,9 +193,16 @@ def test_agents_that_do_not_fit_the_run_are_refused(tmp_path, procs):
                              "--rank", "1", "--at-step", "15", "--via-agent", "--timeout", "120"],
                             capture_output=True, text=True, timeout=150, cwd=REPO)  # fmt: skip
     assert inject.returncode == 0 and "by its agent" in inject.stdout, inject.stdout + inject.stderr
-    for a in (a0, a1):
+    slow = subprocess.run([sys.executable, "-m", "livemig.cli", "inject", "slow", "--etcd", etcd, "--job", job,
+                           "--rank", "0", "--at-step", "25", "--factor", "2", "--for", "2", "--via-agent",
+                           "--timeout", "120"], capture_output=True, text=True, timeout=150, cwd=REPO)  # fmt: skip
+    assert slow.returncode == 0 and "by its agent" in slow.stdout, slow.stdout + slow.stderr
+    outs = {}
+    for name, a in (("a0", a0), ("a1", a1)):
         out, err = a.communicate(timeout=120)
         assert a.returncode == 0, out.decode()[-1500:] + err.decode()[-1500:]
+        outs[name] = out.decode()
+    assert "slowing worker-0 2x for 2s (requested through etcd)" in outs["a0"], outs["a0"][-2000:]
     rep = json.loads((tmp_path / "r0.json").read_text())
     assert rep["steps_completed"] == STEPS and rep["replicas_identical"] and len(rep["recoveries"]) == 1, rep
     # --verify across nodes: the fault-free reference ran after the job, on a0's node, rank by rank

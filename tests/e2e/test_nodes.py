@@ -16,6 +16,7 @@ import pytest
 
 from livemig.rdzv.client import EtcdClient, decode
 from livemig.rdzv.keys import JobKeys
+from livemig.rdzv.membership import Membership
 from tests.e2e.conftest import REPO, livemig_run
 from tests.e2e.test_exact_state import STATEFUL
 
@@ -103,15 +104,15 @@ def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = ()
     client = EtcdClient(etcd)
     keys = JobKeys(job)
     deadline = _until_step_10_with_warm_spares(client, keys, per_node)
-    m = decode(client.get(keys.membership).value)
-    hosts_of = {int(r): mem["host"] for r, mem in m["members"].items()}
+    m = Membership.from_bytes(client.get(keys.membership).value)
+    hosts_of = {r: mem.host for r, mem in m.members.items()}
     want = {r: hosts.addrs[1 + r // per_node] for r in range(world)}
     assert hosts_of == want, hosts_of  # ranks advertise --host; global rank = node rank x per node + i
     if cut:
         hosts.cut(2)
         while time.monotonic() < deadline:  # replaced: a committed generation without host 2
-            m = decode(client.get(keys.membership).value)
-            if m["generation"] >= 2 and m["state"] == "committed":
+            m = Membership.from_bytes(client.get(keys.membership).value)
+            if m.generation >= 2 and m.state == "committed":
                 break
             time.sleep(0.1)
         hosts.heal(2)
@@ -127,9 +128,9 @@ def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = ()
     lost = list(range(per_node, world))
     fence = next(e for e in rep["timeline"] if e["phase"] == "fence")
     assert fence["ranks"] == lost, fence
-    m = decode(client.get(keys.membership).value)
+    m = Membership.from_bytes(client.get(keys.membership).value)
     for r in lost:  # the lost ranks now run on the standby host
-        assert m["members"][r]["host"] == hosts.addrs[3] and m["members"][r]["role"] == "spare", m["members"]
+        assert m.members[r].host == hosts.addrs[3] and m.members[r].role == "spare", m.members
     assert rep["nodes"] == [{"node_rank": 0, "host": hosts.addrs[1], "ranks": list(range(per_node))},
                             {"node_rank": None, "host": hosts.addrs[3], "ranks": lost}], rep["nodes"]  # fmt: skip
     spares.wait(timeout=30)

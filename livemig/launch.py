@@ -43,7 +43,7 @@ from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.faults import Fault, parse_fault
 from livemig.jobs import prune_stale_dirs, remove_job_file, state_dir, write_job_file
 from livemig.nodes import default_host
-from livemig.rdzv.client import EtcdClient, conform, decode, encode
+from livemig.rdzv.client import EtcdClient, conform, encode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership, new_incarnation
 from livemig.rdzv.security import EtcdSecurity
@@ -135,6 +135,7 @@ class Launcher:
         self._spares_started = False
         self._outage = False  # etcd unreachable at the last look
         self._by_key: dict = {}  # the last snapshot of the job's keys (faults due during an outage)
+        self._progress_cache: dict[str, tuple[int, dict | None]] = {}  # key -> (mod revision, record)
         self._unrecorded: list[tuple] = []  # fault events to write once etcd answers
         self.node_keeper: Any = None  # this agent's lease: holds its node key
         self.node_rank = 0
@@ -320,8 +321,8 @@ class Launcher:
             self._progress(by_key)
             res = by_key.get(self.keys.result)
             if res is not None and result is None:
-                result = decode(res.value)
-                result_seen_at = time.monotonic()
+                result = conform(res.value, {"state": (str,)})  # not a result record: not the end
+                result_seen_at = time.monotonic() if result is not None else None
             if result is not None:
                 members_alive = [c for c in self.children if c.role in ("worker", "spare")
                                  and c.proc.poll() is None and self._is_member(c, by_key)]  # fmt: skip
@@ -571,10 +572,19 @@ class Launcher:
         return next((c for c in self.children if c.role == "spare" and c.proc.poll() is None), None)
 
     def _progress(self, by_key: dict) -> None:
+        """Print a progress line every --log-every steps of the slowest rank. Each record is
+        decoded once per change (by mod revision), not every tick; one that is not a progress
+        record (anyone with etcd access can write one) is skipped."""
         steps = {}
+        cache = self._progress_cache
         for k, kv in by_key.items():
             if k.startswith(self.keys.progress_prefix):
-                steps[k] = decode(kv.value)
+                hit = cache.get(k)
+                if hit is None or hit[0] != kv.mod_revision:
+                    hit = cache[k] = (kv.mod_revision, conform(kv.value, {"step": (int,)},
+                                                               {"generation": (int,), "loss": (float,)}))  # fmt: skip
+                if hit[1] is not None:
+                    steps[k] = hit[1]
         if not steps:
             return
         low = min(s["step"] for s in steps.values())
@@ -633,11 +643,16 @@ def step_reached(keys: JobKeys, f: Fault, by_key: dict) -> int:
     """The step the fault's target rank (any rank if none) has committed; -1 if none yet."""
     steps = []
     for k, kv in by_key.items():
-        if k.startswith(keys.progress_prefix):
-            rank = int(k[len(keys.progress_prefix) :])
-            if f.rank is None or rank == f.rank:
-                steps.append(decode(kv.value).get("step", -1))
+        rest = k[len(keys.progress_prefix) :]
+        if k.startswith(keys.progress_prefix) and rest.isdigit() and (f.rank is None or int(rest) == f.rank):
+            rec = conform(kv.value, {"step": (int,)})
+            if rec is not None:
+                steps.append(rec["step"])
     return max(steps, default=-1)
+
+
+def _time_of(kv: Any) -> float:
+    return (conform(kv.value, {"time": (int, float)}) or {}).get("time", 0.0)
 
 
 def phase_reached(keys: JobKeys, f: Fault, by_key: dict, since: float) -> bool:
@@ -646,11 +661,11 @@ def phase_reached(keys: JobKeys, f: Fault, by_key: dict, since: float) -> bool:
     rec = keys.prefix + "recovery/"
     for k, kv in by_key.items():
         if want == "ready" and k.startswith(rec) and "/ready/" in k:
-            if int(k[len(rec) :].split("/")[0]) > 1 and decode(kv.value).get("time", 0) >= since:
+            gen = k[len(rec) :].split("/")[0]
+            if gen.isdigit() and int(gen) > 1 and _time_of(kv) >= since:
                 return True
-        elif k.startswith(keys.timeline_prefix) and k.endswith(f"-{want}"):
-            if decode(kv.value).get("time", 0) >= since:
-                return True
+        elif k.startswith(keys.timeline_prefix) and k.endswith(f"-{want}") and _time_of(kv) >= since:
+            return True
     return False
 
 

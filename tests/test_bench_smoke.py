@@ -13,11 +13,12 @@ def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_bench_scale(tmp_path):
-    r = bench("scale", "--ranks", "4,16", "--json", str(tmp_path / "s.json"))
+    r = bench("scale", "--ranks", "4,16", "--steady-s", "1", "--progress-hz", "5", "--json", str(tmp_path / "s.json"))
     assert r.returncode == 0, r.stderr
     rows = json.loads((tmp_path / "s.json").read_text())
     assert [x["ranks"] for x in rows] == [4, 16]
     assert all(0 < x["coordinator_total_s"] < 10 for x in rows)
+    assert all(x["progress_writes_per_s"] > 0 and x["coordinator_cpu_per_s"] >= 0 for x in rows)
 
 
 def test_bench_transfer(tmp_path):

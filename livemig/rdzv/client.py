@@ -59,6 +59,7 @@ def decode(raw: bytes | None) -> Any:
 
 
 _NUMBER = (int, float)
+MAX_MESSAGE_BYTES = 512 << 20  # the largest etcd answer a client accepts (a range read of a big job)
 
 
 def conform(raw: bytes | Any, need: dict[str, tuple], may: dict[str, tuple] | None = None) -> dict | None:
@@ -163,10 +164,14 @@ class EtcdClient:
         # Per-RPC limit: short enough that a member without quorum does not
         # eat the whole budget before we fail over to the next one.
         rpc = max(0.5, min(2.0, timeout.total_seconds() / 3))
+        # gRPC refuses answers over 4 MiB by default: a whole job prefix at 10,000 ranks
+        # (registrations, reports, signatures) is larger
+        opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         self._raw = pyetcd.MultiEndpointEtcd3Client(
             endpoints=[
-                pyetcd.Endpoint(e.host, e.port, secure=secure, creds=creds, time_retry=0.3) for e in self.endpoints
-            ],  # fmt: skip
+                pyetcd.Endpoint(e.host, e.port, secure=secure, creds=creds, time_retry=0.3, opts=opts)
+                for e in self.endpoints
+            ],
             timeout=rpc,
             failover=True,
         )

@@ -18,7 +18,7 @@ from livemig.config import validate_job_name
 from livemig.errors import ConfigError
 from livemig.faults import KINDS, PHASE_DURING, Fault
 from livemig.jobs import connect
-from livemig.launch import phase_reached, record_fault, step_reached
+from livemig.launch_faults import phase_reached, record_fault, step_reached
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.membership import Rendezvous
 from livemig.rdzv.security import add_arguments as add_security_arguments

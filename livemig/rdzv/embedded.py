@@ -228,18 +228,16 @@ class EtcdCluster:
 
     def pause(self) -> None:
         """SIGSTOP every member: an outage of the whole cluster (connections stay open)."""
-        for m in self.members:
-            if m.guard is not None and m.etcd_pid:
-                try:
-                    os.kill(m.etcd_pid, signal.SIGSTOP)
-                except ProcessLookupError:
-                    pass
+        self._signal_all(signal.SIGSTOP, running_only=True)
 
     def resume(self) -> None:
+        self._signal_all(signal.SIGCONT)
+
+    def _signal_all(self, sig: int, running_only: bool = False) -> None:
         for m in self.members:
-            if m.etcd_pid:
+            if m.etcd_pid and (m.guard is not None or not running_only):
                 try:
-                    os.kill(m.etcd_pid, signal.SIGCONT)
+                    os.kill(m.etcd_pid, sig)
                 except ProcessLookupError:
                     pass
 

@@ -1,0 +1,240 @@
+"""The agent's fault side (`livemig run --fault`, `livemig inject` through etcd): carry
+out a fault plan's faults when their step or recovery phase is reached, the `slow`
+duty cycle, SIGCONT and heals, etcd stops; and the helpers `livemig inject` shares.
+A mixin of launch.Launcher, which owns the children, the client and the keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from livemig.errors import ConfigError, EtcdUnavailableError
+from livemig.faults import Fault
+from livemig.rdzv.client import EtcdClient, conform, encode
+from livemig.rdzv.keys import JobKeys
+from livemig.rdzv.membership import Membership
+
+if TYPE_CHECKING:
+    from livemig.launch import Child
+
+log = logging.getLogger("livemig.launch")
+
+
+class FaultDriver:
+    """Launcher's fault methods (see the module doc); its attributes are the Launcher's."""
+
+    def _inject_requests(self, by_key: dict) -> None:
+        """`livemig inject` from another host (inject.py): kill, hang, resume or slow one of our children."""
+        assert self.client is not None
+        for key, kv in by_key.items():
+            if not key.startswith(self.keys.inject_requests_prefix):
+                continue
+            req = conform(kv.value, {"kind": (str,), "incarnation": (str,)}, {"step": (int,), "rank": (int,)})
+            if req is None:  # not a request livemig wrote: dropped, once
+                log.warning("dropping a malformed inject request", extra={"key": key})
+                self.client.delete(key)
+                continue
+            child = next((c for c in self.children if c.incarnation == req.get("incarnation")), None)
+            if child is None or child.proc.poll() is not None:
+                continue
+            sig = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "resume": signal.SIGCONT}.get(req.get("kind"))
+            if req.get("kind") == "slow":
+                factor, duration = req.get("factor"), req.get("duration")
+                if isinstance(factor, int | float) and factor > 1 and isinstance(duration, int | float):
+                    self._slow.append((child, float(factor), time.monotonic() + float(duration)))
+                    self.say(f"livemig: slowing {child.name} {factor:g}x for {duration:g}s (requested through etcd)")
+            elif sig is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.proc.pid, sig)
+                if req["kind"] != "resume":
+                    record_fault(self.client, self.keys, req["kind"], req.get("rank"), int(req.get("step", 0)),
+                                 time.time())  # fmt: skip
+                self.say(f"livemig: injected {req['kind']} of {child.name} (requested through etcd)")
+            self.client.delete(key)
+
+    def _holder(self, rank: int, by_key: dict) -> Child | None:
+        raw = by_key.get(self.keys.membership)
+        m = Membership.from_bytes(raw.value if raw else None)
+        mem = m.members.get(rank)
+        return next((c for c in self.children if mem and c.incarnation == mem.incarnation), None)
+
+    def _faults(self, by_key: dict) -> None:
+        now = time.monotonic()
+        for f in list(self.pending):
+            step = step_reached(self.keys, f, by_key)
+            if step < f.step:
+                continue
+            armed = self._armed.setdefault(id(f), time.time())
+            if time.time() < armed + f.after:
+                continue
+            if f.phase and not phase_reached(self.keys, f, by_key, armed):
+                continue
+            if self.inject(f, by_key, step):
+                self.pending.remove(f)
+        for due, target in list(self._resumes):
+            if now >= due:
+                self._resumes.remove((due, target))
+                if self.partition is not None and target.name == self.partition_target():
+                    self.partition.heal()
+                    self.say(f"livemig: healed the partition of {target.name}")
+                elif target.proc.poll() is None:
+                    os.killpg(target.proc.pid, signal.SIGCONT)
+                    self.say(f"livemig: resumed {target.name} (SIGCONT)")
+        for entry in list(self._slow):
+            target, factor, until = entry
+            if target.proc.poll() is not None:
+                self._slow.remove(entry)
+                continue
+            # migrated away or fenced: let it exit at full speed; or its time is up (inject slow --for)
+            if not self._is_member(target, by_key) or time.monotonic() >= until:
+                self._slow.remove(entry)
+                os.killpg(target.proc.pid, signal.SIGCONT)
+                target._stopped = False  # type: ignore[attr-defined]
+                continue
+            # Duty cycle of 100 ms: run 100/factor ms, stopped the rest.
+            phase = (now * 10) % 1.0
+            want_stopped = phase >= 1.0 / factor
+            if want_stopped != getattr(target, "_stopped", False):
+                os.killpg(target.proc.pid, signal.SIGSTOP if want_stopped else signal.SIGCONT)
+                target._stopped = want_stopped  # type: ignore[attr-defined]
+
+    def partition_target(self) -> str:
+        rank = next((f.rank for f in self.cfg.faults if f.kind in ("partition", "link")), None)
+        return f"worker-{rank}"
+
+    def inject(self, f: Fault, by_key: dict, step: int) -> bool:
+        """Carry out one fault; False if its target is not there (yet)."""
+        assert self.client is not None
+        target: Child | None = None
+        if f.kind == "etcd-kill":
+            if self.cluster is None or self.cluster.size < 2:
+                raise ConfigError("etcd-kill needs an embedded etcd cluster: run with --etcd-members 3")
+            self.cluster.kill_member(f.member)
+            what = f"etcd member {f.member}"
+        elif f.kind == "etcd-stop":
+            return self._etcd_stop(f, step)
+        else:
+            if f.kind == "coordinator-kill":
+                leader = by_key.get(self.keys.leader)
+                lid = leader.value.decode() if leader else ""
+                target = next((c for c in self.children if c.incarnation == lid), None)
+            elif f.kind == "spare-kill":
+                target = self._claimed_spare(by_key)
+            else:
+                target = self._holder(f.rank, by_key)  # type: ignore[arg-type]
+            if target is None or target.proc.poll() is not None:
+                return False
+            what = f"{target.name}" + (f" (rank {target.rank})" if target.rank is not None else "")
+            if f.kind == "slow":
+                self._slow.append((target, f.factor, float("inf")))
+            elif f.kind in ("partition", "link"):
+                if self.partition is None or target.rank != f.rank or target.name != f"worker-{f.rank}":
+                    raise ConfigError(f"{f.kind} targets the worker started in the namespace (its first holder)")
+                if f.kind == "link":
+                    self.partition.cut_peers()
+                else:
+                    self.partition.cut()
+                if f.resume_after is not None:
+                    self._resumes.append((time.monotonic() + f.resume_after, target))
+            elif f.kind == "corrupt":
+                self.client.put(self.keys.inject_corrupt(f.rank), encode({"time": time.time()}))  # type: ignore[arg-type]
+            elif f.kind == "migrate":
+                from livemig.migrate import request_migration
+
+                request_migration(self.client, self.keys, f.rank, f"fault plan after step {step}")  # type: ignore[arg-type]
+            else:
+                sig = signal.SIGSTOP if f.kind == "hang" else signal.SIGKILL
+                os.killpg(target.proc.pid, sig)
+                if f.kind == "hang" and f.resume_after is not None:
+                    self._resumes.append((time.monotonic() + f.resume_after, target))
+        now = time.time()
+        if f.kind not in ("slow", "corrupt", "migrate"):  # these do not start a downtime
+            try:
+                record_fault(self.client, self.keys, f.kind, f.rank, step, now)
+            except EtcdUnavailableError:
+                self._unrecorded.append((f.kind, f.rank, step, now))
+        if self.cfg.cold_spares and not self._spares_started:
+            self._spawn_spares()  # a cold start: a fresh process at the moment of failure
+        self.injected.append({"kind": f.kind, "rank": f.rank, "step": step, "during": f.during, "time": now,
+                              "target": what})  # fmt: skip
+        when = f" during {f.during}" if f.phase else ""
+        self.say(f"livemig: injected {f.kind} of {what} after step {step}{when}")
+        return True
+
+    def _etcd_stop(self, f: Fault, step: int) -> bool:
+        """SIGSTOP every embedded etcd member (an outage of the whole cluster); SIGCONT
+        after `resume` seconds from a timer, since this agent's own etcd calls block."""
+
+        if self.cluster is None:
+            raise ConfigError("etcd-stop needs the embedded etcd (drop --etcd)")
+        assert self.client is not None
+        now = time.time()
+        record_fault(self.client, self.keys, f.kind, None, step, now)  # before etcd stops answering
+        self.cluster.pause()
+        resume = f.resume_after if f.resume_after is not None else 10.0
+
+        def cont() -> None:
+            self.cluster.resume()
+            self.injected.append({"kind": "etcd-resume", "rank": None, "step": step, "time": time.time()})
+            self.say(f"livemig: resumed etcd after {resume:g}s")
+
+        threading.Timer(resume, cont).start()
+        self.injected.append({"kind": f.kind, "rank": None, "step": step, "during": "", "time": now,
+                              "target": "every etcd member", "resume_s": resume})  # fmt: skip
+        self.say(f"livemig: injected etcd-stop (SIGSTOP of every etcd member for {resume:g}s) after step {step}")
+        return True
+
+    def _claimed_spare(self, by_key: dict) -> Child | None:
+        raw = by_key.get(self.keys.membership)
+        m = Membership.from_bytes(raw.value if raw else None)
+        claimed = [mem.incarnation for mem in m.members.values() if mem.role == "spare"]
+        for c in self.children:
+            if c.role == "spare" and c.incarnation in claimed and c.proc.poll() is None:
+                return c
+        return next((c for c in self.children if c.role == "spare" and c.proc.poll() is None), None)
+
+
+def step_reached(keys: JobKeys, f: Fault, by_key: dict) -> int:
+    """The step the fault's target rank (any rank if none) has committed; -1 if none yet."""
+    steps = []
+    for k, kv in by_key.items():
+        rest = k[len(keys.progress_prefix) :]
+        if k.startswith(keys.progress_prefix) and rest.isdigit() and (f.rank is None or int(rest) == f.rank):
+            rec = conform(kv.value, {"step": (int,)})
+            if rec is not None:
+                steps.append(rec["step"])
+    return max(steps, default=-1)
+
+
+def _time_of(kv: Any) -> float:
+    return (conform(kv.value, {"time": (int, float)}) or {}).get("time", 0.0)
+
+
+def phase_reached(keys: JobKeys, f: Fault, by_key: dict, since: float) -> bool:
+    """Has a recovery after `since` reached the fault's phase (see livemig/faults.py)?"""
+    want = {"stream": "claim", "build": "ready"}.get(f.phase, f.phase)
+    rec = keys.prefix + "recovery/"
+    for k, kv in by_key.items():
+        if want == "ready" and k.startswith(rec) and "/ready/" in k:
+            gen = k[len(rec) :].split("/")[0]
+            if gen.isdigit() and int(gen) > 1 and _time_of(kv) >= since:
+                return True
+        elif k.startswith(keys.timeline_prefix) and k.endswith(f"-{want}") and _time_of(kv) >= since:
+            return True
+    return False
+
+
+def record_fault(client: EtcdClient, keys: JobKeys, kind: str, rank: int | None, step: int,
+                 at: float) -> None:  # fmt: skip
+    """A timeline 'fault' event: the start of the downtime a report measures."""
+    gen_kv = client.get(keys.generation)
+    gen = int(gen_kv.value) if gen_kv else 0
+    client.put(keys.timeline(gen, int(at * 1000) % 1_000_000, "fault"),
+               encode({"phase": "fault", "generation": gen, "time": at, "kind": kind, "rank": rank,
+                       "step": step}))  # fmt: skip

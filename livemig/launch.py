@@ -48,6 +48,7 @@ from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership, new_incarnation
 from livemig.rdzv.security import EtcdSecurity
 from livemig.rdzv.security import add_arguments as add_security_arguments
+from livemig.rdzv.watch import PrefixMirror
 
 log = logging.getLogger("livemig.launch")
 
@@ -297,11 +298,17 @@ class Launcher(FaultDriver):
         deadline = time.monotonic() + self.cfg.max_wall
         result = None
         result_seen_at = None
+        # The job's keys come from a watch-fed mirror (no prefix read and decode every tick);
+        # one small read per tick (the result key, a short deadline) is how an outage shows.
+        mirror: PrefixMirror | None = None
         while time.monotonic() < deadline:
             try:
                 self._reap()
+                if mirror is None:
+                    mirror = PrefixMirror(self.client, self.keys.prefix)
                 # a short deadline: during an outage the loop must still carry out timed faults
-                kvs, _ = self.client.get_prefix(self.keys.prefix, timedelta(seconds=1))
+                self.client.get(self.keys.result, timedelta(seconds=1))
+                kvs, _ = mirror.kvs()
             except EtcdUnavailableError as exc:  # an outage: deaths are reported once etcd is back
                 if not self._outage:
                     log.warning("etcd unreachable; the agent keeps watching its children", extra={"err": str(exc)})
@@ -338,6 +345,8 @@ class Launcher(FaultDriver):
             time.sleep(0.02)
         else:
             result = {"state": "failed", "reason": f"run exceeded {self.cfg.max_wall:.0f}s"}
+        if mirror is not None:
+            mirror.cancel()
         wall = time.time() - t0
         from livemig import report
 

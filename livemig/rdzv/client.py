@@ -311,14 +311,14 @@ class EtcdClient:
             pass
 
     # -- key/value -------------------------------------------------------------------
-    def get(self, key: str) -> KV | None:
+    def get(self, key: str, timeout: timedelta | None = None) -> KV | None:
         def op() -> KV | None:
             resp = self._raw.get_response(key)
             if resp.count < 1:
                 return None
             return _kv(resp.kvs[0])
 
-        return self.call(f"get {key}", op)
+        return self.call(f"get {key}", op, timeout)
 
     def get_with_revision(self, key: str) -> tuple[KV | None, int]:
         """The key and the store revision it was read at (to watch from)."""

@@ -82,10 +82,6 @@ def resolve(job: str, etcd: str | None) -> tuple[str, EtcdSecurity]:
     return str(info["etcd"]), security
 
 
-def resolve_etcd(job: str, etcd: str | None) -> str:
-    return resolve(job, etcd)[0]
-
-
 def connect(job: str, etcd: str | None, timeout: timedelta) -> EtcdClient:
     """A client of the job's etcd (resolve()): what every CLI command uses."""
     from livemig.rdzv.client import EtcdClient

@@ -142,7 +142,6 @@ class PrefixMirror:
         self.prefix = prefix
         self.on_change = on_change
         self._lock = threading.Lock()
-        self.reloads = 0
         kvs, rev = client.get_prefix(prefix)
         self._kv: dict[str, KV] = {kv.key: kv for kv in kvs}
         self.revision = max((kv.mod_revision for kv in kvs), default=0)
@@ -164,7 +163,6 @@ class PrefixMirror:
         with self._lock:
             self._kv = {kv.key: kv for kv in kvs}
             self.revision = max([self.revision, *(kv.mod_revision for kv in kvs)])
-            self.reloads += 1
         if self.on_change is not None:
             self.on_change([])
 

@@ -1,7 +1,9 @@
 """`livemig bench transfer`: livemig's state transfer next to the raw link.
 
-In one run, interleaved R times: (a) the raw link, a plain zmq PUSH/PULL of
-the same byte count over loopback between two processes; (b) livemig's
+In one run, interleaved R times: (a) the raw link, a plain TCP stream of the
+same byte count over loopback between two processes, received with
+`recv_into` into one pre-allocated buffer (what `ratio_to_link` divides by),
+and a zmq PUSH/PULL of it for reference; (b) livemig's
 pull of a synthetic state of M MB (tensors of mixed sizes and dtypes, like a
 model plus optimizer) from S source processes into pre-allocated tensors;
 (c) the checksum's own speed. Receiver peak extra memory is read from the
@@ -54,17 +56,55 @@ def _serve(mb: int) -> None:
     sys.stdin.read()  # until the parent closes our stdin
 
 
+def _from_memory(mb: int) -> memoryview:
+    """The link's bytes: as many as the state's, all in memory. A 4 MiB buffer sent again
+    and again would stay in the CPU's cache, a link no state transfer has."""
+    n = (mb << 20) // P.CHUNK_BYTES * P.CHUNK_BYTES
+    return memoryview(bytearray(os.urandom(1 << 20)) * (n >> 20))
+
+
 def _push(port: int, mb: int) -> None:
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.PUSH)
+    buf = _from_memory(mb)
     s.connect(f"tcp://127.0.0.1:{port}")
-    buf = memoryview(bytearray(P.CHUNK_BYTES))
-    n = (mb << 20) // P.CHUNK_BYTES
-    for _ in range(n):
-        s.send(buf, copy=False)
+    for off in range(0, len(buf), P.CHUNK_BYTES):
+        s.send(buf[off : off + P.CHUNK_BYTES], copy=False)
     s.send(b"")
     s.close(linger=-1)
     ctx.term()  # flush: exiting with zero-copy frames in flight frees their memory under zmq
+
+
+def _tcp_push(port: int, mb: int) -> None:
+    import socket
+
+    buf = _from_memory(mb)
+    conn = socket.create_connection(("127.0.0.1", port))
+    for off in range(0, len(buf), P.CHUNK_BYTES):
+        conn.sendall(buf[off : off + P.CHUNK_BYTES])
+    conn.close()
+
+
+def tcp_link_once(mb: int) -> float:
+    """The raw link: a TCP stream of mb MiB received with recv_into into a touched buffer."""
+    import socket
+
+    lsock = socket.create_server(("127.0.0.1", 0))
+    dest = memoryview(bytearray((mb << 20) // P.CHUNK_BYTES * P.CHUNK_BYTES))  # zero-filled: touched
+    p = _spawn("--role", "tcp-push", "--port", str(lsock.getsockname()[1]), "--size-mb", str(mb))
+    conn, _ = lsock.accept()
+    got = conn.recv_into(dest)
+    t0, first = time.perf_counter(), got
+    while got < len(dest):  # MSG_WAITALL: one call per chunk, the fastest raw receive measured
+        k = conn.recv_into(dest[got:], min(P.CHUNK_BYTES, len(dest) - got), socket.MSG_WAITALL)
+        if not k:
+            break
+        got += k
+    dt = time.perf_counter() - t0
+    conn.close()
+    lsock.close()
+    p.wait()
+    return (got - first) / dt / 1e9
 
 
 def _spawn(*args: str, encrypt: bool = False) -> subprocess.Popen:
@@ -166,9 +206,10 @@ def run(a: argparse.Namespace) -> int:
         warm_s = time.perf_counter() - t0
         if enc_addrs:
             livemig_once(enc_addrs, a.size_mb, encrypt=True)  # warm its snapshot too
-        links, ours, extras, encs = [], [], [], []
+        links, zlinks, ours, extras, encs = [], [], [], [], []
         for _ in range(a.repeat):
-            links.append(link_once(a.size_mb))
+            links.append(tcp_link_once(a.size_mb))
+            zlinks.append(link_once(a.size_mb))
             g, extra = livemig_once(addrs, a.size_mb)
             ours.append(g)
             extras.append(extra)
@@ -185,6 +226,7 @@ def run(a: argparse.Namespace) -> int:
         "sources": a.sources,
         "tensors": len(template),
         "link_gbps": statistics.median(links),
+        "zmq_link_gbps": statistics.median(zlinks),
         "livemig_gbps": statistics.median(ours),
         "ratio_to_link": statistics.median(o / link for o, link in zip(ours, links, strict=True)),
         "checksum_gbps": ck,
@@ -192,7 +234,12 @@ def run(a: argparse.Namespace) -> int:
         "first_pull_with_snapshot_s": warm_s,
         "window": P.WINDOW,
         "chunk_mb": P.CHUNK_BYTES / 2**20,
-        "samples": {"link_gbps": links, "livemig_gbps": ours, "receiver_peak_extra_mb": extras},
+        "samples": {
+            "link_gbps": links,
+            "zmq_link_gbps": zlinks,
+            "livemig_gbps": ours,
+            "receiver_peak_extra_mb": extras,
+        },
     }
     if encs:
         res["encrypted_gbps"] = statistics.median(encs)
@@ -201,7 +248,8 @@ def run(a: argparse.Namespace) -> int:
     print(f"transfer of {a.size_mb} MiB ({len(template)} tensors) from {a.sources} source(s), "
           f"{a.repeat} interleaved runs (GB/s = 1e9 bytes/s)")  # fmt: skip
     spread = f"min {min(links):.2f} max {max(links):.2f}"
-    print(f"  link_gbps               {res['link_gbps']:.2f}   (raw zmq PUSH/PULL, {spread})")
+    print(f"  link_gbps               {res['link_gbps']:.2f}   (raw TCP recv_into, {spread})")
+    print(f"  zmq_link_gbps           {res['zmq_link_gbps']:.2f}   (raw zmq PUSH/PULL, for reference)")
     print(f"  livemig_gbps            {res['livemig_gbps']:.2f}   (min {min(ours):.2f} max {max(ours):.2f})")
     print(f"  ratio_to_link           {res['ratio_to_link']:.2f}")
     print(f"  checksum_gbps           {ck:.2f}   (keyed BLAKE3 chunk MAC)")
@@ -219,7 +267,7 @@ def run(a: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--role", choices=["serve", "push", "recv"], required=True)
+    p.add_argument("--role", choices=["serve", "push", "tcp-push", "recv"], required=True)
     p.add_argument("--addrs", default="")
     p.add_argument("--size-mb", type=int, default=1024)
     p.add_argument("--port", type=int)
@@ -228,5 +276,7 @@ if __name__ == "__main__":
         _serve(a.size_mb)
     elif a.role == "recv":
         _recv(a.addrs.split(","), a.size_mb)
+    elif a.role == "tcp-push":
+        _tcp_push(a.port, a.size_mb)
     else:
         _push(a.port, a.size_mb)

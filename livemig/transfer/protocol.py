@@ -9,7 +9,18 @@ Reply:    [meta, tag]          header and error replies
           [meta, tag, data]    a chunk (the data frame last: received in place)
           tag = keyed BLAKE3(reply key, nonce || meta): bound to the request's nonce,
           so a reply can be neither forged nor replayed into another request.
-Header meta: {ok, step, gen, skeleton, tensors, chunk, macs, digest}.
+Header meta: {ok, step, gen, skeleton, tensors, chunk, macs, digest, data}.
+
+Data channel (chunks; `data` in the header is its TCP port on the server's host,
+absent when the transfer is encrypted): a plain TCP connection per source, the
+same requests and replies as above, framed so the receiver can read a chunk's
+bytes with `recv_into` straight from the kernel into the destination tensor
+(zmq copies each message once more out of its own buffer):
+  request  REQ_HEAD (mac length, body length) + mac + body
+  reply    REP_HEAD (meta length, tag length, data length) + meta + tag + data
+The server sends a reply with one `sendmsg` of its parts, the data a view of
+the served tensor (no copy in user space). A frame whose lengths break the
+limits below ends the connection; requests are answered in order.
 
 Each chunk's data is authenticated by `macs[seq]` from the (authenticated) header:
 keyed BLAKE3 of the chunk's bytes, computed once per served snapshot. A MAC
@@ -31,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import struct
 import time
 from dataclasses import dataclass
 
@@ -42,6 +54,9 @@ WINDOW = 4  # outstanding chunk requests per source
 MAX_SKEW_S = 60.0  # a request's time may differ this much from the server's clock (hosts' clocks)
 MAX_REQUEST_BYTES = 64 << 10  # zmq drops a peer that sends a larger message to a state server
 TAG_BYTES = 16
+REQ_HEAD = struct.Struct(">II")
+REP_HEAD = struct.Struct(">III")
+MAX_META_BYTES = 1 << 20  # a chunk reply's meta is tens of bytes; more is not a livemig server
 
 
 ENV_ENCRYPT = "LIVEMIG_TRANSFER_ENCRYPT"

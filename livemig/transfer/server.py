@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,9 @@ from livemig.state import as_bytes, flatten, tensor_meta
 from livemig.transfer import protocol as P
 
 log = logging.getLogger("livemig.transfer.server")
+
+MAX_DATA_CONNECTIONS = 64  # concurrent data-channel peers (a recovery has a handful)
+DATA_IDLE_S = 60.0  # a data connection with no request for this long is closed
 
 # provider() -> (step, state object to flatten)
 Provider = Callable[[], tuple[int, Any]]
@@ -72,6 +76,14 @@ class StateServer:
         self._snaps: dict[tuple[int, str], _Snapshot] = {}
         self._fenced = False
         self._stop = threading.Event()
+        self._handling = threading.Lock()  # _handle's state (replay window, hooks) across channels
+        self._conns: set[socket.socket] = set()
+        self._data: socket.socket | None = None
+        self.data_port: int | None = None  # advertised in the header; None: chunks over zmq (CURVE)
+        if not P.encrypted():
+            self._data = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+            self.data_port = self._data.getsockname()[1]
+            threading.Thread(target=self._accept, name="livemig-transfer-data", daemon=True).start()
         self._thread = threading.Thread(target=self._run, name="livemig-transfer", daemon=True)
         self._thread.start()
 
@@ -97,6 +109,12 @@ class StateServer:
 
     def close(self) -> None:
         self._stop.set()
+        if self._data is not None:
+            self._data.close()
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for c in conns:
+            _shut(c)
         self._thread.join(timeout=2)
 
     # -- serving -----------------------------------------------------------------------
@@ -163,6 +181,7 @@ class StateServer:
                 "chunk": P.CHUNK_BYTES,
                 "macs": snap.macs,
                 "digest": P.combine(snap.macs),
+                "data": self.data_port,
             })  # fmt: skip
         if req["op"] == "chunk":
             seq = int(req["seq"])
@@ -181,6 +200,57 @@ class StateServer:
             return self._reply(nonce, {"ok": True, "seq": seq}, data)
         return self._reply(nonce, {"ok": False, "error": f"unknown op {req['op']!r}"})
 
+    def _serve(self, frames: list[bytes]) -> list[Any]:
+        with self._handling:
+            try:
+                return self._handle(frames)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop serving
+                log.exception("transfer request failed")
+                return self._reply(b"", {"ok": False, "error": f"server error: {exc}"})
+
+    # -- the data channel: TCP, replies sent from the tensors' memory -------------------
+    def _accept(self) -> None:
+        assert self._data is not None
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._data.accept()
+            except OSError:
+                return
+            with self._lock:
+                if len(self._conns) >= MAX_DATA_CONNECTIONS or self._stop.is_set():
+                    log.warning("data connection refused: too many open", extra={"peer": str(peer)})
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+            threading.Thread(target=self._connection, args=(conn,), name="livemig-transfer-conn", daemon=True).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        """Answer one peer's requests in order until it closes, breaks the framing, or idles."""
+        conn.settimeout(DATA_IDLE_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while not self._stop.is_set():
+                head = _recv_exact(conn, P.REQ_HEAD.size)
+                if head is None:
+                    return
+                n_mac, n_body = P.REQ_HEAD.unpack(head)
+                if n_mac + n_body > P.MAX_REQUEST_BYTES:
+                    log.warning("oversized data-channel request; connection closed", extra={"bytes": n_mac + n_body})
+                    return
+                raw = _recv_exact(conn, n_mac + n_body)
+                if raw is None:
+                    return
+                reply = self._serve([raw[:n_mac], raw[n_mac:]])
+                data = reply[2] if len(reply) > 2 else b""
+                _sendv(conn, [P.REP_HEAD.pack(len(reply[0]), len(reply[1]), len(memoryview(data))), reply[0],
+                              reply[1], data])  # fmt: skip
+        except OSError:
+            return  # the peer went away, or idled past DATA_IDLE_S
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
@@ -188,10 +258,36 @@ class StateServer:
             if not poller.poll(100):
                 continue
             ident, *frames = self._sock.recv_multipart(copy=True)
-            try:
-                reply = self._handle(frames)
-            except Exception as exc:  # noqa: BLE001 - one bad request must not stop serving
-                log.exception("transfer request failed")
-                reply = self._reply(b"", {"ok": False, "error": f"server error: {exc}"})
-            self._sock.send_multipart([ident, *reply], copy=False)
+            self._sock.send_multipart([ident, *self._serve(frames)], copy=False)
         self._sock.close(0)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
+    """n bytes, or None if the peer closed the connection first."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if not k:
+            return None
+        got += k
+    return bytes(buf)
+
+
+def _sendv(conn: socket.socket, parts: list[Any]) -> None:
+    """Send every part with as few `sendmsg` calls as the kernel allows (no joined copy)."""
+    views = [memoryview(p).cast("B") for p in parts if len(memoryview(p))]
+    while views:
+        sent = conn.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
+def _shut(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

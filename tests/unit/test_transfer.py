@@ -81,7 +81,7 @@ def test_source_corrupting_everything_is_dropped(served, monkeypatch):
         reply = orig(self, frames)
         if len(reply) == 3:  # [meta, tag, data]: the data of a chunk
             data = bytearray(bytes(reply[2]))
-            data[7] ^= 0xFF
+            data[len(data) // 2] ^= 0xFF  # chunks may be shorter than 8 bytes
             reply[2] = bytes(data)
         return reply
 
@@ -148,7 +148,7 @@ def test_source_killed_mid_transfer_completes_from_the_other(procs):
 def test_every_source_dead_fails_clearly(procs):
     dying = procs.python(HELPER, "--mb", "20", "--die-after", "1")
     addr = dying.stdout.readline().decode().strip()
-    with pytest.raises(TransferError, match="stalled"):
+    with pytest.raises(TransferError, match="every source dropped.*closed the data connection"):
         pull([addr], "job", b"s3cret", 1, "state", 1.0)
 
 
@@ -301,6 +301,11 @@ def test_encryption_hides_the_state_on_the_wire(monkeypatch, encrypt):
     srv = StateServer("job", b"secret")
     srv.publish(5, "state", lambda: (3, {"w": marker.clone()}))
     tap = _Tap(srv.addr)
+    if srv.data_port:  # plaintext: chunks take the data channel, tapped too
+        data_tap = _Tap(f"tcp://127.0.0.1:{srv.data_port}")
+        data_tap.seen = tap.seen
+        srv.data_port = int(data_tap.addr.rsplit(":", 1)[1])
+    assert (srv.data_port is None) == (encrypt == "1"), "an encrypted server has no plaintext data channel"
     try:
         got = pull(tap.addr, "job", b"secret", 5, "state", 5.0)
         assert torch.equal(got.state["w"], marker)
@@ -315,3 +320,109 @@ def test_encryption_hides_the_state_on_the_wire(monkeypatch, encrypt):
     finally:
         tap.close()
         srv.close()
+
+
+def _frame(secret: bytes, **over) -> bytes:
+    mac, body = _req(secret, **over)
+    return P.REQ_HEAD.pack(len(mac), len(body)) + mac + body
+
+
+def _read_reply(conn) -> tuple[dict, bytes, bytes, bytes]:
+    from livemig.transfer.client import _recv_exact
+
+    n_meta, n_tag, n_data = P.REP_HEAD.unpack(_recv_exact(conn, P.REP_HEAD.size))
+    raw = _recv_exact(conn, n_meta + n_tag + n_data)
+    return P.unpack(raw[:n_meta]), raw[:n_meta], raw[n_meta : n_meta + n_tag], raw[n_meta + n_tag :]
+
+
+def test_data_channel_refuses_replays_and_closes_on_broken_framing(served):
+    """The TCP data channel keeps the zmq channel's rules: a replayed request is refused,
+    a request of the wrong secret is refused, an oversized or garbage frame ends that
+    connection only; the server then serves an exact pull."""
+    import random
+    import socket
+
+    srv, model, _ = served
+    key = P.reply_key(b"secret")
+    conn = socket.create_connection(("127.0.0.1", srv.data_port), timeout=5)
+    frame = _frame(b"secret", op="chunk", seq=0)
+    nonce = P.unpack(frame[P.REQ_HEAD.size + 32 :])["nonce"]
+    conn.sendall(frame + frame + _frame(b"wrong", op="chunk", seq=1))
+    first, raw, tag, data = _read_reply(conn)
+    assert first["ok"] and first["seq"] == 0 and len(data) == P.CHUNK_BYTES and P.tag_ok(key, nonce, raw, tag)
+    replay, raw, tag, data = _read_reply(conn)
+    assert not replay["ok"] and "replayed" in replay["error"] and not data and P.tag_ok(key, nonce, raw, tag)
+    wrong, *_ = _read_reply(conn)
+    assert not wrong["ok"] and "authentication failed" in wrong["error"]
+    conn.sendall(P.REQ_HEAD.pack(P.MAX_REQUEST_BYTES, 1))  # over the size limit: connection closed
+    assert conn.recv(1) == b""
+    conn.close()
+    rng = random.Random(3)
+    for _ in range(50):  # garbage: each connection ends without bringing the server down
+        c = socket.create_connection(("127.0.0.1", srv.data_port), timeout=5)
+        try:
+            c.sendall(rng.randbytes(rng.randrange(1, 400)))
+            c.shutdown(socket.SHUT_WR)
+            while c.recv(1 << 16):  # a refusal if the garbage framed a request, then the close
+                pass
+        except OSError:
+            pass  # the server closed first (a length over the limit), our garbage unread
+        c.close()
+    got = pull(srv.addr, "job", b"secret", 5, "state", 5.0)
+    for a, b in zip(model.state_dict().values(), got.state["model"].values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_forged_chunk_reply_on_the_data_channel_drops_its_source(served, monkeypatch):
+    """A source whose chunk replies carry a bad tag (a man in the middle on the data
+    channel) is dropped at its first reply; its chunks come from the honest source."""
+    srv, model, opt = served
+    liar = StateServer("job", b"secret")
+    liar.publish(5, "state", lambda: (11, {"model": model.state_dict(), "optimizer": opt.state_dict()}))
+    orig = StateServer._handle
+
+    def forge(self, frames):
+        reply = orig(self, frames)
+        if self is liar and len(reply) == 3:
+            reply[1] = bytes(P.TAG_BYTES)
+        return reply
+
+    monkeypatch.setattr(StateServer, "_handle", forge)
+    try:
+        got = pull([liar.addr, srv.addr], "job", b"secret", 5, "state", 5.0)
+        assert got.sources_used == [srv.addr]
+        for a, b in zip(model.state_dict().values(), got.state["model"].values(), strict=True):
+            assert torch.equal(a, b)
+        with pytest.raises(TransferError, match="failed authentication"):
+            pull(liar.addr, "job", b"secret", 5, "state", 2.0)
+    finally:
+        liar.close()
+
+
+def test_a_slow_source_does_not_hold_up_the_pull(procs, monkeypatch):
+    """Work stealing: a source that answers each chunk late ends up serving fewer chunks;
+    the fast one takes from the end of its queue."""
+    slow = StateServer("job", b"s3cret")
+    state = make_state(80)
+    slow.publish(1, "state", lambda: (7, state))
+    orig = StateServer._handle
+
+    def lag(self, frames):
+        if self is slow:
+            import time
+
+            time.sleep(0.2)
+        return orig(self, frames)
+
+    monkeypatch.setattr(StateServer, "_handle", lag)
+    fast = procs.python(HELPER, "--mb", "80")
+    addrs = [slow.addr, fast.stdout.readline().decode().strip()]
+    try:
+        got = pull(addrs, "job", b"s3cret", 1, "state", 5.0)
+        _equal_state(state, got.state)
+        tensors: list = []
+        flatten(state, tensors)
+        n = len(P.plan([t.numel() * t.element_size() for t in tensors]))
+        assert slow.served_chunks <= P.WINDOW + 1 < n // 2, (slow.served_chunks, n)
+    finally:
+        slow.close()

@@ -70,10 +70,13 @@ Alloc = Callable[[int, dict], torch.Tensor | None]
 
 
 class _Source:
-    def __init__(self, ctx: zmq.Context, addr: str, secret: bytes) -> None:
+    def __init__(self, ctx: zmq.Context, addr: str, secret: bytes, send_timeout: float = 3.0) -> None:
         self.addr = addr
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # a DEALER's send blocks until a connection completes its handshake: bound it (a
+        # CURVE server never completes one with a plaintext client)
+        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout * 1000)))
         P.secure_client(self.sock, secret)  # CURVE when LIVEMIG_TRANSFER_ENCRYPT=1
         self.sock.connect(addr)
         self.queue: collections.deque[int] = collections.deque()
@@ -139,10 +142,10 @@ def pull(
     if not addrs:
         raise TransferError("no source to pull from")
     ctx = zmq.Context.instance()
-    sources = [_Source(ctx, a, secret) for a in addrs]
+    stall_s = min(timeout, 3.0) if stall is None else stall
+    sources = [_Source(ctx, a, secret, stall_s) for a in addrs]
     dropped: list[str] = []
     try:
-        stall_s = min(timeout, 3.0) if stall is None else stall
         header, alive = _headers(sources, job, secret, gen, item, timeout, dropped, stall_s, abort)
         metas = header["tensors"]
         dests = _destinations(metas, alloc)
@@ -172,14 +175,19 @@ def _headers(sources: list[_Source], job: str, secret: bytes, gen: int, item: st
              ) -> tuple[dict, list[_Source]]:  # fmt: skip
     """Headers from every source; once one answered, the others get `stall` more seconds."""
     key = P.reply_key(secret)
+    asked = []
     for s in sources:
-        s.request(job, secret, gen, item, "header")
+        try:
+            s.request(job, secret, gen, item, "header")
+            asked.append(s)
+        except zmq.Again:
+            s.error = f"did not take a request within {stall:.1f}s (no connection, or its handshake failed)"
     headers: dict[str, dict] = {}
     poller = zmq.Poller()
-    for s in sources:
+    for s in asked:
         poller.register(s.sock, zmq.POLLIN)
     deadline = time.monotonic() + timeout
-    pending = {s.sock: s for s in sources}
+    pending = {s.sock: s for s in asked}
     while pending and time.monotonic() < deadline:
         if abort is not None and abort():
             raise TransferError("transfer aborted: the generation moved on")
@@ -268,7 +276,12 @@ def _stream(alive: list[_Source], chunks: list[P.Chunk], macs: list[bytes], view
                     continue
                 if not s.inflight:
                     s.last_reply = now  # the stall clock runs only while requests are outstanding
-                s.request(job, secret, gen, item, "chunk", seq=seq)
+                try:
+                    s.request(job, secret, gen, item, "chunk", seq=seq)
+                except zmq.Again:
+                    s.queue.appendleft(seq)
+                    drop(s, f"source {s.addr} did not take a request within {timeout:.1f}s")
+                    break
                 s.inflight[seq] = now
             if s.inflight and now - s.last_reply > timeout:
                 drop(s, f"source {s.addr} stalled for {timeout:.1f}s")

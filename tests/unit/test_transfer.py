@@ -314,9 +314,14 @@ def test_encryption_hides_the_state_on_the_wire(monkeypatch, encrypt):
         if encrypt == "1":  # a client without the job secret cannot even complete the handshake
             with pytest.raises(TransferError):
                 pull(srv.addr, "job", b"other-secret", 5, "state", 1.5)
-            monkeypatch.setenv(P.ENV_ENCRYPT, "0")  # nor can a plaintext one
-            with pytest.raises(TransferError):
-                pull(srv.addr, "job", b"secret", 5, "state", 1.5)
+            monkeypatch.setenv(P.ENV_ENCRYPT, "0")  # nor can a plaintext one, and it is not left hanging
+            import time
+
+            for _ in range(3):  # its send once blocked for good on the handshake that never completes
+                t0 = time.monotonic()
+                with pytest.raises(TransferError):
+                    pull(srv.addr, "job", b"secret", 5, "state", 1.5)
+                assert time.monotonic() - t0 < 5.0
     finally:
         tap.close()
         srv.close()

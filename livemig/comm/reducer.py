@@ -31,22 +31,25 @@ from typing import Any
 
 import torch
 
-from livemig.comm.group import BUCKET_BYTES, CollectiveAborted, allreduce_mean, wait_all
+from livemig.comm.group import BUCKET_BYTES, FIRST_BUCKET_BYTES, CollectiveAborted, allreduce_mean, wait_all
 from livemig.errors import ConfigError
 
 
-def bucket_layout(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+def bucket_layout(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES,
+                  first_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:  # fmt: skip
     """Buckets in parameter order, one dtype each: a bucket of mixed fp32 and bf16
     gradients would be averaged in one of the two (losing precision, or bits that
     depend on the path). A parameter of another dtype goes to its dtype's open
-    bucket, so interleaved dtypes do not make many small buckets."""
+    bucket, so interleaved dtypes do not make many small buckets. The first bucket
+    closes at `first_bytes` (it is launched while backward still runs). The layout
+    depends on the parameters alone: every rank, and a spare, computes the same."""
     layout: list[list[int]] = []
     open_: dict[torch.dtype, tuple[list[int], int]] = {}
     for i, p in enumerate(params):
         cur, size = open_.get(p.dtype, ([], 0))
         cur.append(i)
         size += p.numel() * p.element_size()
-        if size >= bucket_bytes:
+        if size >= (bucket_bytes if layout else first_bytes):
             layout.append(cur)
             open_.pop(p.dtype, None)
         else:

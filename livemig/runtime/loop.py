@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from livemig.comm.group import CollectiveAborted, allreduce_mean, retire, ring_exchange
-from livemig.data import step_seed
+from livemig.data import seed_step, step_seed
 from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import GenState
 
@@ -61,7 +61,7 @@ class StepLoop:
             self._current = step
             self._zero_regather()
             self._migration_tick()
-            torch.manual_seed(step_seed(self.seed, step, self.rank))
+            seed_step(step_seed(self.seed, step, self.rank))
             if self._reducer is not None:
                 self._reducer.arm(self.runtime.pg)
             self._step_t0 = time.monotonic()
@@ -335,7 +335,7 @@ class StepLoop:
                 p.copy_(b)
         self._replay = (t, after, avg, committed_extra)
         self._current = t
-        torch.manual_seed(step_seed(self.seed, t, self.rank))
+        seed_step(step_seed(self.seed, t, self.rank))
         if self._reducer is not None:
             self._reducer.disarm()  # the gradients of a replay are thrown away
         yield t

@@ -34,7 +34,7 @@ from livemig.config import (
 from livemig.coordinator.checks import Checks
 from livemig.coordinator.migration import Migrations
 from livemig.coordinator.prune import stale_ops
-from livemig.coordinator.snapshot import Snapshot, _num, _safe_decode
+from livemig.coordinator.snapshot import Decoded, Snapshot, _num, _safe_decode
 from livemig.coordinator.timeline import Timeline
 from livemig.errors import CorruptStateError, EtcdUnavailableError, NotLeaderError
 from livemig.nodes import stride_of
@@ -73,6 +73,7 @@ class Coordinator(Checks, Migrations):
         self._wake = threading.Event()
         # passes read a watch-fed mirror of the job's keys (_read); counted in the log at the end
         self.reads = {"mirror": 0, "full": 0}
+        self._decoded = Decoded()  # values decoded in earlier passes, by key and mod revision
         self._writes_seen = -1
         self._floor = 0
         self._full_at = -1e18
@@ -142,7 +143,7 @@ class Coordinator(Checks, Migrations):
                 except EtcdUnavailableError as exc:  # failover in progress; the lease decides leadership
                     log.warning("etcd unavailable; retrying", extra={"err": str(exc)})
                     continue
-                snap = Snapshot(kvs, self.rdzv)
+                snap = Snapshot(kvs, self.rdzv, self._decoded)
                 if snap.m.state in (GenState.DONE, GenState.FAILED) and snap.get(self.keys.result):
                     return snap.m.state
                 try:
@@ -167,12 +168,12 @@ class Coordinator(Checks, Migrations):
         if not events or any(not e.key.startswith(progress) for e in events):
             self._wake.set()
 
-    def _read(self, mirror: PrefixMirror) -> list:
+    def _read(self, mirror: PrefixMirror) -> list | dict:
         """The job's keys for one pass: from the watch-fed mirror, or from etcd itself after
         this coordinator wrote (its own writes must be in the next pass), when the mirror
         lags the last full read, and at least every FULL_READ_S (a safety net)."""
         now = time.monotonic()
-        kvs, rev = mirror.kvs()
+        kvs, rev = mirror.by_key()
         if self.client.writes == self._writes_seen and rev >= self._floor and now - self._full_at < FULL_READ_S:
             self.reads["mirror"] += 1
             return kvs

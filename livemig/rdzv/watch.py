@@ -170,6 +170,11 @@ class PrefixMirror:
         with self._lock:
             return list(self._kv.values()), self.revision
 
+    def by_key(self) -> tuple[dict[str, KV], int]:
+        """A copy of the mirror by key (one dict copy: no list and no dict to rebuild)."""
+        with self._lock:
+            return dict(self._kv), self.revision
+
     def cancel(self) -> None:
         self._watch.cancel()
 

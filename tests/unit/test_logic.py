@@ -54,3 +54,49 @@ def test_timeouts_from_env(monkeypatch):
     monkeypatch.setenv("LIVEMIG_COLLECTIVE_TIMEOUT", "soon")
     with pytest.raises(ConfigError, match="LIVEMIG_COLLECTIVE_TIMEOUT"):
         Timeouts.from_env()
+
+
+def test_a_pass_decodes_only_what_changed_and_under_matches_a_scan():
+    """The coordinator's Snapshot reuses values decoded in earlier passes (by key and mod
+    revision) and lists a folder from an index: same answers as decoding and scanning."""
+    from unittest import mock
+
+    from livemig.coordinator import snapshot as S
+    from livemig.rdzv.client import KV, encode
+    from livemig.rdzv.keys import JobKeys
+
+    keys = JobKeys("j")
+    rdzv = mock.Mock(keys=keys)
+
+    def kvs(rev: int, step: int) -> dict:
+        out = {}
+        for r in range(50):
+            k = keys.member(r)
+            out[k] = KV(k, encode({"incarnation": f"i{r}", "host": "h", "pid": r, "addr": "a"}), 5, 5, 1, 0)
+            k = keys.progress(r)
+            out[k] = KV(k, encode({"step": step}), rev, 5, 1, 0)
+            k = keys.ready(3, r)
+            out[k] = KV(k, encode({"incarnation": f"i{r}"}), 5, 5, 1, 0)
+        k = keys.prefix + "odd"  # a key of its own folder level
+        out[k] = KV(k, encode({"x": 1}), 5, 5, 1, 0)
+        return out
+
+    cache = S.Decoded()
+    calls = []
+    real = S._safe_decode
+
+    def counting(key, raw):
+        calls.append(key)
+        return real(key, raw)
+
+    with mock.patch.object(S, "_safe_decode", counting):
+        a = S.Snapshot(kvs(10, 1), rdzv, cache)
+        assert a.get(keys.progress(7))["step"] == 1 and a.get(keys.member(3))["pid"] == 3
+        first = len(calls)
+        b = S.Snapshot(kvs(11, 2), rdzv, cache)  # progress changed, registrations did not
+        assert b.get(keys.progress(7))["step"] == 2 and b.get(keys.member(3))["pid"] == 3
+        assert calls[first:] == [keys.progress(7)], calls[first:]
+    for prefix in (keys.prefix, keys.recovery_prefix(3) + "ready/", keys.prefix + "members/", keys.prefix + "o"):
+        scan = {k[len(prefix) :] for k in b.kv if k.startswith(prefix)}
+        assert set(b._keys_under(prefix)) == {prefix + k for k in scan}, prefix
+    assert len(b.under(keys.recovery_prefix(3) + "ready/")) == 50

@@ -47,6 +47,7 @@ from livemig.state import first_mismatch
 
 log = logging.getLogger("livemig.coordinator")
 FULL_READ_S = 5.0  # a pass reads etcd itself at least this often, whatever the mirror says
+MIRROR_WAIT_S = 0.5  # how long a pass waits for the mirror to hold the coordinator's own writes
 
 
 def _node(reg: dict) -> int | None:
@@ -74,7 +75,7 @@ class Coordinator(Checks, Migrations):
         # passes read a watch-fed mirror of the job's keys (_read); counted in the log at the end
         self.reads = {"mirror": 0, "full": 0}
         self._decoded = Decoded()  # values decoded in earlier passes, by key and mod revision
-        self._writes_seen = -1
+        self._unknown_seen = -1
         self._floor = 0
         self._full_at = -1e18
         self._stop = threading.Event()
@@ -169,15 +170,22 @@ class Coordinator(Checks, Migrations):
             self._wake.set()
 
     def _read(self, mirror: PrefixMirror) -> list | dict:
-        """The job's keys for one pass: from the watch-fed mirror, or from etcd itself after
-        this coordinator wrote (its own writes must be in the next pass), when the mirror
-        lags the last full read, and at least every FULL_READ_S (a safety net)."""
+        """The job's keys for one pass: from the watch-fed mirror once it holds this
+        coordinator's own writes (their revision, from etcd's answers; its next pass must
+        see them), else from etcd itself: after a write whose revision is unknown (a failed
+        call), when the mirror does not reach the revision within MIRROR_WAIT_S, when it lags
+        the last full read, and at least every FULL_READ_S (a safety net)."""
         now = time.monotonic()
         kvs, rev = mirror.by_key()
-        if self.client.writes == self._writes_seen and rev >= self._floor and now - self._full_at < FULL_READ_S:
+        deadline = now + MIRROR_WAIT_S
+        while rev < self.client.write_revision and time.monotonic() < deadline:
+            time.sleep(0.002)  # the watch delivers our own write in about a millisecond
+            kvs, rev = mirror.by_key()
+        fresh = rev >= max(self._floor, self.client.write_revision)
+        if self.client.unknown_writes == self._unknown_seen and fresh and now - self._full_at < FULL_READ_S:
             self.reads["mirror"] += 1
             return kvs
-        self._writes_seen = self.client.writes
+        self._unknown_seen = self.client.unknown_writes
         kvs, _ = self.client.get_prefix(self.keys.prefix)
         self._floor = max((kv.mod_revision for kv in kvs), default=0)
         self._full_at = now

@@ -134,6 +134,15 @@ class KV:
     lease: int
 
 
+def _txn_revision(resps: list) -> int:
+    """The revision a transaction's writes made (every operation's header carries it)."""
+    for r in resps:
+        which = r.WhichOneof("response") if hasattr(r, "WhichOneof") else None
+        if which in ("response_put", "response_delete_range"):
+            return int(getattr(r, which).header.revision)
+    return 0
+
+
 class EtcdClient:
     """One client per process (gRPC is not fork-safe: spawn, never fork).
 
@@ -187,9 +196,13 @@ class EtcdClient:
         # outage grace and the members' outage budget read them (docs/reliability.md).
         self.last_failure = -1e18
         self.last_success = time.monotonic()
-        # writes issued through this client (successful or not): a reader of a watch-fed
-        # mirror reads etcd itself after its own writes (read-your-writes; coordinator.py)
+        # writes issued through this client (successful or not), the newest etcd revision
+        # one of them made, and how many made a revision unknown here (a failed call, a
+        # delete): a reader of a watch-fed mirror waits until the mirror holds its own
+        # writes, or reads etcd itself when it cannot know (read-your-writes; coordinator.py)
         self.writes = 0
+        self.write_revision = 0
+        self.unknown_writes = 0
 
     @property
     def raw(self) -> pyetcd.MultiEndpointEtcd3Client:
@@ -337,21 +350,37 @@ class EtcdClient:
 
         return self.call(f"get {prefix}*", op, timeout)
 
-    def put(self, key: str, value: bytes, lease: int | None = None) -> None:
+    def _wrote(self, revision: int) -> None:
+        """A write issued (counted as unknown until then) made `revision` (0: not known)."""
+        if revision > 0:
+            self.unknown_writes -= 1
+            self.write_revision = max(self.write_revision, revision)
+
+    def _issue(self) -> None:
         self.writes += 1
-        self.call(f"put {key}", lambda: self._raw.put(key, value, lease=lease))
+        self.unknown_writes += 1
+
+    def put(self, key: str, value: bytes, lease: int | None = None) -> None:
+        self._issue()
+        resp = self.call(f"put {key}", lambda: self._raw.put(key, value, lease=lease))
+        self._wrote(getattr(getattr(resp, "header", None), "revision", 0))
 
     def delete(self, key: str) -> None:
-        self.writes += 1
+        self._issue()
         self.call(f"delete {key}", lambda: self._raw.delete(key))
 
     def delete_prefix(self, prefix: str) -> None:
-        self.writes += 1
+        self._issue()
         self.call(f"delete {prefix}*", lambda: self._raw.delete_prefix(prefix))
 
     def txn(self, compare: list, success: list, failure: list | None = None) -> tuple[bool, list]:
-        self.writes += 1
-        return self.call("transaction", lambda: self._raw.transaction(compare, success, failure or []))
+        self._issue()
+        ok, resps = self.call("transaction", lambda: self._raw.transaction(compare, success, failure or []))
+        if not (success if ok else failure):
+            self.unknown_writes -= 1  # the branch taken had no operation: nothing written
+        else:
+            self._wrote(_txn_revision(resps))
+        return ok, resps
 
     # -- leases --------------------------------------------------------------------------
     def grant(self, ttl_s: int) -> int:

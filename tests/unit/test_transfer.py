@@ -229,6 +229,20 @@ def test_a_replayed_request_is_refused(served):
     assert metas[0]["ok"] and not metas[1]["ok"] and "replayed" in metas[1]["error"], metas
 
 
+def _liar_dropped_honest_serves(liar: StateServer, srv: StateServer, model, why: str) -> None:
+    """Pulled from both, the state is exact and only the honest source served; alone, the
+    liar's pull fails naming `why`."""
+    try:
+        got = pull([liar.addr, srv.addr], "job", b"secret", 5, "state", 5.0)
+        assert got.sources_used == [srv.addr]
+        for a, b in zip(model.state_dict().values(), got.state["model"].values(), strict=True):
+            assert torch.equal(a, b)
+        with pytest.raises(TransferError, match=why):
+            pull(liar.addr, "job", b"secret", 5, "state", 2.0)
+    finally:
+        liar.close()
+
+
 def test_a_forged_reply_is_never_loaded(served, monkeypatch):
     """A source whose replies are not signed with the job's key (a man in the middle,
     a peer without the secret) is dropped; the pull takes the state from an honest one."""
@@ -236,15 +250,7 @@ def test_a_forged_reply_is_never_loaded(served, monkeypatch):
     liar = StateServer("job", b"secret")
     liar.publish(5, "state", lambda: (11, {"model": model.state_dict(), "optimizer": opt.state_dict()}))
     liar.key = P.reply_key(b"not the job's secret")  # its tags and MACs are forgeries
-    try:
-        got = pull([liar.addr, srv.addr], "job", b"secret", 5, "state", 5.0)
-        assert got.sources_used == [srv.addr]
-        for a, b in zip(model.state_dict().values(), got.state["model"].values(), strict=True):
-            assert torch.equal(a, b)
-        with pytest.raises(TransferError, match="authentication failed"):
-            pull(liar.addr, "job", b"secret", 5, "state", 2.0)
-    finally:
-        liar.close()
+    _liar_dropped_honest_serves(liar, srv, model, "authentication failed")
 
 
 class _Tap:
@@ -393,15 +399,7 @@ def test_a_forged_chunk_reply_on_the_data_channel_drops_its_source(served, monke
         return reply
 
     monkeypatch.setattr(StateServer, "_handle", forge)
-    try:
-        got = pull([liar.addr, srv.addr], "job", b"secret", 5, "state", 5.0)
-        assert got.sources_used == [srv.addr]
-        for a, b in zip(model.state_dict().values(), got.state["model"].values(), strict=True):
-            assert torch.equal(a, b)
-        with pytest.raises(TransferError, match="failed authentication"):
-            pull(liar.addr, "job", b"secret", 5, "state", 2.0)
-    finally:
-        liar.close()
+    _liar_dropped_honest_serves(liar, srv, model, "failed authentication")
 
 
 def test_a_slow_source_does_not_hold_up_the_pull(procs, monkeypatch):

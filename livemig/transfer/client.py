@@ -337,6 +337,7 @@ class _Shared:
         self.error = ""
         self.alive = alive
         self.dropped = dropped
+        self.moved = time.monotonic()  # the last chunk verified or source dropped
 
     def over(self) -> bool:
         return bool(self.error) or not self.remaining
@@ -349,6 +350,7 @@ class _Shared:
         log.warning("transfer source dropped", extra={"source": s.addr, "why": why})
         self.alive.remove(s)
         self.dropped.append(s.addr)
+        self.moved = time.monotonic()
         orphans = sorted({q for q, _ in inflight} | set(s.queue))
         inflight.clear()
         s.queue.clear()
@@ -390,6 +392,9 @@ def _tcp_stream(alive: list[_Source], chunks: list[P.Chunk], macs: list[bytes], 
                 if sh.over():
                     break
                 sh.cv.wait(0.05)
+                if time.monotonic() - sh.moved > 2 * stall + 1.0:  # a safety net: a source times out sooner
+                    sh.error = f"transfer stalled: {sh.remaining} chunk(s) left, none verified in {2 * stall + 1:.1f}s"
+                    break
             if abort is not None and abort():
                 with sh.cv:
                     sh.error = sh.error or "transfer aborted: the generation moved on"
@@ -433,11 +438,14 @@ def _tcp_worker(s: _Source, sh: _Shared, chunks: list[P.Chunk], macs: list[bytes
                     if fresh or inflight:
                         break
                     sh.cv.wait(0.05)
-            for seq in fresh:
+            frames = []
+            for seq in fresh:  # in `inflight` before any send: a failed send hands them all on
                 body, nonce = P.request_body(job, gen, item, "chunk", seq=seq)
                 mac = P.mac(secret, body)
-                conn.sendall(P.REQ_HEAD.pack(len(mac), len(body)) + mac + body)
+                frames.append(P.REQ_HEAD.pack(len(mac), len(body)) + mac + body)
                 inflight.append((seq, nonce))
+            if frames:
+                conn.sendall(b"".join(frames))
             seq, nonce = inflight[0]
             why = _tcp_reply(conn, key, nonce, seq, chunks, macs, views, sh, s)
             if why:
@@ -489,6 +497,7 @@ def _tcp_reply(conn: socket.socket, key: bytes, nonce: bytes, seq: int, chunks: 
             sh.done[seq] = True
             s.served += 1
             sh.remaining -= 1
+            sh.moved = time.monotonic()
             if not sh.remaining:
                 sh.cv.notify_all()
             return ""

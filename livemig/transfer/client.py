@@ -123,7 +123,7 @@ class _Source:
     def close(self) -> None:
         self.sock.close(0)
         if self.conn is not None:
-            _shut(self.conn)
+            P.shut(self.conn)
             self.conn.close()
 
 
@@ -405,7 +405,7 @@ def _tcp_stream(alive: list[_Source], chunks: list[P.Chunk], macs: list[bytes], 
             sh.cv.notify_all()
             conns = [s.conn for s in alive if s.conn is not None]
         for c in conns:
-            _shut(c)  # wakes a worker blocked in recv
+            P.shut(c)  # wakes a worker blocked in recv
         for w in workers:
             w.join(timeout=stall + 1.0)
     if sh.remaining:
@@ -464,11 +464,11 @@ def _tcp_worker(s: _Source, sh: _Shared, chunks: list[P.Chunk], macs: list[bytes
 def _tcp_reply(conn: socket.socket, key: bytes, nonce: bytes, seq: int, chunks: list[P.Chunk], macs: list[bytes],
                views: list, sh: _Shared, s: _Source) -> str:  # fmt: skip
     """Read the reply to chunk `seq` into its place and verify it; why the source must go, or ""."""
-    head = _recv_exact(conn, P.REP_HEAD.size)
+    head = P.recv_exact(conn, P.REP_HEAD.size)
     n_meta, n_tag, n_data = P.REP_HEAD.unpack(head)
     if n_meta > P.MAX_META_BYTES or n_tag != P.TAG_BYTES:
         return f"source {s.addr} broke the data channel's framing"
-    raw = _recv_exact(conn, n_meta + n_tag)
+    raw = P.recv_exact(conn, n_meta + n_tag)
     meta_raw, got = raw[:n_meta], raw[n_meta:]
     if not (P.tag_ok(key, nonce, meta_raw, got) or P.tag_ok(key, b"", meta_raw, got)):
         log.error("unauthenticated transfer reply dropped", extra={"source": s.addr})
@@ -487,7 +487,7 @@ def _tcp_reply(conn: socket.socket, key: bytes, nonce: bytes, seq: int, chunks: 
     with sh.cv:
         dup = sh.done[seq]
     if dup:  # a chunk another source delivered meanwhile: read past it
-        _recv_exact(conn, memoryview(bytearray(c.length)))
+        P.recv_exact(conn, memoryview(bytearray(c.length)))
         return ""
     mac = _recv_hashed(conn, memoryview(views[c.tensor][c.offset : c.offset + c.length]).cast("B"), key)
     with sh.cv:
@@ -517,7 +517,7 @@ def _recv_hashed(conn: socket.socket, dest: memoryview, key: bytes) -> bytes:
     h = blake3.blake3(key=key, max_threads=1)
     for off in range(0, len(dest), HASH_PIECE):
         piece = dest[off : off + HASH_PIECE]
-        _recv_exact(conn, piece)
+        P.recv_exact(conn, piece)
         h.update(piece)
     return h.digest(P.TAG_BYTES)
 
@@ -530,26 +530,3 @@ def _blocking_with_timeout(conn: socket.socket, seconds: float) -> None:
     tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
-def _recv_exact(conn: socket.socket, into: int | memoryview) -> bytes:
-    """Fill `into` (or n fresh bytes) from the connection; OSError if it closes first,
-    TimeoutError if nothing arrives within the socket's timeout."""
-    buf = memoryview(bytearray(into)) if isinstance(into, int) else into
-    got = 0
-    while got < len(buf):
-        try:
-            k = conn.recv_into(buf[got:], len(buf) - got, socket.MSG_WAITALL)
-        except BlockingIOError as exc:  # SO_RCVTIMEO ran out
-            raise TimeoutError("no data within the timeout") from exc
-        if not k:
-            raise ConnectionResetError("closed by the peer")
-        got += k
-    return bytes(buf) if isinstance(into, int) else b""
-
-
-def _shut(conn: socket.socket) -> None:
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

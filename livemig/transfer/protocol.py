@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import socket
 import struct
 import time
 from dataclasses import dataclass
@@ -162,3 +163,26 @@ def combine(macs: list[bytes]) -> str:
     for c in macs:
         h.update(bytes(c))
     return h.hexdigest()
+
+
+def recv_exact(conn: socket.socket, into: int | memoryview) -> bytes:
+    """Fill `into` (or n fresh bytes) from the connection; OSError if it closes first,
+    TimeoutError if nothing arrives within the socket's timeout."""
+    buf = memoryview(bytearray(into)) if isinstance(into, int) else into
+    got = 0
+    while got < len(buf):
+        try:
+            k = conn.recv_into(buf[got:], len(buf) - got, socket.MSG_WAITALL)
+        except BlockingIOError as exc:  # SO_RCVTIMEO ran out
+            raise TimeoutError("no data within the timeout") from exc
+        if not k:
+            raise ConnectionResetError("closed by the peer")
+        got += k
+    return bytes(buf) if isinstance(into, int) else b""
+
+
+def shut(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -114,7 +114,7 @@ class StateServer:
         with self._lock:
             conns, self._conns = list(self._conns), set()
         for c in conns:
-            _shut(c)
+            P.shut(c)
         self._thread.join(timeout=2)
 
     # -- serving -----------------------------------------------------------------------
@@ -230,16 +230,12 @@ class StateServer:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             while not self._stop.is_set():
-                head = _recv_exact(conn, P.REQ_HEAD.size)
-                if head is None:
-                    return
+                head = P.recv_exact(conn, P.REQ_HEAD.size)  # OSError when the peer closes: below
                 n_mac, n_body = P.REQ_HEAD.unpack(head)
                 if n_mac + n_body > P.MAX_REQUEST_BYTES:
                     log.warning("oversized data-channel request; connection closed", extra={"bytes": n_mac + n_body})
                     return
-                raw = _recv_exact(conn, n_mac + n_body)
-                if raw is None:
-                    return
+                raw = P.recv_exact(conn, n_mac + n_body)
                 reply = self._serve([raw[:n_mac], raw[n_mac:]])
                 data = reply[2] if len(reply) > 2 else b""
                 _sendv(conn, [P.REP_HEAD.pack(len(reply[0]), len(reply[1]), len(memoryview(data))), reply[0],
@@ -262,18 +258,6 @@ class StateServer:
         self._sock.close(0)
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
-    """n bytes, or None if the peer closed the connection first."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = conn.recv_into(view[got:])
-        if not k:
-            return None
-        got += k
-    return bytes(buf)
-
-
 def _sendv(conn: socket.socket, parts: list[Any]) -> None:
     """Send every part with as few `sendmsg` calls as the kernel allows (no joined copy)."""
     views = [memoryview(p).cast("B") for p in parts if len(memoryview(p))]
@@ -284,10 +268,3 @@ def _sendv(conn: socket.socket, parts: list[Any]) -> None:
             views.pop(0)
         if views and sent:
             views[0] = views[0][sent:]
-
-
-def _shut(conn: socket.socket) -> None:
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

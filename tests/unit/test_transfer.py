@@ -339,10 +339,8 @@ def _frame(secret: bytes, **over) -> bytes:
 
 
 def _read_reply(conn) -> tuple[dict, bytes, bytes, bytes]:
-    from livemig.transfer.client import _recv_exact
-
-    n_meta, n_tag, n_data = P.REP_HEAD.unpack(_recv_exact(conn, P.REP_HEAD.size))
-    raw = _recv_exact(conn, n_meta + n_tag + n_data)
+    n_meta, n_tag, n_data = P.REP_HEAD.unpack(P.recv_exact(conn, P.REP_HEAD.size))
+    raw = P.recv_exact(conn, n_meta + n_tag + n_data)
     return P.unpack(raw[:n_meta]), raw[:n_meta], raw[n_meta : n_meta + n_tag], raw[n_meta + n_tag :]
 
 

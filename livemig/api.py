@@ -37,6 +37,7 @@ from livemig.config import (
     ENV_ZERO1_MIRROR,
     Timeouts,
     exit_with_parent,
+    fast_exit,
 )  # fmt: skip
 from livemig.errors import ConfigError, FencedError, LivemigError
 from livemig.faults import parse_self_fault
@@ -228,6 +229,7 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
             who = os.environ.get(ENV_RANK) or os.environ.get(ENV_SPARE_ID, "")
             logs.setup(role=f"{os.environ.get(ENV_ROLE, 'local')}:{who}")
             ctx = None
+            clean = False  # the job ended and this member saw it: nothing of its group is pending
             try:
                 ctx = Context(seed, timeouts)
                 while True:  # a spare: standby -> claimed -> (an aborted migration: standby again)
@@ -242,6 +244,8 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                     except _Requeue:
                         ctx._requeue()
                 ctx._finish()
+                clean = True
+                fast_exit(ctx.role)
                 return result
             except _Released:
                 return None
@@ -261,7 +265,7 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                 exit_on_bug(ctx, exc)  # the training function raised: end the job, keep the spares
             finally:
                 if ctx is not None and ctx.runtime is not None:
-                    retire(ctx.runtime.pg)
+                    retire(ctx.runtime.pg, idle=clean)
                     ctx.runtime.pg = None
                     ctx.runtime.close()
                 release_all()

@@ -55,6 +55,8 @@ BENCHES = [
     ("footprint", "the job's keys and bytes in etcd after many steps and recoveries", "footprint_bench",
      "add_arguments", "run"),
     ("faults", "the reliability matrix: one row per fault case", "faults_bench", "add_arguments", "run_matrix"),
+    ("startup", "launch to first step and last step to exit, next to torchrun", "startup_bench", "add_arguments",
+     "run"),
     ("warmup", "activation of a warm spare next to a cold process started at the failure", "warmup_bench",
      "add_arguments", "run_warmup"),
 ]  # fmt: skip

@@ -51,6 +51,9 @@ from livemig.rdzv.security import add_arguments as add_security_arguments
 from livemig.rdzv.watch import PrefixMirror
 
 log = logging.getLogger("livemig.launch")
+# Spares start at the latest this long after the workers (normally once the workers have
+# registered: Launcher._spares_due), s.
+SPARE_START_GRACE_S = float(os.environ.get("LIVEMIG_SPARE_START_GRACE", "") or 30)
 
 
 @dataclass
@@ -134,6 +137,8 @@ class Launcher(FaultDriver):
         self._last_print = -1
         self._t_print = time.monotonic()
         self._spares_started = False
+        self._spares_due_by = float("inf")
+        self.spares_warm: dict[str, float] = {}  # spare id -> when it first reported warm (wall time)
         self._outage = False  # etcd unreachable at the last look
         self._by_key: dict = {}  # the last snapshot of the job's keys (faults due during an outage)
         self._progress_cache: dict[str, tuple[int, dict | None]] = {}  # key -> (mod revision, record)
@@ -171,6 +176,7 @@ class Launcher(FaultDriver):
     def start(self) -> None:
         os.makedirs(self.logdir, exist_ok=True)
         cfg = self.cfg
+        part_rank = None
         if cfg.etcd:
             if any(f.kind in ("partition", "link") for f in cfg.faults):
                 raise ConfigError("a partition or link fault needs the embedded etcd (drop --etcd)")
@@ -191,15 +197,35 @@ class Launcher(FaultDriver):
                 cfg.etcd_members, cfg.etcd_bin, extra_host=self.partition.etcd_ip if self.partition else None,
                 tls=True, tls_dir=os.path.join(tls_root, f"{cfg.job}-{os.getpid()}"),
                 names=[cfg.host] if cfg.host else [],
-            ).start()  # fmt: skip
+            ).launch()  # fmt: skip
             self.etcd = self.cluster.endpoints
             self.security = self.cluster.security
-        self.client = EtcdClient(self.etcd, cfg.timeouts.etcd, self.security)
         if cfg.etcd and not self.net_env:  # every address another host reaches: --host
             self.net_env = {ENV_HOST: cfg.host or default_host(self.etcd)}
         host = self.net_env.get(ENV_HOST, "127.0.0.1")
-        self._join(host)
+        # One node on its own etcd: node rank 0 is certain, so the job's processes start now
+        # and import torch while etcd comes up (their first etcd call is seconds away).
+        early = self.cluster is not None and cfg.nnodes == 1
+        if early:
+            self._spawn_job(host, part_rank)
+        if self.cluster is not None:
+            self.cluster.wait_started()
+        self.client = EtcdClient(self.etcd, cfg.timeouts.etcd, self.security)
+        self._join(host, fresh=early)
         write_job_file(cfg.job, self.etcd, security=self.security)
+        if not early:
+            self._spawn_job(host, part_rank)
+        elif self.node_rank != 0:  # pragma: no cover - a fresh etcd of our own has no other node
+            raise LivemigError(f"node rank {self.node_rank} on a job's own etcd: expected 0")
+        self._spares_due_by = time.monotonic() + SPARE_START_GRACE_S  # see _spares_due
+        self.pending = [f for f in cfg.faults if not f.in_process]
+        where = f" (node {self.node_rank} of {cfg.nnodes}, {host})" if cfg.nnodes > 1 else ""
+        self.say(f"livemig: job {cfg.job}: {cfg.nproc} workers, {cfg.spares} spare(s), etcd {self.etcd}; "
+                 f"logs in {self.logdir}{where}")  # fmt: skip
+
+    def _spawn_job(self, host: str, part_rank: int | None) -> None:
+        """The coordinator candidates and this node's workers."""
+        cfg = self.cfg
         self.net_env[ENV_NODE_RANK] = str(self.node_rank)
         stride = cfg.buddy_stride or (cfg.nproc_per_node if cfg.nnodes > 1 else 0)
         if stride:  # a buddy on the next node (config.buddy_stride)
@@ -226,14 +252,8 @@ class Launcher(FaultDriver):
             else:
                 env.update(self.net_env)
             self._spawn(f"worker-{r}", "worker", argv, env, rank=r)
-        if not cfg.cold_spares:
-            self._spawn_spares()
-        self.pending = [f for f in cfg.faults if not f.in_process]
-        where = f" (node {self.node_rank} of {cfg.nnodes}, {host})" if cfg.nnodes > 1 else ""
-        self.say(f"livemig: job {cfg.job}: {cfg.nproc} workers, {cfg.spares} spare(s), etcd {self.etcd}; "
-                 f"logs in {self.logdir}{where}")  # fmt: skip
 
-    def _join(self, host: str) -> None:
+    def _join(self, host: str, fresh: bool = False) -> None:
         """Create or join the job's run and take a node rank (livemig/nodes.py); wait for
         every node. The node key lives under this agent's lease: its loss is the node's."""
         from livemig.nodes import join_run, script_signature, wait_nodes
@@ -274,7 +294,7 @@ class Launcher(FaultDriver):
                                        reattach=reattach)  # fmt: skip
         box["run"], box["rank"] = join_run(self.client, self.keys, cfg.nnodes, cfg.nproc_per_node,
                                            script_signature(cfg.script, cfg.args), cfg.node_rank, info,
-                                           self.node_keeper.lease_id)  # fmt: skip
+                                           self.node_keeper.lease_id, fresh)  # fmt: skip
         self.run_id, self.node_rank = box["run"], box["rank"]
         if cfg.nnodes > 1:
             self.say(f"livemig: job {cfg.job}: node {self.node_rank} of {cfg.nnodes} joined run {self.run_id}; "
@@ -290,6 +310,24 @@ class Launcher(FaultDriver):
                         {ENV_ROLE: "spare", ENV_SPARE_ID: f"{pre}spare-{i}", ENV_WORLD_SIZE: str(cfg.nproc),
                          **self.net_env, **cold})  # fmt: skip
         self._spares_started = True
+
+    def _spares_due(self, by_key: dict) -> bool:
+        """Spares start once this node's workers have registered (past `import torch`, the
+        model and optimizer build), so a spare's own start-up and shadow steps do not take
+        the CPUs the workers need to reach their first step; at once if a worker exits
+        first, and after SPARE_START_GRACE_S in any case."""
+        workers = [c for c in self.children if c.role == "worker"]
+        if time.monotonic() >= self._spares_due_by or any(c.proc.poll() is not None for c in workers):
+            return True
+        return all(self.keys.member(c.rank) in by_key for c in workers if c.rank is not None)
+
+    def _note_warm_spares(self, by_key: dict) -> None:
+        """When each spare of the job first reported warm (the report's `spares_warm`)."""
+        for k, kv in by_key.items():
+            if k.startswith(self.keys.spares_prefix) and k not in self.spares_warm:
+                rec = conform(kv.value, {"state": (str,)}, {"warm_at": (float,)})
+                if rec is not None and rec["state"] == "warm":
+                    self.spares_warm[k[len(self.keys.spares_prefix) :]] = rec.get("warm_at", time.time())
 
     # -- the agent loop ----------------------------------------------------------------------
     def supervise(self) -> dict[str, Any]:
@@ -322,6 +360,9 @@ class Launcher(FaultDriver):
                 record_fault(self.client, self.keys, *self._unrecorded[0])
                 self._unrecorded.pop(0)
             self._faults(by_key)
+            if not self._spares_started and not self.cfg.cold_spares and self._spares_due(by_key):
+                self._spawn_spares()
+            self._note_warm_spares(by_key)
             self._kill_fenced(by_key)
             self._forget_fenced(by_key)
             self._inject_requests(by_key)
@@ -352,7 +393,8 @@ class Launcher(FaultDriver):
 
         stops = [f["time"] for f in self.injected if f["kind"] == "etcd-stop"]
         ends = [f["time"] for f in self.injected if f["kind"] == "etcd-resume"]
-        rep = report.build(self.client, self.cfg.job, self.cfg.nproc, wall, list(zip(stops, ends, strict=False)))
+        rep = report.build(self.client, self.cfg.job, self.cfg.nproc, wall, list(zip(stops, ends, strict=False)),
+                           self.spares_warm)  # fmt: skip
         if result is not None and rep["result"] is None:
             rep["result"] = result
         return rep

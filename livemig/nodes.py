@@ -73,8 +73,11 @@ def _run_live(client: EtcdClient, keys: JobKeys) -> bool:
 
 
 def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int, signature: str,
-             node_rank: int | None, node_info: dict[str, Any], lease: int) -> tuple[str, int]:  # fmt: skip
-    """Create or join the job's run and take a node rank: (run id, node rank)."""
+             node_rank: int | None, node_info: dict[str, Any], lease: int,
+             fresh: bool = False) -> tuple[str, int]:  # fmt: skip
+    """Create or join the job's run and take a node rank: (run id, node rank). fresh: the
+    agent's own new etcd, where the job's processes may already be writing: nothing stale
+    to remove (removing it would take their election and secret away)."""
     t = client.txn_ops
     want = {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "signature": signature}
     for _ in range(20):  # a few rounds of lost races, never more
@@ -83,7 +86,8 @@ def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int
             # Remove what an ended run (or a run that never formed) left, then create ours:
             # two transactions (etcd refuses a put inside a range deleted by the same txn).
             cur = [t.version(keys.run) == 0] if kv is None else [t.mod(keys.run) == kv.mod_revision]
-            client.txn(cur, [t.delete(keys.prefix, range_end=prefix_end(keys.prefix))])
+            if not fresh:
+                client.txn(cur, [t.delete(keys.prefix, range_end=prefix_end(keys.prefix))])
             run_id = uuid.uuid4().hex[:12]
             k = 0 if node_rank is None else node_rank
             rec = {"run_id": run_id, **want, "created": time.time()}

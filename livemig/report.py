@@ -48,9 +48,11 @@ def _group_commits(finals: dict[str, Any]) -> list[tuple[int, float]]:
 
 
 def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
-          outages: list[tuple[float, float]] | None = None) -> dict[str, Any]:  # fmt: skip
+          outages: list[tuple[float, float]] | None = None,
+          spares_warm: dict[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
     """outages: (start, end) wall times of injected etcd outages: the steps the group
-    committed inside each are reported (training must go on while etcd is away)."""
+    committed inside each are reported (training must go on while etcd is away).
+    spares_warm: spare id -> when it reported warm; reported with the steps committed by then."""
     keys = JobKeys(job)
     finals = read_finals(client, keys)
     commits = _group_commits(finals)
@@ -85,6 +87,12 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
             }
             for r, f in sorted(finals.items())
         },  # fmt: skip
+        # wall times of the group's first and last committed step (start-up and teardown)
+        "commit_window": [commits[0][1], commits[-1][1]] if commits else None,
+        "spares_warm": {
+            k: {"warm_at": t, "steps_committed": sum(1 for _, c in commits if c <= t)}
+            for k, t in sorted((spares_warm or {}).items())
+        },
         "recoveries": recoveries(events, commits, median_step),
         "migrations": migrations(events, commits, median_step),
         "timeline": events,

@@ -48,3 +48,17 @@ def lost_local_state(world: int, vacant: list[int], reports: dict[str, dict], bo
                 f"rank {nxt} {'failed too' if nxt in vacant else 'does not hold it'}"
             )
     return out
+
+
+def first_mismatch(expected: list, got: list) -> str | None:
+    """A one-line description of the first difference between two signatures."""
+    for i, (e, g) in enumerate(zip(expected, got, strict=False)):
+        if list(e) != list(g):
+            return f"entry {i}: job has {e[0]} {e[1]}{tuple(e[2])}, spare has {g[0]} {g[1]}{tuple(g[2])}"
+    if len(expected) != len(got):
+        n = min(len(expected), len(got))
+        extra = (expected if len(expected) > n else got)[n]
+        who = "job" if len(expected) > n else "spare"
+        what = f"{extra[0]} {extra[1]}" if str(extra[0]).startswith("<") else extra[0]
+        return f"only the {who} has {what} ({len(expected)} vs {len(got)} entries)"
+    return None

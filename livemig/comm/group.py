@@ -120,10 +120,8 @@ def sweep() -> int:
     with _GRAVE_LOCK:
         due = [pg for pg, safe in _GRAVEYARD if safe <= now]
         _GRAVEYARD[:] = [(pg, safe) for pg, safe in _GRAVEYARD if safe > now]
-    for pg in due:
-        _shutdown(pg)
-    if due:
-        gc.collect()
+    for pg in due:  # no gc.collect(): shutdown closed the sockets, and a full collection
+        _shutdown(pg)  # (~0.2 s with torch loaded) would sit in a planned migration's pause
     return len(due)
 
 
@@ -140,9 +138,15 @@ def graveyard_size() -> int:
 
 
 def release_all() -> None:
+    """Before exit: shut down what may be; a group that may still be inside a collective
+    is dropped and collected (destroyed before the interpreter's teardown, see the
+    module doc). The collection runs only then: at a clean end it costs ~0.2 s."""
+    sweep()
     with _GRAVE_LOCK:
+        busy = bool(_GRAVEYARD)
         _GRAVEYARD.clear()
-    gc.collect()
+    if busy:
+        gc.collect()
 
 
 def allreduce_mean(

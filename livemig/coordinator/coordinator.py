@@ -36,14 +36,13 @@ from livemig.coordinator.migration import Migrations
 from livemig.coordinator.prune import stale_ops
 from livemig.coordinator.snapshot import Decoded, Snapshot, _num, _safe_decode
 from livemig.coordinator.timeline import Timeline
-from livemig.errors import CorruptStateError, EtcdUnavailableError, NotLeaderError
+from livemig.errors import CorruptStateError, EtcdUnavailableError, LivemigError, NotLeaderError
 from livemig.nodes import stride_of
 from livemig.rdzv.client import KV, EtcdClient, encode
 from livemig.rdzv.election import LeaderElection
 from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, new_incarnation
 from livemig.rdzv.watch import PrefixMirror
-from livemig.sharding import has_local_state, lost_local_state, lost_shards, sharding_of
-from livemig.state import first_mismatch
+from livemig.sharding import first_mismatch, has_local_state, lost_local_state, lost_shards, sharding_of
 
 log = logging.getLogger("livemig.coordinator")
 FULL_READ_S = 5.0  # a pass reads etcd itself at least this often, whatever the mirror says
@@ -69,8 +68,10 @@ class Coordinator(Checks, Migrations):
         self.id = os.environ.get(ENV_INCARNATION) or new_incarnation("coordinator")
         self.election = LeaderElection(client, job, self.id, self.timeouts.lease_ttl_s, self._lost)
         self.timeline = Timeline(client, self.keys)
-        self.store: Any = None
-        self.store_addr = ""
+        self.store: Any = None  # this leader's c10d store (see store_addr)
+        self._store_addr = ""
+        self._store_thread: threading.Thread | None = None
+        self._store_err = ""
         self._wake = threading.Event()
         # passes read a watch-fed mirror of the job's keys (_read); counted in the log at the end
         self.reads = {"mirror": 0, "full": 0}
@@ -124,14 +125,45 @@ class Coordinator(Checks, Migrations):
             self._stop.clear()
             self._since.clear()
 
+    # -- the c10d store -----------------------------------------------------------------------
+    # Groups are built from a c10d TCPStore, and hosting one costs this process `import torch`
+    # (~1.5 CPU s). At start-up that would compete with the workers' own imports for the
+    # CPUs, so the first generation builds from the store rank 0 hosts (its record's
+    # "store"), and this one is made in the background once training runs; any later
+    # generation (a recovery, a migration, a takeover) waits for it if it is not ready yet.
+    def _start_store(self) -> None:
+        if self.store is not None or self._store_thread is not None:
+            return
+
+        def make() -> None:
+            try:
+                import torch.distributed as dist
+
+                self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                                           timeout=self.timeouts.collective)  # fmt: skip
+                self._store_addr = f"{self.host}:{self.store.port}"
+            except Exception as exc:  # noqa: BLE001 - reported by store_addr, in the pass that needs it
+                self._store_err = str(exc)
+                self._store_thread = None  # the next pass that needs it tries again
+
+        self._store_thread = threading.Thread(target=make, daemon=True, name="livemig-c10d-store")
+        self._store_thread.start()
+
+    @property
+    def store_addr(self) -> str:
+        """host:port of this leader's store, made now if the background start has not finished."""
+        if self.store is None:
+            self._start_store()
+            t = self._store_thread
+            if t is not None:
+                t.join(self.timeouts.collective.total_seconds())
+            if self.store is None:
+                raise LivemigError(f"the coordinator could not start its c10d store on {self.host}: "
+                                   f"{self._store_err or 'timed out'}")  # fmt: skip
+        return self._store_addr
+
     def _lead(self) -> str:
         self.election.campaign(stop=self._stop.is_set)
-        if self.store is None:
-            import torch.distributed as dist
-
-            self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                       timeout=self.timeouts.collective)  # fmt: skip
-            self.store_addr = f"{self.host}:{self.store.port}"
         t = self.client.txn_ops
         self.client.txn([t.version(self.keys.secret) == 0],
                         [t.put(self.keys.secret, secrets.token_bytes(32))])  # fmt: skip
@@ -228,6 +260,7 @@ class Coordinator(Checks, Migrations):
         if m.state == GenState.RECOVERING:
             return self._agree_and_claim(s, first_seen)
         if m.state == GenState.COMMITTED:
+            self._start_store()  # training runs: the store's import competes with no start-up now
             differ = self._extras_differ(s)
             if differ:
                 return self._fail(m, differ)
@@ -300,8 +333,10 @@ class Coordinator(Checks, Migrations):
                                   "every worker must build the same model")  # fmt: skip
         members = {r: Member(r, x["incarnation"], x["host"], x["pid"], x["addr"], node=_node(x))
                    for r, x in regs.items()}  # fmt: skip
+        hosted = regs[0].get("store")  # rank 0's store: this leader's own is not made yet (_start_store)
+        store = self._store_addr if self.store is not None else hosted if _is_addr(hosted) else self.store_addr
         m = Membership(state=GenState.FORMING, world_size=self.world_size, members=members,
-                       store=self.store_addr, leader=self.id)  # fmt: skip
+                       store=store, leader=self.id)  # fmt: skip
         cfg = encode({"world_size": self.world_size, "signature": ref, "created": time.time()})
         if self.rdzv.commit_change(0, m, guard=self._guard(),
                                    extra=[self.client.txn_ops.put(self.keys.config, cfg)]):  # fmt: skip
@@ -516,6 +551,14 @@ class Coordinator(Checks, Migrations):
         if detail:
             res["traceback"], res["raised_at"] = detail, self._bug_time
         self.client.txn(self._guard(), [self.client.txn_ops.put(self.keys.result, encode(res))])
+
+
+def _is_addr(v: Any) -> bool:
+    """host:port, as a member record's "store" must be (anyone with etcd access can write one)."""
+    if not isinstance(v, str) or ":" not in v:
+        return False
+    host, _, port = v.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def main(argv: list[str] | None = None) -> int:

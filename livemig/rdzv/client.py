@@ -175,7 +175,11 @@ class EtcdClient:
         rpc = max(0.5, min(2.0, timeout.total_seconds() / 3))
         # gRPC refuses answers over 4 MiB by default: a whole job prefix at 10,000 ranks
         # (registrations, reports, signatures) is larger
-        opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                # a refused connect (etcd still starting, a member restarting) is retried after
+                # 0.1-1 s, not gRPC's default 1-120 s: processes start while etcd comes up
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000)]  # fmt: skip
         self._raw = pyetcd.MultiEndpointEtcd3Client(
             endpoints=[
                 pyetcd.Endpoint(e.host, e.port, secure=secure, creds=creds, time_retry=0.3, opts=opts)

@@ -107,12 +107,19 @@ class EtcdCluster:
     names: list[str] = field(default_factory=list)  # more names for the server certificate
     extra_args: list[str] = field(default_factory=list)  # more etcd flags (e.g. --auth-token-ttl)
     pki: Pki | None = None
+    _binary: str = ""
 
     @property
     def security(self) -> EtcdSecurity:
         return self.pki.client() if self.pki else EtcdSecurity()
 
     def start(self) -> EtcdCluster:
+        return self.launch().wait_started()
+
+    def launch(self) -> EtcdCluster:
+        """Start the members without waiting for them: endpoints and certificates are
+        known from here, so a launcher can start its workers (seconds of `import torch`)
+        while etcd comes up; `wait_started()` then waits for a leader."""
         binary = find_etcd_binary(self.etcd_bin)
         # The guard stops etcd when this process dies; a SIGINT this process ignores
         # (inherited from a shell's background job) would keep both alive.
@@ -130,8 +137,12 @@ class EtcdCluster:
         for m in self.members:
             self._spawn(binary, m, initial)
         atexit.register(self.stop)
+        self._binary = binary
+        return self
+
+    def wait_started(self) -> EtcdCluster:
         self.wait_healthy(self.start_timeout.total_seconds())
-        log.info("etcd started", extra={"endpoints": self.endpoints, "binary": binary})
+        log.info("etcd started", extra={"endpoints": self.endpoints, "binary": self._binary})
         return self
 
     def _spawn(self, binary: str, m: _Member, initial: str) -> None:

@@ -36,7 +36,7 @@ class StepLoop:
         self._total = total
         start = 0
         if self.role == "worker":
-            self.runtime.register(self.rank)
+            self.runtime.register(self.rank, host_store=self.rank == 0)
             self._register_signature()
             self.runtime.follow(1, self)
             self._gathered_gen = self.runtime.gen  # every rank built the same initial model

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 from livemig.comm.group import CollectiveAborted, build_group, retire
 from livemig.config import (
     ENV_BACKEND,
@@ -76,6 +78,7 @@ class MemberRuntime:
         self.keeper: LeaseKeeper | None = None
         self.spare_keeper: LeaseKeeper | None = None  # a spare's registration while in standby
         self.server: StateServer | None = None
+        self.store: Any = None  # rank 0's c10d store for the first generation (register)
         self._progress: queue.Queue = queue.Queue(maxsize=1)
         self._last_item: dict | None = None  # the last progress record (a commit)
         self._step_times: list[float] = []  # seconds between the last commits
@@ -189,11 +192,17 @@ class MemberRuntime:
                     )
                 self._cond.wait(min(left, 0.5))
 
-    def register(self, rank: int) -> None:
-        """Register as the live holder of `rank` (refused if fenced)."""
+    def register(self, rank: int, host_store: bool = False) -> None:
+        """Register as the live holder of `rank` (refused if fenced). host_store: also serve
+        a c10d store for the first generation's build (the coordinator's own starts later)."""
         self.rank = rank
         info = {"incarnation": self.incarnation, "host": node_host(), "pid": os.getpid(),
                 "addr": self.start_server().addr, "rank": rank, "state": "running", "node": node_rank()}  # fmt: skip
+        if host_store:
+            if self.store is None:
+                self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                                           timeout=self.timeouts.collective)  # fmt: skip
+            info["store"] = f"{self.host}:{self.store.port}"
         if self.keeper is not None:
             self.keeper.stop(revoke=True)
         try:

@@ -49,7 +49,7 @@ class Standby:
         self._warm_s = time.monotonic() - self._started
         info = {
             "incarnation": self.incarnation, "host": node_host(), "pid": os.getpid(), "node": node_rank(),
-            "state": "warm", "signature": self.signature(), "warmup_s": self._warm_s,
+            "state": "warm", "signature": self.signature(), "warmup_s": self._warm_s, "warm_at": time.time(),
             "peak_rss_mb": psutil.Process().memory_info().rss / 2**20,
         }  # fmt: skip
         keeper = rt.spare_keeper = rt.rdzv.register(rt.keys.spare(self.spare_id), info, self.incarnation,

@@ -13,10 +13,15 @@ def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_bench_scale(tmp_path):
-    r = bench("scale", "--ranks", "4,16", "--steady-s", "1", "--progress-hz", "5", "--json", str(tmp_path / "s.json"))
+    r = bench("scale", "--ranks", "4,16", "--steady-s", "1", "--progress-hz", "5", "--watchers", "4",
+              "--group-build", "4,8", "--json", str(tmp_path / "s.json"))  # fmt: skip
     assert r.returncode == 0, r.stderr
-    rows = json.loads((tmp_path / "s.json").read_text())
+    res = json.loads((tmp_path / "s.json").read_text())
+    rows = res["rows"]
     assert [x["ranks"] for x in rows] == [4, 16]
+    assert all(x["watchers_seen"] == 4 and x["delivery_max_s"] is not None for x in rows), r.stdout
+    assert [b["world"] for b in res["group_builds"]] == [4, 8] and all(b["allreduce_ok"] for b in res["group_builds"])
+    assert "extrapolated to 16 ranks" in r.stdout
     assert all(0 < x["coordinator_total_s"] < 10 for x in rows)
     assert all(x["progress_writes_per_s"] > 0 and x["coordinator_cpu_per_s"] >= 0 for x in rows)
 

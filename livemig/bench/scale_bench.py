@@ -80,18 +80,59 @@ class _Progress(threading.Thread):
         return self.writes / max(1e-9, time.monotonic() - self.t0)
 
 
+class _Watchers:
+    """`k` members' view of the membership table: each its own etcd connection and watch,
+    decoding every new table as a member does (Membership.from_bytes). `seen(g)` is when
+    each had generation g COMMITTED in hand."""
+
+    def __init__(self, etcd: str, keys: JobKeys, k: int) -> None:
+        from livemig.rdzv.watch import PrefixWatch
+
+        self.clients = [EtcdClient(etcd, timedelta(seconds=30)) for _ in range(k)]
+        self.at: list[dict[int, float]] = [{} for _ in range(k)]
+        self.decode_s: list[float] = []
+        self.watches = []
+        for i, c in enumerate(self.clients):
+            _, rev = c.get_with_revision(keys.membership)
+            self.watches.append(PrefixWatch(c, keys.membership, lambda evs, i=i: self._on(i, evs), rev + 1))
+
+    def _on(self, i: int, events: list) -> None:
+        for ev in events:
+            if ev.value:
+                t0 = time.perf_counter()
+                m = Membership.from_bytes(ev.value)
+                self.decode_s.append(time.perf_counter() - t0)
+                if m.state == GenState.COMMITTED:
+                    self.at[i].setdefault(m.generation, time.time())
+
+    def seen(self, g: int, timeout: float = 60) -> list[float]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(g in a for a in self.at):
+            time.sleep(0.005)
+        return [a[g] for a in self.at if g in a]
+
+    def close(self) -> None:
+        for w in self.watches:
+            w.cancel()
+        for c in self.clients:
+            c.close()
+        self.watches, self.clients = [], []
+
+
 def _cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0) -> dict[str, Any]:
+def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, watchers: int = 32) -> dict[str, Any]:
     client = EtcdClient(etcd, timedelta(seconds=30))
     job = f"scale{n}-{int(time.time() * 1000) % 100000}"
     keys = JobKeys(job)
     coord = subprocess.Popen([sys.executable, "-m", "livemig.coordinator", "--etcd", etcd, "--job", job,
                               "--world-size", str(n)], stdout=subprocess.DEVNULL)  # fmt: skip
+    progress: _Progress | None = None
+    watch: _Watchers | None = None
     try:
         lease = client.grant(60)
         inc = [f"sim-{job}-{r}" for r in range(n)]
@@ -115,6 +156,7 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0) 
         spare_inc = f"sim-{job}-spare"
         client.put(keys.spare("s0"), encode({"incarnation": spare_inc, "state": "warm", "signature": SIG,
                                              "host": "sim", "pid": 0}), lease)  # fmt: skip
+        watch = _Watchers(etcd, keys, min(n, watchers)) if watchers > 0 else None
         victim = n - 1
         t_fault = time.time()
         client.txn(
@@ -137,6 +179,20 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0) 
         t_ready = time.time()
         m, t_commit = _wait(client, keys, lambda m: m.state == GenState.COMMITTED and m.generation == 2)
         table_bytes = len(client.get(keys.membership).value)
+        delivery: dict[str, Any] = {}
+        if watch is not None:  # the commit reaching members: latency to k of them, bytes to all n
+            from livemig.coordinator.timeline import read_events
+
+            # from the coordinator's own record of the commit (written right after its transaction)
+            ref = min([e["time"] for e in read_events(client, keys) if e["phase"] == "commit"
+                       and e.get("generation") == 2] + [t_commit])  # fmt: skip
+            seen = sorted(t - ref for t in watch.seen(2))
+            dec = sorted(watch.decode_s)
+            delivery = {"watchers": len(watch.clients), "watchers_seen": len(seen),
+                        "delivery_p50_s": seen[len(seen) // 2] if seen else None,
+                        "delivery_max_s": seen[-1] if seen else None,
+                        "table_decode_s": dec[len(dec) // 2] if dec else None,
+                        "fanout_mb_per_change": table_bytes * n / 2**20}  # fmt: skip
         progress.stop.set()
         progress.join(timeout=30)
         fence, claim, commit = t_fenced - t_fault, t_claimed - t_reported, t_commit - t_ready
@@ -144,15 +200,87 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0) 
             "ranks": n, "fence_s": fence, "agree_claim_s": claim, "commit_s": commit,
             "coordinator_total_s": fence + claim + commit, "members_report_s": t_reported - t_fenced,
             "members_ready_s": t_ready - t_claimed, "table_bytes": table_bytes,
-            "progress_writes_per_s": progress.writes_per_s, "coordinator_cpu_per_s": coord_cpu,
+            "progress_writes_per_s": progress.writes_per_s, "coordinator_cpu_per_s": coord_cpu, **delivery,
         }  # fmt: skip
     finally:
-        if "progress" in locals():
+        if progress is not None:
             progress.stop.set()
+        if watch is not None:
+            watch.close()
         coord.terminate()
         coord.wait()
         client.delete_prefix(keys.prefix)
         client.close()
+
+
+def group_build(world: int, timeout_s: float = 300.0) -> dict[str, Any]:
+    """One real gloo group of `world` ranks on this machine: processes forked from one
+    that imported torch (so no rank pays the import), connected to one TCPStore, started
+    together once all are connected; an allreduce checks the group works."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    to = timedelta(seconds=timeout_s)
+    pids = []
+    for r in range(world):
+        pid = os.fork()
+        if pid == 0:  # a rank: only its own client store, gloo and os._exit from here
+            code = 1
+            try:
+                torch.set_num_threads(1)
+                st = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=to)
+                st.set(f"up{r}", "1")
+                st.wait(["go"])
+                t0 = time.time()
+                pg = dist.ProcessGroupGloo(dist.PrefixStore("g", st), r, world, to)
+                t1 = time.time()
+                x = torch.ones(1)
+                pg.allreduce([x]).wait()
+                st.set(f"t{r}", f"{t0} {t1} {x.item()}")
+                st.wait(["end"])
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    try:
+        master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=to)
+        master.wait([f"up{r}" for r in range(world)])
+        go = time.time()
+        master.set("go", "1")
+        master.wait([f"t{r}" for r in range(world)])
+        rows = [[float(x) for x in master.get(f"t{r}").decode().split()] for r in range(world)]
+        master.set("end", "1")
+    finally:
+        for pid in pids:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+    per = sorted(b - a for a, b, _ in rows)
+    wall = max(b for _, b, _ in rows) - go
+    return {"world": world, "build_wall_s": wall, "per_rank_median_s": per[len(per) // 2],
+            "allreduce_ok": all(c == world for _, _, c in rows), "pairs": world * (world - 1) // 2,
+            "cpu_ms_per_connection": 1e3 * wall * (os.cpu_count() or 1) / (world * (world - 1))}  # fmt: skip
+
+
+def _print_group_builds(builds: list[dict[str, Any]], largest: int) -> None:
+    cores = os.cpu_count() or 1
+    print(f"\ngloo group build: one real group per world size, every rank a process on this {cores}-core machine")
+    print(f"{'world':>6} {'build wall s':>13} {'per-rank s':>11} {'connections':>12} {'CPU ms/conn':>12}  allreduce")
+    for b in builds:
+        print(f"{b['world']:>6} {b['build_wall_s']:>13.3f} {b['per_rank_median_s']:>11.3f} {b['pairs']:>12} "
+              f"{b['cpu_ms_per_connection']:>12.3f}  {'ok' if b['allreduce_ok'] else 'FAILED'}")  # fmt: skip
+    c = builds[-1]["cpu_ms_per_connection"] / 1e3
+    print(f"extrapolated to {largest} ranks (a full mesh: each rank connects to every other and reads every other's "
+          f"address from the one store):\n  per rank, on its own CPU: {largest - 1} connections x {c * 1e3:.3f} ms "
+          f"= {(largest - 1) * c:.1f} s; the store serves {largest * (largest - 1):,} address reads per build. "
+          f"Measured here up to {builds[-1]['world']} ranks sharing {cores} cores; "
+          f"not measured at {largest}.")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -161,6 +289,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress-hz", type=float, default=1.0,
                    help="progress writes per rank per second during the run (default 1; 0: none)")  # fmt: skip
     p.add_argument("--steady-s", type=float, default=5.0, help="steady state measured before the fault, s")
+    p.add_argument("--watchers", type=int, default=32,
+                   help="members whose watch of the table is timed at the recovery's commit (default 32)")  # fmt: skip
+    p.add_argument("--group-build", default="16,64,128",
+                   help="world sizes of a real gloo group build, forked ranks on this machine ('' : none)")  # fmt: skip
     p.add_argument("--json")
 
 
@@ -171,7 +303,7 @@ def run(a: argparse.Namespace) -> int:
     try:
         for n in [int(x) for x in a.ranks.split(",")]:
             print(f"  {n} ranks ...", flush=True)
-            rows.append(measure(etcd, n, a.progress_hz, a.steady_s))
+            rows.append(measure(etcd, n, a.progress_hz, a.steady_s, a.watchers))
     finally:
         if cluster:
             cluster.stop()
@@ -183,7 +315,19 @@ def run(a: argparse.Namespace) -> int:
               f"{r['coordinator_total_s']:>7.3f} {r['members_report_s']:>15.3f} {r['members_ready_s']:>7.3f} "
               f"{r['table_bytes'] / 1024:>9.1f} {r['progress_writes_per_s']:>11.0f} "
               f"{r['coordinator_cpu_per_s']:>12.3f}")  # fmt: skip
+    if any("watchers" in r for r in rows):
+        print("\nthe commit reaching members' watches (each its own connection, decoding the table)")
+        print(f"{'ranks':>6} {'watchers':>9} {'p50 s':>7} {'max s':>7} {'decode ms':>10} {'MB to all ranks':>16}")
+        for r in rows:
+            if "watchers" in r:
+                keys = ("delivery_p50_s", "delivery_max_s", "table_decode_s")
+                p50, mx, dec = (r.get(k) or float("nan") for k in keys)
+                print(f"{r['ranks']:>6} {r['watchers_seen']:>4}/{r['watchers']:<4} {p50:>7.3f} {mx:>7.3f} "
+                      f"{dec * 1e3:>10.2f} {r['fanout_mb_per_change']:>16.1f}")  # fmt: skip
+    builds = [group_build(w) for w in (int(x) for x in a.group_build.split(",") if x.strip())]
+    if builds:
+        _print_group_builds(builds, max(int(x) for x in a.ranks.split(",")))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"rows": rows, "group_builds": builds}, f, indent=2)
     return 0

@@ -51,9 +51,6 @@ from livemig.rdzv.security import add_arguments as add_security_arguments
 from livemig.rdzv.watch import PrefixMirror
 
 log = logging.getLogger("livemig.launch")
-# Spares start at the latest this long after the workers (normally once the workers have
-# registered: Launcher._spares_due), s.
-SPARE_START_GRACE_S = float(os.environ.get("LIVEMIG_SPARE_START_GRACE", "") or 30)
 
 
 @dataclass
@@ -137,7 +134,6 @@ class Launcher(FaultDriver):
         self._last_print = -1
         self._t_print = time.monotonic()
         self._spares_started = False
-        self._spares_due_by = float("inf")
         self.spares_warm: dict[str, float] = {}  # spare id -> when it first reported warm (wall time)
         self._outage = False  # etcd unreachable at the last look
         self._by_key: dict = {}  # the last snapshot of the job's keys (faults due during an outage)
@@ -217,7 +213,8 @@ class Launcher(FaultDriver):
             self._spawn_job(host, part_rank)
         elif self.node_rank != 0:  # pragma: no cover - a fresh etcd of our own has no other node
             raise LivemigError(f"node rank {self.node_rank} on a job's own etcd: expected 0")
-        self._spares_due_by = time.monotonic() + SPARE_START_GRACE_S  # see _spares_due
+        if not cfg.cold_spares:  # at once: a spare guards the job from its first step
+            self._spawn_spares()
         self.pending = [f for f in cfg.faults if not f.in_process]
         where = f" (node {self.node_rank} of {cfg.nnodes}, {host})" if cfg.nnodes > 1 else ""
         self.say(f"livemig: job {cfg.job}: {cfg.nproc} workers, {cfg.spares} spare(s), etcd {self.etcd}; "
@@ -311,16 +308,6 @@ class Launcher(FaultDriver):
                          **self.net_env, **cold})  # fmt: skip
         self._spares_started = True
 
-    def _spares_due(self, by_key: dict) -> bool:
-        """Spares start once this node's workers have registered (past `import torch`, the
-        model and optimizer build), so a spare's own start-up and shadow steps do not take
-        the CPUs the workers need to reach their first step; at once if a worker exits
-        first, and after SPARE_START_GRACE_S in any case."""
-        workers = [c for c in self.children if c.role == "worker"]
-        if time.monotonic() >= self._spares_due_by or any(c.proc.poll() is not None for c in workers):
-            return True
-        return all(self.keys.member(c.rank) in by_key for c in workers if c.rank is not None)
-
     def _note_warm_spares(self, by_key: dict) -> None:
         """When each spare of the job first reported warm (the report's `spares_warm`)."""
         for k, kv in by_key.items():
@@ -360,8 +347,6 @@ class Launcher(FaultDriver):
                 record_fault(self.client, self.keys, *self._unrecorded[0])
                 self._unrecorded.pop(0)
             self._faults(by_key)
-            if not self._spares_started and not self.cfg.cold_spares and self._spares_due(by_key):
-                self._spawn_spares()
             self._note_warm_spares(by_key)
             self._kill_fenced(by_key)
             self._forget_fenced(by_key)

@@ -7,8 +7,8 @@ same loop in plain DDP), interleaved round by round so machine noise hits all al
 - start-up: from launching the command to the group's first committed step;
 - teardown: from the last committed step to the command's exit;
 - livemig --spares 1 also reports how many steps were committed when its spare
-  reported warm (the spare starts once the workers have registered, so it does not
-  slow their start-up; it must still be warm well before a failure is likely).
+  reported warm (it starts with the workers, and competes with them for the CPUs
+  of this machine while it warms up).
 
 Commit times are wall-clock times written by the workers (livemig: the run report's
 commit_window; DDP: its progress files), so the two sides are measured alike.

@@ -162,6 +162,17 @@ class Coordinator(Checks, Migrations):
                                    f"{self._store_err or 'timed out'}")  # fmt: skip
         return self._store_addr
 
+    def _store_for(self, s: Snapshot, members: dict[int, Member]) -> str:
+        """The store a new generation builds from: this leader's own once it is made; until
+        then (the first seconds of a job) rank 0's, if rank 0 is still the process serving
+        it, so an early recovery or migration does not wait for `import torch` here."""
+        if self.store is None:
+            rec = s.get(self.keys.member(0)) or {}
+            mem = members.get(0)
+            if mem is not None and mem.incarnation == rec.get("incarnation") and _is_addr(rec.get("store")):
+                return rec["store"]
+        return self.store_addr
+
     def _lead(self) -> str:
         self.election.campaign(stop=self._stop.is_set)
         t = self.client.txn_ops
@@ -333,10 +344,8 @@ class Coordinator(Checks, Migrations):
                                   "every worker must build the same model")  # fmt: skip
         members = {r: Member(r, x["incarnation"], x["host"], x["pid"], x["addr"], node=_node(x))
                    for r, x in regs.items()}  # fmt: skip
-        hosted = regs[0].get("store")  # rank 0's store: this leader's own is not made yet (_start_store)
-        store = self._store_addr if self.store is not None else hosted if _is_addr(hosted) else self.store_addr
         m = Membership(state=GenState.FORMING, world_size=self.world_size, members=members,
-                       store=store, leader=self.id)  # fmt: skip
+                       store=self._store_for(s, members), leader=self.id)  # fmt: skip
         cfg = encode({"world_size": self.world_size, "signature": ref, "created": time.time()})
         if self.rdzv.commit_change(0, m, guard=self._guard(),
                                    extra=[self.client.txn_ops.put(self.keys.config, cfg)]):  # fmt: skip
@@ -512,7 +521,7 @@ class Coordinator(Checks, Migrations):
             ops += [t.put(self.keys.assignment(sid), encode({"generation": m.generation, "rank": rank})),
                     t.put(kv.key, encode(claimed), kv.lease)]  # fmt: skip
         new = replace(m, state=GenState.BUILDING, members=members, resume_step=resume,
-                      sources=sources, store=self.store_addr, updated=time.time(),
+                      sources=sources, store=self._store_for(s, members), updated=time.time(),
                       nonce=secrets.token_hex(8))  # fmt: skip
         ops.append(self.timeline.op(m.generation, "claim", spares=[p[0] for p in picks], ranks=vacant))
         ok, _ = self.client.txn(compare, [t.put(self.keys.membership, new.to_bytes()), *ops])

@@ -43,7 +43,7 @@ from livemig.faults import Fault, parse_fault
 from livemig.jobs import prune_stale_dirs, remove_job_file, state_dir, write_job_file
 from livemig.launch_faults import FaultDriver, record_fault
 from livemig.nodes import default_host
-from livemig.rdzv.client import EtcdClient, conform, encode
+from livemig.rdzv.client import EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership, new_incarnation
 from livemig.rdzv.security import EtcdSecurity
@@ -251,52 +251,13 @@ class Launcher(FaultDriver):
             self._spawn(f"worker-{r}", "worker", argv, env, rank=r)
 
     def _join(self, host: str, fresh: bool = False) -> None:
-        """Create or join the job's run and take a node rank (livemig/nodes.py); wait for
-        every node. The node key lives under this agent's lease: its loss is the node's."""
-        from livemig.nodes import join_run, script_signature, wait_nodes
-        from livemig.rdzv.lease import LeaseKeeper
+        """Create or join the job's run and take a node rank (nodes.attach_node)."""
+        from livemig.nodes import attach_node
 
         assert self.client is not None
-        cfg = self.cfg
-        info = {"host": host, "pid": os.getpid(), "agent": new_incarnation("agent")}
-        box: dict[str, Any] = {}
-
-        def reattach(lease: int) -> None:  # after an etcd outage or a healed cut: the node key, a new lease
-            """Only while the node still holds ranks: a node whose ranks were replaced while it was
-            cut off stays gone (its processes learn they are fenced and stop), and only where the
-            key is absent (a CAS: never over another agent's)."""
-            raw = self.client.get(self.keys.membership)
-            m = Membership.from_bytes(raw.value if raw else None)
-            mine = {c.incarnation for c in self.children}
-            if m.members and not any(mem.incarnation in mine for mem in m.members.values()):
-                log.warning("this node's ranks were replaced while it was away; not re-attaching its node key",
-                            extra={"node_rank": box["rank"]})  # fmt: skip
-                return
-            t = self.client.txn_ops
-            key = self.keys.node(box["rank"])
-            self.client.txn([t.version(key) == 0], [t.put(key, encode({**info, "run_id": box["run"]}), lease=lease)])
-
-        # etcd may come up with the agents (a batch script, a pod): wait for it up to the join timeout
-        deadline = time.monotonic() + cfg.join_timeout
-        while True:
-            try:
-                self.client.get(self.keys.run)
-                break
-            except EtcdUnavailableError:
-                if time.monotonic() > deadline:
-                    raise
-                self.say(f"livemig: etcd at {self.etcd} does not answer yet; waiting (LIVEMIG_JOIN_TIMEOUT)")
-        self.node_keeper = LeaseKeeper(self.client, cfg.timeouts.lease_ttl_s, name="node",
-                                       outage_budget_s=cfg.timeouts.etcd_outage.total_seconds(),
-                                       reattach=reattach)  # fmt: skip
-        box["run"], box["rank"] = join_run(self.client, self.keys, cfg.nnodes, cfg.nproc_per_node,
-                                           script_signature(cfg.script, cfg.args), cfg.node_rank, info,
-                                           self.node_keeper.lease_id, fresh)  # fmt: skip
-        self.run_id, self.node_rank = box["run"], box["rank"]
-        if cfg.nnodes > 1:
-            self.say(f"livemig: job {cfg.job}: node {self.node_rank} of {cfg.nnodes} joined run {self.run_id}; "
-                     "waiting for the other nodes")  # fmt: skip
-            wait_nodes(self.client, self.keys, cfg.nnodes, self.run_id, cfg.join_timeout)
+        self.node_keeper, self.run_id, self.node_rank = attach_node(
+            self.client, self.keys, self.cfg, host, lambda: {c.incarnation for c in self.children}, self.say, fresh
+        )
 
     def _spawn_spares(self) -> None:
         cfg = self.cfg

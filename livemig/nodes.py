@@ -21,11 +21,12 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 from livemig.config import ENV_HOST
-from livemig.errors import ConfigError
+from livemig.errors import ConfigError, EtcdUnavailableError
 from livemig.rdzv.client import EtcdClient, decode, encode, prefix_end
 from livemig.rdzv.keys import JobKeys
 
@@ -146,3 +147,52 @@ def wait_nodes(client: EtcdClient, keys: JobKeys, nnodes: int, run_id: str, time
                 f"`livemig run --nnodes {nnodes} ... --job {keys.job}` on those nodes (LIVEMIG_JOIN_TIMEOUT)"
             )
         time.sleep(0.1)
+
+
+def attach_node(client: EtcdClient, keys: JobKeys, cfg: Any, host: str, incarnations: Callable[[], set[str]],
+                say: Callable[[str], None], fresh: bool = False) -> tuple[Any, str, int]:  # fmt: skip
+    """An agent's entry into its job: wait for etcd (up to cfg.join_timeout), create or join
+    the run, take a node rank, wait for every node. The node key lives under the agent's
+    lease: its loss is the node's. Returns (the lease keeper, run id, node rank).
+    incarnations: this agent's processes, which decide whether a re-attach is due."""
+    from livemig.rdzv.lease import LeaseKeeper
+    from livemig.rdzv.membership import Membership, new_incarnation
+
+    info = {"host": host, "pid": os.getpid(), "agent": new_incarnation("agent")}
+    box: dict[str, Any] = {}
+
+    def reattach(lease: int) -> None:  # after an etcd outage or a healed cut: the node key, a new lease
+        """Only while the node still holds ranks: a node whose ranks were replaced while it was
+        cut off stays gone (its processes learn they are fenced and stop), and only where the
+        key is absent (a CAS: never over another agent's)."""
+        raw = client.get(keys.membership)
+        m = Membership.from_bytes(raw.value if raw else None)
+        mine = incarnations()
+        if m.members and not any(mem.incarnation in mine for mem in m.members.values()):
+            log.warning("this node's ranks were replaced while it was away; not re-attaching its node key",
+                        extra={"node_rank": box["rank"]})  # fmt: skip
+            return
+        t = client.txn_ops
+        key = keys.node(box["rank"])
+        client.txn([t.version(key) == 0], [t.put(key, encode({**info, "run_id": box["run"]}), lease=lease)])
+
+    # etcd may come up with the agents (a batch script, a pod): wait for it up to the join timeout
+    deadline = time.monotonic() + cfg.join_timeout
+    while True:
+        try:
+            client.get(keys.run)
+            break
+        except EtcdUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            say(f"livemig: etcd at {client.describe()} does not answer yet; waiting (LIVEMIG_JOIN_TIMEOUT)")
+    keeper = LeaseKeeper(client, cfg.timeouts.lease_ttl_s, name="node",
+                         outage_budget_s=cfg.timeouts.etcd_outage.total_seconds(), reattach=reattach)  # fmt: skip
+    box["run"], box["rank"] = join_run(client, keys, cfg.nnodes, cfg.nproc_per_node,
+                                       script_signature(cfg.script, cfg.args), cfg.node_rank, info,
+                                       keeper.lease_id, fresh)  # fmt: skip
+    if cfg.nnodes > 1:
+        say(f"livemig: job {cfg.job}: node {box['rank']} of {cfg.nnodes} joined run {box['run']}; "
+            "waiting for the other nodes")  # fmt: skip
+        wait_nodes(client, keys, cfg.nnodes, box["run"], cfg.join_timeout)
+    return keeper, box["run"], box["rank"]

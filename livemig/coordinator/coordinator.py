@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -35,6 +36,7 @@ from livemig.coordinator.checks import Checks
 from livemig.coordinator.migration import Migrations
 from livemig.coordinator.prune import stale_ops
 from livemig.coordinator.snapshot import Decoded, Snapshot, _num, _safe_decode
+from livemig.coordinator.store_host import StoreHost
 from livemig.coordinator.timeline import Timeline
 from livemig.errors import CorruptStateError, EtcdUnavailableError, LivemigError, NotLeaderError
 from livemig.nodes import stride_of
@@ -55,7 +57,7 @@ def _node(reg: dict) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
-class Coordinator(Checks, Migrations):
+class Coordinator(Checks, Migrations, StoreHost):
     def __init__(self, client: EtcdClient, job: str, world_size: int,
                  timeouts: Timeouts | None = None, host: str = "127.0.0.1") -> None:  # fmt: skip
         self.client = client
@@ -105,6 +107,12 @@ class Coordinator(Checks, Migrations):
 
         A leader that loses its lease (a stall longer than the TTL) steps down
         and campaigns again: it may lead again, continuing from etcd."""
+        try:
+            return self._run()
+        finally:
+            self._stop_store()
+
+    def _run(self) -> str:
         while True:
             try:
                 state = self._lead()
@@ -124,54 +132,6 @@ class Coordinator(Checks, Migrations):
             log.warning("stepped down; campaigning again")
             self._stop.clear()
             self._since.clear()
-
-    # -- the c10d store -----------------------------------------------------------------------
-    # Groups are built from a c10d TCPStore, and hosting one costs this process `import torch`
-    # (~1.5 CPU s). At start-up that would compete with the workers' own imports for the
-    # CPUs, so the first generation builds from the store rank 0 hosts (its record's
-    # "store"), and this one is made in the background once training runs; any later
-    # generation (a recovery, a migration, a takeover) waits for it if it is not ready yet.
-    def _start_store(self) -> None:
-        if self.store is not None or self._store_thread is not None:
-            return
-
-        def make() -> None:
-            try:
-                import torch.distributed as dist
-
-                self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                           timeout=self.timeouts.collective)  # fmt: skip
-                self._store_addr = f"{self.host}:{self.store.port}"
-            except Exception as exc:  # noqa: BLE001 - reported by store_addr, in the pass that needs it
-                self._store_err = str(exc)
-                self._store_thread = None  # the next pass that needs it tries again
-
-        self._store_thread = threading.Thread(target=make, daemon=True, name="livemig-c10d-store")
-        self._store_thread.start()
-
-    @property
-    def store_addr(self) -> str:
-        """host:port of this leader's store, made now if the background start has not finished."""
-        if self.store is None:
-            self._start_store()
-            t = self._store_thread
-            if t is not None:
-                t.join(self.timeouts.collective.total_seconds())
-            if self.store is None:
-                raise LivemigError(f"the coordinator could not start its c10d store on {self.host}: "
-                                   f"{self._store_err or 'timed out'}")  # fmt: skip
-        return self._store_addr
-
-    def _store_for(self, s: Snapshot, members: dict[int, Member]) -> str:
-        """The store a new generation builds from: this leader's own once it is made; until
-        then (the first seconds of a job) rank 0's, if rank 0 is still the process serving
-        it, so an early recovery or migration does not wait for `import torch` here."""
-        if self.store is None:
-            rec = s.get(self.keys.member(0)) or {}
-            mem = members.get(0)
-            if mem is not None and mem.incarnation == rec.get("incarnation") and _is_addr(rec.get("store")):
-                return rec["store"]
-        return self.store_addr
 
     def _lead(self) -> str:
         self.election.campaign(stop=self._stop.is_set)
@@ -562,20 +522,10 @@ class Coordinator(Checks, Migrations):
         self.client.txn(self._guard(), [self.client.txn_ops.put(self.keys.result, encode(res))])
 
 
-def _is_addr(v: Any) -> bool:
-    """host:port, as a member record's "store" must be (anyone with etcd access can write one)."""
-    if not isinstance(v, str) or ":" not in v:
-        return False
-    host, _, port = v.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536
-
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import sys
 
     from livemig import logs
-    from livemig.errors import LivemigError
 
     p = argparse.ArgumentParser(prog="python -m livemig.coordinator")
     p.add_argument("--etcd", required=True)

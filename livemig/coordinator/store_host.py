@@ -1,0 +1,131 @@
+"""The coordinator's c10d store, in a process of its own.
+
+Groups are built from a torch TCPStore, and hosting one costs `import torch` (~1.5 CPU s).
+Imported inside the coordinator, that import held its interpreter for as long, just when
+the job's first steps run and an early fault or migration needs a quick pass; so the store
+lives here, started by the coordinator once training runs (coordinator.py, `_start_store`).
+
+Protocol: prints `port <N>` on stdout once the store listens, then serves until its standard
+input closes (the coordinator exited, however it exited) or it is terminated.
+
+    python -m livemig.coordinator.store_host --host 127.0.0.1 --timeout 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from typing import Any
+
+from livemig.errors import LivemigError
+from livemig.rdzv.membership import Member
+
+log = logging.getLogger("livemig.coordinator")
+
+
+class StoreHost:
+    """Mixed into Coordinator: this leader's store process, and which store a generation uses."""
+
+    host: str
+    keys: Any
+    timeouts: Any
+    store: subprocess.Popen | None
+    _store_addr: str
+    _store_thread: threading.Thread | None
+    _store_err: str
+
+    # -- the c10d store -----------------------------------------------------------------------
+    # Groups are built from a c10d TCPStore, and hosting one costs `import torch` (~1.5 CPU s).
+    # At start-up that would compete with the workers' own imports for the CPUs, and inside
+    # this process it would hold the interpreter while the first steps' passes run: so the
+    # first generation builds from the store rank 0 hosts (its record's "store"), and this
+    # leader's own runs in a child process (store_host.py) started once training runs; a
+    # later generation uses it once it is up, rank 0's until then (_store_for).
+    def _start_store(self) -> None:
+        if self.store is not None and self.store.poll() is not None:  # it died: a new one
+            log.warning("c10d store process exited; starting another", extra={"code": self.store.returncode})
+            self.store, self._store_thread = None, None
+        if self.store is not None or self._store_thread is not None:
+            return
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "livemig.coordinator.store_host", "--host", self.host,
+             "--timeout", str(self.timeouts.collective.total_seconds())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )  # fmt: skip
+
+        def wait_port() -> None:
+            line = proc.stdout.readline().decode().split() if proc.stdout else []
+            if len(line) == 2 and line[0] == "port" and line[1].isdigit():
+                self._store_addr = f"{self.host}:{line[1]}"
+                self.store = proc
+                log.info("c10d store up", extra={"store": self._store_addr})
+            else:  # reported by store_addr, in the pass that needs it; the next one tries again
+                self._store_err = f"store host exited with code {proc.wait()}"
+                self._store_thread = None
+
+        self._store_thread = threading.Thread(target=wait_port, daemon=True, name="livemig-c10d-store")
+        self._store_thread.start()
+
+    def _stop_store(self) -> None:
+        if self.store is not None:
+            self.store.terminate()
+            try:
+                self.store.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.store.kill()
+                self.store.wait()
+            self.store = None
+
+    @property
+    def store_addr(self) -> str:
+        """host:port of this leader's store, waited for if it is still starting (at most the
+        collective timeout)."""
+        self._start_store()
+        if self.store is None:
+            t = self._store_thread
+            if t is not None:
+                t.join(self.timeouts.collective.total_seconds())
+            if self.store is None:
+                raise LivemigError(f"the coordinator could not start its c10d store on {self.host}: "
+                                   f"{self._store_err or 'timed out'}")  # fmt: skip
+        return self._store_addr
+
+    def _store_for(self, s: Any, members: dict[int, Member]) -> str:
+        """The store a new generation builds from: this leader's own once it is made; until
+        then (the first seconds of a job) rank 0's, if rank 0 is still the process serving
+        it, so an early recovery or migration does not wait for the store process to start."""
+        if self.store is None or self.store.poll() is not None:
+            rec = s.get(self.keys.member(0)) or {}
+            mem = members.get(0)
+            if mem is not None and mem.incarnation == rec.get("incarnation") and _is_addr(rec.get("store")):
+                return rec["store"]
+        return self.store_addr
+
+
+def _is_addr(v: Any) -> bool:
+    """host:port, as a member record's "store" must be (anyone with etcd access can write one)."""
+    if not isinstance(v, str) or ":" not in v:
+        return False
+    host, _, port = v.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m livemig.coordinator.store_host")
+    p.add_argument("--host", default="127.0.0.1", help="address members reach the store at")
+    p.add_argument("--timeout", type=float, default=30.0, help="the store's operation timeout, s")
+    a = p.parse_args(argv)
+    import torch.distributed as dist
+
+    store = dist.TCPStore(a.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=a.timeout))
+    print(f"port {store.port}", flush=True)
+    sys.stdin.read()  # returns at EOF: the coordinator is gone
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -108,6 +108,7 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self._stream_info: dict[str, Any] = {}
         self._mig_gen: int | None = None  # leaving worker: the migration generation it serves
         self._mig_step: int | None = None  # leaving worker: the step its snapshot was taken before
+        self._mig_snap: str | None = None  # leaving worker: the snapshot item it serves now
         self._leaving: int | None = None  # leaving worker: the switch was voted; leave at the next boundary
         self._step_t0 = 0.0
         # The boundary rule (docs/architecture.md): snapshots of step boundaries, newest last.

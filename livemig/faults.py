@@ -16,6 +16,7 @@
 | etcd-stop | - | SIGSTOP every embedded etcd member (an outage; resume=S: SIGCONT after S seconds, default 10) |
 | coordinator-kill | - | SIGKILL the leader coordinator (run `--coordinators 2` for a standby) |
 | spare-kill | - | SIGKILL the spare claimed in the current recovery (else any spare) |
+| spare-hang | - | SIGSTOP that spare instead (resume=S: SIGCONT after S s); during=snapshot: see below |
 | migrate | rank R | not a fault: a planned migration of R onto a spare (as `livemig migrate`) |
 | wedge | rank R | R's training thread blocks forever, lease and progress threads alive (a deadlock) |
 | break | rank R | in-process: R's collective of step S fails as on a broken socket, every peer reachable |
@@ -36,6 +37,9 @@ rank 1 during the outage).
 - fence / agree / claim / stream / build / commit: the first recovery after
   step S reaches that phase (stream = right after the claim, when the spare
   starts pulling; build = when the first member reports its group built;
+  snapshot = a migrating spare loaded its snapshot and replays the group's steps
+  (`spare-hang:during=snapshot:resume=S` stalls the spare S s, default 10, in-process at
+  that point, so the group runs ahead of what it can replay);
   catchup = a migrating spare loaded its snapshot and caught up with the group).
 """
 
@@ -46,11 +50,11 @@ from dataclasses import dataclass
 from livemig.errors import ConfigError
 
 RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition", "link", "migrate", "wedge", "break")
-UNRANKED = ("etcd-kill", "etcd-stop", "coordinator-kill", "spare-kill")
+UNRANKED = ("etcd-kill", "etcd-stop", "coordinator-kill", "spare-kill", "spare-hang")
 KINDS = RANKED + UNRANKED
 IN_PROCESS_DURING = ("allreduce", "before_commit", "gather", "after_step")
 WEDGE_DURING = ("compute", "before_commit")
-PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit", "catchup")
+PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit", "snapshot", "catchup")
 USAGE = "KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I][:after=SECONDS]"
 
 
@@ -67,7 +71,8 @@ class Fault:
 
     @property
     def in_process(self) -> bool:
-        return self.kind in ("drop_avg", "wedge", "break") or self.during in IN_PROCESS_DURING
+        return (self.kind in ("drop_avg", "wedge", "break") or self.during in IN_PROCESS_DURING
+                or (self.kind == "spare-hang" and self.during == "snapshot"))  # fmt: skip
 
     @property
     def phase(self) -> str:
@@ -75,9 +80,11 @@ class Fault:
 
     def self_spec(self) -> str:
         """What the worker reads from LIVEMIG_SELF_FAULT."""
-        kind = {"kill": "selfkill", "wedge": "selfwedge", "break": "selfbreak"}.get(self.kind, self.kind)
+        kind = {"kill": "selfkill", "wedge": "selfwedge", "break": "selfbreak", "spare-hang": "selfstall"}.get(
+            self.kind, self.kind)  # fmt: skip
         default = "compute" if self.kind == "wedge" else "allreduce"
-        return f"{kind}:step={self.step}:at={self.during or default}"
+        spec = f"{kind}:step={self.step}:at={self.during or default}"
+        return spec + (f":resume={self.resume_after}" if self.resume_after is not None else "")
 
 
 def parse_fault(spec: str) -> Fault:
@@ -121,8 +128,8 @@ def parse_fault(spec: str) -> Fault:
         if kind not in ("partition", "link"):
             raise ConfigError(f"bad fault {spec!r}: heal=SECONDS applies to partition and link only")
         resume = heal
-    if resume is not None and kind not in ("hang", "partition", "link", "etcd-stop"):
-        raise ConfigError(f"bad fault {spec!r}: resume=SECONDS applies to hang and etcd-stop only")
+    if resume is not None and kind not in ("hang", "spare-hang", "partition", "link", "etcd-stop"):
+        raise ConfigError(f"bad fault {spec!r}: resume=SECONDS applies to hang, spare-hang and etcd-stop only")
     factor = num("factor", float, 4.0)
     member = num("member", int, 0)
     after = num("after", float, 0.0)
@@ -137,8 +144,8 @@ def parse_fault(spec: str) -> Fault:
     return Fault(kind, rank, step, during, resume, factor, member, after)  # type: ignore[arg-type]
 
 
-def parse_self_fault(spec: str) -> tuple[str, int, str]:
-    """LIVEMIG_SELF_FAULT -> (kind, step, at)."""
+def parse_self_fault(spec: str) -> tuple[str, int, str, float]:
+    """LIVEMIG_SELF_FAULT -> (kind, step, at, resume seconds or 10)."""
     kind, *rest = spec.split(":")
     fields = dict(p.partition("=")[::2] for p in rest)
-    return kind, int(fields["step"]), fields.get("at", "allreduce")
+    return kind, int(fields["step"]), fields.get("at", "allreduce"), float(fields.get("resume") or 10.0)

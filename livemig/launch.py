@@ -204,6 +204,8 @@ class Launcher(FaultDriver):
         early = self.cluster is not None and cfg.nnodes == 1
         if early:
             self._spawn_job(host, part_rank)
+            if not cfg.cold_spares:  # with the workers: warm before a short job's first faults
+                self._spawn_spares()
         if self.cluster is not None:
             self.cluster.wait_started()
         self.client = EtcdClient(self.etcd, cfg.timeouts.etcd, self.security)
@@ -213,7 +215,7 @@ class Launcher(FaultDriver):
             self._spawn_job(host, part_rank)
         elif self.node_rank != 0:  # pragma: no cover - a fresh etcd of our own has no other node
             raise LivemigError(f"node rank {self.node_rank} on a job's own etcd: expected 0")
-        if not cfg.cold_spares:  # at once: a spare guards the job from its first step
+        if not cfg.cold_spares and not self._spares_started:  # a spare guards the job from its first step
             self._spawn_spares()
         self.pending = [f for f in cfg.faults if not f.in_process]
         where = f" (node {self.node_rank} of {cfg.nnodes}, {host})" if cfg.nnodes > 1 else ""
@@ -262,6 +264,7 @@ class Launcher(FaultDriver):
     def _spawn_spares(self) -> None:
         cfg = self.cfg
         cold = {"LIVEMIG_SHADOW_STEPS": "0"} if cfg.cold_spares else {}
+        cold.update((ENV_SELF_FAULT, f.self_spec()) for f in cfg.faults if f.kind == "spare-hang" and f.in_process)
         pre = f"n{self.node_rank}-" if cfg.nnodes > 1 else ""
         for i in range(cfg.spares):
             self._spawn(f"spare-{i}", "spare", [sys.executable, cfg.script, *cfg.args],

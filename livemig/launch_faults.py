@@ -124,7 +124,7 @@ class FaultDriver:
                 leader = by_key.get(self.keys.leader)
                 lid = leader.value.decode() if leader else ""
                 target = next((c for c in self.children if c.incarnation == lid), None)
-            elif f.kind == "spare-kill":
+            elif f.kind in ("spare-kill", "spare-hang"):
                 target = self._claimed_spare(by_key)
             else:
                 target = self._holder(f.rank, by_key)  # type: ignore[arg-type]
@@ -149,12 +149,12 @@ class FaultDriver:
 
                 request_migration(self.client, self.keys, f.rank, f"fault plan after step {step}")  # type: ignore[arg-type]
             else:
-                sig = signal.SIGSTOP if f.kind == "hang" else signal.SIGKILL
-                os.killpg(target.proc.pid, sig)
-                if f.kind == "hang" and f.resume_after is not None:
+                stop = f.kind in ("hang", "spare-hang")
+                os.killpg(target.proc.pid, signal.SIGSTOP if stop else signal.SIGKILL)
+                if stop and f.resume_after is not None:
                     self._resumes.append((time.monotonic() + f.resume_after, target))
         now = time.time()
-        if f.kind not in ("slow", "corrupt", "migrate"):  # these do not start a downtime
+        if f.kind not in ("slow", "corrupt", "migrate", "spare-hang"):  # these do not start a downtime
             try:
                 record_fault(self.client, self.keys, f.kind, f.rank, step, now)
             except EtcdUnavailableError:
@@ -221,7 +221,10 @@ def phase_reached(keys: JobKeys, f: Fault, by_key: dict, since: float) -> bool:
     want = {"stream": "claim", "build": "ready"}.get(f.phase, f.phase)
     rec = keys.prefix + "recovery/"
     for k, kv in by_key.items():
-        if want == "ready" and k.startswith(rec) and "/ready/" in k:
+        if want == "snapshot" and k.startswith(rec) and k.endswith("/catchup"):
+            if _time_of(kv) >= since:  # the spare's first catch-up record: its snapshot is loaded
+                return True
+        elif want == "ready" and k.startswith(rec) and "/ready/" in k:
             gen = k[len(rec) :].split("/")[0]
             if gen.isdigit() and int(gen) > 1 and _time_of(kv) >= since:
                 return True

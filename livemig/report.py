@@ -182,6 +182,7 @@ def migrations(events: list[dict], commits: list[tuple[int, float]], median_step
             if ev["phase"] == "stream":
                 cur["bytes_streamed"] += ev.get("bytes", 0)
                 cur["snapshot_s"] = ev.get("seconds", 0.0)
+                cur["resyncs"] = int(ev.get("resyncs") or 0)  # newer snapshots loaded after falling behind
             elif ev["phase"] == "catchup":
                 cur["lag_at_switch_vote"] = ev.get("lag")
             elif ev["phase"] == "switch":

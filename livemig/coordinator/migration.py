@@ -147,7 +147,8 @@ class Migrations:
                 return None  # once every group is built the switch needs no store: a leader change is harmless
             new = replace(m, migration=dict(mig, phase="switch", lag_at_switch=lag))
             events = [self.timeline.op(g, "stream", at=cu["time"], seconds=cu.get("stream_s", 0.0),
-                                       bytes=cu.get("bytes", 0), source=cu.get("source", ""), loaded=cu["loaded"]),
+                                       bytes=cu.get("bytes", 0), source=cu.get("source", ""), loaded=cu["loaded"],
+                                       resyncs=_num(cu.get("resyncs"))),
                       self.timeline.op(g, "catchup", lag=lag, applied=cu["applied"])]  # fmt: skip
             if self.rdzv.update(new, guard=self._guard(), extra=events):
                 log.info("migration: spare caught up; members vote the switch", extra={"generation": g, "lag": lag})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -122,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     store = dist.TCPStore(a.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=a.timeout))
-    print(f"port {store.port}", flush=True)
+    try:
+        print(f"port {store.port}", flush=True)
+    except BrokenPipeError:  # the coordinator ended (the job did) before the store was up
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     sys.stdin.read()  # returns at EOF: the coordinator is gone
     return 0
 

@@ -82,6 +82,21 @@ def conform(raw: bytes | Any, need: dict[str, tuple], may: dict[str, tuple] | No
     return {k: v for k, v in value.items() if isinstance(k, str) and (k not in (may or {}) or ok(v, may[k]))}
 
 
+def through_outage(call: Callable[[], T], budget_s: float, what: str, give_up: Callable[[], bool] = lambda: False) -> T:
+    """`call()`, retried while etcd is unreachable for up to `budget_s` (the outage
+    budget): a spare that finishes warming up during an outage registers once etcd
+    answers instead of exiting. Refusals (EtcdAccessError) and fences are not retried."""
+    deadline = time.monotonic() + budget_s
+    while True:
+        try:
+            return call()
+        except EtcdUnavailableError:
+            if give_up() or time.monotonic() > deadline:
+                raise
+            log.warning("etcd unreachable; retrying", extra={"what": what})
+            time.sleep(0.5)
+
+
 @dataclass(frozen=True)
 class Endpoint:
     host: str

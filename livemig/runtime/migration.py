@@ -20,8 +20,14 @@ from livemig.rdzv.membership import GenState, Membership
 from livemig.runtime.control import _Released, _Requeue
 from livemig.state import flatten, unflatten, unpack
 from livemig.transfer.client import pull
+from livemig.transfer.server import GONE
 
 AVG_KEEP = 8  # averaged gradients a leaving worker keeps for its catching-up spare
+
+
+class _FellBehind(Exception):
+    """The averaged gradient a catching-up spare needs was already withdrawn."""
+
 
 log = logging.getLogger("livemig.runtime.migration")
 
@@ -49,23 +55,28 @@ class Migration:
         if plan is None:
             if self._mig_gen is not None and rt.m.generation != self._mig_gen:
                 rt.server.withdraw()  # the migration was resolved: stop serving its items
-                self._mig_gen = self._mig_step = None
+                self._mig_gen = self._mig_step = self._mig_snap = None
                 if self._reducer is not None:
                     self._reducer.keep(2)
             return
         m, mig = plan
         if mig.get("leaving") == self.incarnation:
-            if self._mig_gen != m.generation and "snapshot" in rt.server.wanted:
-                rt.server.wanted.discard("snapshot")
+            # "snapshot" first; "snapshot/k" when the spare fell more than AVG_KEEP steps behind
+            want = next((w for w in list(rt.server.wanted) if w.split("/")[0] == "snapshot"), None)
+            if want is not None and (self._mig_gen != m.generation or want != self._mig_snap):
+                rt.server.wanted.discard(want)
+                if self._mig_gen == m.generation and self._mig_snap:
+                    rt.server.withdraw(self._mig_snap)  # the spare asked for a newer one: free the old copy
                 tensors: list[torch.Tensor] = []
                 skel = flatten(self.state_obj(), tensors)
                 snap = unflatten(skel, [x.clone() for x in tensors])  # training goes on: serve a copy
                 step = self.committed + 1
-                rt.server.publish(m.generation, "snapshot", lambda: (step, snap))
-                self._mig_gen, self._mig_step = m.generation, step
+                rt.server.publish(m.generation, want, lambda: (step, snap))
+                self._mig_gen, self._mig_step, self._mig_snap = m.generation, step, want
                 if self._reducer is not None:
                     self._reducer.keep(AVG_KEEP + 1)  # serve averages straight from the buckets
-                log.info("migration: snapshot served", extra={"step": step, "generation": m.generation})
+                log.info("migration: snapshot served", extra={"step": step, "generation": m.generation,
+                                                              "item": want})  # fmt: skip
         elif m.rank_of(self.incarnation) is not None:
             rt.prebuild(m, m.rank_of(self.incarnation))
 
@@ -143,21 +154,37 @@ class Migration:
                     return pull(addr, rt.job, secret, g, item, self.timeouts.collective.total_seconds(), alloc,
                                 abort=moved)  # fmt: skip
                 except TransferError as exc:
+                    if GONE in str(exc):
+                        raise _FellBehind(str(exc)) from None
                     if time.monotonic() > deadline:
                         raise RecoveryError(f"migration: could not pull {item} from {addr}: {exc}") from exc
                 time.sleep(0.005)
 
-        t0 = time.monotonic()
-        got = fetch("snapshot", self._into_model())
-        self.reg.load_state(got.state)
-        self.committed, self._loaded_step = got.step - 1, got.step
-        self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
-        rec = {"incarnation": self.incarnation, "loaded": got.step, **self._stream_info}
-        rt.put(rt.keys.catchup(g), {**rec, "applied": self.committed, "time": time.time()})
-        red = self._reducer
+        def load_snapshot(item: str, resyncs: int = 0) -> dict:
+            t0 = time.monotonic()
+            got = fetch(item, self._into_model())
+            self.reg.load_state(got.state)
+            self.committed, self._loaded_step = got.step - 1, got.step
+            self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
+            self._stall_after_snapshot()  # a test fault (spare-hang:during=snapshot), before we report
+            rec = {"incarnation": self.incarnation, "loaded": got.step, "resyncs": resyncs, **self._stream_info}
+            rt.put(rt.keys.catchup(g), {**rec, "applied": self.committed, "time": time.time()})
+            return rec
+
+        rec = load_snapshot("snapshot")
+        red, resyncs = self._reducer, 0
         while True:
             t = self.committed + 1
-            got = fetch(f"avg/{t}")
+            try:
+                got = fetch(f"avg/{t}")
+            except _FellBehind as exc:
+                # The group ran more than AVG_KEEP steps ahead (this process was starved or
+                # slow to load): start over from a newer snapshot instead of waiting forever.
+                resyncs += 1
+                log.warning("migration: fell behind the group; loading a newer snapshot",
+                            extra={"step": t, "resyncs": resyncs, "why": str(exc)})  # fmt: skip
+                rec = load_snapshot(f"snapshot/{resyncs}", resyncs)
+                continue
             self.reg.set_hparams(got.state["hparams"])
             self._ensure_grads()
             if red is not None:

@@ -37,6 +37,17 @@ class SelfFaults:
             # Die while our collective is in flight: peers may or may not complete it.
             threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
+    def _stall_after_snapshot(self) -> None:
+        """`spare-hang:during=snapshot:resume=S`: a migrating spare stalls S seconds once its
+        snapshot is loaded (a starved host), so the group runs ahead of what it can replay."""
+        f = self._self_fault
+        if f and f[0] == "selfstall" and f[2] == "snapshot":
+            import time
+
+            self._self_fault = None
+            log.warning("test fault: the spare stalls after loading its snapshot", extra={"seconds": f[3]})
+            time.sleep(f[3])
+
     def _drop_avg(self, t: int) -> bool:
         f = self._self_fault
         if f and f[0] == "drop_avg" and f[1] == t and self.role == "worker":

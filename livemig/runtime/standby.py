@@ -16,7 +16,7 @@ from typing import Any
 from livemig.comm.group import retire
 from livemig.config import ENV_RANK, node_host, node_rank
 from livemig.errors import ConfigError, EtcdUnavailableError
-from livemig.rdzv.client import decode
+from livemig.rdzv.client import decode, through_outage
 from livemig.rdzv.watch import PrefixWatch, wait_for
 from livemig.runtime.control import _Activate, _Stop
 from livemig.state import digest
@@ -52,14 +52,16 @@ class Standby:
             "state": "warm", "signature": self.signature(), "warmup_s": self._warm_s, "warm_at": time.time(),
             "peak_rss_mb": psutil.Process().memory_info().rss / 2**20,
         }  # fmt: skip
-        keeper = rt.spare_keeper = rt.rdzv.register(rt.keys.spare(self.spare_id), info, self.incarnation,
-                                                    rt._on_lost)  # fmt: skip
+        budget = rt.timeouts.etcd_outage.total_seconds()  # warm during an outage: register once etcd is back
+        keeper = rt.spare_keeper = through_outage(
+            lambda: rt.rdzv.register(rt.keys.spare(self.spare_id), info, self.incarnation, rt._on_lost),
+            budget, "spare registration", rt.fenced.is_set)  # fmt: skip
         rt.start_server()
         log.info("spare warm", extra={"spare": self.spare_id, "warmup_s": round(self._warm_s, 3)})
         t_warm = time.monotonic()
         key = rt.keys.assignment(self.spare_id)
         ended = threading.Event()  # the job's result: a spare that was not needed exits at once
-        result, rev = rt.client.get_with_revision(rt.keys.result)
+        result, rev = through_outage(lambda: rt.client.get_with_revision(rt.keys.result), budget, "the job's result")
         if result is not None:
             ended.set()
         watch = PrefixWatch(rt.client, rt.keys.result, lambda ev: ended.set(), rev + 1)

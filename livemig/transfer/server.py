@@ -45,6 +45,10 @@ class _Snapshot:
         return memoryview(self.bytes[c.tensor][c.offset : c.offset + c.length].numpy())
 
 
+GONE = "no longer served (withdrawn)"  # in a refusal: the item existed and will not come back
+GONE_KEEP = 64  # withdrawn item names remembered
+
+
 class Hooks:
     """Test-only fault hooks (set by tests on a server object, never by env)."""
 
@@ -73,6 +77,7 @@ class StateServer:
         self._lock = threading.Lock()
         self._items: dict[str, tuple[int, Provider]] = {}
         self.wanted: set[str] = set()  # items a peer asked for that were not served
+        self._gone: dict[str, None] = {}  # the last items withdrawn one by one (a late peer is told)
         self._snaps: dict[tuple[int, str], _Snapshot] = {}
         self._fenced = False
         self._stop = threading.Event()
@@ -91,6 +96,7 @@ class StateServer:
     def publish(self, gen: int, item: str, provider: Provider) -> None:
         with self._lock:
             self._items[item] = (gen, provider)
+            self._gone.pop(item, None)
             self._snaps = {k: v for k, v in self._snaps.items() if k[1] != item}
 
     def withdraw(self, item: str | None = None) -> None:
@@ -99,7 +105,10 @@ class StateServer:
                 self._items.clear()
                 self._snaps.clear()
             else:
-                self._items.pop(item, None)
+                if self._items.pop(item, None) is not None:
+                    self._gone[item] = None
+                    while len(self._gone) > GONE_KEEP:
+                        del self._gone[next(iter(self._gone))]
                 self._snaps = {k: v for k, v in self._snaps.items() if k[1] != item}
 
     def fence(self) -> None:
@@ -122,6 +131,8 @@ class StateServer:
         with self._lock:
             if self._fenced:
                 raise PermissionError("this member is fenced and serves no state")
+            if item in self._gone:  # a peer that fell behind: waiting will not bring it back
+                raise LookupError(f"item {item!r} is {GONE}")
             if item not in self._items:
                 self.wanted.add(item)  # authenticated: the owner may produce it (planned migration)
                 raise LookupError(f"item {item!r} is not being served now")

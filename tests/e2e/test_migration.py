@@ -48,6 +48,23 @@ def test_migration_aborted_when_the_spare_dies_during_catch_up(tmp_path, referen
     assert codes["spare-0"] == -9, explain(run)
 
 
+def test_a_spare_that_falls_behind_loads_a_newer_snapshot(tmp_path):
+    """The claimed spare stalls 1.5 s once its snapshot is loaded while the group trains on: by then the
+    leaving worker no longer keeps the averaged gradients it needs (8 steps). It must load a
+    newer snapshot and still switch in, exactly, instead of waiting until the job ends."""
+    workload = ["--steps", "80", "--layers", "2", "--batch", "32"]
+    run = livemig_run(tmp_path, 2, spares=1, workload=workload,
+                      faults=("migrate:rank=1:step=4", "spare-hang:during=snapshot:resume=1.5"))  # fmt: skip
+    ref = livemig_run(tmp_path, 2, job="ref80", workload=workload)
+    assert run.rc == 0 and ref.rc == 0, explain(run)
+    assert run.report["steps_completed"] == 80 and run.report["replicas_identical"], explain(run)
+    assert run.report["state_digest"] == ref.report["state_digest"] and not run.report["recoveries"], explain(run)
+    (mig,) = run.report["migrations"]
+    assert mig["outcome"] == "done" and mig["resyncs"] >= 1, mig
+    codes = exit_codes(run)
+    assert codes["worker-1"] == 0 and codes["spare-0"] == 0, explain(run)
+
+
 def test_straggler_hook_migrates_a_slow_rank(tmp_path):
     # 60 steps: the hook judges two steps that both ranks reported, which the slowed rank's
     # duty cycle can delay well past step 2; a migration requested at the last step of a

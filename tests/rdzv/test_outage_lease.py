@@ -12,7 +12,8 @@ from datetime import timedelta
 import pytest
 
 from livemig.config import Timeouts
-from livemig.rdzv.client import EtcdClient, decode
+from livemig.errors import EtcdUnavailableError
+from livemig.rdzv.client import EtcdClient, decode, through_outage
 from livemig.rdzv.embedded import EtcdCluster
 from livemig.rdzv.lease import LeaseKeeper
 from livemig.rdzv.membership import Rendezvous
@@ -71,3 +72,40 @@ def test_a_fenced_owner_does_not_reregister_after_an_outage(own_etcd):
     assert lost and "re-register" in lost[0] and "fenced" in lost[0], lost
     assert keeper.outages == 0 and client.get(rdzv.keys.member(0)) is None
     keeper.stop()
+
+
+def test_a_registration_made_during_an_outage_lands_once_etcd_is_back(own_etcd):
+    """A spare that finishes warming up while etcd is stopped registers once etcd answers
+    (through_outage), instead of exiting with "etcd unreachable"."""
+    client = EtcdClient(own_etcd.endpoints, timedelta(seconds=1))
+    rdzv = Rendezvous(client, "outage3", Timeouts(etcd_outage=timedelta(seconds=20)))
+    key = rdzv.keys.spare("s0")
+    own_etcd.pause()
+    try:
+        with pytest.raises(EtcdUnavailableError):  # one call alone gives up after its timeout
+            rdzv.register(key, {"state": "warm"}, "s0", ttl_s=TTL)
+        done: list = []
+        t = threading.Thread(target=lambda: done.append(
+            through_outage(lambda: rdzv.register(key, {"state": "warm"}, "s0", ttl_s=TTL), 20, "test")))  # fmt: skip
+        t.start()
+        time.sleep(2.5)
+        assert not done  # still waiting for etcd
+    finally:
+        own_etcd.resume()
+    t.join(timeout=15)
+    assert done, "the registration did not land after etcd came back"
+    kv = client.get(key)
+    assert kv is not None and kv.lease == done[0].lease_id
+    done[0].stop()
+
+
+def test_through_outage_gives_up_after_its_budget(own_etcd):
+    client = EtcdClient(own_etcd.endpoints, timedelta(seconds=1))
+    own_etcd.pause()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EtcdUnavailableError):
+            through_outage(lambda: client.get("/x"), 2.0, "test")
+        assert 2.0 <= time.monotonic() - t0 < 6.0
+    finally:
+        own_etcd.resume()

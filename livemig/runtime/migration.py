@@ -9,6 +9,7 @@ and both switch at a step voted inside the gradient collective
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -62,9 +63,14 @@ class Migration:
         m, mig = plan
         if mig.get("leaving") == self.incarnation:
             # "snapshot" first; "snapshot/k" when the spare fell more than AVG_KEEP steps behind
-            want = next((w for w in list(rt.server.wanted) if w.split("/")[0] == "snapshot"), None)
-            if want is not None and (self._mig_gen != m.generation or want != self._mig_snap):
-                rt.server.wanted.discard(want)
+            # (a retry that raced our first publish leaves "snapshot" wanted too: the newest counts)
+            snaps = [w for w in list(rt.server.wanted) if w == "snapshot" or re.fullmatch(r"snapshot/\d{1,6}", w)]
+            for w in snaps:
+                rt.server.wanted.discard(w)
+            if self._mig_gen == m.generation:
+                snaps = [w for w in snaps if w != self._mig_snap]
+            want = max(snaps, key=lambda w: int(w.partition("/")[2] or 0), default=None)
+            if want is not None:
                 if self._mig_gen == m.generation and self._mig_snap:
                     rt.server.withdraw(self._mig_snap)  # the spare asked for a newer one: free the old copy
                 tensors: list[torch.Tensor] = []

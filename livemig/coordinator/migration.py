@@ -118,6 +118,10 @@ class Migrations:
             why = ("the spare failed" if spare_dead else "the job finished first" if finished
                    else f"the spare did not catch up within {self.timeouts.recovery.total_seconds():.0f}s")  # fmt: skip
             return self._abort_migration(s, why)
+        if mig.get("phase") == "switch" and not switched and finished and not spare_dead:
+            # The vote never passed before the last step: every old member has ended, so no
+            # vote can pass now; the spare would wait for an average nobody will serve.
+            return self._abort_migration(s, "the job finished first")
         if dead or leaving_dead or spare_dead:
             # A failure during the migration: recover from the table that holds the state.
             table = m.members if rank in switched else old

@@ -48,6 +48,21 @@ def test_migration_aborted_when_the_spare_dies_during_catch_up(tmp_path, referen
     assert codes["spare-0"] == -9, explain(run)
 
 
+def test_a_migration_requested_near_the_last_step_ends_with_the_job(tmp_path, reference_digest):
+    """Requested 2 steps before the end: it may switch in time or not, but the job must end
+    at once either way (a switch phase whose vote never passed left the spare waiting for an
+    average nobody serves, until the recovery timeout)."""
+    ref = reference_digest(2)
+    t0 = time.monotonic()
+    run = livemig_run(tmp_path, 2, spares=1, faults=(f"migrate:rank=1:step={STEPS - 3}",))
+    assert time.monotonic() - t0 < 40, explain(run)  # livemig_run's recovery timeout is 60 s
+    assert_same_as_fault_free(run, ref)
+    for mig in run.report["migrations"]:
+        assert mig["outcome"] == "done" or mig.get("aborted") == "the job finished first", mig
+    codes = exit_codes(run)
+    assert codes["worker-0"] == 0 and codes["worker-1"] == 0 and codes["spare-0"] in (0, -15), explain(run)
+
+
 def test_a_spare_that_falls_behind_loads_a_newer_snapshot(tmp_path):
     """The claimed spare stalls 1.5 s once its snapshot is loaded while the group trains on: by then the
     leaving worker no longer keeps the averaged gradients it needs (8 steps). It must load a

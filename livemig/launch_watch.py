@@ -1,0 +1,118 @@
+"""The agent's watch of its children (`livemig run`): report a dead child to etcd at
+once, kill a fenced child that cannot see its fence, drop the fence keys of reaped
+children, note when spares are warm, print progress lines. A mixin of
+launch.Launcher, which owns the children, the client and the keys.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from livemig.agent import fenced_too_long, kill_group, report_death
+from livemig.rdzv.client import conform
+from livemig.rdzv.membership import Membership
+
+if TYPE_CHECKING:
+    from livemig.launch import Child
+
+
+class ChildWatch:
+    """Launcher's watch methods (see the module doc); its attributes are the Launcher's."""
+
+    children: list[Any]
+    client: Any
+    keys: Any
+    cfg: Any
+    partition: Any
+    spares_warm: dict[str, float]
+    _resumes: list[tuple[float, Any]]
+    _fenced_seen: dict[str, float]
+    _progress_cache: dict[str, tuple[int, Any]]
+    _last_print: int
+    _t_print: float
+
+    say: Any  # Launcher's
+    partition_target: Any  # FaultDriver's
+
+    def _note_warm_spares(self, by_key: dict) -> None:
+        """When each spare of the job first reported warm (the report's `spares_warm`)."""
+        for k, kv in by_key.items():
+            if k.startswith(self.keys.spares_prefix) and k not in self.spares_warm:
+                rec = conform(kv.value, {"state": (str,)}, {"warm_at": (float,)})
+                if rec is not None and rec["state"] == "warm":
+                    self.spares_warm[k[len(self.keys.spares_prefix) :]] = rec.get("warm_at", time.time())
+
+    def _is_member(self, c: Child, by_key: dict) -> bool:
+        raw = by_key.get(self.keys.membership)
+        m = Membership.from_bytes(raw.value if raw else None)
+        return m.rank_of(c.incarnation) is not None
+
+    def _reap(self) -> None:
+        """Report a child that died to etcd at once: the fast detection path."""
+        assert self.client is not None
+        for c in self.children:
+            code = c.proc.poll()
+            if code is None or c.reported or c.role == "coordinator":
+                continue
+            if code == 0:
+                c.reported = True
+                continue
+            if c.died_at is None:
+                c.died_at = time.time()
+            report_death(self.client, self.keys, c.incarnation, c.name, code, c.died_at)
+            c.reported = True
+
+    def _kill_fenced(self, by_key: dict) -> None:
+        """A fenced worker or spare still running after FENCED_KILL_S is wedged (its training
+        thread cannot see the fence): kill it, so no replaced process lingers."""
+        for c in self.children:
+            if c.role == "coordinator" or c.proc.poll() is not None:
+                continue
+            if by_key.get(self.keys.fenced(c.incarnation)) is None:
+                continue
+            cut_off = (
+                self.partition is not None
+                and c.name == self.partition_target()
+                and any(f.kind == "partition" for f in self.cfg.faults)
+            )  # a link cut still sees etcd
+            if any(t is c for _, t in self._resumes) or getattr(c, "_stopped", False) or cut_off:
+                self._fenced_seen.pop(c.incarnation, None)  # stopped by a fault plan: its clock starts once resumed
+                continue
+            if fenced_too_long(self._fenced_seen, c.incarnation):
+                kill_group(c.proc.pid, c.name)
+
+    def _forget_fenced(self, by_key: dict) -> None:
+        """A fence key exists to refuse a zombie's writes; once this agent has reaped the
+        process it can write nothing, so the key goes (a bounded etcd footprint)."""
+        assert self.client is not None
+        for c in self.children:
+            if c.proc.poll() is not None and c.reported and self.keys.fenced(c.incarnation) in by_key:
+                self.client.delete(self.keys.fenced(c.incarnation))
+
+    def _progress(self, by_key: dict) -> None:
+        """Print a progress line every --log-every steps of the slowest rank. Each record is
+        decoded once per change (by mod revision), not every tick; one that is not a progress
+        record (anyone with etcd access can write one) is skipped."""
+        steps = {}
+        cache = self._progress_cache
+        for k, kv in by_key.items():
+            if k.startswith(self.keys.progress_prefix):
+                hit = cache.get(k)
+                if hit is None or hit[0] != kv.mod_revision:
+                    hit = cache[k] = (kv.mod_revision, conform(kv.value, {"step": (int,)},
+                                                               {"generation": (int,), "loss": (float,)}))  # fmt: skip
+                if hit[1] is not None:
+                    steps[k] = hit[1]
+        if not steps:
+            return
+        low = min(s["step"] for s in steps.values())
+        window = self.cfg.log_every
+        if (low + 1) // window > (self._last_print + 1) // window:
+            now = time.monotonic()
+            rate = (low - self._last_print) / max(1e-6, now - self._t_print) if self._last_print >= 0 else 0
+            loss = steps.get(self.keys.progress(0), {}).get("loss")
+            gen = max(s.get("generation", 0) for s in steps.values())
+            loss_s = f"  loss {loss:.5f}" if isinstance(loss, float) else ""
+            self.say(f"step {low + 1:>6}{loss_s}  {rate:.2f} steps/s  generation {gen}")
+            self._last_print, self._t_print = low, now

@@ -150,6 +150,12 @@ class Coordinator(Checks, Migrations, StoreHost):
                 snap = Snapshot(kvs, self.rdzv, self._decoded)
                 if snap.m.state in (GenState.DONE, GenState.FAILED) and snap.get(self.keys.result):
                     return snap.m.state
+                lk = snap.kv.get(self.keys.leader)
+                if lk is None or lk.value != self.id.encode():
+                    # Deleted or taken over (an operator, a restore): every guarded write would
+                    # now fail, pass after pass; step down and let the election decide.
+                    log.warning("the leader key is no longer ours; stepping down")
+                    return "deposed"
                 try:
                     self.step(snap)
                 except NotLeaderError:

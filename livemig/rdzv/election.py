@@ -92,3 +92,4 @@ class LeaderElection:
         self.is_leader.clear()
         if self.keeper is not None:
             self.keeper.stop(revoke=True)
+            self.keeper = None  # a new term needs a new lease: the revoked one cannot carry the key

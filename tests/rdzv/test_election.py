@@ -46,3 +46,30 @@ def test_deposed_leader_writes_refused(etcd):
     assert not ok, "a deposed leader's write went through"
     ok, _ = c2.txn([new.guard()], [c2.txn_ops.put("/livemig/depose/x", b"new")])
     assert ok
+
+
+def test_a_coordinator_whose_leader_key_was_deleted_steps_down_and_leads_again(etcd, procs, tmp_path):
+    """Every write of a coordinator is guarded by its leader key: once the key is gone each
+    of them fails, pass after pass. It must notice, step down and campaign again."""
+    import subprocess
+
+    from livemig.rdzv.keys import JobKeys
+
+    out = open(tmp_path / "coordinator.log", "wb")  # noqa: SIM115 - closed below
+    procs.python("-m", "livemig.coordinator", "--etcd", etcd.endpoints, "--job", "lk", "--world-size", "2",
+                 stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    client = EtcdClient(etcd.endpoints)
+    key = JobKeys("lk").leader
+    deadline = time.monotonic() + 30
+    while (first := client.get(key)) is None:
+        assert time.monotonic() < deadline, (tmp_path / "coordinator.log").read_text()
+        time.sleep(0.1)
+    client.delete(key)
+    deadline = time.monotonic() + 5
+    while (again := client.get(key)) is None:
+        assert time.monotonic() < deadline, "the coordinator never took the lead again\n" + (
+            tmp_path / "coordinator.log").read_text()  # fmt: skip
+        time.sleep(0.05)
+    out.close()
+    assert again.value == first.value and again.lease != first.lease  # the same candidate, a new term
+    assert "stepping down" in (tmp_path / "coordinator.log").read_text()

@@ -225,6 +225,14 @@ def outage_grace_s(timeouts: Timeouts) -> float:
     return _env_seconds(ENV_OUTAGE_GRACE, 0).total_seconds() if raw else 2.0 * timeouts.lease_ttl_s
 
 
+def is_host_port(v: object) -> bool:
+    """host:port, as a store address read from etcd must be (anyone with etcd access can write one)."""
+    if not isinstance(v, str) or ":" not in v:
+        return False
+    host, _, port = v.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
 def node_host() -> str:
     """This process's host as the job knows it: --host ($LIVEMIG_HOST), else the hostname."""
     import socket

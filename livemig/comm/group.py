@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from livemig.config import ENV_HOST, buddy_stride
+from livemig.config import ENV_HOST, buddy_stride, is_host_port
 
 log = logging.getLogger("livemig.comm")
 
@@ -49,6 +49,8 @@ class CollectiveAborted(RuntimeError):
 
 
 def _store_for(addr: str, gen: int, timeout: timedelta) -> dist.Store:
+    if not is_host_port(addr):
+        raise CollectiveAborted(f"generation {gen}'s store address {addr!r} is not host:port")
     host, port = addr.rsplit(":", 1)
     tcp = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
     return dist.PrefixStore(f"gen{gen}", tcp)

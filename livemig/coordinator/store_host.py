@@ -22,6 +22,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+from livemig.config import is_host_port
 from livemig.errors import LivemigError
 from livemig.rdzv.membership import Member
 
@@ -102,17 +103,9 @@ class StoreHost:
         if self.store is None or self.store.poll() is not None:
             rec = s.get(self.keys.member(0)) or {}
             mem = members.get(0)
-            if mem is not None and mem.incarnation == rec.get("incarnation") and _is_addr(rec.get("store")):
+            if mem is not None and mem.incarnation == rec.get("incarnation") and is_host_port(rec.get("store")):
                 return rec["store"]
         return self.store_addr
-
-
-def _is_addr(v: Any) -> bool:
-    """host:port, as a member record's "store" must be (anyone with etcd access can write one)."""
-    if not isinstance(v, str) or ":" not in v:
-        return False
-    host, _, port = v.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def main(argv: list[str] | None = None) -> int:

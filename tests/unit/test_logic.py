@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from livemig.config import Timeouts
@@ -100,3 +102,13 @@ def test_a_pass_decodes_only_what_changed_and_under_matches_a_scan():
         scan = {k[len(prefix) :] for k in b.kv if k.startswith(prefix)}
         assert set(b._keys_under(prefix)) == {prefix + k for k in scan}, prefix
     assert len(b.under(keys.recovery_prefix(3) + "ready/")) == 50
+
+
+def test_store_addresses_read_from_etcd_are_validated():
+    from livemig.comm.group import CollectiveAborted, _store_for
+    from livemig.config import is_host_port
+
+    assert is_host_port("127.0.0.1:29500") and is_host_port("[::1]:5")
+    assert not any(is_host_port(v) for v in ("host", "h:0", ":5", "h:99999", "h:x", 5, None))
+    with pytest.raises(CollectiveAborted, match="not host:port"):
+        _store_for("no-port", 3, timedelta(seconds=1))

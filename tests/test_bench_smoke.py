@@ -54,7 +54,8 @@ def test_bench_downtime_tiny(tmp_path):
 
 
 def test_bench_warmup_tiny(tmp_path):
-    r = bench("warmup", "--repeat", "1", "--steps", "16", "--fail-at", "6", "--width", "256", "--layers", "2",
+    # steps of a few ms: 120 of them, so the agent's kill "after step 6" lands while the job still runs
+    r = bench("warmup", "--repeat", "1", "--steps", "120", "--fail-at", "6", "--width", "256", "--layers", "2",
               "--json", str(tmp_path / "w.json"), timeout=400)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads((tmp_path / "w.json").read_text())

@@ -93,7 +93,8 @@ def test_verify_names_the_rank_whose_local_state_differs(tmp_path):
     import subprocess
     import sys
 
-    env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path), STATEFUL_PLANT="1")
+    # 50 ms a step, as _run: the agent's kill "after step 5" must land before a 10-step job ends
+    env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path), STATEFUL_PLANT="1", STATEFUL_STEP_SLEEP="0.05")
     p = subprocess.run([sys.executable, "-m", "livemig.cli", "run", "--nproc", "2", "--spares", "1", "--job", "pl",
                         "--lease-ttl", "2", "--fault", "kill:rank=1:step=5", "--verify", STATEFUL, "--steps", "10"],
                        capture_output=True, text=True, timeout=240, env=env, cwd=REPO)  # fmt: skip

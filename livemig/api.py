@@ -194,7 +194,8 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
             from livemig.comm.zero1 import reduce_mode
 
             scatter = reduce_mode(self.runtime.backend if self.runtime else "gloo") == "reduce_scatter"
-        self._reducer = GradReducer(self._params, shard_world=self.world_size if zero else 0, scatter=scatter)
+        self._reducer = GradReducer(self._params, shard_world=self.world_size if zero else 0, scatter=scatter,
+                                    world=self.world_size)  # fmt: skip
         if zero:
             from livemig.comm.zero1 import Zero1
 

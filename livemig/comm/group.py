@@ -151,15 +151,21 @@ def release_all() -> None:
         gc.collect()
 
 
+def allreduce_sum(pg: Any, flats: list[torch.Tensor], timeout: timedelta,
+                  should_abort: Callable[[], bool] | None = None) -> None:  # fmt: skip
+    """Sum-allreduce every flat bucket in place; raises CollectiveAborted."""
+    if pg is None:
+        raise CollectiveAborted("no process group: this member is between generations")
+    works = [pg.allreduce([flat]) for flat in flats]
+    wait_all(works, timeout, should_abort)
+
+
 def allreduce_mean(
     pg: Any, flats: list[torch.Tensor], world: int, timeout: timedelta,
     should_abort: Callable[[], bool] | None = None,
 ) -> None:  # fmt: skip
     """Sum-allreduce every flat bucket in place, then divide by `world`; raises CollectiveAborted."""
-    if pg is None:
-        raise CollectiveAborted("no process group: this member is between generations")
-    works = [pg.allreduce([flat]) for flat in flats]
-    wait_all(works, timeout, should_abort)
+    allreduce_sum(pg, flats, timeout, should_abort)
     for flat in flats:
         flat.div_(world)
 

@@ -3,9 +3,13 @@
 Buckets follow the parameters in reverse order (the order backward produces
 their gradients). A post-accumulate-grad hook copies each gradient into its
 bucket's flat buffer; when a bucket is full its allreduce is launched while
-backward goes on, as DDP does. `.grad` itself is never reduced in place:
-the averaged buckets are written back only after every bucket completed, so
-a failed collective leaves `.grad` untouched and the step can be redone.
+backward goes on, as DDP does. As DDP does, each gradient is divided by the
+world size on its way into the bucket (one pass: no division of the sums
+afterwards), so the buckets' sum is the average. `.grad` itself is never
+reduced in place: the averaged buckets are written back only after every
+bucket completed, so a failed collective leaves `.grad` untouched and the
+step can be redone. Written back as views (`write_back(..., views=True)`)
+when nothing may change `.grad` before the optimizer reads it: no copy.
 
 The bucket layout is the one canonical layout: the overlapped first attempt,
 a retry in a new group, and a fetched average all use it, so the summation
@@ -31,7 +35,7 @@ from typing import Any
 
 import torch
 
-from livemig.comm.group import BUCKET_BYTES, FIRST_BUCKET_BYTES, CollectiveAborted, allreduce_mean, wait_all
+from livemig.comm.group import BUCKET_BYTES, FIRST_BUCKET_BYTES, CollectiveAborted, allreduce_sum, wait_all
 from livemig.errors import ConfigError
 
 
@@ -59,8 +63,10 @@ def bucket_layout(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES,
 
 
 class GradReducer:
-    def __init__(self, params: list[torch.nn.Parameter], shard_world: int = 0, scatter: bool = True) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], shard_world: int = 0, scatter: bool = True,
+                 world: int = 1) -> None:  # fmt: skip
         self.params = list(reversed(params))
+        self.world = world  # the divisor applied on the way into the buckets
         self.shard_world = shard_world
         self.scatter = bool(shard_world) and scatter
         self.layout = bucket_layout(self.params)
@@ -139,7 +145,11 @@ class GradReducer:
         p = self.params[i]
         b = self.bucket_of[i]
         off = self.offset[i]
-        self._flats[b][off : off + p.numel()].copy_(p.grad.reshape(-1))
+        dst = self._flats[b][off : off + p.numel()]
+        if self.world > 1:
+            torch.div(p.grad.reshape(-1), self.world, out=dst)  # pre-divided, as DDP's buckets
+        else:
+            dst.copy_(p.grad.reshape(-1))
         if not self._filled[i]:
             self._filled[i] = True
             self._count[b] += 1
@@ -158,11 +168,14 @@ class GradReducer:
     def finish(self, world: int, timeout: timedelta, should_abort: Callable[[], bool],
                control: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
         """Complete the overlapped reduction; returns the averaged buckets
-        (in sharded mode: this rank's averaged slice of each bucket).
+        (in sharded mode: this rank's averaged slice of each bucket). `world` must be
+        the reducer's own (the divisor its buckets were filled with).
 
         `control` (a small tensor) is averaged in the same round, after the
         buckets: members vote through it (planned migration's switch step)."""
         self._armed = False
+        if world != self.world:
+            raise ValueError(f"finish(world={world}) on a reducer that divides by {self.world}")
         if self._launch_error is not None:
             raise CollectiveAborted(f"collective failed at launch: {self._launch_error}")
         if self._dirty:  # the same on every rank: the same code ran
@@ -186,43 +199,52 @@ class GradReducer:
                 raise CollectiveAborted(f"collective failed at launch: {exc}") from exc
             wait_all(self._works + ctl, timeout, should_abort)
             flats = self._outs if self.scatter else self._flats
-        for f in flats:
-            f.div_(world)
         if control is not None:
             control.div_(world)
         return flats
 
     # -- synchronous paths (retry in a new group, fetched average) ------------------------------
-    def flatten(self) -> list[torch.Tensor]:
-        return self._padded([torch.cat([self.params[i].grad.reshape(-1) for i in idx]) for idx in self.layout])
+    def flatten(self, world: int = 1) -> list[torch.Tensor]:
+        """The local gradients in the bucket layout, divided by `world` as the overlapped
+        path fills its buckets (the same bits: a retry sums what the first attempt would)."""
+        flats = self._padded([torch.cat([self.params[i].grad.reshape(-1) for i in idx]) for idx in self.layout])
+        if world > 1:
+            for f in flats:
+                f.div_(world)
+        return flats
 
     def _padded(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
         return [f if f.numel() == n else torch.nn.functional.pad(f, (0, n - f.numel()))
                 for f, n in zip(flats, self.padded, strict=True)]  # fmt: skip
 
-    def reduce(self, pg: Any, flats: list[torch.Tensor], world: int, timeout: timedelta,
+    def reduce(self, pg: Any, flats: list[torch.Tensor], timeout: timedelta,
                should_abort: Callable[[], bool] | None = None) -> list[torch.Tensor]:  # fmt: skip
-        """Synchronous reduction of `flats` (retry in a new group): the averaged
-        buckets, or in sharded mode freshly allocated averaged slices."""
+        """Synchronous reduction of `flats` (from flatten(world): pre-divided; a retry in a
+        new group): the averaged buckets, or in sharded mode freshly allocated averaged slices."""
         if not self.scatter:
-            allreduce_mean(pg, flats, world, timeout, should_abort)
+            allreduce_sum(pg, flats, timeout, should_abort)
             return flats
         if pg is None:
             raise CollectiveAborted("no process group: this member is between generations")
         outs = self._alloc(self.shard_sizes)
         works = [pg.reduce_scatter([o], [list(f.chunk(self.shard_world))]) for o, f in zip(outs, flats, strict=True)]
         wait_all(works, timeout, should_abort)
-        for o in outs:
-            o.div_(world)
         return outs
 
-    def write_back(self, flats: list[torch.Tensor]) -> None:
+    def write_back(self, flats: list[torch.Tensor], views: bool = False) -> None:
+        """The averaged buckets into `.grad`: copied, or (views=True) `.grad` made a view
+        of the bucket, which saves a pass over every gradient. Views only where nothing
+        writes `.grad` before zero_grad() drops it: the buckets are the average kept for
+        a peer's recovery and served to a migrating spare, and must stay the average."""
         for idx, flat in zip(self.layout, flats, strict=True):
             off = 0
             for i in idx:
-                g = self.params[i].grad
-                n = g.numel()
-                g.copy_(flat[off : off + n].view_as(g))
+                p = self.params[i]
+                n = p.numel()
+                if views and p.is_contiguous():  # (a channels-last weight keeps its own layout)
+                    p.grad = flat[off : off + n].view_as(p)
+                else:
+                    p.grad.copy_(flat[off : off + n].view_as(p.grad))
                 off += n
 
     def write_params(self, flats: list[torch.Tensor]) -> None:

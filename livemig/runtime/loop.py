@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from livemig.comm.group import CollectiveAborted, allreduce_mean, retire, ring_exchange
+from livemig.comm.group import CollectiveAborted, allreduce_sum, retire, ring_exchange
 from livemig.data import seed_step, step_seed
 from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import GenState
@@ -82,8 +83,23 @@ class StepLoop:
         average fails, this member joins the recovery and returns with the averaged
         gradient (a peer's, fetched, or one redone in the new group), so the user's
         code between sync_gradients() and ctx.step() runs exactly once per step."""
-        t = self._in_step("ctx.sync_gradients()")
+        self._in_step("ctx.sync_gradients()")
         self._uses_sync = True
+        self._sync_gradients(views=False)  # user code may change .grad: it gets a copy
+
+    def _views_safe(self) -> bool:
+        """May ctx.step() hand the optimizer views of the averaged buckets as `.grad`?
+        Only if nothing can write `.grad` between the average and zero_grad(): the user
+        did not take the average first (sync_gradients: clipping), no GradScaler (it
+        unscales in place), and a torch.optim optimizer (they read gradients, never write
+        them, and zero_grad() drops them): the buckets stay the step's average, kept for
+        a peer's recovery and served to a migrating spare."""
+        opt = self.reg.optimizer
+        return (self._scaler is None and opt is not None and type(opt).__module__.startswith("torch.optim.")
+                and os.environ.get("LIVEMIG_GRAD_VIEWS", "1") != "0")  # fmt: skip
+
+    def _sync_gradients(self, views: bool) -> None:
+        t = self._in_step("ctx.sync_gradients()")
         if self._synced is not None and self._synced[0] == t:
             return
         if self._sandbox_pg is not None or self.role == "local" or self.runtime is None:
@@ -118,9 +134,9 @@ class StepLoop:
                 if first:  # the overlapped reduction launched during backward
                     flats = red.finish(self.world_size, self.timeouts.collective, self.runtime.moved_on, ctl)
                 else:
-                    flats = red.flatten()
-                    allreduce_mean(self.runtime.pg, [*flats, ctl], self.world_size, self.timeouts.collective,
-                                   should_abort=self.runtime.moved_on)  # fmt: skip
+                    flats = red.flatten(self.world_size)  # pre-divided, as the overlapped path's buckets
+                    allreduce_sum(self.runtime.pg, [*flats, ctl], self.timeouts.collective, self.runtime.moved_on)
+                    ctl.div_(self.world_size)
                 self._at_commit_point(t, "average")
             except CollectiveAborted as exc:
                 first = False
@@ -132,7 +148,7 @@ class StepLoop:
                 continue
             # No copy needed for the kept average: the reducer double-buffers, so these
             # buffers are reused only after the next step's commit replaced self._avg.
-            red.write_back(flats)
+            red.write_back(flats, views=views)
             self._synced = (t, flats, float(ctl[0]) == 1.0, compute_s)
             self.runtime.leave_collective()
             return
@@ -165,7 +181,7 @@ class StepLoop:
                 self._step_zero1(t)
                 self._maybe_self_fault(t, "after_step")
                 return
-            self.sync_gradients()
+            self._sync_gradients(views=self._views_safe())  # a no-op if the user synced already
             _, flats, switch, compute_s = self._synced
             self._serve_avg(t, flats, switch)  # before our optimizer step: the spare applies it meanwhile
             self._commit(t, flats, compute_s=compute_s)

@@ -40,7 +40,7 @@ class Zero1Steps:
                 if first:  # reductions launched during backward
                     reduced = red.finish(self.world_size, timeout, rt.moved_on)
                 else:
-                    reduced = red.reduce(rt.pg, red.flatten(), self.world_size, timeout, rt.moved_on)
+                    reduced = red.reduce(rt.pg, red.flatten(self.world_size), timeout, rt.moved_on)
                 own, mirror = z.slices(rt.pg, reduced, timeout, rt.moved_on)
                 self._avg = (t, [own, mirror])  # held: enough to finish step t alone
                 self._mirror_local(t)  # before the barrier: whoever passes it knows the mirror holds t

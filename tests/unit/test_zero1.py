@@ -41,7 +41,7 @@ def run_rank(rank: int, world: int, store: dist.Store, steps: int, m: torch.nn.M
              scatter: bool) -> None:  # fmt: skip
     opt = optimizer(m)
     params = list(m.parameters())
-    red = GradReducer(params, shard_world=world, scatter=scatter)
+    red = GradReducer(params, shard_world=world, scatter=scatter, world=world)
     z = Zero1(red, params, opt, rank, world)
     pg = dist.ProcessGroupGloo(dist.PrefixStore("z", store), rank, world, T)
     for step in range(steps):
@@ -74,15 +74,15 @@ def test_sharded_update_equals_plain_adamw_and_mirror_is_exact(scatter):
     assert set(out) == {0, 1}
     ref = model()
     opt = optimizer(ref, foreach=True)
-    for step in range(steps):  # plain data parallel: the mean of the ranks' gradients
+    for step in range(steps):  # plain data parallel: the sum of the ranks' gradients divided first, as DDP
         acc = [torch.zeros_like(p) for p in ref.parameters()]
         for r in range(world):
             ref.zero_grad()
             grads(ref, r, step)
             for a, p in zip(acc, ref.parameters(), strict=True):
-                a.add_(p.grad)
+                a.add_(p.grad / world)
         for a, p in zip(acc, ref.parameters(), strict=True):
-            p.grad = a / world
+            p.grad = a
         opt.step()
     for r in range(world):
         for p, q in zip(out[r][0].parameters(), ref.parameters(), strict=True):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -170,28 +171,64 @@ def allreduce_mean(
         flat.div_(world)
 
 
+class _Waiter(threading.Thread):
+    """One thread that blocks in gloo's `wait()` (GIL released) for every wait_all of this
+    process, instead of a thread started per collective. A caller that gives up on a wait
+    (timeout, generation moved on) leaves this thread blocked in it, possibly for good, so
+    it is abandoned and the next wait gets a fresh one; a forked child gets its own."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True, name="livemig-collective")
+        self.pid = os.getpid()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            works, done, box = self.jobs.get()
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box["err"] = exc
+            done.set()
+
+
+_waiter_lock = threading.Lock()
+_waiter: _Waiter | None = None
+
+
+def _the_waiter(abandon: _Waiter | None = None) -> _Waiter | None:
+    global _waiter
+    with _waiter_lock:
+        if abandon is not None:
+            if _waiter is abandon:
+                _waiter = None
+            return None
+        if _waiter is None or _waiter.pid != os.getpid():
+            _waiter = _Waiter()
+        return _waiter
+
+
 def wait_all(works: list[Any], timeout: timedelta, should_abort: Callable[[], bool] | None = None) -> None:
-    """Wait for gloo works without spinning: a helper thread blocks in
-    `wait()` (GIL released), the caller sleeps on an Event and wakes every
-    50 ms only to check `should_abort` and the watchdog deadline."""
+    """Wait for gloo works without spinning: the waiter thread blocks in `wait()` (GIL
+    released), the caller sleeps on an Event and wakes every 50 ms only to check
+    `should_abort` and the watchdog deadline."""
     done = threading.Event()
     box: dict[str, BaseException] = {}
-
-    def waiter() -> None:
-        try:
-            for w in works:
-                w.wait()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box["err"] = exc
-        done.set()
-
-    threading.Thread(target=waiter, daemon=True, name="livemig-collective").start()
+    waiter = _the_waiter()
+    assert waiter is not None
+    waiter.jobs.put((works, done, box))
     deadline = time.monotonic() + timeout.total_seconds()
     while not done.wait(0.05):
+        why = ""
         if should_abort is not None and should_abort():
-            raise CollectiveAborted("collective abandoned: generation moved on")
-        if time.monotonic() > deadline:
-            raise CollectiveAborted(f"collective timed out after {timeout} (watchdog)")
+            why = "collective abandoned: generation moved on"
+        elif time.monotonic() > deadline:
+            why = f"collective timed out after {timeout} (watchdog)"
+        if why:
+            _the_waiter(abandon=waiter)  # it may never come back from this wait
+            raise CollectiveAborted(why)
     if "err" in box:
         first = str(box["err"]).splitlines()[0][:200] if str(box["err"]) else type(box["err"]).__name__
         raise CollectiveAborted(f"collective failed: {first}") from box["err"]

@@ -70,3 +70,34 @@ def test_overlapped_and_retried_averages_are_the_same_bits_and_views_stay_the_av
            for i in range(len(out[0][3]))]  # fmt: skip
     got = out[0][4]
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(ref, got, strict=True))
+
+
+def test_a_wait_given_up_on_does_not_hold_up_the_next_one():
+    """wait_all's one waiter thread may stay blocked in a wait its caller gave up on (a
+    hung collective): the next wait must get a fresh waiter, not queue behind it."""
+    import time
+
+    import pytest
+
+    from livemig.comm.group import CollectiveAborted, wait_all
+
+    class Work:
+        def __init__(self, release: threading.Event | None = None) -> None:
+            self.release = release
+
+        def wait(self) -> None:
+            if self.release is not None:
+                self.release.wait()
+
+    stuck = threading.Event()
+    try:
+        with pytest.raises(CollectiveAborted, match="timed out"):
+            wait_all([Work(stuck)], timedelta(seconds=0.2))
+        t0 = time.monotonic()
+        wait_all([Work()], timedelta(seconds=5))
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(CollectiveAborted, match="generation moved on"):
+            wait_all([Work(stuck)], timedelta(seconds=5), should_abort=lambda: True)
+        wait_all([Work(), Work()], timedelta(seconds=5))
+    finally:
+        stuck.set()

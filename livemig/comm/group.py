@@ -198,16 +198,20 @@ _waiter_lock = threading.Lock()
 _waiter: _Waiter | None = None
 
 
-def _the_waiter(abandon: _Waiter | None = None) -> _Waiter | None:
+def _the_waiter() -> _Waiter:
     global _waiter
     with _waiter_lock:
-        if abandon is not None:
-            if _waiter is abandon:
-                _waiter = None
-            return None
         if _waiter is None or _waiter.pid != os.getpid():
             _waiter = _Waiter()
         return _waiter
+
+
+def _abandon(waiter: _Waiter) -> None:
+    """A wait was given up on: `waiter` may never come back from it; the next wait gets a new one."""
+    global _waiter
+    with _waiter_lock:
+        if _waiter is waiter:
+            _waiter = None
 
 
 def wait_all(works: list[Any], timeout: timedelta, should_abort: Callable[[], bool] | None = None) -> None:
@@ -217,7 +221,6 @@ def wait_all(works: list[Any], timeout: timedelta, should_abort: Callable[[], bo
     done = threading.Event()
     box: dict[str, BaseException] = {}
     waiter = _the_waiter()
-    assert waiter is not None
     waiter.jobs.put((works, done, box))
     deadline = time.monotonic() + timeout.total_seconds()
     while not done.wait(0.05):
@@ -227,7 +230,7 @@ def wait_all(works: list[Any], timeout: timedelta, should_abort: Callable[[], bo
         elif time.monotonic() > deadline:
             why = f"collective timed out after {timeout} (watchdog)"
         if why:
-            _the_waiter(abandon=waiter)  # it may never come back from this wait
+            _abandon(waiter)
             raise CollectiveAborted(why)
     if "err" in box:
         first = str(box["err"]).splitlines()[0][:200] if str(box["err"]) else type(box["err"]).__name__

@@ -40,8 +40,8 @@ from livemig.config import (
     node_host,
     node_rank,
 )
-from livemig.errors import ConfigError, EtcdUnavailableError, FencedError, RecoveryError
-from livemig.rdzv.client import EtcdClient, encode
+from livemig.errors import ConfigError, FencedError, RecoveryError
+from livemig.rdzv.client import EtcdClient, encode, through_outage
 from livemig.rdzv.lease import LeaseKeeper
 from livemig.rdzv.membership import GenState, Membership, Rendezvous
 from livemig.rdzv.watch import PrefixWatch, wait_for
@@ -217,18 +217,18 @@ class MemberRuntime:
     def put(self, key: str, value: dict, retry: bool = True) -> None:
         """A fenced put; while etcd is unreachable it is retried up to the outage budget
         (a report, a ready record or the final record must land once etcd is back)."""
-        deadline = time.monotonic() + self.timeouts.etcd_outage.total_seconds()
-        while True:
-            try:
-                self.rdzv.fenced_put(None, self.incarnation, key, encode(value))
-                return
-            except FencedError as exc:
-                self.mark_fenced(str(exc))
-                raise
-            except EtcdUnavailableError:
-                if not retry or self.fenced.is_set() or time.monotonic() > deadline:
-                    raise
-                log.warning("etcd unreachable; retrying a write", extra={"key": key})
+
+        def once() -> None:
+            self.rdzv.fenced_put(None, self.incarnation, key, encode(value))
+
+        try:
+            if retry:
+                through_outage(once, self.timeouts.etcd_outage.total_seconds(), f"a write of {key}", self.fenced.is_set)
+            else:
+                once()
+        except FencedError as exc:
+            self.mark_fenced(str(exc))
+            raise
 
     def progress(self, step: int, **info: Any) -> None:
         """Publish the last committed step off the training thread (latest wins)."""

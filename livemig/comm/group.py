@@ -172,20 +172,32 @@ def allreduce_mean(
 
 
 class _Waiter(threading.Thread):
-    """One thread that blocks in gloo's `wait()` (GIL released) for every wait_all of this
-    process, instead of a thread started per collective. A caller that gives up on a wait
-    (timeout, generation moved on) leaves this thread blocked in it, possibly for good, so
-    it is abandoned and the next wait gets a fresh one; a forked child gets its own."""
+    """A thread that blocks in gloo's `wait()` (GIL released) for every wait_all of one
+    calling thread, instead of a thread started per collective. One per calling thread, not
+    per process: waits of two threads (ranks sharing a process in tests, a side thread's
+    collective) must not queue behind each other, since one may only finish after the
+    other's caller goes on. A caller that gives up on a wait (timeout, generation moved on)
+    leaves its waiter blocked in it, possibly for good, so it is abandoned and the next wait
+    gets a fresh one; a forked child gets its own. It ends soon after its caller's thread
+    does, so short-lived calling threads do not pile up idle waiters."""
+
+    IDLE_CHECK_S = 2.0
 
     def __init__(self) -> None:
         super().__init__(daemon=True, name="livemig-collective")
         self.pid = os.getpid()
+        self.owner = threading.current_thread()
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.start()
 
     def run(self) -> None:
         while True:
-            works, done, box = self.jobs.get()
+            try:
+                works, done, box = self.jobs.get(timeout=self.IDLE_CHECK_S)
+            except queue.Empty:
+                if self.owner.is_alive():
+                    continue
+                return
             try:
                 for w in works:
                     w.wait()
@@ -194,24 +206,19 @@ class _Waiter(threading.Thread):
             done.set()
 
 
-_waiter_lock = threading.Lock()
-_waiter: _Waiter | None = None
+_waiters = threading.local()
 
 
 def _the_waiter() -> _Waiter:
-    global _waiter
-    with _waiter_lock:
-        if _waiter is None or _waiter.pid != os.getpid():
-            _waiter = _Waiter()
-        return _waiter
+    waiter = getattr(_waiters, "waiter", None)
+    if waiter is None or waiter.pid != os.getpid():
+        waiter = _waiters.waiter = _Waiter()
+    return waiter
 
 
-def _abandon(waiter: _Waiter) -> None:
-    """A wait was given up on: `waiter` may never come back from it; the next wait gets a new one."""
-    global _waiter
-    with _waiter_lock:
-        if _waiter is waiter:
-            _waiter = None
+def _abandon() -> None:
+    """A wait was given up on: this thread's waiter may never come back from it; its next wait gets a new one."""
+    _waiters.waiter = None
 
 
 def wait_all(works: list[Any], timeout: timedelta, should_abort: Callable[[], bool] | None = None) -> None:
@@ -220,8 +227,7 @@ def wait_all(works: list[Any], timeout: timedelta, should_abort: Callable[[], bo
     `should_abort` and the watchdog deadline."""
     done = threading.Event()
     box: dict[str, BaseException] = {}
-    waiter = _the_waiter()
-    waiter.jobs.put((works, done, box))
+    _the_waiter().jobs.put((works, done, box))
     deadline = time.monotonic() + timeout.total_seconds()
     while not done.wait(0.05):
         why = ""
@@ -230,7 +236,7 @@ def wait_all(works: list[Any], timeout: timedelta, should_abort: Callable[[], bo
         elif time.monotonic() > deadline:
             why = f"collective timed out after {timeout} (watchdog)"
         if why:
-            _abandon(waiter)
+            _abandon()
             raise CollectiveAborted(why)
     if "err" in box:
         first = str(box["err"]).splitlines()[0][:200] if str(box["err"]) else type(box["err"]).__name__

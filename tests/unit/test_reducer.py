@@ -73,7 +73,7 @@ def test_overlapped_and_retried_averages_are_the_same_bits_and_views_stay_the_av
 
 
 def test_a_wait_given_up_on_does_not_hold_up_the_next_one():
-    """wait_all's one waiter thread may stay blocked in a wait its caller gave up on (a
+    """wait_all's waiter thread may stay blocked in a wait its caller gave up on (a
     hung collective): the next wait must get a fresh waiter, not queue behind it."""
     import time
 
@@ -101,3 +101,75 @@ def test_a_wait_given_up_on_does_not_hold_up_the_next_one():
         wait_all([Work(), Work()], timedelta(seconds=5))
     finally:
         stuck.set()
+
+
+def test_waits_of_two_threads_do_not_queue_behind_each_other():
+    """Two ranks in threads of one process (as the zero1 and reducer tests run them): thread
+    A waits on a collective that completes only after thread B's own wait returns and B goes
+    on. A waiter shared by the process would take A's wait first and hold B's behind it:
+    a deadlock until the watchdog (seen in CI)."""
+    import time
+
+    from livemig.comm.group import wait_all
+
+    class Work:
+        def __init__(self, release: threading.Event | None = None) -> None:
+            self.release = release
+
+        def wait(self) -> None:
+            if self.release is not None:
+                self.release.wait()
+
+    b_went_on = threading.Event()
+    a_queued = threading.Event()
+    errors: list[BaseException] = []
+
+    def a() -> None:
+        try:
+            a_queued.set()
+            wait_all([Work(b_went_on)], timedelta(seconds=5))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def b() -> None:
+        try:
+            a_queued.wait(5)
+            time.sleep(0.1)  # A's wait is queued first
+            wait_all([Work()], timedelta(seconds=5))
+            b_went_on.set()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            b_went_on.set()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors, errors
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_a_waiter_ends_after_its_calling_thread():
+    """One waiter per calling thread: short-lived callers must not leave idle waiters behind."""
+
+    from livemig.comm import group
+    from livemig.comm.group import wait_all
+
+    class Work:
+        def wait(self) -> None:
+            pass
+
+    mine: list[threading.Thread] = []
+
+    def caller() -> None:
+        wait_all([Work()], timedelta(seconds=5))
+        mine.append(group._waiters.waiter)
+
+    t = threading.Thread(target=caller)
+    t.start()
+    t.join(5)
+    assert mine and mine[0].is_alive()
+    mine[0].join(group._Waiter.IDLE_CHECK_S * 3)
+    assert not mine[0].is_alive()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
-from livemig import report
+from livemig import logs, report
 from livemig.config import (
     ENV_BUDDY_STRIDE,
     ENV_ETCD,
@@ -147,7 +147,7 @@ class Launcher(FaultDriver, ChildWatch):
 
     def say(self, msg: str) -> None:
         if not self.cfg.quiet:
-            print(msg, flush=True)
+            logs.say(msg)
 
     # -- processes --------------------------------------------------------------------------
     def _spawn(self, name: str, role: str, argv: list[str], env: dict[str, str],
@@ -410,22 +410,23 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
 def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
     res = rep["result"] or {}
-    print(f"livemig: job {rep['job']} {res.get('state', '?')}"
-          f"{': ' + res['reason'] if res.get('reason') else ''}; {rep['steps_completed']} steps in "
-          f"{rep['wall_s']:.1f}s, median step {rep['step_time_s_median'] * 1e3:.0f} ms")  # fmt: skip
+    lines = [f"livemig: job {rep['job']} {res.get('state', '?')}"
+             f"{': ' + res['reason'] if res.get('reason') else ''}; {rep['steps_completed']} steps in "
+             f"{rep['wall_s']:.1f}s, median step {rep['step_time_s_median'] * 1e3:.0f} ms"]  # fmt: skip
     for r in rep["recoveries"]:
         phases = "  ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
         what = f"recovery of rank {r['rank']}" if r["rank"] is not None else "rebuild of the group"
-        print(f"{what} (generation {r['generation']}): downtime {r['downtime_s']:.2f} s; "
-              f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed\n  phases (s): {phases}")  # fmt: skip
-    print(f"state digest {rep['state_digest'][:16]}…  replicas identical: "
-          f"{'yes' if rep['replicas_identical'] else 'no'}")  # fmt: skip
+        lines += [f"{what} (generation {r['generation']}): downtime {r['downtime_s']:.2f} s; "
+                  f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed", f"  phases (s): {phases}"]  # fmt: skip
+    lines.append(f"state digest {rep['state_digest'][:16]}…  replicas identical: "
+                 f"{'yes' if rep['replicas_identical'] else 'no'}")  # fmt: skip
     if reference is not None:
         same = reference == rep["state_digest"]
         differ = rep.get("ranks_differing", [])
         where = f"; rank(s) {differ} differ from the same rank of the fault-free run" if differ else ""
-        print(f"bit-identical: {'yes' if same else 'no'} (every rank's final state vs the same rank of "
-              f"a fault-free run{where})")  # fmt: skip
+        lines.append(f"bit-identical: {'yes' if same else 'no'} (every rank's final state vs the same rank of "
+                     f"a fault-free run{where})")  # fmt: skip
+    logs.say(*lines)  # one write: agents sharing a pipe do not cut into each other's summary
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

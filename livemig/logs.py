@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TextIO
 
 _STD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
@@ -17,6 +18,16 @@ class KeyValueFormatter(logging.Formatter):
         if extras:
             base += " " + " ".join(f"{k}={v}" for k, v in sorted(extras.items()))
         return base
+
+
+def say(*lines: str, file: TextIO | None = None) -> None:
+    """Print whole lines in one write. Several agents of a job (srun's tasks, spares of one
+    node) often share one stdout pipe, and Python unbuffered (PYTHONUNBUFFERED, common in
+    containers) writes print()'s text and its newline separately: another process's line
+    could land between them. One write below PIPE_BUF (4 KiB) is never split by a pipe."""
+    out = file or sys.stdout
+    out.write("".join(line + "\n" for line in lines))
+    out.flush()
 
 
 def setup(level: str | None = None, role: str = "") -> None:

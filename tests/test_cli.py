@@ -71,3 +71,35 @@ def test_status_of_a_job_that_is_not_there_says_so(etcd):
     r = run_cli("status", "--job", "typo", "--etcd", etcd.endpoints)
     assert r.returncode == 2
     assert "no job 'typo' in etcd" in one_line(r.stderr)
+
+
+def test_the_summary_is_one_write(monkeypatch):
+    """Agents of a job often share one stdout pipe (srun), unbuffered in containers: a
+    summary written line by line, or a line and its newline apart, interleaves with the
+    other agent's (a CI run saw "... mslivemig: job ... done" on one line)."""
+    import sys
+
+    from livemig.launch import print_summary
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, s: str) -> int:
+            self.writes.append(s)
+            return len(s)
+
+        def flush(self) -> None:
+            pass
+
+    rec = Recorder()
+    monkeypatch.setattr(sys, "stdout", rec)
+    rep = {"job": "j", "result": {"state": "done"}, "steps_completed": 30, "wall_s": 10.0,
+           "step_time_s_median": 0.071, "state_digest": "ab" * 32, "replicas_identical": True,
+           "recoveries": [{"rank": 1, "generation": 2, "downtime_s": 0.2, "bytes_streamed": 2**20,
+                           "phases": {"detect": 0.01}}]}  # fmt: skip
+    print_summary(rep, reference="ab" * 32)
+    assert len(rec.writes) == 1
+    lines = rec.writes[0].splitlines()
+    assert lines[0] == "livemig: job j done; 30 steps in 10.0s, median step 71 ms"
+    assert rec.writes[0].endswith("\n") and len(lines) == 5 and lines[-1].startswith("bit-identical: yes")

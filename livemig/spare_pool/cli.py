@@ -120,7 +120,7 @@ def cmd_start(a: argparse.Namespace) -> int:
             env[ENV_BUDDY_STRIDE] = str(stride)
         env[ENV_INCARNATION] = new_incarnation("spare", host or None)
         argv = [sys.executable, a.script, *a.args]
-        print(f"spare {sid}: standby for job {a.job} (world size {world})", flush=True)
+        logs.say(f"spare {sid}: standby for job {a.job} (world size {world})")
         children.append((subprocess.Popen(argv, env=env, start_new_session=True), env[ENV_INCARNATION],
                          f"spare {sid}"))  # fmt: skip
     return _supervise(children, client, keys)

@@ -58,13 +58,15 @@ def explain(run: Run) -> str:
 def reference_digest(tmp_path_factory):
     cache: dict[tuple, str] = {}
 
-    def get(nproc: int, script: str = MLP, env: dict | None = None) -> str:
-        key = (nproc, script, tuple(sorted((env or {}).items())))
+    def get(nproc: int, script: str = MLP, env: dict | None = None, workload: list[str] | None = None) -> str:
+        key = (nproc, script, tuple(sorted((env or {}).items())), tuple(workload or WORKLOAD))
         if key not in cache:
             name = f"ref{nproc}{'z' if script == MLP_ZERO1 else ''}{len(cache)}"
-            run = livemig_run(tmp_path_factory.mktemp(name), nproc, job=name, script=script, env=env)
+            run = livemig_run(tmp_path_factory.mktemp(name), nproc, job=name, script=script, env=env,
+                              workload=workload)  # fmt: skip
             assert run.rc == 0, explain(run)
-            assert run.report["steps_completed"] == STEPS
+            steps = (workload or WORKLOAD)[(workload or WORKLOAD).index("--steps") + 1]
+            assert run.report["steps_completed"] == int(steps)
             assert run.report["replicas_identical"], explain(run)
             cache[key] = run.report["state_digest"]
         return cache[key]

@@ -23,7 +23,7 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
     for rank in sorted(m.members):
         mem = m.members[rank]
         reg = by_key.get(keys.member(rank))
-        live = conform(reg.value, {}) if reg else None
+        live = conform(reg.value, {}, {"state": (str,), "incarnation": (str,)}) if reg else None
         prog = by_key.get(keys.progress(rank))
         progress = (conform(prog.value, {}, {"step": (int,)}) if prog else None) or {}
         alive = bool(live and live.get("incarnation") == mem.incarnation)
@@ -40,7 +40,8 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
     spares = []
     for kv in kvs:
         if kv.key.startswith(keys.spares_prefix):
-            s = conform(kv.value, {})
+            s = conform(kv.value, {}, {"state": (str,), "host": (str,), "pid": (int,), "warmup_s": (int, float),
+                                       "claim": (dict,)})  # fmt: skip
             if s is None:
                 continue
             spares.append(
@@ -57,7 +58,7 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
     for kv in kvs:
         rest = kv.key[len(keys.nodes_prefix) :]
         if kv.key.startswith(keys.nodes_prefix) and rest.isdigit():
-            n = conform(kv.value, {}) or {}
+            n = conform(kv.value, {}, {"host": (str,), "pid": (int,)}) or {}
             ranks = [x["rank"] for x in members if m.members[x["rank"]].node == int(rest)]
             nodes.append({"node_rank": int(rest), "host": n.get("host"), "pid": n.get("pid"), "ranks": ranks})
     run = by_key.get(keys.run)
@@ -71,7 +72,7 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
         "world_size": m.world_size,
         "members": members,
         "spares": spares,
-        "run": conform(run.value, {}) if run else None,
+        "run": conform(run.value, {}, {"nnodes": (int,), "nproc_per_node": (int,), "run_id": (str,)}) if run else None,
         "nodes": sorted(nodes, key=lambda n: n["node_rank"]),
         "leader": leader.value.decode(errors="replace") if leader else None,
         "fenced": sorted(k[len(keys.fenced_prefix) :] for k in by_key if k.startswith(keys.fenced_prefix)),

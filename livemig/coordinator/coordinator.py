@@ -48,6 +48,7 @@ from livemig.sharding import first_mismatch, has_local_state, lost_local_state, 
 
 log = logging.getLogger("livemig.coordinator")
 FULL_READ_S = 5.0  # a pass reads etcd itself at least this often, whatever the mirror says
+PASS_REST_MAX_S = 0.1  # the most a pass rests after itself (as long as it took), for the watch to keep up
 MIRROR_WAIT_S = 0.5  # how long a pass waits for the mirror to hold the coordinator's own writes
 
 
@@ -79,8 +80,10 @@ class Coordinator(Checks, Migrations, StoreHost):
         self.reads = {"mirror": 0, "full": 0}
         self._decoded = Decoded()  # values decoded in earlier passes, by key and mod revision
         self._unknown_seen = -1
+        self._progress: PrefixMirror | None = None  # members' progress records, while leading
         self._floor = 0
         self._full_at = -1e18
+        self._woken = False  # this pass answers a change (not the 0.2 s timer)
         self._stop = threading.Event()
         self._since: dict[tuple[int, str], float] = {}  # when we first saw (generation, state)
         self._bug_time = 0.0
@@ -139,14 +142,20 @@ class Coordinator(Checks, Migrations, StoreHost):
         self.client.txn([t.version(self.keys.secret) == 0],
                         [t.put(self.keys.secret, secrets.token_bytes(32))])  # fmt: skip
         self._takeover()
-        mirror = PrefixMirror(self.client, self.keys.prefix, self._on_change)
+        # Two mirrors: the job's control keys, whose changes wake a pass, and the members'
+        # progress records on a connection of their own (its own gRPC stream and thread), so
+        # a burst of 10,000 of them never stands between a pass and a report or a registration.
+        mirror = PrefixMirror(self.client, self.keys.prefix, self._on_change, range_end=self.keys.control_end)
+        progress_client = EtcdClient(self.client.endpoints, self.client.timeout, self.client.security)
         try:
+            self._progress = PrefixMirror(progress_client, self.keys.progress_prefix)
             while not self._stop.is_set():
                 try:
                     kvs = self._read(mirror)
                 except EtcdUnavailableError as exc:  # failover in progress; the lease decides leadership
                     log.warning("etcd unavailable; retrying", extra={"err": str(exc)})
                     continue
+                started = time.monotonic()
                 snap = Snapshot(kvs, self.rdzv, self._decoded)
                 if snap.m.state in (GenState.DONE, GenState.FAILED) and snap.get(self.keys.result):
                     return snap.m.state
@@ -163,27 +172,36 @@ class Coordinator(Checks, Migrations, StoreHost):
                 except Exception:  # noqa: BLE001 - a bad pass (odd input, etcd failover) must not end the job
                     log.exception("coordinator pass failed; retrying")
                     time.sleep(0.1)
-                self._wake.wait(0.2)
+                # Changes came in during the pass: rest as long as it took (at most
+                # PASS_REST_MAX_S) before the next. In a flood (10,000 reports) passes otherwise
+                # ran back to back and the watch thread, which must take the GIL back for every
+                # response, fell a second behind etcd. A lone change (a fault) is met at once.
+                if self._wake.is_set():
+                    self._stop.wait(min(time.monotonic() - started, PASS_REST_MAX_S))
+                self._woken = self._wake.wait(0.2)
                 self._wake.clear()
             return "deposed"
         finally:
             mirror.cancel()
+            if self._progress is not None:
+                self._progress.cancel()
+            progress_client.close()
             log.info("coordinator passes", extra=dict(self.reads))
             self.election.resign()
 
     def _on_change(self, events: list) -> None:
-        """Wake a pass for a change, but not for members' per-step progress alone: the passes
-        run every 0.2 s anyway, which is all the hang and straggler checks need."""
-        progress = self.keys.progress_prefix
-        if not events or any(not e.key.startswith(progress) for e in events):
-            self._wake.set()
+        """Wake a pass for a change of the control keys (members' per-step progress is not
+        among them: the passes run every 0.2 s anyway, which is all the hang and straggler
+        checks need)."""
+        self._wake.set()
 
-    def _read(self, mirror: PrefixMirror) -> list | dict:
-        """The job's keys for one pass: from the watch-fed mirror once it holds this
-        coordinator's own writes (their revision, from etcd's answers; its next pass must
-        see them), else from etcd itself: after a write whose revision is unknown (a failed
-        call), when the mirror does not reach the revision within MIRROR_WAIT_S, when it lags
-        the last full read, and at least every FULL_READ_S (a safety net)."""
+    def _read(self, mirror: PrefixMirror) -> dict:
+        """The job's keys for one pass: the control keys from the watch-fed mirror once it
+        holds this coordinator's own writes (their revision, from etcd's answers; its next
+        pass must see them), else from etcd itself: after a write whose revision is unknown
+        (a failed call), when the mirror does not reach the revision within MIRROR_WAIT_S,
+        when it lags the last full read, and about every FULL_READ_S (a safety net); the
+        progress records from their own mirror (the coordinator never writes them)."""
         now = time.monotonic()
         kvs, rev = mirror.by_key()
         deadline = now + MIRROR_WAIT_S
@@ -191,14 +209,21 @@ class Coordinator(Checks, Migrations, StoreHost):
             time.sleep(0.002)  # the watch delivers our own write in about a millisecond
             kvs, rev = mirror.by_key()
         fresh = rev >= max(self._floor, self.client.write_revision)
-        if self.client.unknown_writes == self._unknown_seen and fresh and now - self._full_at < FULL_READ_S:
+        # The safety net's read (~0.25 s at 10,000 ranks) waits for a pass of the timer, not
+        # one that answers a change (a fault), unless changes have kept coming for 3 x as long.
+        since = now - self._full_at
+        due = since >= FULL_READ_S and (not self._woken or since >= 3 * FULL_READ_S)
+        if self.client.unknown_writes == self._unknown_seen and fresh and not due:
             self.reads["mirror"] += 1
-            return kvs
-        self._unknown_seen = self.client.unknown_writes
-        kvs, _ = self.client.get_prefix(self.keys.prefix)
-        self._floor = max((kv.mod_revision for kv in kvs), default=0)
-        self._full_at = now
-        self.reads["full"] += 1
+        else:
+            self._unknown_seen = self.client.unknown_writes
+            got, _ = self.client.get_range(self.keys.prefix, self.keys.control_end)
+            kvs = {kv.key: kv for kv in got}
+            self._floor = max((kv.mod_revision for kv in got), default=0)
+            self._full_at = now
+            self.reads["full"] += 1
+        if self._progress is not None:
+            kvs.update(self._progress.by_key()[0])
         return kvs
 
     def _takeover(self) -> None:
@@ -229,7 +254,7 @@ class Coordinator(Checks, Migrations, StoreHost):
             return self._migrating(s, first_seen)
         if m.state in (GenState.FORMING, GenState.BUILDING, GenState.COMMITTED, GenState.RECOVERING):
             grace = self._outage_grace()
-            dead = self._whole_nodes(s, [r for r, mem in m.members.items() if not s.alive(r, mem, grace)], grace)
+            dead = self._whole_nodes(s, s.dead(m.members, grace), grace)
             if dead:
                 return self._fence(s, dead)
         if m.state in (GenState.FORMING, GenState.BUILDING):

@@ -47,7 +47,11 @@ def stale_ops(snap: Any, keys: JobKeys, t: Any) -> list[Any]:
     other: list[Any] = []
     old_gens: set[int] = set()
     incarnations = {mem.incarnation for mem in m.members.values()}
-    for key, kv in sorted(snap.kv.items()):
+    # only the folders pruned here: a sort of every key (~4 per rank) cost each pass ~10 ms at 10,000 ranks
+    mine = [*snap.keys_under(keys.recoveries_prefix), *snap.keys_under(keys.timeline_prefix),
+            *snap.keys_under(keys.suspects_prefix)]  # fmt: skip
+    for key in sorted(mine):
+        kv = snap.kv[key]
         if key.startswith(keys.recoveries_prefix):
             h = _generation(key[len(keys.recoveries_prefix) :])
             if h is not None and h < g:

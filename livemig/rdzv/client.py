@@ -369,6 +369,15 @@ class EtcdClient:
 
         return self.call(f"get {prefix}*", op, timeout)
 
+    def get_range(self, start: str, end: str, timeout: timedelta | None = None) -> tuple[list[KV], int]:
+        """Every key in [start, end), and the revision it was read at."""
+
+        def op() -> tuple[list[KV], int]:
+            resp = self._raw.get_range_response(start, end)
+            return [_kv(kv) for kv in resp.kvs], resp.header.revision
+
+        return self.call(f"get [{start}, {end})", op, timeout)
+
     def _wrote(self, revision: int) -> None:
         """A write issued (counted as unknown until then) made `revision` (0: not known)."""
         if revision > 0:

@@ -18,7 +18,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -152,8 +152,9 @@ class Membership:
         return self.continues or self.generation
 
     def to_bytes(self) -> bytes:
-        d = asdict(self)
-        d["members"] = _pack_members(self.members)
+        # asdict() would first copy every Member into a dict only to be packed again
+        d = {f: (_pack_members(self.members) if f == "members" else getattr(self, f))
+             for f in self.__dataclass_fields__}  # fmt: skip
         return encode(d)
 
     @classmethod

@@ -36,7 +36,8 @@ class WatchEvent:
 
 
 class PrefixWatch:
-    """Calls `callback(list[WatchEvent])` for every change under `prefix`.
+    """Calls `callback(list[WatchEvent])` for every change under `prefix`, or in
+    [prefix, range_end) when range_end is given.
 
     start_revision: first revision to deliver (usually read revision + 1).
     """
@@ -48,9 +49,11 @@ class PrefixWatch:
         callback: Callable[[list[WatchEvent]], None],
         start_revision: int | None = None,
         on_resync: Callable[[], None] | None = None,
+        range_end: str | None = None,
     ) -> None:
         self.client = client
         self.prefix = prefix
+        self.range_end = range_end
         self.callback = callback
         self.on_resync = on_resync
         self.last_revision = (start_revision - 1) if start_revision else 0
@@ -77,9 +80,10 @@ class PrefixWatch:
                 time.sleep(0.2)
 
     def _add(self, gen: int, start: int | None) -> Any:
-        return self.client.raw.add_watch_prefix_callback(
-            self.prefix, functools.partial(self._on_response, gen), start_revision=start
-        )
+        cb = functools.partial(self._on_response, gen)
+        if self.range_end is not None:
+            return self.client.raw.add_watch_callback(self.prefix, cb, range_end=self.range_end, start_revision=start)
+        return self.client.raw.add_watch_prefix_callback(self.prefix, cb, start_revision=start)
 
     def _resync(self) -> None:
         self.last_revision = self.client.revision(self.prefix)
@@ -133,19 +137,31 @@ class PrefixMirror:
     watch gap (compaction), then each change applied as it comes.
 
     revision: the newest mod revision applied (a lower bound of how current it is).
-    on_change(events) runs after each batch is applied ([] after a full re-read)."""
+    on_change(events) runs after each batch is applied ([] after a full re-read).
+    range_end: mirror [prefix, range_end) instead of every key under prefix."""
 
     def __init__(
-        self, client: EtcdClient, prefix: str, on_change: Callable[[list[WatchEvent]], None] | None = None
+        self,
+        client: EtcdClient,
+        prefix: str,
+        on_change: Callable[[list[WatchEvent]], None] | None = None,
+        range_end: str | None = None,
     ) -> None:
         self.client = client
         self.prefix = prefix
+        self.range_end = range_end
         self.on_change = on_change
         self._lock = threading.Lock()
-        kvs, rev = client.get_prefix(prefix)
+        kvs, rev = self._read()
         self._kv: dict[str, KV] = {kv.key: kv for kv in kvs}
         self.revision = max((kv.mod_revision for kv in kvs), default=0)
-        self._watch = PrefixWatch(client, prefix, self._apply, start_revision=rev + 1, on_resync=self._reload)
+        self._watch = PrefixWatch(client, prefix, self._apply, start_revision=rev + 1, on_resync=self._reload,
+                                  range_end=range_end)  # fmt: skip
+
+    def _read(self) -> tuple[list[KV], int]:
+        if self.range_end is None:
+            return self.client.get_prefix(self.prefix)
+        return self.client.get_range(self.prefix, self.range_end)
 
     def _apply(self, events: list[WatchEvent]) -> None:
         with self._lock:
@@ -159,7 +175,7 @@ class PrefixMirror:
             self.on_change(events)
 
     def _reload(self) -> None:
-        kvs, _ = self.client.get_prefix(self.prefix)
+        kvs, _ = self._read()
         with self._lock:
             self._kv = {kv.key: kv for kv in kvs}
             self.revision = max([self.revision, *(kv.mod_revision for kv in kvs)])

@@ -98,10 +98,49 @@ def test_a_pass_decodes_only_what_changed_and_under_matches_a_scan():
         b = S.Snapshot(kvs(11, 2), rdzv, cache)  # progress changed, registrations did not
         assert b.get(keys.progress(7))["step"] == 2 and b.get(keys.member(3))["pid"] == 3
         assert calls[first:] == [keys.progress(7)], calls[first:]
-    for prefix in (keys.prefix, keys.recovery_prefix(3) + "ready/", keys.prefix + "members/", keys.prefix + "o"):
+    for prefix in (keys.prefix, keys.recovery_prefix(3) + "ready/", keys.prefix + "members/", keys.prefix + "o",
+                   keys.errors_prefix, keys.recovery_prefix(3)):  # fmt: skip
         scan = {k[len(prefix) :] for k in b.kv if k.startswith(prefix)}
-        assert set(b._keys_under(prefix)) == {prefix + k for k in scan}, prefix
+        assert set(b.keys_under(prefix)) == {prefix + k for k in scan}, prefix
     assert len(b.under(keys.recovery_prefix(3) + "ready/")) == 50
+
+
+def test_dead_agrees_with_alive_member_by_member():
+    """Snapshot.dead (the pass's fast loop) must call dead exactly the ranks alive() does:
+    registered as itself, suspected, fenced, unregistered (with and without the outage
+    grace), registered as another process, a claimed spare (registered as a spare or not),
+    a garbage suspect record."""
+    from unittest import mock
+
+    from livemig.coordinator import snapshot as S
+    from livemig.rdzv.client import KV, encode
+    from livemig.rdzv.keys import JobKeys
+    from livemig.rdzv.membership import Member
+
+    keys = JobKeys("j")
+    rdzv = mock.Mock(keys=keys)
+    kv: dict = {}
+
+    def put(k: str, v: object) -> None:
+        kv[k] = KV(k, v if isinstance(v, bytes) else encode(v), 7, 7, 1, 0)
+
+    members = {r: Member(r, f"i{r}", "h", r, "a") for r in range(8)}
+    members[6] = Member(6, "sp6", "h", 6, "", role="spare", spare_id="s6")
+    members[7] = Member(7, "sp7", "h", 7, "", role="spare", spare_id="s7")
+    for r in (0, 1, 2, 3):
+        put(keys.member(r), {"incarnation": f"i{r}", "host": "h", "pid": r, "addr": "a"})
+    put(keys.suspect("i1"), {"time": 1.0})
+    put(keys.fenced("i2"), {})
+    put(keys.suspect("i3"), b"\xc1garbage")  # ignored like garbage: not a suspicion
+    put(keys.member(5), {"incarnation": "someone-else", "host": "h", "pid": 9, "addr": "a"})
+    put(keys.spare("s6"), {"incarnation": "sp6"})
+    put(keys.spare("s7"), {"incarnation": "other"})
+    snap = S.Snapshot(kv, rdzv)
+    for grace in (False, True):
+        want = [r for r, mem in members.items() if not snap.alive(r, mem, grace)]
+        assert snap.dead(members, grace) == want, grace
+    assert snap.dead(members, False) == [1, 2, 4, 5, 7]
+    assert snap.dead(members, True) == [1, 2, 5]  # ranks 4 and 7 have no registration: grace
 
 
 def test_store_addresses_read_from_etcd_are_validated():

@@ -72,6 +72,17 @@ def test_overlapped_and_retried_averages_are_the_same_bits_and_views_stay_the_av
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(ref, got, strict=True))
 
 
+class _Work:
+    """A gloo work stand-in: wait() returns once `release` is set (at once without one)."""
+
+    def __init__(self, release: threading.Event | None = None) -> None:
+        self.release = release
+
+    def wait(self) -> None:
+        if self.release is not None:
+            self.release.wait()
+
+
 def test_a_wait_given_up_on_does_not_hold_up_the_next_one():
     """wait_all's waiter thread may stay blocked in a wait its caller gave up on (a
     hung collective): the next wait must get a fresh waiter, not queue behind it."""
@@ -81,24 +92,16 @@ def test_a_wait_given_up_on_does_not_hold_up_the_next_one():
 
     from livemig.comm.group import CollectiveAborted, wait_all
 
-    class Work:
-        def __init__(self, release: threading.Event | None = None) -> None:
-            self.release = release
-
-        def wait(self) -> None:
-            if self.release is not None:
-                self.release.wait()
-
     stuck = threading.Event()
     try:
         with pytest.raises(CollectiveAborted, match="timed out"):
-            wait_all([Work(stuck)], timedelta(seconds=0.2))
+            wait_all([_Work(stuck)], timedelta(seconds=0.2))
         t0 = time.monotonic()
-        wait_all([Work()], timedelta(seconds=5))
+        wait_all([_Work()], timedelta(seconds=5))
         assert time.monotonic() - t0 < 1.0
         with pytest.raises(CollectiveAborted, match="generation moved on"):
-            wait_all([Work(stuck)], timedelta(seconds=5), should_abort=lambda: True)
-        wait_all([Work(), Work()], timedelta(seconds=5))
+            wait_all([_Work(stuck)], timedelta(seconds=5), should_abort=lambda: True)
+        wait_all([_Work(), _Work()], timedelta(seconds=5))
     finally:
         stuck.set()
 
@@ -112,14 +115,6 @@ def test_waits_of_two_threads_do_not_queue_behind_each_other():
 
     from livemig.comm.group import wait_all
 
-    class Work:
-        def __init__(self, release: threading.Event | None = None) -> None:
-            self.release = release
-
-        def wait(self) -> None:
-            if self.release is not None:
-                self.release.wait()
-
     b_went_on = threading.Event()
     a_queued = threading.Event()
     errors: list[BaseException] = []
@@ -127,7 +122,7 @@ def test_waits_of_two_threads_do_not_queue_behind_each_other():
     def a() -> None:
         try:
             a_queued.set()
-            wait_all([Work(b_went_on)], timedelta(seconds=5))
+            wait_all([_Work(b_went_on)], timedelta(seconds=5))
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -135,7 +130,7 @@ def test_waits_of_two_threads_do_not_queue_behind_each_other():
         try:
             a_queued.wait(5)
             time.sleep(0.1)  # A's wait is queued first
-            wait_all([Work()], timedelta(seconds=5))
+            wait_all([_Work()], timedelta(seconds=5))
             b_went_on.set()
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -157,14 +152,10 @@ def test_a_waiter_ends_after_its_calling_thread():
     from livemig.comm import group
     from livemig.comm.group import wait_all
 
-    class Work:
-        def wait(self) -> None:
-            pass
-
     mine: list[threading.Thread] = []
 
     def caller() -> None:
-        wait_all([Work()], timedelta(seconds=5))
+        wait_all([_Work()], timedelta(seconds=5))
         mine.append(group._waiters.waiter)
 
     t = threading.Thread(target=caller)

@@ -90,15 +90,17 @@ def test_a_spare_that_falls_behind_loads_a_newer_snapshot(tmp_path, reference_di
 
 
 def test_straggler_hook_migrates_a_slow_rank(tmp_path):
-    # 60 steps: the hook judges two steps that both ranks reported, which the slowed rank's
-    # duty cycle can delay well past step 2; a migration requested at the last step of a
-    # 24-step job could never complete (seen once in three clean-clone runs).
-    workload = ["--steps", "60", "--layers", "2", "--batch", "32"]
+    # 100 steps: the hook judges two steps that both ranks reported, and a step counts as
+    # slow only if the slowed rank's SIGSTOP landed in its forward+backward (not in its
+    # collective wait): on a loaded machine 60 steps went by without two in a row (a CI
+    # fresh clone); a migration requested at the last step of a 24-step job could never
+    # complete (seen once in three clean-clone runs).
+    workload = ["--steps", "100", "--layers", "2", "--batch", "32"]
     run = livemig_run(tmp_path, 2, spares=1, faults=("slow:rank=1:step=2:factor=6",), workload=workload,
                       env={"LIVEMIG_STRAGGLER_FACTOR": "2.5", "LIVEMIG_STRAGGLER_STEPS": "2"})  # fmt: skip
-    ref = livemig_run(tmp_path, 2, job="ref60", workload=workload)
+    ref = livemig_run(tmp_path, 2, job="ref100", workload=workload)
     assert run.rc == 0 and ref.rc == 0, explain(run)
-    assert run.report["result"]["state"] == "done" and run.report["steps_completed"] == 60, explain(run)
+    assert run.report["result"]["state"] == "done" and run.report["steps_completed"] == 100, explain(run)
     assert run.report["replicas_identical"], explain(run)
     assert run.report["state_digest"] == ref.report["state_digest"] and not run.report["recoveries"], explain(run)
     (mig,) = run.report["migrations"]

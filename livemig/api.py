@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from livemig import logs
-from livemig.comm.group import CollectiveAborted, release_all, retire
+from livemig.comm.group import CollectiveAborted, exit_past_abandoned_builds, release_all, retire
 from livemig.comm.reducer import GradReducer
 from livemig.config import (
     ENV_INCARNATION,
@@ -248,10 +248,10 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                 ctx._finish()
                 clean = True
                 fast_exit(ctx.role)
+                exit_past_abandoned_builds()
                 return result
-            except _Released:
-                return None
-            except _Stop:
+            except (_Released, _Stop):
+                exit_past_abandoned_builds()
                 return None
             except FencedError as exc:
                 print(f"livemig: {exc}", file=sys.stderr, flush=True)

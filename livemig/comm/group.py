@@ -69,6 +69,44 @@ def _gloo(store: dist.Store, rank: int, world: int, timeout: timedelta) -> Any:
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
+_ABANDONED_BUILDS: list[threading.Thread] = []  # builds given up on, maybe still inside gloo's constructor
+
+
+def exit_past_abandoned_builds() -> None:
+    """A build given up on (an aborted migration's background build) may still be blocked
+    in gloo's C++ constructor when the process ends; the interpreter's teardown then closes
+    its store under it and the C++ runtime aborts the process (SIGABRT, "terminate called
+    without an active exception": a spare seen in a CI run, after its job ended). Called on
+    a clean way out of a worker or spare: if such a build is still running at exit, the
+    process leaves with os._exit (logs and stdio flushed first), with 1 if an uncaught
+    exception got to sys.excepthook meanwhile, else 0. Other atexit handlers registered
+    before this call are skipped then."""
+    if not any(t.is_alive() for t in _ABANDONED_BUILDS):
+        return
+    import atexit
+    import sys
+
+    failed: list[bool] = []
+    previous = sys.excepthook
+
+    def hook(*exc: Any) -> None:
+        failed.append(True)
+        previous(*exc)
+
+    def leave() -> None:
+        if any(t.is_alive() for t in _ABANDONED_BUILDS):
+            logging.shutdown()
+            for f in (sys.stdout, sys.stderr):
+                try:
+                    f.flush()
+                except Exception:  # noqa: BLE001 - a closed stream
+                    pass
+            os._exit(1 if failed else 0)
+
+    sys.excepthook = hook
+    atexit.register(leave)
+
+
 def build_group(
     store_addr: str, gen: int, rank: int, world: int, timeout: timedelta,
     backend: str = "gloo", should_abort: Callable[[], bool] | None = None,
@@ -93,8 +131,10 @@ def build_group(
     while t.is_alive():
         t.join(0.005)
         if should_abort is not None and should_abort():
+            _ABANDONED_BUILDS.append(t)
             raise CollectiveAborted(f"build of generation {gen} abandoned: generation moved on")
         if time.monotonic() > deadline:
+            _ABANDONED_BUILDS.append(t)
             raise CollectiveAborted(f"build of generation {gen} timed out after {timeout}")
     if "err" in box:
         raise CollectiveAborted(f"build of generation {gen} failed: {box['err']}")

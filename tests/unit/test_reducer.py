@@ -164,3 +164,28 @@ def test_a_waiter_ends_after_its_calling_thread():
     assert mine and mine[0].is_alive()
     mine[0].join(group._Waiter.IDLE_CHECK_S * 3)
     assert not mine[0].is_alive()
+
+
+def test_an_abandoned_build_still_running_at_exit_leaves_with_the_right_code():
+    """A gloo build given up on may still run in C++ at exit, where teardown made the process
+    abort (SIGABRT) in CI. exit_past_abandoned_builds leaves with os._exit instead: 0 on a
+    clean end, 1 after an uncaught exception, output flushed either way, teardown skipped."""
+    import subprocess
+    import sys
+
+    script = """
+import atexit, sys, threading
+from livemig.comm import group
+atexit.register(lambda: sys.stdout.write("teardown"))  # skipped: the process leaves before teardown
+t = threading.Thread(target=threading.Event().wait, daemon=True)
+t.start()
+group._ABANDONED_BUILDS.append(t)
+group.exit_past_abandoned_builds()
+sys.stdout.write("flushed")
+if sys.argv[1] == "raise":
+    raise RuntimeError("after the job")
+"""
+    ok = subprocess.run([sys.executable, "-c", script, "clean"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and ok.stdout == "flushed", ok.stderr
+    bad = subprocess.run([sys.executable, "-c", script, "raise"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and bad.stdout == "flushed" and "after the job" in bad.stderr

@@ -125,16 +125,23 @@ class Checks:
         counts = Counter(x for _, named, _ in reports.values() for x in named)
         if counts:
             top = max(counts.values())
-            victim = max(r for r, c in counts.items() if c == top)
-            by = sorted(r for r, (_, named, _) in reports.items() if victim in named)
-            why = f"broken link: rank(s) {by} cannot reach rank {victim}'s host ({top} of {len(reports)} reports)"
-            ops = [t.put(self.keys.suspect(m.members[victim].incarnation), encode({"rank": victim, "why": why,
-                                                                                 "time": time.time()})),
-                   self.timeline.op(m.generation, "link", ranks=[victim],
-                                    reports={str(r): named for r, (_, named, _) in reports.items()})]  # fmt: skip
+            # Every rank named most that did not report itself (silent: a lost node's ranks,
+            # replaced together); a cut between reporters (each names the other) goes to the
+            # higher rank. Naming only the higher of a lost node's two ranks fenced them in two
+            # recoveries (a CI run: the leader's node lost, its ranks' leases not yet expired).
+            tops = [r for r, c in counts.items() if c == top]
+            victims = sorted(r for r in tops if r not in reports) or [max(tops)]
+            ops = []
+            for victim in victims:
+                by = sorted(r for r, (_, named, _) in reports.items() if victim in named)
+                why = f"broken link: rank(s) {by} cannot reach rank {victim}'s host ({top} of {len(reports)} reports)"
+                ops.append(t.put(self.keys.suspect(m.members[victim].incarnation),
+                                 encode({"rank": victim, "why": why, "time": time.time()})))  # fmt: skip
+            ops.append(self.timeline.op(m.generation, "link", ranks=victims,
+                                        reports={str(r): named for r, (_, named, _) in reports.items()}))  # fmt: skip
             self.client.txn(self._guard(), ops)
-            log.warning("broken link: rank suspected", extra={"rank": victim, "reports": {r: v[1] for r, v in
-                                                                                       reports.items()}})  # fmt: skip
+            seen = {r: v[1] for r, v in reports.items()}
+            log.warning("broken link: rank(s) suspected", extra={"ranks": victims, "reports": seen})
             return True
         failed = {r: p for r, (f, _, p) in reports.items() if f}
         if not failed:

@@ -102,8 +102,9 @@ class Checks:
         """Collective failures attributed (docs/reliability.md, "Broken links"). A member
         whose collective failed, or has waited in it for a quarter of the hang timeout,
         reports the peers it cannot reach (a TCP connect to their state servers). Once
-        every member reported, or LINK_GATHER_S after the first report, the rank named by
-        the most reports is replaced, ties to the higher rank. Failures that name nobody
+        every member reported, or LINK_GATHER_S after the first report, the ranks named by
+        the most reports that did not report themselves are replaced, else the higher of
+        those named most. Failures that name nobody
         rebuild the group with the same members, at most MAX_REBUILDS times for one step;
         then the job fails with the collective's error. True if it acted."""
         m = s.m

@@ -41,7 +41,7 @@ from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.faults import Fault, parse_fault
 from livemig.jobs import prune_stale_dirs, remove_job_file, state_dir, write_job_file
 from livemig.launch_faults import FaultDriver, record_fault
-from livemig.launch_watch import ChildWatch
+from livemig.launch_watch import FINE_TICK_S, IDLE_TICK_S, PROBE_S, ChildWatch, Wakeup
 from livemig.nodes import default_host
 from livemig.rdzv.client import EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
@@ -281,14 +281,28 @@ class Launcher(FaultDriver, ChildWatch):
         result_seen_at = None
         # The job's keys come from a watch-fed mirror (no prefix read and decode every tick);
         # one small read per tick (the result key, a short deadline) is how an outage shows.
+        # Passes run when a child exits or a key other than a progress record changes, else
+        # at the tick: FINE_TICK_S while a fault plan is live, IDLE_TICK_S otherwise.
         mirror: PrefixMirror | None = None
+        wake = Wakeup()
+        probed = 0.0
+        progress_prefix = self.keys.progress_prefix
+
+        def on_change(events: list) -> None:
+            if not events or any(not e.key.startswith(progress_prefix) for e in events):
+                wake.poke()
+
         while time.monotonic() < deadline:
             try:
                 self._reap()
                 if mirror is None:
-                    mirror = PrefixMirror(self.client, self.keys.prefix)
-                # a short deadline: during an outage the loop must still carry out timed faults
-                self.client.get(self.keys.result, timedelta(seconds=1))
+                    mirror = PrefixMirror(self.client, self.keys.prefix, on_change)
+                # A small read with a short deadline is how an outage shows (during one the
+                # loop must still carry out timed faults): every pass while faults are
+                # planned, else once per PROBE_S.
+                if self._fine() or time.monotonic() - probed >= PROBE_S:
+                    self.client.get(self.keys.result, timedelta(seconds=1))
+                    probed = time.monotonic()
                 kvs, _ = mirror.kvs()
             except EtcdUnavailableError as exc:  # an outage: deaths are reported once etcd is back
                 if not self._outage:
@@ -324,11 +338,12 @@ class Launcher(FaultDriver, ChildWatch):
             elif all(c.proc.poll() is not None for c in self.children if c.role == "coordinator"):
                 result = {"state": "failed", "reason": "every coordinator exited before the job finished"}
                 break
-            time.sleep(0.02)
+            wake.wait(self.children, FINE_TICK_S if self._fine() else IDLE_TICK_S)
         else:
             result = {"state": "failed", "reason": f"run exceeded {self.cfg.max_wall:.0f}s"}
         if mirror is not None:
             mirror.cancel()
+        wake.close()
         wall = time.time() - t0
         from livemig import report
 
@@ -339,6 +354,10 @@ class Launcher(FaultDriver, ChildWatch):
         if result is not None and rep["result"] is None:
             rep["result"] = result
         return rep
+
+    def _fine(self) -> bool:
+        """A fault plan is live: step triggers, timed resumes and slow duty cycles need the fine tick."""
+        return bool(self.pending or self._resumes or self._slow)
 
     def processes(self) -> list[dict[str, Any]]:
         return [{"name": c.name, "role": c.role, "rank": c.rank, "incarnation": c.incarnation,

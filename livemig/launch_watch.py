@@ -6,6 +6,9 @@ launch.Launcher, which owns the children, the client and the keys.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +18,58 @@ from livemig.rdzv.membership import Membership
 
 if TYPE_CHECKING:
     from livemig.launch import Child
+
+FINE_TICK_S = 0.02  # the agent's tick while a fault plan runs (step triggers, SIGSTOP duty cycles)
+IDLE_TICK_S = 0.25  # its tick otherwise: fence kills, progress lines, the job's end
+PROBE_S = 1.0  # how often an idle agent reads etcd once to notice an outage
+
+
+class Wakeup:
+    """What the agent loop sleeps on between passes: a change in etcd (poke(), from the
+    mirror's callback), a child's exit (one pidfd per running child), or its tick. A
+    dead child is then reported at once instead of at the next tick, and an idle job
+    costs the agent (and etcd) a few passes a second instead of 50."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._pidfds: dict[int, int] = {}  # pid -> pidfd of a child not reaped yet
+        self.exits_seen = hasattr(os, "pidfd_open")  # else a child's exit is seen at the tick
+
+    def poke(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):  # full: a wake-up is pending anyway
+            os.write(self._w, b"\0")
+
+    def _fds(self, children: list[Any]) -> list[int]:
+        live = {c.proc.pid for c in children if c.proc.returncode is None}
+        for pid in [p for p in self._pidfds if p not in live]:
+            os.close(self._pidfds.pop(pid))
+        for pid in live - self._pidfds.keys():
+            if not self.exits_seen:
+                break
+            try:
+                self._pidfds[pid] = os.pidfd_open(pid)
+            except OSError:  # gone already (readable at once would be the same) or no pidfd support
+                self.exits_seen = False
+        return [self._r, *self._pidfds.values()]
+
+    def wait(self, children: list[Any], timeout: float) -> None:
+        """Sleep up to timeout, less if something changed; drain the pokes."""
+        fds = self._fds(children)
+        if not self.exits_seen:
+            timeout = min(timeout, FINE_TICK_S)
+        ready, _, _ = select.select(fds, [], [], max(0.0, timeout))
+        if self._r in ready:
+            with contextlib.suppress(BlockingIOError, OSError):
+                while os.read(self._r, 4096):
+                    pass
+
+    def close(self) -> None:
+        for fd in [self._r, self._w, *self._pidfds.values()]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._pidfds.clear()
 
 
 class ChildWatch:

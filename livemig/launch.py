@@ -144,6 +144,7 @@ class Launcher(FaultDriver, ChildWatch):
         self.run_id = ""
         # etcd credentials of this run: the embedded etcd's own, else the environment's
         self.security = EtcdSecurity.from_env()
+        self._wake = Wakeup()  # what the agent loop sleeps on (launch_watch.Wakeup)
 
     def say(self, msg: str) -> None:
         if not self.cfg.quiet:
@@ -279,12 +280,11 @@ class Launcher(FaultDriver, ChildWatch):
         deadline = time.monotonic() + self.cfg.max_wall
         result = None
         result_seen_at = None
-        # The job's keys come from a watch-fed mirror (no prefix read and decode every tick);
-        # one small read per tick (the result key, a short deadline) is how an outage shows.
+        # The job's keys come from a watch-fed mirror (no prefix read and decode every pass).
         # Passes run when a child exits or a key other than a progress record changes, else
         # at the tick: FINE_TICK_S while a fault plan is live, IDLE_TICK_S otherwise.
         mirror: PrefixMirror | None = None
-        wake = Wakeup()
+        wake = self._wake
         probed = 0.0
         progress_prefix = self.keys.progress_prefix
 
@@ -343,7 +343,6 @@ class Launcher(FaultDriver, ChildWatch):
             result = {"state": "failed", "reason": f"run exceeded {self.cfg.max_wall:.0f}s"}
         if mirror is not None:
             mirror.cancel()
-        wake.close()
         wall = time.time() - t0
         from livemig import report
 
@@ -392,6 +391,7 @@ class Launcher(FaultDriver, ChildWatch):
         if self.partition is not None:
             self.partition.teardown()
         remove_job_file(self.cfg.job)
+        self._wake.close()
 
     def failure_tail(self) -> str:
         """The last lines of a failed worker's log, to show the user."""

@@ -136,7 +136,7 @@ class Snapshot:
         """The ranks of `members` that alive() calls dead, without its key building and
         lookups for the many that registered as themselves (a pass's largest cost at
         10,000 ranks); any other goes through alive() itself."""
-        sp, fp, mp = self.keys.suspects_prefix, self.keys.fenced_prefix, self.keys.members_prefix
+        sp, fp = self.keys.suspects_prefix, self.keys.fenced_prefix
         suspects = {k[len(sp) :] for k in self.keys_under(sp) if self.get(k) is not None}
         fenced = {k[len(fp) :] for k in self.keys_under(fp)}
         out = []
@@ -145,7 +145,7 @@ class Snapshot:
             if inc in suspects or inc in fenced:
                 out.append(r)
                 continue
-            kv = self.kv.get(mp + str(r))
+            kv = self.kv.get(self.keys.member(r))
             reg = self._cache.get(kv, _safe_decode) if kv is not None else None
             if reg is not None and reg.get("incarnation") == inc:
                 continue

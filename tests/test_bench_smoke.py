@@ -5,6 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from datetime import timedelta
+
+import pytest
+
+from livemig.bench.scale_bench import _wait
+from livemig.rdzv.client import EtcdClient
+from livemig.rdzv.keys import JobKeys
 
 
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -84,3 +92,17 @@ def test_bench_startup_tiny(tmp_path):
     # this tiny job may end before its spare is warm: the field is there, the figure is the bench's
     assert all("spare_warm_after_steps" in x for x in res["samples"]["livemig --spares 1"]), r.stdout
     assert "livemig --spares 0 / torchrun startup" in r.stdout
+
+
+def test_bench_scale_wait_ends_when_the_coordinator_exits(etcd):
+    """A coordinator that dies must end the bench's wait at once, not after its 120 s."""
+    coord = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    coord.wait(timeout=30)
+    client = EtcdClient(etcd.endpoints, timedelta(seconds=4))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"coordinator exited \(code 3\)"):
+            _wait(client, JobKeys("bench-wait"), lambda m: False, coord, timeout=30)
+        assert time.monotonic() - t0 < 5
+    finally:
+        client.close()

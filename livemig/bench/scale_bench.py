@@ -41,13 +41,17 @@ def _put_many(client: EtcdClient, items: list[tuple[str, bytes]], lease: int | N
         client.txn([], [t.put(k, v, lease) for k, v in items[i : i + BATCH]])
 
 
-def _wait(client: EtcdClient, keys: JobKeys, pred: Any, timeout: float = 120) -> tuple[Membership, float]:
+def _wait(client: EtcdClient, keys: JobKeys, pred: Any, coord: subprocess.Popen | None = None,
+          timeout: float = 120) -> tuple[Membership, float]:  # fmt: skip
     """Poll the table as a member would see it: decoded once per change (its mod revision),
     not on every poll; at 10,000 ranks a decode is ~20 ms of the bench's CPU, which the
-    coordinator and etcd, on the same 2 cores, would otherwise lose."""
+    coordinator and etcd, on the same 2 cores, would otherwise lose. A coordinator that
+    exited ends the wait at once (its exit code in the error), not at the timeout."""
     deadline = time.monotonic() + timeout
     seen = -1
     while time.monotonic() < deadline:
+        if coord is not None and coord.poll() is not None:
+            raise RuntimeError(f"the coordinator exited (code {coord.returncode}) before the expected state")
         kv = client.get(keys.membership)
         if kv is not None and kv.mod_revision != seen:
             seen = kv.mod_revision
@@ -171,9 +175,9 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, 
                 for r in range(n)]  # fmt: skip
         _put_many(client, regs, lease)
         _put_many(client, sigs)
-        m, _ = _wait(client, keys, lambda m: m.generation == 1)
+        m, _ = _wait(client, keys, lambda m: m.generation == 1, coord)
         _put_many(client, [(keys.ready(1, r), encode({"incarnation": inc[r], "time": time.time()})) for r in range(n)])
-        _wait(client, keys, lambda m: m.state == GenState.COMMITTED)
+        _wait(client, keys, lambda m: m.state == GenState.COMMITTED, coord)
         progress = _Progress(etcd, keys, inc, progress_hz)
         progress.start()
         cpu0, w0 = _cpu_s(coord.pid), time.monotonic()
@@ -192,18 +196,18 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, 
                 client.txn_ops.put(keys.suspect(inc[victim]), encode({"time": t_fault, "reason": "sim"})),
             ],
         )
-        m, t_fenced = _wait(client, keys, lambda m: m.generation == 2)
+        m, t_fenced = _wait(client, keys, lambda m: m.generation == 2, coord)
         _put_many(client, [(keys.report(2, r), encode({"incarnation": inc[r], "committed": 10, "avg_step": 10}))
                            for r in range(n - 1)])  # fmt: skip
         t_reported = time.time()
-        m, t_claimed = _wait(client, keys, lambda m: m.state == GenState.BUILDING)
+        m, t_claimed = _wait(client, keys, lambda m: m.state == GenState.BUILDING, coord)
         ready = [(keys.ready(2, r), encode({"incarnation": m.members[r].incarnation, "time": time.time()}))
                  for r in range(n)]  # fmt: skip
         client.put(keys.member(victim), encode({"incarnation": spare_inc, "host": "sim", "pid": 0, "rank": victim,
                                                 "addr": "tcp://sim:0", "state": "running"}), lease)  # fmt: skip
         _put_many(client, ready)
         t_ready = time.time()
-        m, t_commit = _wait(client, keys, lambda m: m.state == GenState.COMMITTED and m.generation == 2)
+        m, t_commit = _wait(client, keys, lambda m: m.state == GenState.COMMITTED and m.generation == 2, coord)
         table_bytes = len(client.get(keys.membership).value)
         delivery: dict[str, Any] = {}
         if watch is not None:  # the commit reaching members: latency to k of them, bytes to all n

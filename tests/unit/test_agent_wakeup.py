@@ -35,51 +35,46 @@ def kids():
         k.proc.wait(timeout=10)
 
 
-def test_a_child_exit_ends_the_wait_at_once(kids):
-    w = Wakeup()
-    try:
-        if not w.exits_seen:
-            pytest.skip("no pidfd on this kernel: exits are seen at the fine tick")
-        long, short = kids(30), kids(0.3)
-        time.sleep(0.2)  # both running when the wait starts
-        t0 = time.monotonic()
-        w.wait([long, short], 5.0)
-        took = time.monotonic() - t0
-        assert short.proc.poll() is not None and long.proc.poll() is None
-        assert took < 2.0, f"the wait lasted {took:.2f}s after a child exited"
-        # reaped children are dropped: the next wait is the tick again, not an instant return
-        t0 = time.monotonic()
-        w.wait([long, short], 0.3)
-        assert time.monotonic() - t0 >= 0.25
-    finally:
-        w.close()
+@pytest.fixture
+def w():
+    wake = Wakeup()
+    yield wake
+    wake.close()
 
 
-def test_a_poke_ends_the_wait_and_is_drained(kids):
-    w = Wakeup()
-    try:
-        k = kids(30)
-        threading.Timer(0.2, w.poke).start()
-        t0 = time.monotonic()
-        w.wait([k], 5.0)
-        assert time.monotonic() - t0 < 2.0
-        for _ in range(100):  # many pokes make one wake-up, and leave nothing behind
-            w.poke()
-        w.wait([k], 0.0)
-        t0 = time.monotonic()
-        w.wait([k], 0.3)
-        assert time.monotonic() - t0 >= 0.25
-    finally:
-        w.close()
+def test_a_child_exit_ends_the_wait_at_once(kids, w):
+    if not w.exits_seen:
+        pytest.skip("no pidfd on this kernel: exits are seen at the fine tick")
+    long, short = kids(30), kids(0.3)
+    time.sleep(0.2)  # both running when the wait starts
+    t0 = time.monotonic()
+    w.wait([long, short], 5.0)
+    took = time.monotonic() - t0
+    assert short.proc.poll() is not None and long.proc.poll() is None
+    assert took < 2.0, f"the wait lasted {took:.2f}s after a child exited"
+    # reaped children are dropped: the next wait is the tick again, not an instant return
+    t0 = time.monotonic()
+    w.wait([long, short], 0.3)
+    assert time.monotonic() - t0 >= 0.25
 
 
-def test_without_events_the_wait_lasts_its_tick(kids):
-    w = Wakeup()
-    try:
-        k = kids(30)
-        t0 = time.monotonic()
-        w.wait([k], 0.4)
-        took = time.monotonic() - t0
-        assert 0.35 <= took < 2.0 if w.exits_seen else took < 2.0
-    finally:
-        w.close()
+def test_a_poke_ends_the_wait_and_is_drained(kids, w):
+    k = kids(30)
+    threading.Timer(0.2, w.poke).start()
+    t0 = time.monotonic()
+    w.wait([k], 5.0)
+    assert time.monotonic() - t0 < 2.0
+    for _ in range(100):  # many pokes make one wake-up, and leave nothing behind
+        w.poke()
+    w.wait([k], 0.0)
+    t0 = time.monotonic()
+    w.wait([k], 0.3)
+    assert time.monotonic() - t0 >= 0.25
+
+
+def test_without_events_the_wait_lasts_its_tick(kids, w):
+    k = kids(30)
+    t0 = time.monotonic()
+    w.wait([k], 0.4)
+    took = time.monotonic() - t0
+    assert 0.35 <= took < 2.0 if w.exits_seen else took < 2.0

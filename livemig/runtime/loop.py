@@ -96,7 +96,7 @@ class StepLoop:
         a peer's recovery and served to a migrating spare."""
         opt = self.reg.optimizer
         return (self._scaler is None and opt is not None and type(opt).__module__.startswith("torch.optim.")
-                and os.environ.get("LIVEMIG_GRAD_VIEWS", "1") != "0")  # fmt: skip
+                and os.environ.get("LIVEMIG_GRAD_VIEWS", "0") == "1")  # fmt: skip
 
     def _sync_gradients(self, views: bool) -> None:
         t = self._in_step("ctx.sync_gradients()")

@@ -50,7 +50,7 @@ class Wakeup:
                 break
             try:
                 self._pidfds[pid] = os.pidfd_open(pid)
-            except OSError:  # gone already (readable at once would be the same) or no pidfd support
+            except OSError:  # no pidfd support, or the pid is gone: exits are seen at the fine tick from now on
                 self.exits_seen = False
         return [self._r, *self._pidfds.values()]
 

@@ -127,6 +127,25 @@ class GradReducer:
     def disarm(self) -> None:
         self._armed = False
 
+    def abandon(self) -> None:
+        """This step's collectives were given up on (a peer hung or failed, the generation
+        moved on) while gloo may still be inside one: a hung peer that wakes up before the
+        collective timeout completes it, and the survivor's gloo thread then writes the sum
+        into these buckets, possibly steps later, when the rotation has handed them to
+        another step's average (a survivor's final state differed from the fault-free run:
+        test_hung_worker_is_fenced_and_stops_itself, the hang_fenced fault case). So the
+        buckets of an unfinished work are forgotten, never reused: the work keeps them
+        alive until its group is shut down (comm/group.py's graveyard), and the next step
+        that would take them allocates new ones."""
+        self._armed = False
+        works = getattr(self, "_works", [])
+        if not any(w is not None and w is not False and not w.is_completed() for w in works):
+            return
+        self._sets = [None if s is self._flats else s for s in self._sets]
+        if self.scatter:
+            self._out_sets = [None if s is self._outs else s for s in self._out_sets]
+        self._works = [None] * len(self.layout)
+
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             if not self._armed or self.sync or p.grad is None:

@@ -220,7 +220,7 @@ class StepLoop:
         if not self.runtime.moved_on() and "moved on" not in str(exc):  # a failure, not a recovery elsewhere
             self.runtime.collective_failed(t, str(exc))
         if self._reducer is not None:
-            self._reducer.disarm()  # no bucket may launch on the abandoned group
+            self._reducer.abandon()  # no bucket may launch on the abandoned group, nor be reused
         log.warning("collective failed; joining recovery",
                     extra={"step": t, "generation": self.runtime.gen, "why": str(exc)})  # fmt: skip
         retire(self.runtime.pg)

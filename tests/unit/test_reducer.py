@@ -189,3 +189,54 @@ if sys.argv[1] == "raise":
     assert ok.returncode == 0 and ok.stdout == "flushed", ok.stderr
     bad = subprocess.run([sys.executable, "-c", script, "raise"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and bad.stdout == "flushed" and "after the job" in bad.stderr
+
+
+def test_buckets_of_an_abandoned_collective_are_never_reused():
+    """A survivor gives up on a step's collective while a hung peer is stopped inside it;
+    the peer wakes up before the collective timeout and completes it, and gloo writes the
+    sum into the survivor's buckets. Those buckets must not be a later step's: after
+    abandon() the rotation allocates new ones (the old work keeps its own alive), so a
+    late completion changes nothing the survivor still uses (the hang_fenced CI failure)."""
+    import pytest
+
+    from livemig.comm.group import CollectiveAborted
+
+    store = dist.HashStore()
+    models = [_model() for _ in range(2)]
+    woke = threading.Event()
+    peer_done = threading.Event()
+    pgs: dict = {}
+
+    def peer() -> None:  # rank 1: in the group, but "stopped" until `woke`
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("a", store), 1, 2, T)
+        pgs[1] = pg
+        red = GradReducer(list(models[1].parameters()), world=2)
+        woke.wait(30)
+        red.arm(pg)
+        _backward(models[1], 1)
+        red.finish(2, T, lambda: False)
+        peer_done.set()
+
+    t = threading.Thread(target=peer)
+    t.start()
+    try:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("a", store), 0, 2, T)
+        params = list(models[0].parameters())
+        red = GradReducer(params, world=2)
+        red.arm(pg)
+        _backward(models[0], 0)  # the buckets' allreduces launch; the peer is not there
+        abandoned = list(red._flats)
+        with pytest.raises(CollectiveAborted, match="moved on"):
+            red.finish(2, T, lambda: True)
+        red.abandon()
+        for _ in range(len(red._sets)):  # every set of the rotation, the abandoned one's turn included
+            red.arm(None)
+            assert all(f.data_ptr() != a.data_ptr() for f in red._flats for a in abandoned)
+        before, mine = [f.clone() for f in red._flats], [a.clone() for a in abandoned]
+        woke.set()  # the peer completes the old collective into the abandoned buckets
+        assert peer_done.wait(30)
+        assert any(not torch.equal(a, b) for a, b in zip(abandoned, mine, strict=True))  # the late write landed
+        assert all(torch.equal(f, b) for f, b in zip(red._flats, before, strict=True))
+    finally:
+        woke.set()
+        t.join(60)

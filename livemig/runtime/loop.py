@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -93,10 +92,11 @@ class StepLoop:
         did not take the average first (sync_gradients: clipping), no GradScaler (it
         unscales in place), and a torch.optim optimizer (they read gradients, never write
         them, and zero_grad() drops them): the buckets stay the step's average, kept for
-        a peer's recovery and served to a migrating spare."""
+        a peer's recovery and served to a migrating spare. LIVEMIG_GRAD_VIEWS=0 (read once,
+        at start) copies the average into `.grad` always."""
         opt = self.reg.optimizer
-        return (self._scaler is None and opt is not None and type(opt).__module__.startswith("torch.optim.")
-                and os.environ.get("LIVEMIG_GRAD_VIEWS", "0") == "1")  # fmt: skip
+        return (self._grad_views and self._scaler is None and opt is not None
+                and type(opt).__module__.startswith("torch.optim."))  # fmt: skip
 
     def _sync_gradients(self, views: bool) -> None:
         t = self._in_step("ctx.sync_gradients()")

@@ -305,12 +305,17 @@ def _stream(alive: list[_Source], chunks: list[P.Chunk], macs: list[bytes], view
                 drop(s, f"source {s.addr} refused: {meta.get('error')}")
                 continue
             c = chunks[seq]
+            if done[seq] or seq not in s.inflight:  # a duplicate, or a chunk not asked of s: never into place
+                while more:  # (its bytes would overwrite a verified chunk)
+                    sock.recv()
+                    more = bool(sock.getsockopt(zmq.RCVMORE))
+                s.inflight.pop(seq, None)
+                s.nonces.pop(seq, None)
+                continue
             dest = views[c.tensor][c.offset : c.offset + c.length]
             n = sock.recv_into(dest) if more else -1
             s.inflight.pop(seq, None)
             s.nonces.pop(seq, None)
-            if done[seq]:
-                continue  # a duplicate after a reassignment: already verified
             if n != c.length or not hmac.compare_digest(P.chunk_mac(key, dest), bytes(macs[seq])):
                 s.bad += 1
                 refetched += 1
@@ -332,6 +337,7 @@ class _Shared:
     def __init__(self, n: int, alive: list[_Source], dropped: list[str]) -> None:
         self.cv = threading.Condition()
         self.done = [False] * n
+        self.receiving: set[int] = set()  # chunks a thread is writing into place now
         self.remaining = n
         self.refetched = 0
         self.error = ""
@@ -484,12 +490,18 @@ def _tcp_reply(conn: socket.socket, key: bytes, nonce: bytes, seq: int, chunks: 
     c = chunks[seq]
     if meta.get("seq") != seq or n_data != c.length:
         return f"source {s.addr} answered chunk {meta.get('seq')} with {n_data} bytes for chunk {seq} ({c.length})"
-    with sh.cv:
-        dup = sh.done[seq]
-    if dup:  # a chunk another source delivered meanwhile: read past it
+    with sh.cv:  # one receiver at a time writes a chunk's place, and none after it verified
+        dup = sh.done[seq] or seq in sh.receiving
+        if not dup:
+            sh.receiving.add(seq)
+    if dup:  # a chunk another source delivered (or is delivering) meanwhile: read past it
         P.recv_exact(conn, memoryview(bytearray(c.length)))
         return ""
-    mac = _recv_hashed(conn, memoryview(views[c.tensor][c.offset : c.offset + c.length]).cast("B"), key)
+    try:
+        mac = _recv_hashed(conn, memoryview(views[c.tensor][c.offset : c.offset + c.length]).cast("B"), key)
+    finally:
+        with sh.cv:
+            sh.receiving.discard(seq)
     with sh.cv:
         if sh.done[seq]:
             return ""

@@ -429,3 +429,41 @@ def test_a_slow_source_does_not_hold_up_the_pull(procs, monkeypatch):
         assert slow.served_chunks <= n // 2 - 3, (slow.served_chunks, n)
     finally:
         slow.close()
+
+
+def test_a_chunk_being_received_or_verified_is_never_overwritten():
+    """The data channel writes a chunk's bytes straight into the destination, so a
+    second copy of one chunk (two sources answering it) must never land there: while
+    another source's thread receives it, or after it verified, an authentic reply for
+    it is read past. Checked on a real socket pair with a correctly tagged reply."""
+    import socket
+    import threading
+
+    from livemig.transfer import client as C
+
+    key, nonce = P.reply_key(b"secret"), b"n" * 16
+    chunk = P.Chunk(0, 0, 4096)
+    dest = torch.zeros(4096, dtype=torch.uint8)
+    good = torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8)
+    dest.copy_(good)
+    src = C._Source(zmq.Context.instance(), "tcp://127.0.0.1:1", b"secret")
+    try:
+        sh = C._Shared(1, [src], [])
+        for state in ("receiving", "done"):
+            if state == "receiving":
+                sh.receiving.add(0)
+            else:
+                sh.receiving.clear()
+                sh.done[0] = True
+            a, b = socket.socketpair()
+            meta = P.pack({"ok": True, "seq": 0})
+            frame = P.REP_HEAD.pack(len(meta), P.TAG_BYTES, chunk.length) + meta + P.tag(key, nonce, meta)
+            sender = threading.Thread(target=a.sendall, args=(frame + bytes(chunk.length),))  # zeros: a stale copy
+            sender.start()
+            why = C._tcp_reply(b, key, nonce, 0, [chunk], [P.chunk_mac(key, good.numpy())], [dest.numpy()], sh, src)
+            sender.join(10)
+            a.close()
+            b.close()
+            assert why == "" and torch.equal(dest, good), state
+    finally:
+        src.close()

@@ -64,7 +64,10 @@ def test_fenced_server_serves_nothing(served):
         pull(srv.addr, "job", b"secret", 5, "state", 2.0)
 
 
-def test_corrupted_chunk_refetched_and_exact(served):
+@pytest.mark.parametrize("verifiers", ["0", "2"])
+def test_corrupted_chunk_refetched_and_exact(served, monkeypatch, verifiers):
+    """Hashed in line by the receiving thread, or by a pool of verifier threads."""
+    monkeypatch.setenv("LIVEMIG_TRANSFER_VERIFIERS", verifiers)
     srv, model, _ = served
     srv.hooks.corrupt = {0, 3}
     got = pull(srv.addr, "job", b"secret", 5, "state", 5.0)
@@ -73,7 +76,9 @@ def test_corrupted_chunk_refetched_and_exact(served):
         assert torch.equal(a, b)
 
 
-def test_source_corrupting_everything_is_dropped(served, monkeypatch):
+@pytest.mark.parametrize("verifiers", ["0", "2"])
+def test_source_corrupting_everything_is_dropped(served, monkeypatch, verifiers):
+    monkeypatch.setenv("LIVEMIG_TRANSFER_VERIFIERS", verifiers)
     srv, *_ = served
     orig = StateServer._handle
 
@@ -467,3 +472,17 @@ def test_a_chunk_being_received_or_verified_is_never_overwritten():
             assert why == "" and torch.equal(dest, good), state
     finally:
         src.close()
+
+
+def test_verifier_count_is_checked_with_one_line(served, monkeypatch):
+    from livemig.transfer.client import verifiers
+
+    monkeypatch.setenv("LIVEMIG_TRANSFER_VERIFIERS", "auto")
+    assert 0 <= verifiers() <= 4
+    monkeypatch.setenv("LIVEMIG_TRANSFER_VERIFIERS", "3")
+    assert verifiers() == 3
+    srv, *_ = served
+    for bad in ("many", "-1"):
+        monkeypatch.setenv("LIVEMIG_TRANSFER_VERIFIERS", bad)
+        with pytest.raises(TransferError, match="LIVEMIG_TRANSFER_VERIFIERS=.*expected"):
+            pull(srv.addr, "job", b"secret", 5, "state", 2.0)

@@ -25,7 +25,7 @@ import torch
 import zmq
 
 from livemig.transfer import protocol as P
-from livemig.transfer.client import pull
+from livemig.transfer.client import ENV_VERIFIERS, pull, verifiers
 
 SECRET = b"bench-secret"
 
@@ -107,8 +107,10 @@ def tcp_link_once(mb: int) -> float:
     return (got - first) / dt / 1e9
 
 
-def _spawn(*args: str, encrypt: bool = False) -> subprocess.Popen:
+def _spawn(*args: str, encrypt: bool = False, verifiers: str | None = None) -> subprocess.Popen:
     env = dict(os.environ, **{P.ENV_ENCRYPT: "1" if encrypt else "0"})
+    if verifiers is not None:
+        env[ENV_VERIFIERS] = verifiers
     return subprocess.Popen([sys.executable, "-m", "livemig.bench.transfer_bench", *args],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)  # fmt: skip
 
@@ -151,9 +153,10 @@ def _reset_hwm() -> bool:
         return False
 
 
-def livemig_once(addrs: list[str], mb: int, encrypt: bool = False) -> tuple[float, float]:
+def livemig_once(addrs: list[str], mb: int, encrypt: bool = False, verifiers: str | None = None) -> tuple[float, float]:
     """One pull in a fresh receiver process, so its peak memory is its own."""
-    p = _spawn("--role", "recv", "--size-mb", str(mb), "--addrs", ",".join(addrs), encrypt=encrypt)
+    p = _spawn("--role", "recv", "--size-mb", str(mb), "--addrs", ",".join(addrs), encrypt=encrypt,
+               verifiers=verifiers)  # fmt: skip
     out, _ = p.communicate(timeout=600)
     r = json.loads(out.decode().strip().splitlines()[-1])
     return r["gbps"], r["extra_mb"]
@@ -190,6 +193,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--encrypt", action="store_true",
                    help="also pull over zmq CURVE (LIVEMIG_TRANSFER_ENCRYPT=1), interleaved: its cost")  # fmt: skip
+    p.add_argument("--verifiers", default="",
+                   help="comma-separated LIVEMIG_TRANSFER_VERIFIERS values (e.g. 0,2) pulled too, interleaved: "
+                        "a row each, next to the default's")  # fmt: skip
 
 
 def run(a: argparse.Namespace) -> int:
@@ -207,12 +213,15 @@ def run(a: argparse.Namespace) -> int:
         if enc_addrs:
             livemig_once(enc_addrs, a.size_mb, encrypt=True)  # warm its snapshot too
         links, zlinks, ours, extras, encs = [], [], [], [], []
+        modes: dict[str, list[float]] = {v.strip(): [] for v in a.verifiers.split(",") if v.strip()}
         for _ in range(a.repeat):
             links.append(tcp_link_once(a.size_mb))
             zlinks.append(link_once(a.size_mb))
             g, extra = livemig_once(addrs, a.size_mb)
             ours.append(g)
             extras.append(extra)
+            for v, got in modes.items():
+                got.append(livemig_once(addrs, a.size_mb, verifiers=v)[0])
             if enc_addrs:
                 encs.append(livemig_once(enc_addrs, a.size_mb, encrypt=True)[0])
         ck = checksum_gbps(template)
@@ -241,6 +250,10 @@ def run(a: argparse.Namespace) -> int:
             "receiver_peak_extra_mb": extras,
         },
     }
+    res["verifiers"] = verifiers()  # what the default ("auto" unless set) chose here
+    res["verifier_rows"] = {v: {"gbps": statistics.median(got),
+                                "ratio_to_link": statistics.median(o / k for o, k in zip(got, links, strict=True))}
+                            for v, got in modes.items()}  # fmt: skip
     if encs:
         res["encrypted_gbps"] = statistics.median(encs)
         res["encrypted_ratio_to_plain"] = statistics.median(e / o for e, o in zip(encs, ours, strict=True))
@@ -251,7 +264,9 @@ def run(a: argparse.Namespace) -> int:
     print(f"  link_gbps               {res['link_gbps']:.2f}   (raw TCP recv_into, {spread})")
     print(f"  zmq_link_gbps           {res['zmq_link_gbps']:.2f}   (raw zmq PUSH/PULL, for reference)")
     print(f"  livemig_gbps            {res['livemig_gbps']:.2f}   (min {min(ours):.2f} max {max(ours):.2f})")
-    print(f"  ratio_to_link           {res['ratio_to_link']:.2f}")
+    print(f"  ratio_to_link           {res['ratio_to_link']:.2f}   (verifier threads: {res['verifiers']})")
+    for v, row in res["verifier_rows"].items():
+        print(f"    {ENV_VERIFIERS}={v}: {row['gbps']:.2f} GB/s, ratio_to_link {row['ratio_to_link']:.2f}")
     print(f"  checksum_gbps           {ck:.2f}   (keyed BLAKE3 chunk MAC)")
     print(f"  receiver_peak_extra_mb  {res['receiver_peak_extra_mb']:.1f}")
     if encs:

@@ -20,6 +20,7 @@ from livemig.rdzv.client import decode, through_outage
 from livemig.rdzv.watch import PrefixWatch, wait_for
 from livemig.runtime.control import _Activate, _Stop
 from livemig.state import digest
+from livemig.transfer.client import verifiers
 
 log = logging.getLogger("livemig.runtime.standby")
 
@@ -46,6 +47,7 @@ class Standby:
         import psutil
 
         rt = self.runtime
+        verifiers()  # the hash speed that picks the pull's verifiers is measured now, not in a recovery
         self._warm_s = time.monotonic() - self._started
         info = {
             "incarnation": self.incarnation, "host": node_host(), "pid": os.getpid(), "node": node_rank(),

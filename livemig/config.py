@@ -128,6 +128,31 @@ ENV_STRAGGLER_STEPS = "LIVEMIG_STRAGGLER_STEPS"  # consecutive slow steps before
 # (default: max(5, 10 x the median step time); docs/reliability.md).
 ENV_HANG_TIMEOUT = "LIVEMIG_HANG_TIMEOUT"
 ENV_PROBE_TIMEOUT = "LIVEMIG_PROBE_TIMEOUT"  # a peer probe's TCP connect (link attribution), default 1 s
+# Progress records the whole job may write to etcd per second (default 10000): each member
+# writes at most one per world_size / budget seconds, the newest winning meanwhile.
+ENV_PROGRESS_BUDGET = "LIVEMIG_PROGRESS_BUDGET"
+PROGRESS_BUDGET = 10000.0
+
+
+def progress_budget() -> float:
+    """Progress writes a second for the whole job: a member writes at most one per
+    world_size / budget seconds. Members publish each commit, and at scale those writes
+    are most of etcd's load (10,000 ranks at 5 steps a second: 50,000 writes a second,
+    each watched by the coordinator); the budget bounds them while leaving a small job's
+    records per step (2 ranks: one per 0.2 ms). The hang detector reads these records with
+    a timeout of at least 5 s, so a record up to world / budget seconds old (1 s at 10,000
+    ranks) is still fresh; step-triggered test faults read them too, and fire late by as
+    much at scale."""
+    raw = os.environ.get(ENV_PROGRESS_BUDGET, "")
+    try:
+        budget = float(raw) if raw else PROGRESS_BUDGET
+    except ValueError:
+        raise ConfigError(f"{ENV_PROGRESS_BUDGET}={raw!r} is not a number of writes a second; set e.g. 10000") from None
+    if not budget > 0:
+        raise ConfigError(f"{ENV_PROGRESS_BUDGET}={raw!r} must be > 0 writes a second")
+    return budget
+
+
 SHARDING_ENTRY = "<sharding>"  # the signature entry that names a job's optimizer sharding
 LOCAL_STATE_ENTRY = "<local-state>"  # the signature entry of a job with rank-local state (buffers, local=)
 # Faults injected from inside a worker, for tests and `--fault ...:during=...`:

@@ -39,6 +39,7 @@ from livemig.config import (
     Timeouts,
     node_host,
     node_rank,
+    progress_budget,
 )
 from livemig.errors import ConfigError, FencedError, RecoveryError
 from livemig.rdzv.client import EtcdClient, encode, through_outage
@@ -80,6 +81,7 @@ class MemberRuntime:
         self.server: StateServer | None = None
         self.store: Any = None  # rank 0's c10d store for the first generation (register)
         self._progress: queue.Queue = queue.Queue(maxsize=1)
+        self._progress_budget = progress_budget()  # a bad LIVEMIG_PROGRESS_BUDGET fails the member here
         self._last_item: dict | None = None  # the last progress record (a commit)
         self._step_times: list[float] = []  # seconds between the last commits
         self._waiting: tuple[int, float, bool] | None = None  # (step, since, reported) in a collective
@@ -330,6 +332,7 @@ class MemberRuntime:
         threading.Thread(target=report, daemon=True, name="livemig-probe").start()
 
     def _progress_loop(self) -> None:
+        next_at = 0.0
         while True:
             try:
                 item = self._progress.get(timeout=0.25)
@@ -339,10 +342,18 @@ class MemberRuntime:
                     continue
             if self.rank is None or self.fenced.is_set():
                 continue
+            rest = next_at - time.monotonic()
+            if rest > 0:  # the job's write budget (config.progress_budget): the newest record wins
+                time.sleep(rest)
+                try:
+                    item = self._progress.get_nowait()
+                except queue.Empty:
+                    pass
             try:
                 self.put(self.keys.progress(self.rank), item, retry=False)
             except Exception:  # noqa: BLE001 - progress is advisory
                 log.debug("progress write failed", exc_info=True)
+            next_at = time.monotonic() + max(self.m.world_size, 1) / self._progress_budget
 
     # -- the protocol ---------------------------------------------------------------------
     def follow(self, min_gen: int, member: Any) -> Membership:

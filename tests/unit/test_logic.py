@@ -151,3 +151,44 @@ def test_store_addresses_read_from_etcd_are_validated():
     assert not any(is_host_port(v) for v in ("host", "h:0", ":5", "h:99999", "h:x", 5, None))
     with pytest.raises(CollectiveAborted, match="not host:port"):
         _store_for("no-port", 3, timedelta(seconds=1))
+
+
+def test_progress_writes_keep_to_the_job_budget_and_the_newest_record_wins(monkeypatch):
+    """A member commits every 2 ms; with a budget of 100 writes a second for a world of
+    4 it writes at most one record per 40 ms, and the record it writes is the newest."""
+    import queue
+    import threading
+    import time
+    import types
+
+    import pytest
+
+    from livemig.config import progress_budget
+    from livemig.errors import ConfigError
+    from livemig.runtime.member import MemberRuntime
+
+    monkeypatch.setenv("LIVEMIG_PROGRESS_BUDGET", "100")
+    writes: list[tuple[float, int]] = []
+    rt = types.SimpleNamespace(
+        rank=0, fenced=threading.Event(), _progress=queue.Queue(maxsize=1), _anomaly=lambda: None,
+        keys=types.SimpleNamespace(progress=lambda r: f"~progress/{r}"), m=types.SimpleNamespace(world_size=4),
+        _progress_budget=progress_budget(),
+        put=lambda key, item, retry: writes.append((time.monotonic(), item["step"])),
+    )  # fmt: skip
+    rt._queue = lambda item: MemberRuntime._queue(rt, item)
+    threading.Thread(target=MemberRuntime._progress_loop, args=(rt,), daemon=True).start()
+    t0 = time.monotonic()
+    step = 0
+    while time.monotonic() - t0 < 1.0:
+        rt._queue({"step": step})
+        step += 1
+        time.sleep(0.002)
+    time.sleep(0.1)
+    rt.fenced.set()  # the loop writes nothing more
+    assert step > 100
+    gaps = [b[0] - a[0] for a, b in zip(writes, writes[1:], strict=False)]
+    assert 10 <= len(writes) <= 30 and min(gaps) >= 0.039, (len(writes), min(gaps))
+    assert writes[-1][1] == step - 1  # the last commit reached etcd
+    monkeypatch.setenv("LIVEMIG_PROGRESS_BUDGET", "0")
+    with pytest.raises(ConfigError, match="LIVEMIG_PROGRESS_BUDGET='0' must be > 0"):
+        progress_budget()

@@ -51,6 +51,12 @@ from livemig.transfer.server import StateServer
 log = logging.getLogger("livemig.member")
 
 
+def _urgent(item: dict) -> bool:
+    """A failed collective, a long wait or a busy flag: the coordinator acts on these (a
+    recovery, the hang check), so they go out at once, outside the progress budget."""
+    return "failed_step" in item or "waiting_step" in item or "busy" in item
+
+
 class MemberRuntime:
     def __init__(self, incarnation: str, timeouts: Timeouts | None = None) -> None:
         etcd = os.environ.get(ENV_ETCD)
@@ -343,7 +349,7 @@ class MemberRuntime:
             if self.rank is None or self.fenced.is_set():
                 continue
             rest = next_at - time.monotonic()
-            if rest > 0:  # the job's write budget (config.progress_budget): the newest record wins
+            if rest > 0 and not _urgent(item):  # the job's write budget (config.progress_budget): the newest wins
                 time.sleep(rest)
                 try:
                     item = self._progress.get_nowait()

@@ -192,3 +192,37 @@ def test_progress_writes_keep_to_the_job_budget_and_the_newest_record_wins(monke
     monkeypatch.setenv("LIVEMIG_PROGRESS_BUDGET", "0")
     with pytest.raises(ConfigError, match="LIVEMIG_PROGRESS_BUDGET='0' must be > 0"):
         progress_budget()
+
+
+def test_a_failure_report_goes_out_at_once_outside_the_progress_budget():
+    """One write per 0.4 s (world 4, budget 10): a failed collective's report, queued right
+    after a commit's write, is written at once (the coordinator starts a recovery on it)."""
+    import queue
+    import threading
+    import time
+    import types
+
+    from livemig.runtime.member import MemberRuntime
+
+    writes: list[tuple[float, dict]] = []
+    wrote = threading.Event()
+
+    def put(key: str, item: dict, retry: bool) -> None:
+        writes.append((time.monotonic(), item))
+        wrote.set()
+
+    rt = types.SimpleNamespace(
+        rank=0, fenced=threading.Event(), _progress=queue.Queue(maxsize=1), _anomaly=lambda: None,
+        keys=types.SimpleNamespace(progress=lambda r: f"~progress/{r}"), m=types.SimpleNamespace(world_size=4),
+        _progress_budget=10.0, put=put,
+    )  # fmt: skip
+    threading.Thread(target=MemberRuntime._progress_loop, args=(rt,), daemon=True).start()
+    try:
+        MemberRuntime._queue(rt, {"step": 1})
+        assert wrote.wait(5)
+        wrote.clear()
+        MemberRuntime._queue(rt, {"step": 1, "failed_step": 2, "error": "peer gone"})
+        assert wrote.wait(5)
+        assert writes[1][1]["failed_step"] == 2 and writes[1][0] - writes[0][0] < 0.3, writes
+    finally:
+        rt.fenced.set()

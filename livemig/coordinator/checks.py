@@ -22,6 +22,21 @@ LINK_GATHER_S = 2.0  # how long link reports are gathered after the first (a pro
 MAX_REBUILDS = 2  # group rebuilds for one step whose collective failed naming nobody
 
 
+def link_victims(reports: dict[int, list[int]]) -> tuple[list[int], int]:
+    """The ranks a round of link reports (reporter -> the peers it cannot reach) replaces,
+    and how many reports named them: every rank named most that did not report itself
+    (silent: a lost node's ranks, replaced together), else, for a cut between reporters
+    (each names the other), the higher rank of those named most. Naming only the higher
+    of a lost node's two ranks fenced them in two recoveries (a CI run: the leader's
+    node lost, its ranks' leases not yet expired). ([], 0) when nobody is named."""
+    counts = Counter(x for named in reports.values() for x in named)
+    if not counts:
+        return [], 0
+    top = max(counts.values())
+    tops = [r for r, c in counts.items() if c == top]
+    return sorted(r for r in tops if r not in reports) or [max(tops)], top
+
+
 class Checks:
     """Mixed into Coordinator."""
 
@@ -123,15 +138,8 @@ class Checks:
         if len(reports) < len(m.members) and time.monotonic() - first < LINK_GATHER_S:
             return False
         t = self.client.txn_ops
-        counts = Counter(x for _, named, _ in reports.values() for x in named)
-        if counts:
-            top = max(counts.values())
-            # Every rank named most that did not report itself (silent: a lost node's ranks,
-            # replaced together); a cut between reporters (each names the other) goes to the
-            # higher rank. Naming only the higher of a lost node's two ranks fenced them in two
-            # recoveries (a CI run: the leader's node lost, its ranks' leases not yet expired).
-            tops = [r for r, c in counts.items() if c == top]
-            victims = sorted(r for r in tops if r not in reports) or [max(tops)]
+        victims, top = link_victims({r: named for r, (_, named, _) in reports.items()})
+        if victims:
             ops = []
             for victim in victims:
                 by = sorted(r for r, (_, named, _) in reports.items() if victim in named)

@@ -226,3 +226,19 @@ def test_a_failure_report_goes_out_at_once_outside_the_progress_budget():
         assert writes[1][1]["failed_step"] == 2 and writes[1][0] - writes[0][0] < 0.3, writes
     finally:
         rt.fenced.set()
+
+
+def test_link_attribution_rule():
+    """Who a round of link reports (reporter -> peers it cannot reach) replaces."""
+    from livemig.coordinator.checks import link_victims
+
+    assert link_victims({}) == ([], 0)
+    assert link_victims({0: [], 1: []}) == ([], 0)  # failures naming nobody: a rebuild, not a victim
+    # a lost node holding ranks 2 and 3: both silent, both named by everyone: replaced together
+    assert link_victims({0: [2, 3], 1: [2, 3]}) == ([2, 3], 2)
+    # a cut between two reporters (each names the other): the higher rank goes
+    assert link_victims({0: [1], 1: [0]}) == ([1], 1)
+    # one silent rank named by most, another by fewer: only the first
+    assert link_victims({0: [3], 1: [3], 2: [3, 1]}) == ([3], 3)
+    # a silent rank and a reporter named equally often: the silent one (it did not report)
+    assert link_victims({0: [2, 1], 1: [2], 3: [1]}) == ([2], 2)

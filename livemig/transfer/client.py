@@ -562,9 +562,10 @@ def _tcp_reply(conn: socket.socket, key: bytes, nonce: bytes, seq: int, chunks: 
         return ""
     try:
         mac = _recv_hashed(conn, dest, key)
-    finally:
+    except BaseException:
         with sh.cv:
             sh.receiving.discard(seq)
+        raise
     return _checked(mac, seq, macs, sh, s)
 
 
@@ -576,8 +577,6 @@ def _verify_pooled(dest: memoryview, key: bytes, seq: int, macs: list[bytes], sh
     except Exception as exc:  # noqa: BLE001 - never lose a chunk silently: refetch it
         log.warning("chunk verification failed", extra={"seq": seq, "err": str(exc)})
         mac = b""
-    with sh.cv:
-        sh.receiving.discard(seq)
     why = _checked(mac, seq, macs, sh, s)
     if why:
         with sh.cv:
@@ -586,8 +585,12 @@ def _verify_pooled(dest: memoryview, key: bytes, seq: int, macs: list[bytes], sh
 
 
 def _checked(mac: bytes, seq: int, macs: list[bytes], sh: _Shared, s: _Source) -> str:
-    """Mark chunk `seq` verified, or hand it to another source; why `s` must go, or ""."""
+    """Mark chunk `seq` verified, or hand it to another source; why `s` must go, or "".
+    Its place is released (`receiving`) under the same lock: released first, another
+    source's copy could start landing there before `done` is set, and then overwrite
+    bytes that count as verified."""
     with sh.cv:
+        sh.receiving.discard(seq)
         if sh.done[seq]:
             return ""
         if hmac.compare_digest(mac, bytes(macs[seq])):

@@ -349,12 +349,12 @@ class MemberRuntime:
             if self.rank is None or self.fenced.is_set():
                 continue
             rest = next_at - time.monotonic()
-            if rest > 0 and not _urgent(item):  # the job's write budget (config.progress_budget): the newest wins
-                time.sleep(rest)
-                try:
-                    item = self._progress.get_nowait()
+            while rest > 0 and not _urgent(item):  # the job's write budget (config.progress_budget)
+                try:  # a newer record replaces this one; an urgent one ends the wait
+                    item = self._progress.get(timeout=rest)
                 except queue.Empty:
-                    pass
+                    break
+                rest = next_at - time.monotonic()
             try:
                 self.put(self.keys.progress(self.rank), item, retry=False)
             except Exception:  # noqa: BLE001 - progress is advisory

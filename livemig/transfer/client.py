@@ -234,8 +234,7 @@ def _headers(sources: list[_Source], job: str, secret: bytes, gen: int, item: st
             s = pending.pop(sock)
             poller.unregister(sock)
             meta, more = s.reply(key)
-            while more:  # a data frame with a header reply: not ours to keep
-                more = bool(sock.recv() is not None and sock.getsockopt(zmq.RCVMORE))
+            _drain(sock, more)  # a data frame with a header reply: not ours to keep
             if meta is None:
                 s.error = (
                     "authentication failed: its reply is not signed with this job's secret (forged? wrong secret?)"
@@ -261,6 +260,13 @@ def _headers(sources: list[_Source], job: str, secret: bytes, gen: int, item: st
             dropped.append(s.addr)
     alive = [s for s in ok if headers[s.addr]["digest"] == digest]
     return headers[alive[0].addr], alive
+
+
+def _drain(sock: zmq.Socket, more: bool) -> None:
+    """Read past the remaining frames of a reply."""
+    while more:
+        sock.recv()
+        more = bool(sock.getsockopt(zmq.RCVMORE))
 
 
 def _destinations(metas: list[dict], alloc: Alloc | None) -> list[torch.Tensor]:
@@ -332,9 +338,7 @@ def _stream(alive: list[_Source], chunks: list[P.Chunk], macs: list[bytes], view
             s.last_reply = time.monotonic()
             seq = meta.get("seq") if meta is not None else None
             if meta is None or (meta.get("ok") and not (isinstance(seq, int) and 0 <= seq < len(chunks))):
-                while more:  # discard the rest of a forged reply; never written anywhere
-                    sock.recv()
-                    more = bool(sock.getsockopt(zmq.RCVMORE))
+                _drain(sock, more)  # the rest of a forged reply: never written anywhere
                 s.bad += 1
                 log.error("unauthenticated transfer reply dropped", extra={"source": s.addr})
                 if s.bad >= MAX_BAD_CHUNKS:
@@ -345,9 +349,7 @@ def _stream(alive: list[_Source], chunks: list[P.Chunk], macs: list[bytes], view
                 continue
             c = chunks[seq]
             if done[seq] or seq not in s.inflight:  # a duplicate, or a chunk not asked of s: never into place
-                while more:  # (its bytes would overwrite a verified chunk)
-                    sock.recv()
-                    more = bool(sock.getsockopt(zmq.RCVMORE))
+                _drain(sock, more)  # (its bytes would overwrite a verified chunk)
                 s.inflight.pop(seq, None)
                 s.nonces.pop(seq, None)
                 continue

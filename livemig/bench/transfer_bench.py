@@ -25,7 +25,8 @@ import torch
 import zmq
 
 from livemig.transfer import protocol as P
-from livemig.transfer.client import ENV_VERIFIERS, pull, verifiers
+from livemig.transfer.channel import ENV_VERIFIERS, verifiers
+from livemig.transfer.client import pull
 
 SECRET = b"bench-secret"
 

@@ -20,7 +20,7 @@ from livemig.rdzv.client import decode, through_outage
 from livemig.rdzv.watch import PrefixWatch, wait_for
 from livemig.runtime.control import _Activate, _Stop
 from livemig.state import digest
-from livemig.transfer.client import verifiers
+from livemig.transfer.channel import verifiers
 
 log = logging.getLogger("livemig.runtime.standby")
 

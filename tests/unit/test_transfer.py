@@ -444,14 +444,15 @@ def test_a_chunk_being_received_or_verified_is_never_overwritten():
     import socket
     import threading
 
-    from livemig.transfer import client as C
+    from livemig.transfer import channel as C
+    from livemig.transfer.client import _Source
 
     key, nonce = P.reply_key(b"secret"), b"n" * 16
     chunk = P.Chunk(0, 0, 4096)
     dest = torch.zeros(4096, dtype=torch.uint8)
     good = torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8)
     dest.copy_(good)
-    src = C._Source(zmq.Context.instance(), "tcp://127.0.0.1:1", b"secret")
+    src = _Source(zmq.Context.instance(), "tcp://127.0.0.1:1", b"secret")
     try:
         sh = C._Shared(1, [src], [])
         for state in ("receiving", "done"):
@@ -475,7 +476,7 @@ def test_a_chunk_being_received_or_verified_is_never_overwritten():
 
 
 def test_verifier_count_is_checked_with_one_line(served, monkeypatch):
-    from livemig.transfer.client import verifiers
+    from livemig.transfer.channel import verifiers
 
     monkeypatch.setenv("LIVEMIG_TRANSFER_VERIFIERS", "auto")
     assert 0 <= verifiers() <= 4

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import hmac
 import logging
 import os
 import socket
@@ -18,8 +17,6 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
-
-import blake3
 
 from livemig.errors import TransferError
 from livemig.transfer import protocol as P
@@ -37,12 +34,12 @@ _calibrated: list[float] = []
 
 
 def hash_gbps() -> float:
-    """This process's keyed BLAKE3 speed on one thread, GB/s (measured once, ~10 ms)."""
+    """This process's chunk MAC speed on one thread, GB/s (measured once, ~2-10 ms)."""
     if not _calibrated:
         buf, key = bytes(8 << 20), bytes(32)
-        blake3.blake3(buf[: 1 << 20], key=key, max_threads=1).digest()  # warm
+        P.chunk_mac(key, buf)  # warm: the buffer's pages mapped, the cipher's code loaded
         t0 = time.perf_counter()
-        blake3.blake3(buf, key=key, max_threads=1).digest()
+        P.chunk_mac(key, buf)
         _calibrated.append(len(buf) / max(time.perf_counter() - t0, 1e-9) / 1e9)
     return _calibrated[0]
 
@@ -50,17 +47,16 @@ def hash_gbps() -> float:
 def verifiers() -> int:
     """How many threads check chunk MACs on the data channel; 0: each receiving thread
     hashes its chunk in line, piece by piece while cache-hot. Hashing in line costs no
-    thread hand-off and no second pass over memory, and wins where one core hashes much
-    faster than the link delivers (measured on 2 cores with BLAKE3 at 5.5 GB/s: in line
-    0.80 of the link, a verifier thread less). Where hashing is slower than the link
-    (1.5 GB/s against a 2.5-3 GB/s link) the receiving thread spends most of its time
-    hashing, and a pool hashing received chunks while the next ones arrive wins (in line
-    ~0.35 of the link, 2 verifiers ~0.5). $LIVEMIG_TRANSFER_VERIFIERS sets the count;
-    "auto" (the default) measures the hash once and takes 0 at FAST_HASH_GBPS or more,
-    else min(4, cores)."""
+    thread hand-off and no second pass over memory, and wins where one core hashes
+    faster than the link delivers (GMAC at 4.6 GB/s on 2 cores: in line 0.65 of the
+    link, one verifier 0.64, two 0.55). The MAC (`cryptography`'s AES-GCM) holds the
+    GIL while it hashes, so verifier threads cannot hash in parallel: where the hash is
+    slow (a CPU without AES-NI), one verifier overlaps it with receiving, and more add
+    nothing. $LIVEMIG_TRANSFER_VERIFIERS sets the count; "auto" (the default) measures
+    the hash once and takes 0 at FAST_HASH_GBPS or more, else 1."""
     raw = os.environ.get(ENV_VERIFIERS, "auto").strip().lower()
     if raw in ("", "auto"):
-        return 0 if hash_gbps() >= FAST_HASH_GBPS else min(4, os.cpu_count() or 1)
+        return 0 if hash_gbps() >= FAST_HASH_GBPS else 1
     try:
         n = int(raw)
     except ValueError:
@@ -123,14 +119,14 @@ class _Shared:
         return out
 
 
-def tcp_stream(alive: list[_Source], chunks: list[P.Chunk], macs: list[bytes], views: list, job: str,
+def tcp_stream(alive: list[_Source], chunks: list[P.Chunk], auth: P.ChunkAuth, views: list, job: str,
                 secret: bytes, gen: int, item: str, stall: float, dropped: list[str],
                 abort: Callable[[], bool] | None = None) -> int:  # fmt: skip
     """Chunks over the data channel, a thread per source; returns how many were refetched."""
     n_verify = verifiers()
     pool = concurrent.futures.ThreadPoolExecutor(n_verify, "livemig-verify") if n_verify else None
     sh = _Shared(len(chunks), alive, dropped, pool)
-    args = (sh, chunks, macs, views, job, secret, gen, item, stall)
+    args = (sh, chunks, auth, views, job, secret, gen, item, stall)
     workers = [threading.Thread(target=_tcp_worker, args=(s, *args), name="livemig-pull", daemon=True)
                for s in list(alive)]  # fmt: skip
     for w in workers:
@@ -164,7 +160,7 @@ def tcp_stream(alive: list[_Source], chunks: list[P.Chunk], macs: list[bytes], v
     return sh.refetched
 
 
-def _tcp_worker(s: _Source, sh: _Shared, chunks: list[P.Chunk], macs: list[bytes], views: list, job: str,
+def _tcp_worker(s: _Source, sh: _Shared, chunks: list[P.Chunk], auth: P.ChunkAuth, views: list, job: str,
                 secret: bytes, gen: int, item: str, stall: float) -> None:  # fmt: skip
     key = P.reply_key(secret)
     inflight: collections.deque[tuple[int, bytes]] = collections.deque()  # (seq, nonce), in request order
@@ -201,7 +197,7 @@ def _tcp_worker(s: _Source, sh: _Shared, chunks: list[P.Chunk], macs: list[bytes
             if frames:
                 conn.sendall(b"".join(frames))
             seq, nonce = inflight[0]
-            why = _tcp_reply(conn, key, nonce, seq, chunks, macs, views, sh, s)
+            why = _tcp_reply(conn, key, nonce, seq, chunks, auth, views, sh, s)
             if why:
                 return
             inflight.popleft()
@@ -215,7 +211,7 @@ def _tcp_worker(s: _Source, sh: _Shared, chunks: list[P.Chunk], macs: list[bytes
                 sh.drop(s, inflight, why)
 
 
-def _tcp_reply(conn: socket.socket, key: bytes, nonce: bytes, seq: int, chunks: list[P.Chunk], macs: list[bytes],
+def _tcp_reply(conn: socket.socket, key: bytes, nonce: bytes, seq: int, chunks: list[P.Chunk], auth: P.ChunkAuth,
                views: list, sh: _Shared, s: _Source) -> str:  # fmt: skip
     """Read the reply to chunk `seq` into its place and verify it; why the source must go, or ""."""
     head = P.recv_exact(conn, P.REP_HEAD.size)
@@ -254,37 +250,37 @@ def _tcp_reply(conn: socket.socket, key: bytes, nonce: bytes, seq: int, chunks: 
                 sh.receiving.discard(seq)
             raise
         try:
-            sh.pool.submit(_verify_pooled, dest, key, seq, macs, sh, s)
+            sh.pool.submit(_verify_pooled, dest, auth, seq, sh, s)
         except RuntimeError:  # the pull is over (its pool shut down): nothing to verify for
             with sh.cv:
                 sh.receiving.discard(seq)
             return "the pull ended"
         return ""
     try:
-        mac = _recv_hashed(conn, dest, key)
+        mac = _recv_hashed(conn, dest, auth.hasher(seq))
     except BaseException:
         with sh.cv:
             sh.receiving.discard(seq)
         raise
-    return _checked(mac, seq, macs, sh, s)
+    return _checked(mac, seq, auth, sh, s)
 
 
-def _verify_pooled(dest: memoryview, key: bytes, seq: int, macs: list[bytes], sh: _Shared, s: _Source) -> None:
+def _verify_pooled(dest: memoryview, auth: P.ChunkAuth, seq: int, sh: _Shared, s: _Source) -> None:
     """A verifier thread: the chunk is in place; its place stays claimed (`receiving`)
     until its MAC is checked, so no other copy of it lands there meanwhile."""
     try:
-        mac = blake3.blake3(dest, key=key, max_threads=1).digest(P.TAG_BYTES)
+        mac = auth.mac(seq, dest)
     except Exception as exc:  # noqa: BLE001 - never lose a chunk silently: refetch it
         log.warning("chunk verification failed", extra={"seq": seq, "err": str(exc)})
         mac = b""
-    why = _checked(mac, seq, macs, sh, s)
+    why = _checked(mac, seq, auth, sh, s)
     if why:
         with sh.cv:
             s.error = s.error or why  # its receiving thread drops it at its next turn
             sh.cv.notify_all()
 
 
-def _checked(mac: bytes, seq: int, macs: list[bytes], sh: _Shared, s: _Source) -> str:
+def _checked(mac: bytes, seq: int, auth: P.ChunkAuth, sh: _Shared, s: _Source) -> str:
     """Mark chunk `seq` verified, or hand it to another source; why `s` must go, or "".
     Its place is released (`receiving`) under the same lock: released first, another
     source's copy could start landing there before `done` is set, and then overwrite
@@ -293,7 +289,7 @@ def _checked(mac: bytes, seq: int, macs: list[bytes], sh: _Shared, s: _Source) -
         sh.receiving.discard(seq)
         if sh.done[seq]:
             return ""
-        if hmac.compare_digest(mac, bytes(macs[seq])):
+        if auth.ok(seq, mac):
             sh.done[seq] = True
             s.served += 1
             sh.remaining -= 1
@@ -310,16 +306,15 @@ def _checked(mac: bytes, seq: int, macs: list[bytes], sh: _Shared, s: _Source) -
     return f"source {s.addr} sent {s.bad} corrupted chunks" if s.bad >= MAX_BAD_CHUNKS else ""
 
 
-def _recv_hashed(conn: socket.socket, dest: memoryview, key: bytes) -> bytes:
+def _recv_hashed(conn: socket.socket, dest: memoryview, h: P.ChunkHasher) -> bytes:
     """Receive into `dest` piece by piece, hashing each piece while it is still in the
     CPU's cache: the chunk's MAC costs no second pass over memory. (Measured on 2 cores:
     faster than hashing the whole chunk afterwards, and than a verifier thread.)"""
-    h = blake3.blake3(key=key, max_threads=1)
     for off in range(0, len(dest), HASH_PIECE):
         piece = dest[off : off + HASH_PIECE]
         P.recv_exact(conn, piece)
         h.update(piece)
-    return h.digest(P.TAG_BYTES)
+    return h.digest()
 
 
 def _blocking_with_timeout(conn: socket.socket, seconds: float) -> None:

@@ -30,7 +30,6 @@ per source.
 from __future__ import annotations
 
 import collections
-import hmac
 import logging
 import socket
 import time
@@ -147,14 +146,15 @@ def pull(
         views = [as_bytes(t).numpy() for t in dests]
         chunks = P.plan([m["nbytes"] for m in metas], header["chunk"])
         macs = header["macs"]
-        if len(macs) != len(chunks) or P.combine(macs) != header["digest"]:
+        if len(macs) != len(chunks) or P.combine(macs) != header["digest"] or not isinstance(header["step"], int):
             raise TransferError(f"source {alive[0].addr} sent an inconsistent header")
+        auth = P.ChunkAuth(P.reply_key(secret), gen, item, header["step"], macs)
         for src, rng in zip(alive, P.stripes(len(chunks), len(alive)), strict=True):
             src.queue.extend(rng)
         if not P.encrypted() and all(s.data_port for s in alive):
-            refetched = tcp_stream(alive, chunks, macs, views, job, secret, gen, item, stall_s, dropped, abort)
+            refetched = tcp_stream(alive, chunks, auth, views, job, secret, gen, item, stall_s, dropped, abort)
         else:
-            refetched = _stream(alive, chunks, macs, views, job, secret, gen, item, stall_s, dropped, abort)
+            refetched = _stream(alive, chunks, auth, views, job, secret, gen, item, stall_s, dropped, abort)
         state = unflatten(header["skeleton"], dests)
         return Pulled(
             header["step"], state, sum(m["nbytes"] for m in metas), time.monotonic() - t0,
@@ -239,7 +239,7 @@ def _destinations(metas: list[dict], alloc: Alloc | None) -> list[torch.Tensor]:
     return dests
 
 
-def _stream(alive: list[_Source], chunks: list[P.Chunk], macs: list[bytes], views: list, job: str,
+def _stream(alive: list[_Source], chunks: list[P.Chunk], auth: P.ChunkAuth, views: list, job: str,
             secret: bytes, gen: int, item: str, timeout: float, dropped: list[str],
             abort: Callable[[], bool] | None = None) -> int:  # fmt: skip
     key = P.reply_key(secret)
@@ -313,7 +313,7 @@ def _stream(alive: list[_Source], chunks: list[P.Chunk], macs: list[bytes], view
             n = sock.recv_into(dest) if more else -1
             s.inflight.pop(seq, None)
             s.nonces.pop(seq, None)
-            if n != c.length or not hmac.compare_digest(P.chunk_mac(key, dest), bytes(macs[seq])):
+            if n != c.length or not auth.ok(seq, auth.mac(seq, dest)):
                 s.bad += 1
                 refetched += 1
                 log.warning("chunk failed its checksum; refetching", extra={"seq": seq, "source": s.addr})

@@ -33,13 +33,14 @@ Provider = Callable[[], tuple[int, Any]]
 
 
 class _Snapshot:
-    def __init__(self, step: int, obj: Any, key: bytes) -> None:
+    def __init__(self, step: int, obj: Any, key: bytes, gen: int, item: str) -> None:
         self.tensors: list[torch.Tensor] = []
         self.skeleton = flatten(obj, self.tensors)
         self.step = step
         self.bytes = [as_bytes(t.contiguous()) for t in self.tensors]
         self.chunks = P.plan([b.numel() for b in self.bytes])
-        self.macs = [P.chunk_mac(key, self._view(c)) for c in self.chunks]
+        self.macs = [P.chunk_mac(P.chunk_key(key, gen, item, step, i), self._view(c))
+                     for i, c in enumerate(self.chunks)]  # fmt: skip
 
     def _view(self, c: P.Chunk) -> memoryview:
         return memoryview(self.bytes[c.tensor][c.offset : c.offset + c.length].numpy())
@@ -142,7 +143,7 @@ class StateServer:
             snap = self._snaps.get((gen, item))
             if snap is None:
                 step, obj = provider()
-                snap = self._snaps[(gen, item)] = _Snapshot(step, obj, self.key)
+                snap = self._snaps[(gen, item)] = _Snapshot(step, obj, self.key, gen, item)
             return snap
 
     def _check(self, frames: list[bytes]) -> tuple[dict | None, bytes, str]:

@@ -56,8 +56,8 @@ from dataclasses import dataclass
 
 import blake3
 import msgpack
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from livemig.transfer import gmac
 
 CHUNK_BYTES = 4 << 20
 WINDOW = 4  # outstanding chunk requests per source
@@ -141,9 +141,6 @@ def tag_ok(key: bytes, nonce: bytes, meta: bytes, got: bytes) -> bool:
     return hmac.compare_digest(tag(key, nonce, meta), got)
 
 
-_GMAC_NONCE = bytes(12)  # each chunk key tags one chunk's bytes: a fixed nonce is safe (see above)
-
-
 def chunk_key(key: bytes, gen: int, item: str, step: int, seq: int) -> bytes:
     """The one-time GMAC key of chunk `seq` of the state served as (gen, item, step)."""
     return blake3.blake3(pack(["livemig chunk", gen, item, step, seq]), key=key).digest(32)
@@ -151,22 +148,10 @@ def chunk_key(key: bytes, gen: int, item: str, step: int, seq: int) -> bytes:
 
 def chunk_mac(ckey: bytes, buf: object) -> bytes:
     """AES-256-GMAC of a chunk's bytes under its one-time key (`chunk_key`)."""
-    return AESGCM(ckey).encrypt(_GMAC_NONCE, b"", buf)  # type: ignore[arg-type]
+    return gmac.gmac(ckey, buf)
 
 
-class ChunkHasher:
-    """`chunk_mac`, fed piece by piece (a receiving thread hashes each piece while it
-    is still in the CPU's cache)."""
-
-    def __init__(self, ckey: bytes) -> None:
-        self._enc = Cipher(algorithms.AES(ckey), modes.GCM(_GMAC_NONCE)).encryptor()
-
-    def update(self, buf: object) -> None:
-        self._enc.authenticate_additional_data(buf)  # type: ignore[arg-type]
-
-    def digest(self) -> bytes:
-        self._enc.finalize()
-        return self._enc.tag  # type: ignore[attr-defined]
+ChunkHasher = gmac.Gmac  # `chunk_mac` fed piece by piece (a receiving thread hashes each while cache-hot)
 
 
 class ChunkAuth:
@@ -182,8 +167,8 @@ class ChunkAuth:
     def mac(self, seq: int, buf: object) -> bytes:
         return chunk_mac(self.ckey(seq), buf)
 
-    def hasher(self, seq: int) -> ChunkHasher:
-        return ChunkHasher(self.ckey(seq))
+    def hasher(self, seq: int) -> gmac.Gmac:
+        return gmac.Gmac(self.ckey(seq))
 
     def ok(self, seq: int, mac: bytes) -> bool:
         return hmac.compare_digest(mac, bytes(self.macs[seq]))

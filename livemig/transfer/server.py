@@ -9,6 +9,7 @@ bytes served are exactly the boundary state, without a copy.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import socket
@@ -21,12 +22,14 @@ import torch
 import zmq
 
 from livemig.state import as_bytes, flatten, tensor_meta
+from livemig.transfer import gmac
 from livemig.transfer import protocol as P
 
 log = logging.getLogger("livemig.transfer.server")
 
 MAX_DATA_CONNECTIONS = 64  # concurrent data-channel peers (a recovery has a handful)
 DATA_IDLE_S = 60.0  # a data connection with no request for this long is closed
+SNAPSHOT_THREADS = 8  # threads hashing a served snapshot's chunk MACs (at most the cores)
 
 # provider() -> (step, state object to flatten)
 Provider = Callable[[], tuple[int, Any]]
@@ -39,8 +42,14 @@ class _Snapshot:
         self.step = step
         self.bytes = [as_bytes(t.contiguous()) for t in self.tensors]
         self.chunks = P.plan([b.numel() for b in self.bytes])
-        self.macs = [P.chunk_mac(P.chunk_key(key, gen, item, step, i), self._view(c))
-                     for i, c in enumerate(self.chunks)]  # fmt: skip
+        keys = [P.chunk_key(key, gen, item, step, i) for i in range(len(self.chunks))]
+        views = [self._view(c) for c in self.chunks]
+        threads = min(SNAPSHOT_THREADS, os.cpu_count() or 1, len(self.chunks)) if gmac.releases_gil() else 1
+        if threads > 1:  # the recovery waits for these MACs: hash on the cores a paused worker leaves idle
+            with concurrent.futures.ThreadPoolExecutor(threads, "livemig-snapshot") as ex:
+                self.macs = list(ex.map(P.chunk_mac, keys, views))
+        else:
+            self.macs = [P.chunk_mac(k, v) for k, v in zip(keys, views, strict=True)]
 
     def _view(self, c: P.Chunk) -> memoryview:
         return memoryview(self.bytes[c.tensor][c.offset : c.offset + c.length].numpy())

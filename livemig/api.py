@@ -28,6 +28,7 @@ from livemig import logs
 from livemig.comm.group import CollectiveAborted, exit_past_abandoned_builds, release_all, retire
 from livemig.comm.reducer import GradReducer
 from livemig.config import (
+    ENV_GRAD_VIEWS,
     ENV_INCARNATION,
     ENV_RANK,
     ENV_ROLE,
@@ -121,7 +122,7 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self._synced: tuple | None = None  # (step, averaged buckets, switch vote, compute_s) of sync_gradients()
         self._fetched: tuple | None = None  # (step, averaged buckets) a recovery fetched from a peer
         self._scaler: Any = None  # the GradScaler of the ctx.step() in progress
-        self._grad_views = os.environ.get("LIVEMIG_GRAD_VIEWS", "1") != "0"  # runtime/loop.py, _views_safe
+        self._grad_views = os.environ.get(ENV_GRAD_VIEWS, "1") != "0"  # runtime/loop.py, _views_safe
 
     # -- the registered state (runtime/registry.py) ------------------------------------------
     @property

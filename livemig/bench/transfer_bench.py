@@ -108,10 +108,10 @@ def tcp_link_once(mb: int) -> float:
     return (got - first) / dt / 1e9
 
 
-def _spawn(*args: str, encrypt: bool = False, verifiers: str | None = None) -> subprocess.Popen:
+def _spawn(*args: str, encrypt: bool = False, n_verifiers: str | None = None) -> subprocess.Popen:
     env = dict(os.environ, **{P.ENV_ENCRYPT: "1" if encrypt else "0"})
-    if verifiers is not None:
-        env[ENV_VERIFIERS] = verifiers
+    if n_verifiers is not None:
+        env[ENV_VERIFIERS] = n_verifiers
     return subprocess.Popen([sys.executable, "-m", "livemig.bench.transfer_bench", *args],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)  # fmt: skip
 
@@ -154,10 +154,11 @@ def _reset_hwm() -> bool:
         return False
 
 
-def livemig_once(addrs: list[str], mb: int, encrypt: bool = False, verifiers: str | None = None) -> tuple[float, float]:
+def livemig_once(addrs: list[str], mb: int, encrypt: bool = False,
+                 n_verifiers: str | None = None) -> tuple[float, float]:  # fmt: skip
     """One pull in a fresh receiver process, so its peak memory is its own."""
     p = _spawn("--role", "recv", "--size-mb", str(mb), "--addrs", ",".join(addrs), encrypt=encrypt,
-               verifiers=verifiers)  # fmt: skip
+               n_verifiers=n_verifiers)  # fmt: skip
     out, _ = p.communicate(timeout=600)
     r = json.loads(out.decode().strip().splitlines()[-1])
     return r["gbps"], r["extra_mb"]
@@ -223,7 +224,7 @@ def run(a: argparse.Namespace) -> int:
             ours.append(g)
             extras.append(extra)
             for v, got in modes.items():
-                got.append(livemig_once(addrs, a.size_mb, verifiers=v)[0])
+                got.append(livemig_once(addrs, a.size_mb, n_verifiers=v)[0])
             if enc_addrs:
                 encs.append(livemig_once(enc_addrs, a.size_mb, encrypt=True)[0])
         ck = checksum_gbps(template)

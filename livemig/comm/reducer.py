@@ -87,6 +87,7 @@ class GradReducer:
         self._flip = 0
         self.sync = False  # inside ctx.no_sync(): copy nothing, launch nothing
         self._armed = False
+        self._works: list[Any] = []  # this step's bucket works (arm() sets one slot per bucket)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
 
     # -- per step ----------------------------------------------------------------------
@@ -106,7 +107,7 @@ class GradReducer:
             self._outs = self._out_sets[self._flip]
         self._filled = [False] * len(self.params)
         self._count = [0] * len(self.layout)
-        self._works: list[Any] = [None] * len(self.layout)
+        self._works = [None] * len(self.layout)
         self._dirty = False
         self._launch_error: BaseException | None = None
 
@@ -138,8 +139,7 @@ class GradReducer:
         alive until its group is shut down (comm/group.py's graveyard), and the next step
         that would take them allocates new ones."""
         self._armed = False
-        works = getattr(self, "_works", [])
-        if not any(w is not None and w is not False and not w.is_completed() for w in works):
+        if not any(w is not None and w is not False and not w.is_completed() for w in self._works):
             return
         self._sets = [None if s is self._flats else s for s in self._sets]
         if self.scatter:

@@ -72,6 +72,8 @@ class LeaseKeeper:
                     self._lose(f"could not reach etcd for {out_for:.0f}s ({what}): {exc}")
                     return
                 continue
+            if self._stop.is_set():  # stopped while this renewal was in flight: stop() may have
+                return  # revoked the lease under it (a claimed spare's), and that is no loss
             if self._failed and self.outage_budget_s is not None:
                 if not self._after_outage(ttl):
                     return

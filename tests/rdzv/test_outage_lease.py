@@ -109,3 +109,29 @@ def test_through_outage_gives_up_after_its_budget(own_etcd):
         assert 2.0 <= time.monotonic() - t0 < 6.0
     finally:
         own_etcd.resume()
+
+
+def test_a_lease_stopped_while_its_renewal_is_in_flight_is_not_lost(etcd):
+    """A claimed spare stops (and revokes) its spare lease while the keeper's thread may
+    be inside a renewal; that renewal then finds the lease gone. Before the fix the
+    keeper reported it lost, and the spare, just claimed, stopped itself (CI, stop 26:
+    test_zero1_kill_between_steps failed with "no warm spare"). Forced here: the renewal
+    waits until stop() has revoked the lease, then asks a real etcd."""
+    client = EtcdClient(etcd.endpoints, timedelta(seconds=2))
+    in_renewal, revoked = threading.Event(), threading.Event()
+    real = client.keepalive_once
+
+    def renewal_across_the_revoke(lease_id: int) -> int:
+        in_renewal.set()
+        assert revoked.wait(10)
+        return real(lease_id)
+
+    client.keepalive_once = renewal_across_the_revoke  # type: ignore[method-assign]
+    lost: list[str] = []
+    keeper = LeaseKeeper(client, 3, lost.append, name="spares")
+    assert in_renewal.wait(10)  # the thread is inside a renewal (one per ttl / 3 = 1 s)
+    keeper.stop(revoke=True)
+    revoked.set()
+    keeper._thread.join(10)
+    assert real(keeper.lease_id) <= 0, "the lease was revoked"
+    assert not keeper.lost.is_set() and lost == []

@@ -72,8 +72,8 @@ class LeaseKeeper:
                     self._lose(f"could not reach etcd for {out_for:.0f}s ({what}): {exc}")
                     return
                 continue
-            if self._stop.is_set():  # stopped while this renewal was in flight: stop() may have
-                return  # revoked the lease under it (a claimed spare's), and that is no loss
+            if self._stop.is_set():  # stopped while this renewal was in flight (stop() may have revoked
+                return  # the lease under it): neither a loss (see _lose) nor a lease to re-attach
             if self._failed and self.outage_budget_s is not None:
                 if not self._after_outage(ttl):
                     return
@@ -113,6 +113,8 @@ class LeaseKeeper:
         return time.monotonic() - self._last_ok if self._failed else 0.0
 
     def _lose(self, reason: str) -> None:
+        if self._stop.is_set():  # its owner stopped it (and may have revoked it): nothing is lost
+            return
         self.lost_reason = reason
         self.lost.set()
         log.warning("lease lost", extra={"lease": self.name, "reason": reason})

@@ -151,9 +151,6 @@ def chunk_mac(ckey: bytes, buf: object) -> bytes:
     return gmac.gmac(ckey, buf)
 
 
-ChunkHasher = gmac.Gmac  # `chunk_mac` fed piece by piece (a receiving thread hashes each while cache-hot)
-
-
 class ChunkAuth:
     """What a pull checks each chunk against: the MACs of the authenticated header,
     under the one-time keys of the state it names (gen, item, step)."""
@@ -168,6 +165,7 @@ class ChunkAuth:
         return chunk_mac(self.ckey(seq), buf)
 
     def hasher(self, seq: int) -> gmac.Gmac:
+        """`mac` fed piece by piece (a receiving thread hashes each piece while cache-hot)."""
         return gmac.Gmac(self.ckey(seq))
 
     def ok(self, seq: int, mac: bytes) -> bool:

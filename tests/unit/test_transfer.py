@@ -55,7 +55,7 @@ def test_chunk_mac_binds_the_bytes_to_their_place_in_one_served_state():
     place = (3, "state", 7, 0)
     mac = P.chunk_mac(P.chunk_key(key, *place), data)
     assert len(mac) == P.TAG_BYTES and P.chunk_mac(P.chunk_key(key, *place), data) == mac
-    h = P.ChunkHasher(P.chunk_key(key, *place))
+    h = P.ChunkAuth(key, *place[:3], [mac]).hasher(place[3])
     for off in range(0, len(data), 333_333):  # pieces that are not multiples of the AES block
         h.update(memoryview(data)[off : off + 333_333])
     assert h.digest() == mac

@@ -38,8 +38,10 @@ def test_bench_transfer(tmp_path):
     r = bench("transfer", "--size-mb", "16", "--repeat", "1", "--verifiers", "0,2", "--json", str(tmp_path / "t.json"))
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "t.json").read_text())
-    for k in ("link_gbps", "livemig_gbps", "ratio_to_link", "checksum_gbps", "receiver_peak_extra_mb", "sources"):
+    for k in ("link_gbps", "livemig_gbps", "ratio_to_link", "checksum_gbps", "receiver_peak_extra_mb", "sources",
+              "cpu_s_per_gb", "cpu_bound_ratio"):  # fmt: skip
         assert k in res
+    assert res["cpu_s_per_gb"]["livemig"]["recv"] >= 0 and "cpu_bound_ratio" in r.stdout
     assert res["livemig_gbps"] > 0 and "ratio_to_link" in r.stdout
     assert set(res["verifier_rows"]) == {"0", "2"} and all(v["gbps"] > 0 for v in res["verifier_rows"].values())
 

@@ -8,7 +8,9 @@ pull of a synthetic state of M MB (tensors of mixed sizes and dtypes, like a
 model plus optimizer) from S source processes into pre-allocated tensors;
 (c) the checksum's own speed. Receiver peak extra memory is read from the
 kernel (VmHWM after resetting it via /proc/self/clear_refs), over the RSS
-with the destination tensors already allocated and touched.
+with the destination tensors already allocated and touched. Each side's CPU
+seconds per GB, for the link and for the pull, say whether the pull is bound
+by the host's cores rather than by livemig (`cpu_bound_ratio`).
 """
 
 from __future__ import annotations
@@ -86,7 +88,28 @@ def _tcp_push(port: int, mb: int) -> None:
     conn.close()
 
 
-def tcp_link_once(mb: int) -> float:
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used, from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Cpu:
+    """CPU seconds per GB moved, each side, of one transfer: where the time goes when
+    the transfer is CPU-bound (on a loopback bench both sides share the host's cores)."""
+
+    def __init__(self, send_s: float, recv_s: float, nbytes: int, wall_s: float) -> None:
+        self.send = send_s / (nbytes / 1e9)
+        self.recv = recv_s / (nbytes / 1e9)
+        self.wall = wall_s / (nbytes / 1e9)
+        self.measurable = send_s + recv_s >= 0.1  # ten ticks of the kernel's accounting, at least
+
+
+def tcp_link_once(mb: int, cpu: list[Cpu] | None = None) -> float:
     """The raw link: a TCP stream of mb MiB received with recv_into into a touched buffer."""
     import socket
 
@@ -96,12 +119,15 @@ def tcp_link_once(mb: int) -> float:
     conn, _ = lsock.accept()
     got = conn.recv_into(dest)
     t0, first = time.perf_counter(), got
+    send0, recv0 = proc_cpu_s(p.pid), time.process_time()
     while got < len(dest):  # MSG_WAITALL: one call per chunk, the fastest raw receive measured
         k = conn.recv_into(dest[got:], min(P.CHUNK_BYTES, len(dest) - got), socket.MSG_WAITALL)
         if not k:
             break
         got += k
     dt = time.perf_counter() - t0
+    if cpu is not None:
+        cpu.append(Cpu(proc_cpu_s(p.pid) - send0, time.process_time() - recv0, got - first, dt))
     conn.close()
     lsock.close()
     p.wait()
@@ -154,13 +180,17 @@ def _reset_hwm() -> bool:
         return False
 
 
-def livemig_once(addrs: list[str], mb: int, encrypt: bool = False,
-                 n_verifiers: str | None = None) -> tuple[float, float]:  # fmt: skip
-    """One pull in a fresh receiver process, so its peak memory is its own."""
+def livemig_once(addrs: list[str], mb: int, encrypt: bool = False, n_verifiers: str | None = None,
+                 sources: list[int] = (), cpu: list[Cpu] | None = None) -> tuple[float, float]:  # fmt: skip
+    """One pull in a fresh receiver process, so its peak memory is its own. `sources`:
+    the serving processes' pids, whose CPU time over the pull goes into `cpu`."""
     p = _spawn("--role", "recv", "--size-mb", str(mb), "--addrs", ",".join(addrs), encrypt=encrypt,
                n_verifiers=n_verifiers)  # fmt: skip
+    send0 = sum(proc_cpu_s(pid) for pid in sources)  # the sources idle until the pull starts
     out, _ = p.communicate(timeout=600)
     r = json.loads(out.decode().strip().splitlines()[-1])
+    if cpu is not None:
+        cpu.append(Cpu(sum(proc_cpu_s(pid) for pid in sources) - send0, r["cpu_s"], r["nbytes"], r["seconds"]))
     return r["gbps"], r["extra_mb"]
 
 
@@ -171,11 +201,12 @@ def _recv(addrs: list[str], mb: int) -> None:
     base = _status_mb("VmRSS")
     reset = _reset_hwm()
     verifiers()  # calibrated at a spare's warm-up, not in its pull
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     got = pull(addrs, "bench", SECRET, 1, "state", 30.0, lambda i, m: dests[i])
-    dt = time.perf_counter() - t0
+    dt, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     extra = (_status_mb("VmHWM") - base) if reset else float("nan")
-    print(json.dumps({"gbps": got.nbytes / dt / 1e9, "extra_mb": extra, "seconds": dt}), flush=True)
+    print(json.dumps({"gbps": got.nbytes / dt / 1e9, "extra_mb": extra, "seconds": dt, "cpu_s": cpu_s,
+                      "nbytes": got.nbytes}), flush=True)  # fmt: skip
 
 
 def checksum_gbps(template: dict[str, torch.Tensor]) -> float:
@@ -216,11 +247,14 @@ def run(a: argparse.Namespace) -> int:
         if enc_addrs:
             livemig_once(enc_addrs, a.size_mb, encrypt=True)  # warm its snapshot too
         links, zlinks, ours, extras, encs = [], [], [], [], []
+        link_cpu: list[Cpu] = []
+        our_cpu: list[Cpu] = []
+        pids = [s.pid for s in servers[: a.sources]]
         modes: dict[str, list[float]] = {v.strip(): [] for v in a.verifiers.split(",") if v.strip()}
         for _ in range(a.repeat):
-            links.append(tcp_link_once(a.size_mb))
+            links.append(tcp_link_once(a.size_mb, link_cpu))
             zlinks.append(link_once(a.size_mb))
-            g, extra = livemig_once(addrs, a.size_mb)
+            g, extra = livemig_once(addrs, a.size_mb, sources=pids, cpu=our_cpu)
             ours.append(g)
             extras.append(extra)
             for v, got in modes.items():
@@ -253,6 +287,21 @@ def run(a: argparse.Namespace) -> int:
             "receiver_peak_extra_mb": extras,
         },
     }
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+    def med(rows: list[Cpu], f: str) -> float:
+        return statistics.median(getattr(r, f) for r in rows)
+
+    res["cpu_s_per_gb"] = {
+        "link": {"send": med(link_cpu, "send"), "recv": med(link_cpu, "recv")},
+        "livemig": {"send": med(our_cpu, "send"), "recv": med(our_cpu, "recv")},
+    }
+    # the most any schedule of livemig's measured CPU work reaches against the link's wall
+    # time, when both sides share this host's cores (a loopback bench): a bound, not a forecast
+    # (None where the transfer was too short for the kernel's CPU accounting, 10 ms ticks)
+    bounds = [k.wall / ((o.send + o.recv) / cores) for k, o in zip(link_cpu, our_cpu, strict=True) if o.measurable]
+    res["cpu_bound_ratio"] = statistics.median(bounds) if bounds else None
+    res["cores"] = cores
     res["verifiers"] = verifiers()  # what the default ("auto" unless set) chose here
     res["verifier_rows"] = {v: {"gbps": statistics.median(got),
                                 "ratio_to_link": statistics.median(o / k for o, k in zip(got, links, strict=True))}
@@ -270,6 +319,14 @@ def run(a: argparse.Namespace) -> int:
     print(f"  ratio_to_link           {res['ratio_to_link']:.2f}   (verifier threads: {res['verifiers']})")
     for v, row in res["verifier_rows"].items():
         print(f"    {ENV_VERIFIERS}={v}: {row['gbps']:.2f} GB/s, ratio_to_link {row['ratio_to_link']:.2f}")
+    c = res["cpu_s_per_gb"]
+    print(
+        f"  cpu_s_per_gb            link: send {c['link']['send']:.2f} recv {c['link']['recv']:.2f}; "
+        f"livemig: send {c['livemig']['send']:.2f} recv {c['livemig']['recv']:.2f}"
+    )
+    bound = "n/a" if res["cpu_bound_ratio"] is None else f"{res['cpu_bound_ratio']:.2f}"
+    print(f"  cpu_bound_ratio         {bound}   (the most livemig's CPU work allows against "
+          f"the link when both sides share {cores} core(s))")  # fmt: skip
     print(f"  checksum_gbps           {ck:.2f}   (chunk MAC: AES-GMAC, one thread)")
     print(f"  receiver_peak_extra_mb  {res['receiver_peak_extra_mb']:.1f}")
     if encs:

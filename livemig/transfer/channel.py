@@ -315,10 +315,14 @@ def _recv_hashed(conn: socket.socket, dest: memoryview, h: gmac.Gmac) -> bytes:
     """Receive into `dest` piece by piece, hashing each piece while it is still in the
     CPU's cache: the chunk's MAC costs no second pass over memory. (Measured on 2 cores:
     faster than hashing the whole chunk afterwards, and than a verifier thread.)"""
+    base = gmac.address(dest) if h.native else None  # looked up once: `dest` lives through the loop
     for off in range(0, len(dest), HASH_PIECE):
         piece = dest[off : off + HASH_PIECE]
         P.recv_exact(conn, piece)
-        h.update(piece)
+        if base is None:
+            h.update(piece)
+        else:
+            h.update_at(base + off, len(piece))
     return h.digest()
 
 

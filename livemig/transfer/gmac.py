@@ -53,6 +53,12 @@ def _load() -> Any:
 
 
 _lib = _load()
+_update = _lib.EVP_EncryptUpdate if _lib is not None else None
+
+
+def address(buf: Any) -> int:
+    """Where a buffer's bytes start in memory (read-only buffers too)."""
+    return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
 
 
 def releases_gil() -> bool:
@@ -75,6 +81,7 @@ class Gmac:
             self._free()
             raise RuntimeError("OpenSSL refused AES-256-GCM")
         self._n = ctypes.c_int(0)
+        self._np = ctypes.byref(self._n)
 
     def update(self, buf: Any) -> None:
         if self._enc is not None:
@@ -82,11 +89,22 @@ class Gmac:
             return
         if self._ctx is None:
             raise RuntimeError("GMAC already finalized")
-        arr = np.frombuffer(buf, dtype=np.uint8)  # a view (read-only buffers too); alive for the call
-        base = arr.ctypes.data
-        for off in range(0, arr.size, _MAX_UPDATE):
-            n = min(_MAX_UPDATE, arr.size - off)
-            if _lib.EVP_EncryptUpdate(self._ctx, None, ctypes.byref(self._n), base + off, n) != 1:
+        self.update_at(address(buf), memoryview(buf).nbytes)  # `buf` stays alive for the call
+
+    @property
+    def native(self) -> bool:
+        """Whether `update_at` works (libcrypto), else only `update` (the fallback)."""
+        return self._ctx is not None
+
+    def update_at(self, address: int, n: int) -> None:
+        """`update` with the `n` bytes at `address`, which the caller keeps alive for the
+        call: a receiving thread hashes a chunk in many pieces, and looking up a buffer's
+        address costs several microseconds a time."""
+        if self._ctx is None:
+            raise RuntimeError("GMAC already finalized")
+        for off in range(0, n, _MAX_UPDATE):
+            k = min(_MAX_UPDATE, n - off)
+            if _update(self._ctx, None, self._np, address + off, k) != 1:
                 raise RuntimeError("OpenSSL GMAC update failed")
 
     def digest(self) -> bytes:

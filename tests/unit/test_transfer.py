@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import zmq
 
 from livemig.errors import TransferError
 from livemig.state import first_mismatch, flatten, signature, unflatten
+from livemig.transfer import channel
 from livemig.transfer import protocol as P
 from livemig.transfer.client import pull
 from livemig.transfer.server import StateServer
@@ -96,6 +99,17 @@ def test_gmac_equals_aes_gcm_on_either_path(path, monkeypatch):
         for off in range(0, n, 4099):
             h.update(memoryview(data)[off : off + 4099])
         assert h.digest() == want, n
+        # as a receiving thread hashes: pieces landing from a socket, by address where it can
+        a, b = socket.socketpair()
+        sender = threading.Thread(target=a.sendall, args=(data,))
+        sender.start()
+        dest = memoryview(bytearray(n))
+        try:
+            assert channel._recv_hashed(b, dest, gmac.Gmac(key)) == want and dest == data, n
+        finally:
+            sender.join(timeout=10)
+            a.close()
+            b.close()
     with pytest.raises(ValueError):
         gmac.Gmac(b"short")
 

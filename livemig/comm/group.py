@@ -79,19 +79,26 @@ def exit_past_abandoned_builds() -> None:
     without an active exception": a spare seen in a CI run, after its job ended). Called on
     a clean way out of a worker or spare: if such a build is still running at exit, the
     process leaves with os._exit (logs and stdio flushed first), with 1 if an uncaught
-    exception got to sys.excepthook meanwhile, else 0. Other atexit handlers registered
-    before this call are skipped then."""
+    exception got to sys.excepthook meanwhile, else the status the script last gave
+    `sys.exit` (atexit cannot see the exit status, so `sys.exit` records it), else 0. A
+    bare `raise SystemExit(n)` is not seen: it leaves with 0. Other atexit handlers
+    registered before this call are skipped then."""
     if not any(t.is_alive() for t in _ABANDONED_BUILDS):
         return
     import atexit
     import sys
 
     failed: list[bool] = []
-    previous = sys.excepthook
+    status: list[object] = []
+    previous, previous_exit = sys.excepthook, sys.exit
 
     def hook(*exc: Any) -> None:
         failed.append(True)
         previous(*exc)
+
+    def record_exit(arg: object = None) -> None:
+        status[:] = [arg]
+        previous_exit(arg)
 
     def leave() -> None:
         if any(t.is_alive() for t in _ABANDONED_BUILDS):
@@ -101,10 +108,20 @@ def exit_past_abandoned_builds() -> None:
                     f.flush()
                 except Exception:  # noqa: BLE001 - a closed stream
                     pass
-            os._exit(1 if failed else 0)
+            os._exit(1 if failed else _exit_code(status[0] if status else None))
 
     sys.excepthook = hook
+    sys.exit = record_exit  # type: ignore[assignment]
     atexit.register(leave)
+
+
+def _exit_code(arg: object) -> int:
+    """The process's exit status for `sys.exit(arg)`, as the interpreter computes it."""
+    if arg is None:
+        return 0
+    if isinstance(arg, int):
+        return arg & 0xFF
+    return 1  # a message (the interpreter printed it already)
 
 
 def build_group(

@@ -169,7 +169,8 @@ def test_a_waiter_ends_after_its_calling_thread():
 def test_an_abandoned_build_still_running_at_exit_leaves_with_the_right_code():
     """A gloo build given up on may still run in C++ at exit, where teardown made the process
     abort (SIGABRT) in CI. exit_past_abandoned_builds leaves with os._exit instead: 0 on a
-    clean end, 1 after an uncaught exception, output flushed either way, teardown skipped."""
+    clean end, 1 after an uncaught exception, the script's own sys.exit status, output
+    flushed either way, teardown skipped."""
     import subprocess
     import sys
 
@@ -184,11 +185,19 @@ group.exit_past_abandoned_builds()
 sys.stdout.write("flushed")
 if sys.argv[1] == "raise":
     raise RuntimeError("after the job")
+if sys.argv[1] == "exit":
+    sys.exit(3)
+if sys.argv[1] == "message":
+    sys.exit("bad input")
 """
     ok = subprocess.run([sys.executable, "-c", script, "clean"], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and ok.stdout == "flushed", ok.stderr
     bad = subprocess.run([sys.executable, "-c", script, "raise"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and bad.stdout == "flushed" and "after the job" in bad.stderr
+    code = subprocess.run([sys.executable, "-c", script, "exit"], capture_output=True, text=True, timeout=60)
+    assert code.returncode == 3 and code.stdout == "flushed", code.stderr
+    msg = subprocess.run([sys.executable, "-c", script, "message"], capture_output=True, text=True, timeout=60)
+    assert msg.returncode == 1 and "bad input" in msg.stderr, msg.stderr
 
 
 def test_buckets_of_an_abandoned_collective_are_never_reused():

@@ -167,7 +167,7 @@ def tcp_stream(alive: list[_Source], chunks: list[P.Chunk], auth: P.ChunkAuth, v
 
 def _tcp_worker(s: _Source, sh: _Shared, chunks: list[P.Chunk], auth: P.ChunkAuth, views: list, job: str,
                 secret: bytes, gen: int, item: str, stall: float) -> None:  # fmt: skip
-    key = P.reply_key(secret)
+    key = auth.key  # the reply key, derived once per pull
     inflight: collections.deque[tuple[int, bytes]] = collections.deque()  # (seq, nonce), in request order
     try:
         conn = socket.create_connection(s.data_addr(), timeout=stall)

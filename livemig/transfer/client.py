@@ -242,7 +242,7 @@ def _destinations(metas: list[dict], alloc: Alloc | None) -> list[torch.Tensor]:
 def _stream(alive: list[_Source], chunks: list[P.Chunk], auth: P.ChunkAuth, views: list, job: str,
             secret: bytes, gen: int, item: str, timeout: float, dropped: list[str],
             abort: Callable[[], bool] | None = None) -> int:  # fmt: skip
-    key = P.reply_key(secret)
+    key = auth.key  # the reply key, derived once per pull
     remaining = len(chunks)
     done = [False] * len(chunks)
     refetched = 0

@@ -43,6 +43,8 @@ class LeaseKeeper:
         self.name = name
         self.lease_id = client.grant(self.ttl_s)
         self._stop = threading.Event()
+        self._revoke_on_stop = False
+        self._swap = threading.Lock()  # lease_id against stop(): a re-attached lease is revoked too
         self.lost = threading.Event()
         self.lost_reason = ""
         self.outage_budget_s = outage_budget_s
@@ -100,7 +102,13 @@ class LeaseKeeper:
             except Exception as exc:  # noqa: BLE001 - FencedError: replaced meanwhile
                 self._lose(f"could not re-register after an etcd outage: {exc}")
                 return False
-            self.lease_id = new
+            with self._swap:
+                self.lease_id = new
+                stopped, revoke = self._stop.is_set(), self._revoke_on_stop
+            if stopped:  # stop() ran during the re-attach and revoked the lease it saw, the old one
+                if revoke:
+                    self._revoke(new)
+                return False
         self._failed = False
         self._last_ok = time.monotonic()
         self.outages += 1
@@ -125,9 +133,15 @@ class LeaseKeeper:
                 log.exception("on_lost callback failed")
 
     def stop(self, revoke: bool = True) -> None:
-        self._stop.set()
+        with self._swap:
+            self._stop.set()
+            self._revoke_on_stop = revoke
+            lease = self.lease_id
         if revoke and not self.lost.is_set():
-            try:
-                self.client.revoke(self.lease_id)
-            except EtcdUnavailableError:
-                pass
+            self._revoke(lease)
+
+    def _revoke(self, lease: int) -> None:
+        try:
+            self.client.revoke(lease)
+        except EtcdUnavailableError:
+            pass  # unreachable: it expires after its TTL

@@ -135,3 +135,38 @@ def test_a_lease_stopped_while_its_renewal_is_in_flight_is_not_lost(etcd):
     keeper._thread.join(10)
     assert real(keeper.lease_id) <= 0, "the lease was revoked"
     assert not keeper.lost.is_set() and lost == []
+
+
+def test_a_lease_stopped_while_it_is_reattached_is_revoked_too(etcd):
+    """After an outage in which its lease expired, the keeper grants a new lease and the
+    owner re-registers under it. A stop(revoke=True) during that re-attach revoked the
+    lease it saw, the old one, and the new one kept the re-registered keys alive for a
+    TTL (a claimed spare still listed as a spare). Forced here: the re-attach waits until
+    stop() has returned; the key written under the new lease must then be gone."""
+    client = EtcdClient(etcd.endpoints, timedelta(seconds=2))
+    real = client.keepalive_once
+    first = threading.Event()
+
+    def renewal_after_an_outage(lease_id: int) -> int:
+        if not first.is_set():  # the first renewal fails, and the lease expires meanwhile
+            first.set()
+            client.revoke(lease_id)
+            raise EtcdUnavailableError("etcd unreachable (test)")
+        return real(lease_id)
+
+    client.keepalive_once = renewal_after_an_outage  # type: ignore[method-assign]
+    in_reattach, stopped = threading.Event(), threading.Event()
+
+    def reattach(lease: int) -> None:
+        client.put("/test/spare", b"listed", lease=lease)
+        in_reattach.set()
+        assert stopped.wait(10)
+
+    keeper = LeaseKeeper(client, 3, name="spares", outage_budget_s=30.0, reattach=reattach)
+    assert in_reattach.wait(15)
+    keeper.stop(revoke=True)
+    stopped.set()
+    keeper._thread.join(10)
+    assert not keeper._thread.is_alive()
+    assert client.get("/test/spare") is None, "the re-attached lease outlived stop(revoke=True)"
+    assert not keeper.lost.is_set()

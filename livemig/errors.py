@@ -65,3 +65,8 @@ class RecoveryError(LivemigError):
 
 class TransferError(LivemigError):
     """A state transfer failed (source died, checksum mismatch, refused)."""
+
+
+class WithdrawnError(TransferError):
+    """Every source said the item was served once and withdrawn: waiting will not bring it
+    back (a migrating spare that fell behind the averages its source still keeps)."""

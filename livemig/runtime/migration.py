@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 
-from livemig.errors import RecoveryError, TransferError
+from livemig.errors import RecoveryError, TransferError, WithdrawnError
 from livemig.rdzv.membership import GenState, Membership
 from livemig.runtime.control import _Released, _Requeue
 from livemig.state import flatten, unflatten, unpack
 from livemig.transfer.client import pull
-from livemig.transfer.server import GONE
 
 AVG_KEEP = 8  # averaged gradients a leaving worker keeps for its catching-up spare
 
@@ -159,9 +158,9 @@ class Migration:
                 try:
                     return pull(addr, rt.job, secret, g, item, self.timeouts.collective.total_seconds(), alloc,
                                 abort=moved)  # fmt: skip
+                except WithdrawnError as exc:
+                    raise _FellBehind(str(exc)) from None
                 except TransferError as exc:
-                    if GONE in str(exc):
-                        raise _FellBehind(str(exc)) from None
                     if time.monotonic() > deadline:
                         raise RecoveryError(f"migration: could not pull {item} from {addr}: {exc}") from exc
                 time.sleep(0.005)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import zmq
 
-from livemig.errors import TransferError
+from livemig.errors import TransferError, WithdrawnError
 from livemig.state import as_bytes, dtype_of, unflatten
 from livemig.transfer import protocol as P
 from livemig.transfer.channel import MAX_BAD_CHUNKS, tcp_stream
@@ -79,6 +79,7 @@ class _Source:
         self.bad = 0
         self.served = 0
         self.error = ""
+        self.gone = False  # its refusal said the item was withdrawn for good
         self.nonces: dict[int, bytes] = {}  # outstanding request -> its nonce (-1: the header)
         self.conn: socket.socket | None = None  # the data channel, while chunks stream
         self.data_port: int | None = None  # from this source's own (authenticated) header
@@ -203,11 +204,13 @@ def _headers(sources: list[_Source], job: str, secret: bytes, gen: int, item: st
                 deadline = min(deadline, time.monotonic() + stall)
             else:
                 s.error = f"refused: {meta.get('error')}"
+                s.gone = meta.get("gone") is True
     for s in pending.values():
         s.error = f"did not answer within {timeout:.1f}s"
     ok = [s for s in sources if s.addr in headers]
     if not ok:
-        raise TransferError("no source served the state: " + "; ".join(f"source {s.addr} {s.error}" for s in sources))
+        why = "no source served the state: " + "; ".join(f"source {s.addr} {s.error}" for s in sources)
+        raise WithdrawnError(why) if all(s.gone for s in sources) else TransferError(why)
     votes = collections.Counter(headers[s.addr]["digest"] for s in ok)
     digest = votes.most_common(1)[0][0]
     for s in ok:

@@ -55,8 +55,11 @@ class _Snapshot:
         return memoryview(self.bytes[c.tensor][c.offset : c.offset + c.length].numpy())
 
 
-GONE = "no longer served (withdrawn)"  # in a refusal: the item existed and will not come back
 GONE_KEEP = 64  # withdrawn item names remembered
+
+
+class Withdrawn(LookupError):
+    """The item existed and will not come back; its refusal says so in a field ("gone")."""
 
 
 class Hooks:
@@ -142,7 +145,7 @@ class StateServer:
             if self._fenced:
                 raise PermissionError("this member is fenced and serves no state")
             if item in self._gone:  # a peer that fell behind: waiting will not bring it back
-                raise LookupError(f"item {item!r} is {GONE}")
+                raise Withdrawn(f"item {item!r} is no longer served (withdrawn)")
             if item not in self._items:
                 self.wanted.add(item)  # authenticated: the owner may produce it (planned migration)
                 raise LookupError(f"item {item!r} is not being served now")
@@ -191,7 +194,7 @@ class StateServer:
         try:
             snap = self._snapshot(int(req["gen"]), str(req["item"]))
         except (PermissionError, LookupError) as exc:
-            return self._reply(nonce, {"ok": False, "error": str(exc)})
+            return self._reply(nonce, {"ok": False, "error": str(exc), "gone": isinstance(exc, Withdrawn)})
         if req["op"] == "header":
             return self._reply(nonce, {
                 "ok": True,

@@ -114,6 +114,23 @@ def test_gmac_equals_aes_gcm_on_either_path(path, monkeypatch):
         gmac.Gmac(b"short")
 
 
+def test_a_withdrawn_item_is_told_apart_from_one_not_served_yet(served):
+    """A migrating spare that asks for an average its source has withdrawn must start over
+    from a newer snapshot (waiting will not bring it back), while one not served yet is
+    worth waiting for: the refusal says which in a field, not in its wording."""
+    from livemig.errors import WithdrawnError
+
+    srv, *_ = served
+    srv.publish(5, "avg/3", lambda: (3, {"avg": torch.ones(4)}))
+    assert torch.equal(pull(srv.addr, "job", b"secret", 5, "avg/3", 2.0).state["avg"], torch.ones(4))
+    srv.withdraw("avg/3")
+    with pytest.raises(WithdrawnError, match="no longer served"):
+        pull(srv.addr, "job", b"secret", 5, "avg/3", 2.0)
+    with pytest.raises(TransferError, match="not being served now") as not_yet:
+        pull(srv.addr, "job", b"secret", 5, "avg/4", 2.0)
+    assert not isinstance(not_yet.value, WithdrawnError)
+
+
 def test_wrong_secret_refused(served):
     srv, *_ = served
     with pytest.raises(TransferError, match="authentication failed"):

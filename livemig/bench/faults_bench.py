@@ -128,7 +128,7 @@ def run_case(case: Case, reference: Callable[[int], str]) -> dict[str, Any]:
     t0 = time.monotonic()
     rep = run(cfg)
     wall = time.monotonic() - t0
-    ref = reference(case.nproc) if case.script == MLP else reference(case.nproc, case.script, case.args)
+    ref = reference(case.nproc, case.script, case.args)
     done = (rep["result"] or {}).get("state") == "done"
     notes = []
     if not done:
@@ -205,20 +205,51 @@ def exact_grid() -> list[Case]:
     return cases
 
 
+def _migration_ended(rep: dict) -> str:
+    migs = rep.get("migrations") or []
+    if not migs:
+        return "no planned migration was recorded (the migrate fault did not land)"
+    return ""
+
+
+def migration_grid() -> list[Case]:
+    """Failures inside a planned migration (`--grid migration`): a worker of the group, or
+    the spare moving in, killed while the spare loads its snapshot, as it catches up, or
+    at a step in the middle of it. The migration may complete or be given up; either way
+    the job must end with every step and the fault-free state, with a second spare for
+    the failure. 120 steps of examples/mlp.py: long enough for a warm spare to move in."""
+    args = ["--steps", "120", "--layers", "2", "--batch", "32"]
+    move = "migrate:rank=1:step=24"  # after the start-up target's warm spare (before step 20)
+    plans = [
+        ("peer-killed-at-snapshot", "kill the other worker as the spare loads its snapshot", 2,
+         [move, "kill:rank=0:step=24:during=snapshot"]),
+        ("peer-killed-at-catchup", "kill the other worker as the spare has caught up", 2,
+         [move, "kill:rank=0:step=24:during=catchup"]),
+        ("incoming-killed-at-catchup", "kill rank 1's incoming holder as it has caught up", 2,
+         [move, "kill:rank=1:step=24:during=catchup"]),
+        ("peer-killed-mid-migration", "kill a worker 3 steps into the migration, 3 ranks", 3,
+         [move, "kill:rank=2:step=27"]),
+    ]  # fmt: skip
+    return [Case(f"migration-{name}", what, nproc, 2, faults, recoveries=(1, 2), check=_migration_ended, args=args)
+            for name, what, nproc, faults in plans]  # fmt: skip
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", help="comma-separated case names (default: all)")
     p.add_argument(
         "--grid",
-        choices=["matrix", "exact"],
+        choices=["matrix", "exact", "migration"],
         default="matrix",
-        help="matrix: the reliability matrix (default); exact: the exactness grid on examples/stateful.py",
+        help="matrix: the reliability matrix (default); exact: the exactness grid on examples/stateful.py; "
+        "migration: failures inside a planned migration",
     )
     p.add_argument("--json", help="write the table (and each run's report) here")
 
 
 def run_matrix(a: argparse.Namespace) -> int:
-    every = exact_grid() if getattr(a, "grid", "matrix") == "exact" else MATRIX
-    if every is not MATRIX:  # steps long enough for an agent's kill "after step S" to land mid-run
+    grid = getattr(a, "grid", "matrix")
+    every = {"exact": exact_grid, "migration": migration_grid}.get(grid, lambda: MATRIX)()
+    if grid == "exact":  # steps long enough for an agent's kill "after step S" to land mid-run
         os.environ.setdefault("STATEFUL_STEP_SLEEP", "0.05")
     cases = every
     if a.cases:

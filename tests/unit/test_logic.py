@@ -28,6 +28,20 @@ def test_parse_fault():
             parse_fault(bad)
 
 
+def test_every_grid_of_the_faults_bench_is_well_formed():
+    """`livemig bench faults --grid G` runs for minutes before it reaches a case: a plan that
+    does not parse, or a rank the case's world lacks, must fail here instead."""
+    from livemig.bench.faults_bench import MATRIX, exact_grid, migration_grid
+
+    for grid in (MATRIX, exact_grid(), migration_grid()):
+        assert len({c.name for c in grid}) == len(grid)
+        for c in grid:
+            for plan in c.faults:
+                f = parse_fault(plan)
+                assert f.rank is None or 0 <= f.rank < c.nproc, (c.name, plan)
+            assert "--steps" in c.args and c.spares >= 0, c.name
+
+
 def test_downtime_and_phases():
     commits = [(s, 100.0 + s * 0.1) for s in range(10)] + [(s, 103.0 + s * 0.1) for s in range(10, 20)]
     ev = [

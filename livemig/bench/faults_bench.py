@@ -205,7 +205,7 @@ def exact_grid() -> list[Case]:
     return cases
 
 
-def _migration_ended(rep: dict) -> str:
+def _migration_recorded(rep: dict) -> str:
     migs = rep.get("migrations") or []
     if not migs:
         return "no planned migration was recorded (the migrate fault did not land)"
@@ -230,7 +230,7 @@ def migration_grid() -> list[Case]:
         ("peer-killed-mid-migration", "kill a worker 3 steps into the migration, 3 ranks", 3,
          [move, "kill:rank=2:step=27"]),
     ]  # fmt: skip
-    return [Case(f"migration-{name}", what, nproc, 2, faults, recoveries=(1, 2), check=_migration_ended, args=args)
+    return [Case(f"migration-{name}", what, nproc, 2, faults, recoveries=(1, 2), check=_migration_recorded, args=args)
             for name, what, nproc, faults in plans]  # fmt: skip
 
 

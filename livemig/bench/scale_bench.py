@@ -25,6 +25,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from livemig.bench import proc_cpu_s
 from livemig.coordinator.timeline import read_events
 from livemig.rdzv.client import EtcdClient, encode
 from livemig.rdzv.embedded import EtcdCluster
@@ -149,12 +150,6 @@ class _Watchers:
         self.watches, self.clients = [], []
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, watchers: int = 32) -> dict[str, Any]:
     client = EtcdClient(etcd, timedelta(seconds=30))
     job = f"scale{n}-{int(time.time() * 1000) % 100000}"
@@ -180,9 +175,9 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, 
         _wait(client, keys, lambda m: m.state == GenState.COMMITTED, coord)
         progress = _Progress(etcd, keys, inc, progress_hz)
         progress.start()
-        cpu0, w0 = _cpu_s(coord.pid), time.monotonic()
+        cpu0, w0 = proc_cpu_s(coord.pid), time.monotonic()
         time.sleep(steady_s)  # steady state: progress traffic, no recovery
-        coord_cpu = (_cpu_s(coord.pid) - cpu0) / (time.monotonic() - w0)
+        coord_cpu = (proc_cpu_s(coord.pid) - cpu0) / (time.monotonic() - w0)
         spare_inc = f"sim-{job}-spare"
         client.put(keys.spare("s0"), encode({"incarnation": spare_inc, "state": "warm", "signature": SIG,
                                              "host": "sim", "pid": 0}), lease)  # fmt: skip

@@ -22,10 +22,12 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 import zmq
 
+from livemig.bench import proc_cpu_s
 from livemig.transfer import protocol as P
 from livemig.transfer.channel import ENV_VERIFIERS, verifiers
 from livemig.transfer.client import pull
@@ -86,16 +88,6 @@ def _tcp_push(port: int, mb: int) -> None:
     for off in range(0, len(buf), P.CHUNK_BYTES):
         conn.sendall(buf[off : off + P.CHUNK_BYTES])
     conn.close()
-
-
-def proc_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) a process has used, from /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Cpu:
@@ -181,7 +173,7 @@ def _reset_hwm() -> bool:
 
 
 def livemig_once(addrs: list[str], mb: int, encrypt: bool = False, n_verifiers: str | None = None,
-                 sources: list[int] = (), cpu: list[Cpu] | None = None) -> tuple[float, float]:  # fmt: skip
+                 sources: Sequence[int] = (), cpu: list[Cpu] | None = None) -> tuple[float, float]:  # fmt: skip
     """One pull in a fresh receiver process, so its peak memory is its own. `sources`:
     the serving processes' pids, whose CPU time over the pull goes into `cpu`."""
     p = _spawn("--role", "recv", "--size-mb", str(mb), "--addrs", ",".join(addrs), encrypt=encrypt,

@@ -96,15 +96,15 @@ class Gmac:
         """Whether `update_at` works (libcrypto), else only `update` (the fallback)."""
         return self._ctx is not None
 
-    def update_at(self, address: int, n: int) -> None:
-        """`update` with the `n` bytes at `address`, which the caller keeps alive for the
+    def update_at(self, addr: int, n: int) -> None:
+        """`update` with the `n` bytes at `addr`, which the caller keeps alive for the
         call: a receiving thread hashes a chunk in many pieces, and looking up a buffer's
         address costs several microseconds a time."""
         if self._ctx is None:
             raise RuntimeError("GMAC already finalized")
         for off in range(0, n, _MAX_UPDATE):
             k = min(_MAX_UPDATE, n - off)
-            if _update(self._ctx, None, self._np, address + off, k) != 1:
+            if _update(self._ctx, None, self._np, addr + off, k) != 1:
                 raise RuntimeError("OpenSSL GMAC update failed")
 
     def digest(self) -> bytes:

@@ -353,7 +353,7 @@ class Coordinator(Checks, Migrations, StoreHost):
         suspects = [s.get(self.keys.suspect(i)) for i in incs]
         detected = min((x["time"] for x in suspects if x), default=time.time())
         fault = min((x.get("fault_time") or x["time"] for x in suspects if x), default=detected)
-        members = {r: mem for r, mem in table.items() if r not in dead}
+        members = {r: mem for r, mem in s.registered(table).items() if r not in dead}
         new = Membership(state=GenState.RECOVERING, world_size=m.world_size, members=members,
                          kind="failure", failed_rank=dead[0] if dead else None, leader=self.id,
                          reason=reason or f"rank(s) {dead} failed in generation {m.generation}")  # fmt: skip
@@ -385,13 +385,7 @@ class Coordinator(Checks, Migrations, StoreHost):
                 self._fail(m, f"rank(s) {missing} did not build generation {m.generation} within "
                               f"{self.timeouts.recovery.total_seconds():.0f}s")  # fmt: skip
             return
-        members = {}
-        for r, mem in m.members.items():  # a claimed spare's address is known only now
-            reg = s.get(self.keys.member(r)) or {}
-            if reg.get("incarnation") == mem.incarnation:
-                mem = replace(mem, addr=reg["addr"], host=reg["host"], pid=reg["pid"], node=_node(reg))
-            members[r] = mem
-        new = replace(m, state=GenState.COMMITTED, members=members)
+        new = replace(m, state=GenState.COMMITTED, members=s.registered(m.members))  # a claimed spare's address
         # The events go in the commit's own transaction: a leader killed right after
         # phase 2 cannot leave a committed generation without its timeline.
         events = []

@@ -160,7 +160,10 @@ class Migrations:
         if switched == set(m.members):
             at = min(_num(ready[str(r)].get("time"), time.time()) for r in m.members)
             step = min(ready[str(r)]["switched"] for r in m.members)
-            new = replace(m, state=GenState.COMMITTED, migration=dict(mig, phase="done", switch_step=step))
+            # The spare registered its address at the switch: the table a later recovery
+            # pulls from must hold it (an empty one left nothing to pull from).
+            new = replace(m, state=GenState.COMMITTED, members=s.registered(m.members),
+                          migration=dict(mig, phase="done", switch_step=step))  # fmt: skip
             res = {"id": mig.get("id", ""), "state": "done", "rank": rank, "generation": g, "switch_step": step,
                    "spare": spare.spare_id, "time": time.time()}  # fmt: skip
             events = [self.timeline.op(g, "switch", at=at, step=step), self.timeline.op(g, "commit"),

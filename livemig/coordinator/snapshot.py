@@ -9,6 +9,7 @@ garbage: a pass must never fail on it again and again (docs/reliability.md).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from livemig.rdzv.client import KV, decode
@@ -151,6 +152,21 @@ class Snapshot:
                 continue
             if not self.alive(r, mem, grace):
                 out.append(r)
+        return out
+
+    def registered(self, members: dict[int, Member]) -> dict[int, Member]:
+        """`members` with the address, host and pid each live holder registered under its
+        rank. A claimed spare's are known only once it registers (after its pull, or at
+        a migration's switch): a table that carries on without them leaves a later
+        recovery with no address to pull from."""
+        out = {}
+        for r, mem in members.items():
+            reg = self.get(self.keys.member(r)) or {}
+            if reg.get("incarnation") == mem.incarnation and isinstance(reg.get("addr"), str):
+                node = reg.get("node")
+                mem = replace(mem, addr=reg["addr"], host=reg.get("host", mem.host), pid=reg.get("pid", mem.pid),
+                              node=node if isinstance(node, int) and not isinstance(node, bool) else None)  # fmt: skip
+            out[r] = mem
         return out
 
     def alive(self, rank: int, member: Member, grace: bool = False) -> bool:

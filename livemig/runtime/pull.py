@@ -104,7 +104,11 @@ class StatePull:
             if self.runtime.m.generation != m.generation:
                 raise CollectiveAborted("generation moved on during the transfer")
             addrs = self._sources(m, ranks)
-            if addrs:
+            if not addrs:
+                want = m.sources if ranks is None else ranks
+                last = (f"no source of ranks {sorted(want)} has a state server address in generation "
+                        f"{m.generation}'s table (members: {sorted(m.members)})")  # fmt: skip
+            else:
                 moved = self.runtime.moved_to_other(m.generation)
                 try:
                     got = pull(addrs, self.runtime.job, secret, m.generation, item,

@@ -41,6 +41,7 @@ from livemig.config import (
     fast_exit,
 )  # fmt: skip
 from livemig.errors import ConfigError, FencedError, LivemigError
+from livemig.fault_gate import Gate
 from livemig.faults import parse_self_fault
 from livemig.rdzv.membership import new_incarnation
 from livemig.runtime.batches import Batches
@@ -86,6 +87,7 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self._reset_user_state()
         self._self_fault = parse_self_fault(os.environ[ENV_SELF_FAULT]) if os.environ.get(
             ENV_SELF_FAULT) else None  # fmt: skip
+        self._gate = Gate({} if self.role == "local" else None)  # a fault plan's steps (livemig/fault_gate.py)
         if self.role != "local":
             from livemig.runtime.member import MemberRuntime
 
@@ -119,6 +121,7 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self._before: dict[int, list[torch.Tensor]] = {}  # step -> parameters before its update
         self._replay: tuple | None = None  # a spare's replay of step resume-1 (runtime/loop.py)
         self._uses_sync = False  # the loop body called ctx.sync_gradients(): a replay needs the average
+        self._user_synced: int | None = None  # the last step whose body called ctx.sync_gradients()
         self._synced: tuple | None = None  # (step, averaged buckets, switch vote, compute_s) of sync_gradients()
         self._fetched: tuple | None = None  # (step, averaged buckets) a recovery fetched from a peer
         self._scaler: Any = None  # the GradScaler of the ctx.step() in progress
@@ -165,7 +168,7 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
     # -- registration --------------------------------------------------------------------
     def register(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  sharding: str | None = None, mirror: bool | None = None,
-                 local: dict[str, Any] | None = None, **extra: Any) -> None:  # fmt: skip
+                 local: dict[str, Any] | None = None, sync_start: bool = True, **extra: Any) -> None:  # fmt: skip
         """Name what moves on migration: anything with state_dict/load_state_dict.
 
         Extras (`**extra`, e.g. scheduler=sched) are replicated: every rank holds
@@ -179,12 +182,17 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         is mirrored on the next rank unless mirror=False (or
         LIVEMIG_ZERO1_MIRROR=0), without which a lost shard cannot be recovered.
         What could not be streamed is refused here, naming the entry.
+        When the job forms, every rank's model (parameters and buffers) and optimizer
+        state are made rank 0's before step 0, as DDP does when it wraps a model, so a
+        script that seeds per rank trains one model; sync_start=False skips it (the
+        ranks must then build equal replicas themselves: step 0 checks they did).
         """
         if sharding not in (None, "zero1"):
             raise ConfigError(f"ctx.register(sharding={sharding!r}): expected None or 'zero1'")
         if sharding and optimizer is None:
             raise ConfigError("ctx.register(sharding='zero1') needs the optimizer whose state it shards")
         self.reg.set(model, optimizer, extra, local)
+        self.reg.sync_start = bool(sync_start)
         if self._reducer is not None:
             self._reducer.remove()
         self._reducer, self.reg.zero = None, None

@@ -38,6 +38,7 @@ from livemig.config import (
     validate_job_name,
 )  # fmt: skip
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
+from livemig.fault_gate import ENV_FAULT_GATE, ENV_FAULT_PLAN, Arrival, GateServer, gated, plan_env
 from livemig.faults import Fault, parse_fault
 from livemig.jobs import prune_stale_dirs, remove_job_file, state_dir, write_job_file
 from livemig.launch_faults import FaultDriver, record_fault
@@ -63,6 +64,7 @@ class Child:
     reported: bool = False
     rank: int | None = None
     died_at: float | None = None  # when the agent first saw it dead (reported once etcd answers)
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -145,6 +147,12 @@ class Launcher(FaultDriver, ChildWatch):
         # etcd credentials of this run: the embedded etcd's own, else the environment's
         self.security = EtcdSecurity.from_env()
         self._wake = Wakeup()  # what the agent loop sleeps on (launch_watch.Wakeup)
+        # A fault plan's gates (livemig/fault_gate.py): where our children stop at a fault's step.
+        self.gate = GateServer(self._wake.poke) if any(gated(f) for f in cfg.faults) else None
+        self._arrived: list[Arrival] = []  # children waiting at a gate, not answered yet
+        self._held: list[tuple[Arrival, float, Fault]] = []  # (gate, until, migrate fault): held for its claim
+        self._migration_ids: dict[int, str] = {}  # id(fault) -> the migration request it made
+        self._gates_passed: set[int] = set()  # steps whose gate went by without its fault (not our target)
 
     def say(self, msg: str) -> None:
         if not self.cfg.quiet:
@@ -162,6 +170,10 @@ class Launcher(FaultDriver, ChildWatch):
         full.update(self.security.to_env())
         full.update({ENV_ETCD: self.etcd, ENV_JOB: self.cfg.job, ENV_INCARNATION: inc,
                      ENV_PARENT_PID: str(os.getpid()), **env})  # fmt: skip
+        if role in ("worker", "spare") and self.cfg.faults:
+            full[ENV_FAULT_PLAN] = plan_env(self.cfg.faults)
+            if self.gate is not None:
+                full[ENV_FAULT_GATE] = self.gate.path
         path = os.path.join(self.logdir, f"{name}.log")
         with open(path, "ab") as logf:
             proc = subprocess.Popen(argv, env=full, stdout=logf, stderr=subprocess.STDOUT,
@@ -356,7 +368,7 @@ class Launcher(FaultDriver, ChildWatch):
 
     def _fine(self) -> bool:
         """A fault plan is live: step triggers, timed resumes and slow duty cycles need the fine tick."""
-        return bool(self.pending or self._resumes or self._slow)
+        return bool(self.pending or self._resumes or self._slow or self._held)
 
     def processes(self) -> list[dict[str, Any]]:
         return [{"name": c.name, "role": c.role, "rank": c.rank, "incarnation": c.incarnation,
@@ -391,6 +403,8 @@ class Launcher(FaultDriver, ChildWatch):
         if self.partition is not None:
             self.partition.teardown()
         remove_job_file(self.cfg.job)
+        if self.gate is not None:
+            self.gate.close()
         self._wake.close()
 
     def failure_tail(self) -> str:

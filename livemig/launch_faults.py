@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from livemig.errors import ConfigError, EtcdUnavailableError
+from livemig.fault_gate import ENV_GATE_TIMEOUT, gate_timeout, gated
 from livemig.faults import Fault
 from livemig.rdzv.client import EtcdClient, conform, encode
 from livemig.rdzv.keys import JobKeys
@@ -66,8 +67,29 @@ class FaultDriver:
 
     def _faults(self, by_key: dict) -> None:
         now = time.monotonic()
+        if self.gate is not None:
+            self._arrived += self.gate.take()
         for f in list(self.pending):
             step = step_reached(self.keys, f, by_key)
+            if gated(f) and f.step not in self._gates_passed:
+                # At the gate: the target stopped after committing S (livemig/fault_gate.py).
+                # Without a gate of ours (a process another agent started), once it is past S.
+                arr = next((a for a in self._arrived if a.step == f.step and f.rank in (None, a.rank)), None)
+                if arr is None and step <= f.step:
+                    continue
+                if arr is not None:
+                    self._arrived.remove(arr)
+                if not self.inject(f, by_key, f.step if arr is not None else step):
+                    if arr is not None:  # not ours to carry out (another agent's target): its trigger decides
+                        self.gate.release(arr)
+                        self._gates_passed.add(f.step)
+                    continue
+                self.pending.remove(f)
+                if arr is not None and f.kind == "migrate":
+                    self._held.append((arr, now + gate_timeout() - 1.0, f))
+                elif arr is not None:
+                    self.gate.release(arr)
+                continue
             if step < f.step:
                 continue
             armed = self._armed.setdefault(id(f), time.time())
@@ -77,6 +99,7 @@ class FaultDriver:
                 continue
             if self.inject(f, by_key, step):
                 self.pending.remove(f)
+        self._release_gates(by_key, now)
         for due, target in list(self._resumes):
             if now >= due:
                 self._resumes.remove((due, target))
@@ -103,6 +126,44 @@ class FaultDriver:
             if want_stopped != getattr(target, "_stopped", False):
                 os.killpg(target.proc.pid, signal.SIGSTOP if want_stopped else signal.SIGCONT)
                 target._stopped = want_stopped  # type: ignore[attr-defined]
+
+    def _release_gates(self, by_key: dict, now: float) -> None:
+        """Answer the gates no pending fault waits on, and a migration's gate once the
+        coordinator took its request (a spare claimed, or the request refused)."""
+        if self.gate is None:
+            return
+        waiting = {(f.rank, f.step) for f in self.pending if gated(f) and f.step not in self._gates_passed}
+        for arr in list(self._arrived):
+            if (arr.rank, arr.step) not in waiting and (None, arr.step) not in waiting:
+                self._arrived.remove(arr)
+                self.gate.release(arr)
+        for entry in list(self._held):
+            arr, until, f = entry
+            if self._migration_started(by_key, self._migration_ids.get(id(f), "")) or now >= until:
+                if now >= until:
+                    self.say(f"livemig: the migration of rank {f.rank} did not start within {gate_timeout() - 1:.0f}s "
+                             f"({ENV_GATE_TIMEOUT}); rank {f.rank} goes on training")  # fmt: skip
+                self._held.remove(entry)
+                self.gate.release(arr)
+
+    def _migration_started(self, by_key: dict, rid: str) -> bool:
+        """Has the coordinator taken migration request `rid`: a spare claimed (MIGRATING), or an outcome?"""
+        res = by_key.get(self.keys.migrate_result)
+        if res is not None and (conform(res.value, {"id": (str,)}) or {}).get("id") == rid:
+            return True
+        raw = by_key.get(self.keys.membership)
+        m = Membership.from_bytes(raw.value if raw else None)
+        return m.migration.get("id") == rid
+
+    def _no_warm_spare(self, by_key: dict) -> str:
+        """'' if a spare of the job is warm; else a few words on the spares' warm-up."""
+        if any(k.startswith(self.keys.spares_prefix) and (conform(kv.value, {"state": (str,)}) or {}).get("state")
+               == "warm" for k, kv in by_key.items()):  # fmt: skip
+            return ""
+        mine = [c for c in self.children if c.role == "spare" and c.proc.poll() is None]
+        if not mine:
+            return "no spare is running here: start one with `livemig-spare start`"
+        return ", ".join(f"{c.name} warming up ({time.monotonic() - c.started:.1f}s since start)" for c in mine)
 
     def partition_target(self) -> str:
         rank = next((f.rank for f in self.cfg.faults if f.kind in ("partition", "link")), None)
@@ -147,7 +208,12 @@ class FaultDriver:
             elif f.kind == "migrate":
                 from livemig.migrate import request_migration
 
-                request_migration(self.client, self.keys, f.rank, f"fault plan after step {step}")  # type: ignore[arg-type]
+                self._migration_ids[id(f)] = request_migration(self.client, self.keys, f.rank,  # type: ignore[arg-type]
+                                                               f"fault plan after step {step}")  # fmt: skip
+                cold = self._no_warm_spare(by_key)
+                if cold:
+                    self.say(f"livemig: migration of rank {f.rank} requested after step {step} waits for a warm "
+                             f"spare: {cold}")  # fmt: skip
             else:
                 stop = f.kind in ("hang", "spare-hang")
                 os.killpg(target.proc.pid, signal.SIGSTOP if stop else signal.SIGKILL)

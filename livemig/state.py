@@ -1,7 +1,8 @@
 """The registered state as data: flatten to (skeleton, tensors) and back.
 
 A state dict (model, optimizer, any `state_dict()` object) is split into a
-msgpack-able skeleton, where each tensor is replaced by `{"__t__": i}`, and
+msgpack-able skeleton, where each tensor is replaced by `{"__t__": i}` and each
+tuple by `{"__tuple__": [...]}` (so it comes back a tuple, not a list), and
 a flat list of tensors. The skeleton travels in a transfer header; the
 tensors travel as raw bytes. Nothing is pickled.
 """
@@ -18,6 +19,7 @@ from livemig.errors import ConfigError
 from livemig.sharding import first_mismatch  # noqa: F401 - re-exported: its home is torch-free
 
 _T = "__t__"
+_TUPLE = "__tuple__"
 
 
 def flatten(obj: Any, tensors: list[torch.Tensor], path: str = "") -> Any:
@@ -26,7 +28,9 @@ def flatten(obj: Any, tensors: list[torch.Tensor], path: str = "") -> Any:
         return {_T: len(tensors) - 1}
     if isinstance(obj, Mapping):
         return {k: flatten(v, tensors, f"{path}.{k}") for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
+    if isinstance(obj, tuple):  # msgpack has one array type: a tuple (AdamW's betas) is tagged to come back one
+        return {_TUPLE: [flatten(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
         return [flatten(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, bool | int | float | str | bytes):
         return obj
@@ -41,6 +45,8 @@ def unflatten(skel: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(skel, dict):
         if set(skel) == {_T}:
             return tensors[skel[_T]]
+        if set(skel) == {_TUPLE}:
+            return tuple(unflatten(v, tensors) for v in skel[_TUPLE])
         return {k: unflatten(v, tensors) for k, v in skel.items()}
     if isinstance(skel, list):
         return [unflatten(v, tensors) for v in skel]

@@ -300,6 +300,34 @@ def wait_all(works: list[Any], timeout: timedelta, should_abort: Callable[[], bo
         raise CollectiveAborted(f"collective failed: {first}") from box["err"]
 
 
+def broadcast_tensors(
+    pg: Any, tensors: list[torch.Tensor], root: int, timeout: timedelta,
+    should_abort: Callable[[], bool] | None = None,
+) -> None:  # fmt: skip
+    """Overwrite `tensors` in place with `root`'s, one flat buffer per dtype (a model's
+    hundreds of tensors in a few collectives); raises CollectiveAborted."""
+    if pg is None:
+        raise CollectiveAborted("no process group: this member is between generations")
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    flats = [(ts, torch.cat([t.detach().reshape(-1) for t in ts])) for ts in by_dtype.values()]
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    try:
+        works = [pg.broadcast([flat], opts) for _, flat in flats]
+    except Exception as exc:  # noqa: BLE001 - a broken group refuses at launch
+        raise CollectiveAborted(f"collective failed at launch: {str(exc).splitlines()[0][:200]}") from exc
+    wait_all(works, timeout, should_abort)
+    with torch.no_grad():
+        for ts, flat in flats:
+            at = 0
+            for t in ts:
+                t.copy_(flat[at : at + t.numel()].view_as(t))
+                at += t.numel()
+
+
 _RING_TAG = 7301  # send/recv tags of the local-state ring, apart from any user tag
 
 

@@ -106,11 +106,20 @@ class Checks:
         ref = checks.get("0", {}).get("digests", {})
         for r in sorted(checks, key=lambda x: int(x) if x.isdigit() else -1):
             for name, d in (checks[r].get("digests") or {}).items():
-                if ref.get(name) != d:
+                if ref.get(name) == d:
+                    continue
+                if name in ("<parameters>", "<optimizer>"):
+                    what = "the parameters" if name == "<parameters>" else "the optimizer state"
                     return (
-                        f"the extra {name!r} differs between rank 0 and rank {r} after step 0: a spare would "
-                        f"take another rank's; register per-rank state under local={{{name!r}: ...}}"
+                        f"{what} differ between rank 0 and rank {r} after step 0: every rank must apply "
+                        "the same update to the same replicas (rank 0's at start); find the code that changes "
+                        "them on one rank only (before ctx.step(), or a hand-set hyperparameter that depends "
+                        "on the rank), or with ctx.register(sync_start=False) build equal replicas"
                     )
+                return (
+                    f"the extra {name!r} differs between rank 0 and rank {r} after step 0: a spare would "
+                    f"take another rank's; register per-rank state under local={{{name!r}: ...}}"
+                )
         return ""
 
     def _links(self, s: Snapshot) -> bool:

@@ -21,6 +21,7 @@ from livemig.comm.group import CollectiveAborted, allreduce_sum, retire, ring_ex
 from livemig.data import seed_step, step_seed
 from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import GenState
+from livemig.runtime.start_sync import sync_start
 
 log = logging.getLogger("livemig.runtime.loop")
 COMMITS_KEPT = 200  # commit times in the final record, besides those around generation changes
@@ -36,10 +37,12 @@ class StepLoop:
         self._total = total
         start = 0
         if self.role == "worker":
+            self._gate.check_total(total)  # a fault plan's step the job never reaches: refused now
             self.runtime.register(self.rank, host_store=self.rank == 0)
             self._register_signature()
             self.runtime.follow(1, self)
-            self._gathered_gen = self.runtime.gen  # every rank built the same initial model
+            self._sync_start()
+            self._gathered_gen = self.runtime.gen  # every rank holds rank 0's initial model
         elif self.role == "spare":
             if self._joining is None:
                 yield from self._shadow(total)  # sandboxed warm-up of the real loop body
@@ -70,10 +73,23 @@ class StepLoop:
             if self.committed != step:
                 raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
             self._at_boundary(step)
+            if self._gate.wants(self.rank, step):
+                self._at_gate(step)
         self._current = None
         if self._leaving is not None:  # the switch was voted at the last step
             self._leave(self._leaving)
         self.after_switch()
+
+    def _sync_start(self) -> None:
+        """DDP's start-up broadcast (runtime/start_sync.py), in the group the job formed with."""
+        if not self.reg.sync_start or self.world_size < 2 or self.runtime.pg is None:
+            return
+        try:
+            sync_start(self.reg, self.runtime.pg, self.rank, self.timeouts.collective, self.runtime.moved_on)
+        except CollectiveAborted as exc:
+            # A member lost during the sync: the survivors go on with what they hold (a
+            # broadcast that completed only in part is caught by the step-0 replica check).
+            self._join_recovery(None, exc)
 
     def sync_gradients(self) -> None:
         """Average the gradients over the live group and write them to `.grad`, without
@@ -82,8 +98,9 @@ class StepLoop:
         average fails, this member joins the recovery and returns with the averaged
         gradient (a peer's, fetched, or one redone in the new group), so the user's
         code between sync_gradients() and ctx.step() runs exactly once per step."""
-        self._in_step("ctx.sync_gradients()")
+        t = self._in_step("ctx.sync_gradients()")
         self._uses_sync = True
+        self._user_synced = t  # .grad may change before ctx.step(): a migrating spare gets what was applied
         self._sync_gradients(views=False)  # user code may change .grad: it gets a copy
 
     def _views_safe(self) -> bool:
@@ -164,6 +181,8 @@ class StepLoop:
         or nobody did (we redo the collective in the new group).
         """
         t = self._in_step("ctx.step()")
+        if scaler is not None and self.role != "local":
+            self.reg.extra_state_of(scaler)  # refused at once if unregistered: a spare could not follow it
         self._scaler = scaler
         try:
             if self._sandbox_pg is not None:
@@ -181,10 +200,21 @@ class StepLoop:
                 self._step_zero1(t)
                 self._maybe_self_fault(t, "after_step")
                 return
-            self._sync_gradients(views=self._views_safe())  # a no-op if the user synced already
+            views = self._views_safe()
+            self._sync_gradients(views=views)  # a no-op if the user synced already
             _, flats, switch, compute_s = self._synced
-            self._serve_avg(t, flats, switch)  # before our optimizer step: the spare applies it meanwhile
-            self._commit(t, flats, compute_s=compute_s)
+            # A leaving worker serves each step's update to the spare catching up. The average
+            # itself only when it is what the optimizer stepped with (nothing could change .grad),
+            # before our optimizer step so the spare applies it meanwhile; otherwise (clipping,
+            # a GradScaler's unscale and skip, any code between sync_gradients() and step())
+            # the gradients the optimizer really stepped with, captured at its step.
+            raw = views and self._user_synced != t
+            applied = [] if self._serving_migration(t) and not raw else None
+            if applied is None:
+                self._serve_avg(t, flats, switch)
+            self._commit(t, flats, compute_s=compute_s, applied=applied)
+            if applied is not None:
+                self._serve_applied(t, applied, switch)
             self._after_commit(t, switch)
             self._maybe_self_fault(t, "after_step")
         finally:
@@ -246,7 +276,7 @@ class StepLoop:
             self._reducer.sync = False
 
     def _commit(self, t: int, avg: list | None, replay: bool = False, mirror_only: bool = False,
-                **info: float) -> None:  # fmt: skip
+                applied: list | None = None, **info: float) -> None:  # fmt: skip
         if self._zero is not None:
             assert avg is not None
             if mirror_only:  # the own shard was updated already (comm/zero1.py: overlap with the gather)
@@ -257,7 +287,7 @@ class StepLoop:
             for p in self._params:
                 p.grad = None
         else:
-            self.reg.step_optimizer(self._scaler)
+            self.reg.step_optimizer(self._scaler, applied)
         self.committed = t
         self._avg = (t, avg) if avg is not None else None
         if replay:  # a migrating spare replaying the group's steps: not a commit of the job's
@@ -292,14 +322,15 @@ class StepLoop:
     def _at_boundary(self, step: int) -> None:
         """All user code of `step` ran (after ctx.step() included): keep what a spare
         resuming after `step` needs, the newest two boundaries."""
+        if step == 0 and self.role == "worker" and self.runtime is not None and self.world_size > 1:
+            # Replicated state must be equal on every rank (a spare takes it from any peer):
+            # the coordinator compares these digests of every rank's after step 0.
+            self.runtime.put(self.runtime.keys.extras_check(self.rank), {
+                "incarnation": self.incarnation, "digests": self.reg.replica_digests()})  # fmt: skip
         if not self._replays:
             return
         self._boundaries[step] = self.reg.pack_boundary()
         self._boundaries.pop(step - 2, None)
-        if step == 0 and self.role == "worker" and self.reg.extra and self.runtime is not None:
-            # Replicated extras must be equal on every rank: the coordinator compares these.
-            self.runtime.put(self.runtime.keys.extras_check(self.rank), {
-                "incarnation": self.incarnation, "digests": self.reg.extra_digests()})  # fmt: skip
         if self.reg.has_local:
             self._local_blob = (step, self.reg.pack_local())
 

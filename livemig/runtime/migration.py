@@ -95,12 +95,22 @@ class Migration:
             return 1.0 if self._mig_gen == m.generation else 0.0
         return 1.0 if self.runtime.prebuilt(m.generation) is not None else 0.0
 
+    def _serving_migration(self, t: int) -> bool:
+        """Does this (leaving) worker serve step t's update to a catching-up spare?"""
+        return self._mig_gen is not None and self._mig_step is not None and t >= self._mig_step
+
     def _serve_avg(self, t: int, flats: list[torch.Tensor], final: bool) -> None:
-        """Leaving worker: publish step t's averaged gradient and the step's hyperparameters."""
-        if self._mig_gen is None or self._mig_step is None or t < self._mig_step:
-            return
+        """Leaving worker: publish step t's averaged gradient and the step's hyperparameters
+        (the average is what the optimizer steps with: loop.step says when)."""
+        if self._serving_migration(t):
+            self._publish_step(t, {"flat": flats, "hparams": self.reg.hparams(), "final": final})
+
+    def _serve_applied(self, t: int, applied: list, final: bool) -> None:
+        """Leaving worker: publish what step t's optimizer step really applied (Registry.step_optimizer)."""
+        self._publish_step(t, {**applied[0], "hparams": self.reg.hparams(), "final": final})
+
+    def _publish_step(self, t: int, item: dict) -> None:
         rt, g = self.runtime, self._mig_gen
-        item = {"flat": flats, "hparams": self.reg.hparams(), "final": final}
         rt.server.publish(g, f"avg/{t}", lambda: (t, item))
         rt.server.withdraw(f"avg/{t - AVG_KEEP}")
         rt.server.wanted.discard(f"avg/{t}")
@@ -191,10 +201,14 @@ class Migration:
                 rec = load_snapshot(f"snapshot/{resyncs}", resyncs)
                 continue
             self.reg.set_hparams(got.state["hparams"])
-            self._ensure_grads()
-            if red is not None:
-                red.write_back(got.state["flat"])
-            self._commit(t, None, replay=True)
+            if "stepped" in got.state:  # the update as applied (clipped, unscaled, or skipped)
+                self.reg.apply_step(got.state)
+                self.committed, self._avg = t, None
+            else:  # the average is what the optimizer stepped with
+                self._ensure_grads()
+                if red is not None:
+                    red.write_back(got.state["flat"])
+                self._commit(t, None, replay=True)
             if got.state["final"]:
                 tail = fetch(f"tail/{t}").state
                 self.reg.load_local(unpack(tail["local"]))  # buffers and local= at the switch boundary

@@ -20,6 +20,7 @@ from livemig.config import LOCAL_STATE_ENTRY, SHARDING_ENTRY
 from livemig.errors import ConfigError
 from livemig.state import digest, flatten, pack, signature
 
+PARAMS_CHECK, OPTIMIZER_CHECK = "<parameters>", "<optimizer>"  # replica_digests' entries besides the extras
 ENV_LOCAL_MAX_MB = "LIVEMIG_LOCAL_STATE_MAX_MB"  # per-rank local state (buffers + local=) mirrored each step
 
 
@@ -52,6 +53,7 @@ class Registry:
         self.params: list[torch.nn.Parameter] = []
         self.buffer_names: list[str] = []  # the model's persistent buffers: per-rank state
         self.zero: Any = None  # comm.zero1.Zero1 when registered with sharding="zero1"
+        self.sync_start = True  # make the replicas rank 0's when the job forms (runtime/start_sync.py)
 
     def set(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
             extra: dict[str, Any], local: dict[str, Any] | None = None) -> None:  # fmt: skip
@@ -119,8 +121,14 @@ class Registry:
         opt = self.optimizer.state_dict() if self.optimizer is not None else {}
         return {"model": model, "optimizer": opt, "extra": {k: v.state_dict() for k, v in self.extra.items()}}
 
-    def extra_digests(self) -> dict[str, str]:
-        return {k: _digest_of(v.state_dict()) for k, v in self.extra.items()}
+    def replica_digests(self) -> dict[str, str]:
+        """Digests of what must be equal on every rank: the parameters (`<parameters>`), the
+        optimizer's state and hyperparameters (`<optimizer>`, unless sharded), each extra."""
+        rep = self.replicated()
+        out = {PARAMS_CHECK: _digest_of(rep["model"])}
+        if self.zero is None and self.optimizer is not None:
+            out[OPTIMIZER_CHECK] = _digest_of(rep["optimizer"])
+        return {**out, **{k: _digest_of(v) for k, v in rep["extra"].items()}}
 
     # -- state of a step boundary (docs/architecture.md, "The boundary rule") -------------------
     def local_state(self) -> dict[str, Any]:
@@ -166,18 +174,64 @@ class Registry:
         for k, v in self.extra.items():
             v.load_state_dict(state["extra"][k])
 
-    def step_optimizer(self, scaler: Any = None) -> None:
+    def opt_params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer else []
+
+    def step_optimizer(self, scaler: Any = None, applied: list | None = None) -> None:
         """optimizer.step() (or a GradScaler's step and update: it skips the step on
         inf/nan, the same on every rank, since every rank holds the same average), then
-        zero_grad(). The one optimizer step of the plain path and of the sandbox."""
+        zero_grad(). The one optimizer step of the plain path and of the sandbox.
+
+        applied: a list that receives what the step really applied, for a spare catching
+        up in a planned migration (apply_step): the gradients as the optimizer saw them
+        (after clipping, after the scaler unscaled them), captured by a step pre-hook so
+        a step the scaler skips captures nothing, and the scaler's state after update()."""
         if self.optimizer is None:
             return
-        if scaler is not None:
-            scaler.step(self.optimizer)
-            scaler.update()
-        else:
+        hook = None
+        if applied is not None:
+
+            def grab(*_: Any) -> None:
+                applied.append([None if p.grad is None else p.grad.detach().clone() for p in self.opt_params()])
+
+            hook = self.optimizer.register_step_pre_hook(grab)
+        try:
+            if scaler is not None:
+                scaler.step(self.optimizer)
+                scaler.update()
+            else:
+                self.optimizer.step()
+        finally:
+            if hook is not None:
+                hook.remove()
+        self.optimizer.zero_grad()
+        if applied is not None:
+            grads = applied[0] if applied else None
+            applied[:] = [{"grads": grads, "stepped": grads is not None, "scaler": self.extra_state_of(scaler)}]
+
+    def extra_state_of(self, obj: Any) -> list | None:
+        """[name, state_dict()] of a registered extra (the GradScaler of a step), None if no obj."""
+        if obj is None:
+            return None
+        name = next((k for k, v in self.extra.items() if v is obj), None)
+        if name is None:
+            raise ConfigError("ctx.step(scaler=...): register the GradScaler as an extra (ctx.register(scaler=s))")
+        return [name, obj.state_dict()]
+
+    def apply_step(self, applied: dict) -> None:
+        """A catching-up spare repeats a step exactly as the leaving worker applied it
+        (step_optimizer's `applied`): the same gradients into the same optimizer state,
+        no step where the scaler skipped one, and the scaler's state after its update."""
+        if self.optimizer is None:
+            return
+        if applied["stepped"]:
+            for p, g in zip(self.opt_params(), applied["grads"], strict=True):
+                p.grad = g
             self.optimizer.step()
         self.optimizer.zero_grad()
+        if applied.get("scaler") is not None:
+            name, sd = applied["scaler"]
+            self.extra[name].load_state_dict(sd)
 
     def hparams(self) -> list[dict]:
         """The optimizer's param-group hyperparameters (what a scheduler sets)."""
@@ -187,8 +241,8 @@ class Registry:
 
     def set_hparams(self, hparams: list[dict]) -> None:
         for grp, hp in zip(self.optimizer.param_groups if self.optimizer else [], hparams, strict=True):
-            for k, v in hp.items():  # msgpack turns tuples (betas) into lists: keep the user's type
-                grp[k] = tuple(v) if isinstance(grp.get(k), tuple) and isinstance(v, list) else v
+            for k, v in hp.items():  # tuples (betas) come back tuples (state.flatten)
+                grp[k] = v
 
 
 def _digest_of(obj: Any) -> str:

@@ -37,6 +37,18 @@ class SelfFaults:
             # Die while our collective is in flight: peers may or may not complete it.
             threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
+    def _at_gate(self, step: int) -> None:
+        """A fault plan's agent-side fault lands here, after `step` is committed and its
+        boundary kept, before step+1 starts (livemig/fault_gate.py): wait for the agent.
+        Marked busy, so the coordinator does not take the wait for a hang."""
+        if self.runtime is None or self.warming_up:
+            return
+        self.runtime.set_busy(True)
+        try:
+            self._gate.wait(self.rank, step, self.incarnation)
+        finally:
+            self.runtime.set_busy(False)
+
     def _stall_after_snapshot(self) -> None:
         """`spare-hang:during=snapshot:resume=S`: a migrating spare stalls S seconds once its
         snapshot is loaded (a starved host), so the group runs ahead of what it can replay."""

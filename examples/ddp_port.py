@@ -82,7 +82,7 @@ def train(ctx: livemig.Context, a: argparse.Namespace) -> None:
     torch.manual_seed(1337 + ctx.rank)  # as DDP scripts do: the replicas are made rank 0's at start
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) if a.amp else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1) if a.amp else None
     carry, norms = Carry(), []
     ctx.register(model=model, optimizer=opt, local={"carry": carry}, **({"scaler": scaler} if scaler else {}))
 
@@ -100,7 +100,7 @@ def train(ctx: livemig.Context, a: argparse.Namespace) -> None:
         for k in range(a.accum):
             with ctx.no_sync() if k < a.accum - 1 else contextlib.nullcontext():
                 loss = torch.nn.functional.mse_loss(model(x[k]), y[k]) / a.accum
-                if step == a.inf_step and ctx.rank == 0 and not ctx.warming_up:
+                if a.inf_every and step % a.inf_every == a.inf_every - 1 and ctx.rank == 0 and not ctx.warming_up:
                     loss = loss * float("inf")  # an overflow: the GradScaler skips this step everywhere
                 (scaler.scale(loss) if scaler is not None else loss).backward()
         carry.batch = get_batch(step + 1)  # prefetched for the next iteration
@@ -133,7 +133,7 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=2, help="micro-batches per step")
     p.add_argument("--clip", type=float, default=0.5, help="max gradient norm")
     p.add_argument("--amp", action="store_true", help="a GradScaler (loss scaling), unscale before the clip")
-    p.add_argument("--inf-step", type=int, default=-1, help="rank 0's loss overflows at this step (with --amp)")
+    p.add_argument("--inf-every", type=int, default=0, help="rank 0's loss overflows every N steps (with --amp)")
     p.add_argument("--save-every", type=int, default=0, help="rank 0 writes a checkpoint every N steps")
     p.add_argument("--step-ms", type=float, default=0.0, help="pad each step to this many ms")
     p.add_argument("--out", default=os.environ.get("DDP_PORT_OUT", ""), help="dump each rank's final state here")

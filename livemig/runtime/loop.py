@@ -21,7 +21,7 @@ from livemig.comm.group import CollectiveAborted, allreduce_sum, retire, ring_ex
 from livemig.data import seed_step, step_seed
 from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import GenState
-from livemig.runtime.start_sync import sync_start
+from livemig.runtime.start_sync import check_replicas, sync_start
 
 log = logging.getLogger("livemig.runtime.loop")
 COMMITS_KEPT = 200  # commit times in the final record, besides those around generation changes
@@ -324,9 +324,15 @@ class StepLoop:
         resuming after `step` needs, the newest two boundaries."""
         if step == 0 and self.role == "worker" and self.runtime is not None and self.world_size > 1:
             # Replicated state must be equal on every rank (a spare takes it from any peer):
-            # the coordinator compares these digests of every rank's after step 0.
+            # checked here in the group the job formed with, and by the coordinator from these.
             self.runtime.put(self.runtime.keys.extras_check(self.rank), {
                 "incarnation": self.incarnation, "digests": self.reg.replica_digests()})  # fmt: skip
+            if self.runtime.gen == 1 and self.runtime.pg is not None:  # every member is a worker of the start
+                try:
+                    check_replicas(self.reg, self.runtime.pg, self.rank, self.world_size, self.timeouts.collective,
+                                   self.runtime.moved_on)  # fmt: skip
+                except CollectiveAborted as exc:  # a member lost: the coordinator's check still runs
+                    self._join_recovery(None, exc)
         if not self._replays:
             return
         self._boundaries[step] = self.reg.pack_boundary()

@@ -27,7 +27,7 @@ import torch
 
 from livemig.comm.group import allreduce_sum, broadcast_tensors
 from livemig.errors import ConfigError
-from livemig.runtime.registry import Registry
+from livemig.runtime.registry import OPTIMIZER_CHECK, PARAMS_CHECK, Registry
 from livemig.state import flatten, tensor_meta
 
 log = logging.getLogger("livemig.runtime.start_sync")
@@ -71,3 +71,33 @@ def sync_start(reg: Registry, pg: Any, rank: int, timeout: timedelta,
     log.info("start-up sync: replicas made equal to rank 0's",
              extra={"rank": rank, "bytes": nbytes, "seconds": round(time.monotonic() - t0, 4)})  # fmt: skip
     return nbytes
+
+
+def check_replicas(reg: Registry, pg: Any, rank: int, world: int, timeout: timedelta,
+                   should_abort: Callable[[], bool] | None = None) -> None:  # fmt: skip
+    """At the first boundary, in the group the job formed with: is every rank's replicated
+    state (parameters, optimizer, extras) still rank 0's? Two small collectives, once per
+    job; a difference is one line on every rank, before step 1 runs on diverged replicas."""
+    mine = reg.replica_digests()
+    names = sorted(mine)
+    fps = torch.tensor([int(mine[n][:14], 16) for n in names], dtype=torch.int64)
+    ref = fps.clone()
+    broadcast_tensors(pg, [ref], 0, timeout, should_abort)
+    differs = torch.zeros(len(names), world, dtype=torch.int64)
+    differs[:, rank] = (fps != ref).to(torch.int64)
+    allreduce_sum(pg, [differs], timeout, should_abort)
+    for i, name in enumerate(names):
+        ranks = [r for r in range(world) if int(differs[i, r])]
+        if not ranks:
+            continue
+        if name in (PARAMS_CHECK, OPTIMIZER_CHECK):
+            what = "the parameters differ" if name == PARAMS_CHECK else "the optimizer state differs"
+            raise ConfigError(
+                f"{what} between rank 0 and rank(s) {ranks} after step 0: every rank must apply the same "
+                "update to the same replicas (rank 0's at start); find the code that changes them on one rank "
+                "only (before ctx.step(), or a hand-set hyperparameter that depends on the rank)"
+            )
+        raise ConfigError(
+            f"the extra {name!r} differs between rank 0 and rank(s) {ranks} after step 0: a spare would take "
+            f"another rank's; register per-rank state under local={{{name!r}: ...}}"
+        )

@@ -24,10 +24,13 @@
 A wedge lands `during=compute` (default: at the start of step S, before its
 collective) or `during=before_commit` (inside the collective, the others done).
 
-Trigger: once rank R (or, without a rank, any rank) has committed step S, and
-`after` seconds more (default 0; the agent carries it out even while etcd is
-stopped, so `kill:rank=1:step=10:after=2` with `etcd-stop:step=10` kills
-rank 1 during the outage).
+Trigger: once rank R (or, without a rank, any rank) has committed step S: the
+process holding R then waits at that boundary, before S+1, while its agent
+carries the fault out (livemig/fault_gate.py), so the fault lands on its step
+however fast the steps are. `after=SECONDS` lands it that much later instead
+(no wait at the boundary; the agent carries it out even while etcd is stopped,
+so `kill:rank=1:step=10:after=2` with `etcd-stop:step=10` kills rank 1 during
+the outage).
 `during` delays it further:
 - allreduce / before_commit / gather / after_step (kill only): the worker kills
   itself inside ctx.step() of step S, with its gradients in flight / after the

@@ -77,9 +77,11 @@ class FaultDriver:
                 arr = next((a for a in self._arrived if a.step == f.step and f.rank in (None, a.rank)), None)
                 if arr is None and step <= f.step:
                     continue
+                holder = None
                 if arr is not None:
-                    self._arrived.remove(arr)
-                if not self.inject(f, by_key, f.step if arr is not None else step):
+                    self._arrived.remove(arr)  # the process at the gate holds the rank, whatever by_key says yet
+                    holder = next((c for c in self.children if c.incarnation == arr.incarnation), None)
+                if not self.inject(f, by_key, f.step if arr is not None else step, holder):
                     if arr is not None:  # not ours to carry out (another agent's target): its trigger decides
                         self.gate.release(arr)
                         self._gates_passed.add(f.step)
@@ -169,8 +171,9 @@ class FaultDriver:
         rank = next((f.rank for f in self.cfg.faults if f.kind in ("partition", "link")), None)
         return f"worker-{rank}"
 
-    def inject(self, f: Fault, by_key: dict, step: int) -> bool:
-        """Carry out one fault; False if its target is not there (yet)."""
+    def inject(self, f: Fault, by_key: dict, step: int, holder: Child | None = None) -> bool:
+        """Carry out one fault; False if its target is not there (yet). holder: the process
+        of rank f.rank waiting at the fault's gate."""
         assert self.client is not None
         target: Child | None = None
         if f.kind == "etcd-kill":
@@ -188,7 +191,7 @@ class FaultDriver:
             elif f.kind in ("spare-kill", "spare-hang"):
                 target = self._claimed_spare(by_key)
             else:
-                target = self._holder(f.rank, by_key)  # type: ignore[arg-type]
+                target = holder or self._holder(f.rank, by_key)  # type: ignore[arg-type]
             if target is None or target.proc.poll() is not None:
                 return False
             what = f"{target.name}" + (f" (rank {target.rank})" if target.rank is not None else "")

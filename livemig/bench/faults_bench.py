@@ -234,21 +234,74 @@ def migration_grid() -> list[Case]:
             for name, what, nproc, faults in plans]  # fmt: skip
 
 
+PORT = os.path.join(ROOT, "examples", "ddp_port.py")
+SEQ_STEPS = 60
+
+
+def _sequence(seed: int) -> tuple[int, list[str], str]:
+    """One seeded sequence of failures and migrations: (world size, fault plan, description).
+    Up to three events, 9-13 steps apart (the next lands once the last is resolved, whatever the
+    spares' warm-up), among: a kill, a hang (SIGSTOP: found by its lease), a planned
+    migration, kills of two ranks on consecutive steps, a kill during the build of the
+    recovery a kill started."""
+    import random
+
+    rnd = random.Random(seed)
+    nproc = rnd.choice((2, 3))
+    faults, what, step = [], [], rnd.randint(4, 10)
+    while step < SEQ_STEPS - 8 and len(what) < 3:
+        kind = rnd.choice(("kill", "kill", "hang", "migrate", "migrate", "consecutive", "in-build"))
+        r, other = rnd.sample(range(nproc), 2)
+        if kind == "consecutive":
+            faults += [f"kill:rank={r}:step={step}", f"kill:rank={other}:step={step + 1}"]
+        elif kind == "in-build":
+            faults += [f"kill:rank={r}:step={step}", f"kill:rank={other}:step={step}:during=build"]
+        else:
+            faults.append(f"{kind}:rank={r}:step={step}")
+        what.append(f"{kind}@{step}")
+        step += rnd.randint(9, 13)
+    return nproc, faults, " ".join(what)
+
+
+def _sequence_landed(rep: dict) -> str:
+    aborted = [m for m in rep.get("migrations") or [] if m.get("outcome") != "done" and "failure" not in
+               str(m.get("aborted", "")) + str(m.get("reason", ""))]  # fmt: skip
+    return f"a migration ended {aborted[0].get('aborted') or aborted[0]['outcome']}" if aborted else ""
+
+
+def sequences_grid(seeds: int = 20) -> list[Case]:
+    """Seeded random sequences (`--grid sequences --seeds N`) of kills, hangs and planned
+    migrations on examples/ddp_port.py (per-rank seed, accumulation, clipping, a hand-set
+    lr, a prefetched batch under local=), each checked bit-identical with the fault-free
+    run; one spare per event that uses one."""
+    args = ["--steps", str(SEQ_STEPS), "--step-ms", "20"]
+    cases = []
+    for seed in range(seeds):
+        nproc, faults, what = _sequence(seed)
+        spares = len(faults)  # each fault takes at most one spare (an aborted migration gives its back)
+        cases.append(Case(f"sequence-{seed}", what, nproc, spares, faults, recoveries=(0, len(faults)),
+                          script=PORT, args=args, check=_sequence_landed))  # fmt: skip
+    return cases
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", help="comma-separated case names (default: all)")
     p.add_argument(
         "--grid",
-        choices=["matrix", "exact", "migration"],
+        choices=["matrix", "exact", "migration", "sequences"],
         default="matrix",
         help="matrix: the reliability matrix (default); exact: the exactness grid on examples/stateful.py; "
-        "migration: failures inside a planned migration",
+        "migration: failures inside a planned migration; sequences: seeded random sequences of kills, "
+        "hangs and migrations on examples/ddp_port.py",
     )
+    p.add_argument("--seeds", type=int, default=20, help="--grid sequences: how many seeds (0..N-1; default 20)")
     p.add_argument("--json", help="write the table (and each run's report) here")
 
 
 def run_matrix(a: argparse.Namespace) -> int:
     grid = getattr(a, "grid", "matrix")
-    every = {"exact": exact_grid, "migration": migration_grid}.get(grid, lambda: MATRIX)()
+    every = {"exact": exact_grid, "migration": migration_grid,
+             "sequences": lambda: sequences_grid(getattr(a, "seeds", 20))}.get(grid, lambda: MATRIX)()  # fmt: skip
     if grid == "exact":  # steps long enough for an agent's kill "after step S" to land mid-run
         os.environ.setdefault("STATEFUL_STEP_SLEEP", "0.05")
     cases = every

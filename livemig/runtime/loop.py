@@ -325,12 +325,13 @@ class StepLoop:
         if step == 0 and self.role == "worker" and self.runtime is not None and self.world_size > 1:
             # Replicated state must be equal on every rank (a spare takes it from any peer):
             # checked here in the group the job formed with, and by the coordinator from these.
+            digests = self.reg.replica_digests()
             self.runtime.put(self.runtime.keys.extras_check(self.rank), {
-                "incarnation": self.incarnation, "digests": self.reg.replica_digests()})  # fmt: skip
+                "incarnation": self.incarnation, "digests": digests})  # fmt: skip
             if self.runtime.gen == 1 and self.runtime.pg is not None:  # every member is a worker of the start
                 try:
                     check_replicas(self.reg, self.runtime.pg, self.rank, self.world_size, self.timeouts.collective,
-                                   self.runtime.moved_on)  # fmt: skip
+                                   self.runtime.moved_on, digests)  # fmt: skip
                 except CollectiveAborted as exc:  # a member lost: the coordinator's check still runs
                     self._join_recovery(None, exc)
         if not self._replays:

@@ -74,11 +74,12 @@ def sync_start(reg: Registry, pg: Any, rank: int, timeout: timedelta,
 
 
 def check_replicas(reg: Registry, pg: Any, rank: int, world: int, timeout: timedelta,
-                   should_abort: Callable[[], bool] | None = None) -> None:  # fmt: skip
+                   should_abort: Callable[[], bool] | None = None,
+                   digests: dict[str, str] | None = None) -> None:  # fmt: skip
     """At the first boundary, in the group the job formed with: is every rank's replicated
     state (parameters, optimizer, extras) still rank 0's? Two small collectives, once per
     job; a difference is one line on every rank, before step 1 runs on diverged replicas."""
-    mine = reg.replica_digests()
+    mine = reg.replica_digests() if digests is None else digests
     names = sorted(mine)
     fps = torch.tensor([int(mine[n][:14], 16) for n in names], dtype=torch.int64)
     ref = fps.clone()

@@ -91,14 +91,15 @@ def check_replicas(reg: Registry, pg: Any, rank: int, world: int, timeout: timed
         ranks = [r for r in range(world) if int(differs[i, r])]
         if not ranks:
             continue
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         if name in (PARAMS_CHECK, OPTIMIZER_CHECK):
             what = "the parameters differ" if name == PARAMS_CHECK else "the optimizer state differs"
             raise ConfigError(
-                f"{what} between rank 0 and rank(s) {ranks} after step 0: every rank must apply the same "
+                f"{what} between rank 0 and {who} after step 0: every rank must apply the same "
                 "update to the same replicas (rank 0's at start); find the code that changes them on one rank "
                 "only (before ctx.step(), or a hand-set hyperparameter that depends on the rank)"
             )
         raise ConfigError(
-            f"the extra {name!r} differs between rank 0 and rank(s) {ranks} after step 0: a spare would take "
+            f"the extra {name!r} differs between rank 0 and {who} after step 0: a spare would take "
             f"another rank's; register per-rank state under local={{{name!r}: ...}}"
         )

@@ -80,6 +80,18 @@ def test_recovery_is_exact_rank_by_rank(tmp_path, reference, nproc, fault, args)
     assert_rank_by_rank(run, ranks, reference(nproc, args))
 
 
+MIGRATIONS = [(3, "migrate:rank=0:step=2", ())]  # the kill grid's shape on the plain path (bench: --grid exact)
+
+
+@pytest.mark.parametrize("nproc,fault,args", MIGRATIONS, ids=[f"{n}-{f}" for n, f, _ in MIGRATIONS])
+def test_planned_migration_is_exact_rank_by_rank(tmp_path, reference, nproc, fault, args):
+    """BatchNorm buffers, local= sampler and meter, LR and weight-decay schedules after ctx.step():
+    the migration starts at step 2 (the fault gate holds rank 0 until a spare is claimed)."""
+    run, ranks = _run(tmp_path, nproc, spares=1, faults=(fault,), args=args, job="mg")
+    assert [m["outcome"] for m in run.report["migrations"]] == ["done"], explain(run)
+    assert_rank_by_rank(run, ranks, reference(nproc, args))
+
+
 def test_planned_migration_carries_local_state(tmp_path, reference):
     # Enough steps left that the migration completes before the job does, even on a loaded machine.
     args, steps = ("--model", "transformer"), 150

@@ -31,15 +31,17 @@ def test_parse_fault():
 def test_every_grid_of_the_faults_bench_is_well_formed():
     """`livemig bench faults --grid G` runs for minutes before it reaches a case: a plan that
     does not parse, or a rank the case's world lacks, must fail here instead."""
-    from livemig.bench.faults_bench import MATRIX, exact_grid, migration_grid
+    from livemig.bench.faults_bench import MATRIX, exact_grid, migration_grid, sequences_grid
 
-    for grid in (MATRIX, exact_grid(), migration_grid()):
+    for grid in (MATRIX, exact_grid(), migration_grid(), sequences_grid(40)):
         assert len({c.name for c in grid}) == len(grid)
         for c in grid:
             for plan in c.faults:
                 f = parse_fault(plan)
                 assert f.rank is None or 0 <= f.rank < c.nproc, (c.name, plan)
             assert "--steps" in c.args and c.spares >= 0, c.name
+            steps = int(c.args[c.args.index("--steps") + 1])
+            assert all(parse_fault(p).step < steps for p in c.faults), c.name  # else refused before step 0
 
 
 def test_downtime_and_phases():

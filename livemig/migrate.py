@@ -17,7 +17,7 @@ from typing import Any
 
 from livemig.config import validate_job_name
 from livemig.errors import ConfigError
-from livemig.rdzv.client import EtcdClient, decode, encode
+from livemig.rdzv.client import EtcdClient, conform, decode, encode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.security import add_arguments as add_security_arguments
 
@@ -68,6 +68,10 @@ def cmd_migrate(a: argparse.Namespace) -> int:
     try:
         rid = request_migration(client, keys, a.rank, a.reason)
         print(f"migration of rank {a.rank} requested (id {rid})", flush=True)
+        spares = [conform(kv.value, {"state": (str,)}) or {} for kv in client.get_prefix(keys.spares_prefix)[0]]
+        if not any(x.get("state") == "warm" for x in spares):
+            print(f"livemig: no spare of job {job} is warm yet: the migration starts once one is "
+                  "(livemig-spare start; LIVEMIG_SPARE_WAIT bounds the wait)", flush=True)  # fmt: skip
         if a.wait <= 0:
             return 0
         res = wait_result(client, keys, rid, a.wait)

@@ -81,7 +81,7 @@ def test_per_rank_seed_kill_lands_on_its_step_and_is_exact(tmp_path, reference):
     assert_same_run(run, ranks, ref)
     assert [(f["kind"], f["step"]) for f in run.report["faults_injected"]] == [("kill", 11)]
     assert _phase(run, "agree", 2)["resume_step"] == 12, explain(run)  # rank 1 last committed 11
-    assert _spare_joined(run, 1) == 12
+    assert _spare_joined(run, 1) == 12 and run.report["members"]["1"]["first_commit"][0] == 12
 
 
 def test_hang_lands_on_its_step(tmp_path, reference):
@@ -123,6 +123,7 @@ def test_kill_after_a_completed_migration_and_migration_after_a_kill(tmp_path, r
     run, ranks = _run(tmp_path, 2, spares=2, faults=("migrate:rank=0:step=8", "kill:rank=1:step=26"), job="mk")
     assert_same_run(run, ranks, ref)
     assert [m["outcome"] for m in run.report["migrations"]] == ["done"], explain(run)
+    assert _phase(run, "request")["reason"] == "fault plan after step 8"  # ~5 ms steps: on its step
     assert len(run.report["recoveries"]) == 1 and _spare_joined(run, 1) == 27, explain(run)
     run, ranks = _run(tmp_path, 2, spares=2, faults=("kill:rank=1:step=6", "migrate:rank=0:step=20"), job="km")
     assert_same_run(run, ranks, ref)

@@ -5,7 +5,8 @@ What it keeps from its DDP original (README, "Porting a DDP script"):
   it wraps the model; livemig does the same when the job forms);
 - gradient accumulation over micro-batches, all but the last under `no_sync()`;
 - gradient clipping by the global norm (with a GradScaler: unscale first);
-- the learning rate set by hand in `param_groups` every iteration;
+- the learning rate set by hand in `param_groups` every iteration (or, with
+  --scheduler, from a torch scheduler stepped after ctx.step());
 - the next step's batch fetched at the end of this one: a variable carried from one
   iteration to the next is rank-local state, registered under `local=`;
 - rank 0 writing a checkpoint every few steps.
@@ -84,7 +85,10 @@ def train(ctx: livemig.Context, a: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1) if a.amp else None
     carry, norms = Carry(), []
-    ctx.register(model=model, optimizer=opt, local={"carry": carry}, **({"scaler": scaler} if scaler else {}))
+    extras: dict[str, Any] = {"scaler": scaler} if scaler is not None else {}
+    if a.scheduler:  # a torch scheduler stepped after ctx.step(), instead of the lr set by hand
+        extras["scheduler"] = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, a.steps, 1.0))
+    ctx.register(model=model, optimizer=opt, local={"carry": carry}, **extras)
 
     def get_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = livemig.batch_generator(step, ctx.rank, ctx.world_size)
@@ -95,8 +99,9 @@ def train(ctx: livemig.Context, a: argparse.Namespace) -> None:
         if carry.batch is None:
             carry.batch = get_batch(step)
         x, y = carry.batch
-        for group in opt.param_groups:  # the learning rate set by hand, every iteration
-            group["lr"] = lr_at(step, a.steps, a.lr)
+        if not a.scheduler:
+            for group in opt.param_groups:  # the learning rate set by hand, every iteration
+                group["lr"] = lr_at(step, a.steps, a.lr)
         for k in range(a.accum):
             with ctx.no_sync() if k < a.accum - 1 else contextlib.nullcontext():
                 loss = torch.nn.functional.mse_loss(model(x[k]), y[k]) / a.accum
@@ -112,6 +117,8 @@ def train(ctx: livemig.Context, a: argparse.Namespace) -> None:
             norm = ctx.clip_grad_norm_(a.clip)
         norms.append([step, repr(float(norm))])
         ctx.step(scaler=scaler)
+        if a.scheduler:
+            extras["scheduler"].step()
         ctx.log(loss=float(loss) * a.accum)
         if a.save_every and step % a.save_every == 0 and ctx.rank == 0 and not ctx.warming_up and a.out:
             with ctx.busy():
@@ -121,6 +128,7 @@ def train(ctx: livemig.Context, a: argparse.Namespace) -> None:
     if a.out and not ctx.warming_up:
         rec = {"model": typed(model.state_dict()), "optimizer": typed(opt.state_dict()),
                "scaler": typed(scaler.state_dict()) if scaler is not None else None,
+               "scheduler": typed(extras["scheduler"].state_dict()) if a.scheduler else None,
                "carry": typed(carry.state_dict()), "norms": norms}  # fmt: skip
         with open(os.path.join(a.out, f"rank{ctx.rank}.json"), "w") as f:
             json.dump(rec, f)
@@ -132,6 +140,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--accum", type=int, default=2, help="micro-batches per step")
     p.add_argument("--clip", type=float, default=0.5, help="max gradient norm")
+    p.add_argument("--scheduler", action="store_true", help="a torch LR scheduler instead of the lr set by hand")
     p.add_argument("--amp", action="store_true", help="a GradScaler (loss scaling), unscale before the clip")
     p.add_argument("--inf-every", type=int, default=0, help="rank 0's loss overflows every N steps (with --amp)")
     p.add_argument("--save-every", type=int, default=0, help="rank 0 writes a checkpoint every N steps")

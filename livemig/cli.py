@@ -62,7 +62,9 @@ BENCHES = [
 ]  # fmt: skip
 
 
-def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
+def build_parser(with_benches: bool | str = True) -> argparse.ArgumentParser:
+    """with_benches: True imports every bench's arguments, a name only that bench's, False
+    none (each costs `import torch`: `livemig bench --help` must answer at once)."""
     p = argparse.ArgumentParser(
         prog="livemig",
         description="Live-migration recovery with hot spares for PyTorch training.",
@@ -80,7 +82,7 @@ def build_parser(with_benches: bool = True) -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench", required=True)
     for name, help_text, module, add, run in BENCHES:
         bp = bsub.add_parser(name, help=help_text)
-        if with_benches:  # importing them costs `import torch`: only when a bench runs
+        if with_benches is True or with_benches == name:  # importing one costs `import torch`
             mod = importlib.import_module(f"livemig.bench.{module}")
             getattr(mod, add)(bp)
             bp.set_defaults(fn=getattr(mod, run))
@@ -122,7 +124,8 @@ _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_run_pars
 def main(argv: Sequence[str] | None = None) -> int:
     make_interruptible()  # Ctrl-C / kill -INT stop it, even started as a background job
     args = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(with_benches="bench" in args)
+    named = args[args.index("bench") + 1 :] if "bench" in args else []
+    parser = build_parser(with_benches=next((x for x in named if x in {b[0] for b in BENCHES}), False))
     a = parser.parse_args(args)
     logs.setup(a.log_level, role="cli")
     try:

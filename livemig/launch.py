@@ -39,12 +39,12 @@ from livemig.config import (
 )  # fmt: skip
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.fault_gate import ENV_FAULT_GATE, ENV_FAULT_PLAN, Arrival, GateServer, gated, plan_env
-from livemig.faults import Fault, parse_fault
+from livemig.faults import KINDS, USAGE, Fault, parse_fault
 from livemig.jobs import prune_stale_dirs, remove_job_file, state_dir, write_job_file
 from livemig.launch_faults import FaultDriver, record_fault
 from livemig.launch_watch import FINE_TICK_S, IDLE_TICK_S, PROBE_S, ChildWatch, Wakeup
 from livemig.nodes import default_host
-from livemig.rdzv.client import EtcdClient, conform
+from livemig.rdzv.client import EtcdClient, conform, encode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import new_incarnation
 from livemig.rdzv.security import EtcdSecurity
@@ -350,6 +350,11 @@ class Launcher(FaultDriver, ChildWatch):
             elif all(c.proc.poll() is not None for c in self.children if c.role == "coordinator"):
                 result = {"state": "failed", "reason": "every coordinator exited before the job finished"}
                 break
+            elif why := self._cannot_form(by_key):
+                result = {"state": "failed", "reason": why, "time": time.time()}
+                t = self.client.txn_ops  # every agent of the run ends on it (the coordinator writes none)
+                self.client.txn([t.version(self.keys.result) == 0], [t.put(self.keys.result, encode(result))])
+                break
             wake.wait(self.children, FINE_TICK_S if self._fine() else IDLE_TICK_S)
         else:
             result = {"state": "failed", "reason": f"run exceeded {self.cfg.max_wall:.0f}s"}
@@ -451,8 +456,11 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
         what = f"recovery of rank {r['rank']}" if r["rank"] is not None else "rebuild of the group"
         lines += [f"{what} (generation {r['generation']}): downtime {r['downtime_s']:.2f} s; "
                   f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed", f"  phases (s): {phases}"]  # fmt: skip
-    lines.append(f"state digest {rep['state_digest'][:16]}…  replicas identical: "
-                 f"{'yes' if rep['replicas_identical'] else 'no'}")  # fmt: skip
+    if rep.get("rank_digests"):
+        lines.append(f"state digest {rep['state_digest'][:16]}…  replicas identical: "
+                     f"{'yes' if rep['replicas_identical'] else 'no'}")  # fmt: skip
+    else:  # the digest of nothing, and "identical: no", would say something false
+        lines.append("no final state: no rank finished the job")
     if reference is not None:
         same = reference == rep["state_digest"]
         differ = rep.get("ranks_differing", [])
@@ -482,7 +490,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="PLAN",
-        help="kill|hang|drop_avg:rank=R:step=S[:during=allreduce]; repeatable",
+        help=f"a fault plan, {USAGE}; KIND: {', '.join(KINDS)} (livemig/faults.py); repeatable",
     )
     p.add_argument("--report", help="write the run report (JSON) here")
     p.add_argument(

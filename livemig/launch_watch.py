@@ -118,6 +118,25 @@ class ChildWatch:
             report_death(self.client, self.keys, c.incarnation, c.name, code, c.died_at)
             c.reported = True
 
+    def _cannot_form(self, by_key: dict) -> str:
+        """Why the job can never start ('' while it can): one of our workers exited before
+        the job formed (a syntax error, an exception at import, a script that never
+        reaches ctx.steps()). Forming needs every rank's worker, and no spare stands in
+        before the job has state, so the run ends now instead of at --max-wall."""
+        raw = by_key.get(self.keys.membership)
+        if raw is not None and Membership.from_bytes(raw.value).generation > 0:
+            return ""  # formed (or forming): a death is a recovery's business now
+        for c in self.children:
+            code = c.proc.poll() if c.role == "worker" else None
+            if code is None:
+                continue
+            if code == 0:
+                return (f"{c.name} returned before the job formed: its training function ended without "
+                        "running `for step in ctx.steps(n)` (is the @livemig.elastic function called?)")  # fmt: skip
+            why = f"signal {-code}" if code < 0 else f"exit code {code}"
+            return f"{c.name} exited ({why}) before the job formed: the script fails before it trains ({c.log_path})"
+        return ""
+
     def _kill_fenced(self, by_key: dict) -> None:
         """A fenced worker or spare still running after FENCED_KILL_S is wedged (its training
         thread cannot see the fence): kill it, so no replaced process lingers."""

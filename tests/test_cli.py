@@ -103,3 +103,25 @@ def test_the_summary_is_one_write(monkeypatch):
     lines = rec.writes[0].splitlines()
     assert lines[0] == "livemig: job j done; 30 steps in 10.0s, median step 71 ms"
     assert rec.writes[0].endswith("\n") and len(lines) == 5 and lines[-1].startswith("bit-identical: yes")
+
+
+def test_bench_help_answers_without_importing_torch():
+    p = subprocess.run([sys.executable, "-c", "import sys\nfrom livemig.cli import main\ntry:\n    main(['bench', "
+                        "'--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.stdout.strip().splitlines()[-1] == "False", p.stdout + p.stderr
+    assert "faults" in p.stdout and "downtime" in p.stdout
+
+
+def test_every_fault_kind_is_in_run_help_and_the_readme():
+    import os
+    import re
+
+    from livemig.faults import KINDS
+
+    help_text = " ".join(run_cli("run", "--help").stdout.split())
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    plans = " ".join(readme[readme.index("Fault plans:") :].split("(docs/reliability.md")[0].split())
+    for kind in KINDS:
+        assert re.search(rf"(?<![\w-]){re.escape(kind)}(?![\w-])", help_text), f"{kind} missing from run --help"
+        assert re.search(rf"(?<![\w-]){re.escape(kind)}(?![\w-])", plans), f"{kind} missing from the README"

@@ -135,6 +135,11 @@ class Standby:
     def _finish(self) -> None:
         if self.runtime is None:
             return
+        if self.role == "worker" and self.runtime.keeper is None:  # never registered: ctx.steps() never ran
+            raise ConfigError(
+                "the training function returned without running `for step in ctx.steps(n)`: a worker "
+                "trains inside that loop (is the loop there, and reached?)"
+            )
         self.write_final()
         self.runtime.wait_result(self)
 

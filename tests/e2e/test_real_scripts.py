@@ -1,7 +1,8 @@
 """Exact and alive on a loop written the way DDP scripts are (examples/ddp_port.py): a
 per-rank seed before the model is built, accumulation under no_sync(), clipping, the
-learning rate set by hand, a prefetched batch under local=, rank 0 saving; with
---amp a GradScaler that unscales before the clip and skips an overflowed step.
+learning rate set by hand (2-rank runs: a torch scheduler stepped after ctx.step()), a
+prefetched batch under local=, rank 0 saving; with --amp a GradScaler that unscales
+before the clip and skips an overflowed step.
 
 Each faulted run is compared with a fault-free run of the same workload, rank by rank:
 parameters, buffers, optimizer state, scaler state and the carried batch, tensors by
@@ -30,6 +31,8 @@ def _run(tmp_path, nproc, spares=0, faults=(), args=(), job="p", step_ms=5):
     """The step padding (sleep) changes no state: runs of any step_ms share a reference."""
     out = tmp_path / f"out-{job}"
     out.mkdir()
+    if "--amp" not in args:  # 2 ranks: a torch scheduler; 3 ranks (amp): the lr set by hand
+        args = ("--scheduler", *args)
     work = ["--steps", str(STEPS), "--step-ms", str(step_ms), *args, "--out", str(out)]
     run = livemig_run(tmp_path, nproc, spares=spares, faults=faults, script=PORT, job=job, workload=work)
     ranks = {int(f.stem[4:]): json.loads(f.read_text()) for f in out.glob("rank*.json")}
@@ -59,7 +62,7 @@ def assert_same_run(run, ranks, ref) -> None:
     assert run.report["steps_completed"] == STEPS, explain(run)
     assert run.report["replicas_identical"], explain(run)
     for r, want in ref_ranks.items():
-        for part in ("model", "optimizer", "scaler", "carry"):  # typed: tuple vs list, int vs float
+        for part in ("model", "optimizer", "scheduler", "scaler", "carry"):  # typed: tuple vs list, int vs float
             assert ranks[r][part] == want[part], f"rank {r}'s {part} differs from the fault-free run's"
     assert run.report["rank_digests"] == ref_report["rank_digests"], explain(run)
 
@@ -120,12 +123,15 @@ def test_planned_migration_of_a_clipped_run_is_exact(tmp_path, reference, nproc,
 
 def test_kill_after_a_completed_migration_and_migration_after_a_kill(tmp_path, reference):
     ref = reference(2)
-    run, ranks = _run(tmp_path, 2, spares=2, faults=("migrate:rank=0:step=8", "kill:rank=1:step=26"), job="mk")
+    # 30 ms steps: the migration (its spare claimed at step 8) completes well before step 32
+    run, ranks = _run(tmp_path, 2, spares=2, faults=("migrate:rank=0:step=8", "kill:rank=1:step=32"), job="mk",
+                      step_ms=30)  # fmt: skip
     assert_same_run(run, ranks, ref)
     assert [m["outcome"] for m in run.report["migrations"]] == ["done"], explain(run)
-    assert _phase(run, "request")["reason"] == "fault plan after step 8"  # ~5 ms steps: on its step
-    assert len(run.report["recoveries"]) == 1 and _spare_joined(run, 1) == 27, explain(run)
-    run, ranks = _run(tmp_path, 2, spares=2, faults=("kill:rank=1:step=6", "migrate:rank=0:step=20"), job="km")
+    assert _phase(run, "request")["reason"] == "fault plan after step 8"
+    assert len(run.report["recoveries"]) == 1 and _spare_joined(run, 1) == 33, explain(run)
+    run, ranks = _run(tmp_path, 2, spares=2, faults=("kill:rank=1:step=6", "migrate:rank=0:step=20"), job="km",
+                      step_ms=30)  # fmt: skip
     assert_same_run(run, ranks, ref)
     assert len(run.report["recoveries"]) == 1 and _migration(run)[0] >= 21, explain(run)
 

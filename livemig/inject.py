@@ -17,7 +17,7 @@ import psutil
 from livemig.config import validate_job_name
 from livemig.errors import ConfigError
 from livemig.faults import KINDS, PHASE_DURING, Fault
-from livemig.jobs import connect
+from livemig.jobs import connect, require_live_job
 from livemig.launch_faults import phase_reached, record_fault, step_reached
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.membership import Rendezvous
@@ -125,6 +125,7 @@ def cmd_inject(a: argparse.Namespace) -> int:
     rdzv = Rendezvous(client, job)
     keys = rdzv.keys
     f = Fault(a.kind if a.kind != "resume" else "hang", a.rank, a.at_step, a.during or "")
+    require_live_job(client, job)  # a job etcd does not hold: one line now, not the --timeout wait
     deadline = time.monotonic() + a.timeout
     armed = None
     while True:

@@ -103,3 +103,21 @@ def prune_stale_dirs(root: str) -> None:
         pid = name.rsplit("-", 1)[-1]
         if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def require_live_job(client: EtcdClient, job: str) -> None:
+    """Refuse at once a command aimed at a job etcd does not hold, or one that has ended,
+    rather than wait out its timeout (and, for migrate, leave a request behind)."""
+    from livemig.rdzv.keys import JobKeys
+    from livemig.rdzv.membership import GenState, Membership
+
+    keys = JobKeys(job)
+    kvs, _ = client.get_prefix(keys.prefix)
+    if not kvs:
+        raise ConfigError(
+            f"job {job} is not in this etcd: is it running, under that name? (livemig status --job {job})"
+        )
+    raw = next((kv.value for kv in kvs if kv.key == keys.membership), None)
+    m = Membership.from_bytes(raw)
+    if m.state in (GenState.DONE, GenState.FAILED):
+        raise ConfigError(f"job {job} has ended ({m.state}): there is nothing to act on")

@@ -19,7 +19,7 @@ from livemig.fault_gate import ENV_GATE_TIMEOUT, gate_timeout, gated
 from livemig.faults import Fault
 from livemig.rdzv.client import EtcdClient, conform, encode
 from livemig.rdzv.keys import JobKeys
-from livemig.rdzv.membership import Membership
+from livemig.rdzv.membership import GenState, Membership
 
 if TYPE_CHECKING:
     from livemig.launch import Child
@@ -260,13 +260,22 @@ class FaultDriver:
         return True
 
     def _claimed_spare(self, by_key: dict) -> Child | None:
+        """The spare claimed by the recovery in flight, else a spare in standby. Never one a
+        committed generation holds: it has a rank now (killing it would be a kill of that
+        rank, and of the mirror a later recovery may need)."""
         raw = by_key.get(self.keys.membership)
         m = Membership.from_bytes(raw.value if raw else None)
-        claimed = [mem.incarnation for mem in m.members.values() if mem.role == "spare"]
-        for c in self.children:
-            if c.role == "spare" and c.incarnation in claimed and c.proc.poll() is None:
-                return c
-        return next((c for c in self.children if c.role == "spare" and c.proc.poll() is None), None)
+        now: set[str] = set()
+        for k, kv in by_key.items() if m.state in (GenState.RECOVERING, GenState.BUILDING) else ():
+            if k.startswith(self.keys.timeline_prefix) and k.endswith("-claim"):
+                ev = conform(kv.value, {"generation": (int,)}) or {}
+                if ev.get("generation") == m.generation and isinstance(ev.get("spares"), list):
+                    now.update(x for x in ev["spares"] if isinstance(x, str))
+        claimed = {mem.incarnation for mem in m.members.values() if mem.role == "spare" and mem.spare_id in now}
+        members = {mem.incarnation for mem in m.members.values()}
+        live = [c for c in self.children if c.role == "spare" and c.proc.poll() is None]
+        return next((c for c in live if c.incarnation in claimed), None) or next(
+            (c for c in live if c.incarnation not in members), None)  # fmt: skip
 
 
 def step_reached(keys: JobKeys, f: Fault, by_key: dict) -> int:

@@ -58,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_migrate(a: argparse.Namespace) -> int:
-    from livemig.jobs import connect
+    from livemig.jobs import connect, require_live_job
 
     job = validate_job_name(a.job)
     if a.rank < 0:
@@ -66,6 +66,7 @@ def cmd_migrate(a: argparse.Namespace) -> int:
     client = connect(job, a.etcd, timedelta(seconds=a.etcd_timeout))
     keys = JobKeys(job)
     try:
+        require_live_job(client, job)  # else the request key would outlive the wait, a phantom job
         rid = request_migration(client, keys, a.rank, a.reason)
         print(f"migration of rank {a.rank} requested (id {rid})", flush=True)
         spares = [conform(kv.value, {"state": (str,)}) or {} for kv in client.get_prefix(keys.spares_prefix)[0]]

@@ -73,6 +73,22 @@ def test_status_of_a_job_that_is_not_there_says_so(etcd):
     assert "no job 'typo' in etcd" in one_line(r.stderr)
 
 
+@pytest.mark.parametrize(
+    "cmd", [["inject", "kill", "--rank", "0"], ["migrate", "--rank", "0"]], ids=["inject", "migrate"]
+)
+def test_inject_and_migrate_for_a_missing_job_end_at_once(etcd, cmd):
+    from livemig.rdzv.client import EtcdClient
+
+    t0 = time.monotonic()
+    r = run_cli(*cmd, "--job", "nosuchjob", "--etcd", etcd.endpoints)
+    assert r.returncode == 2 and time.monotonic() - t0 < 5
+    assert "job nosuchjob is not in this etcd" in one_line(r.stderr)
+    from livemig.rdzv.keys import JobKeys
+
+    kvs, _ = EtcdClient(etcd.endpoints).get_prefix(JobKeys("nosuchjob").prefix)
+    assert not kvs, "a request key was left behind"
+
+
 def test_the_summary_is_one_write(monkeypatch):
     """Agents of a job often share one stdout pipe (srun), unbuffered in containers: a
     summary written line by line, or a line and its newline apart, interleaves with the

@@ -256,9 +256,9 @@ def _sequence(seed: int) -> tuple[int, list[str], str]:
     """One seeded sequence of failures and migrations: (world size, fault plan, description).
     Up to three events, 9-13 steps apart (the next lands once the last is resolved, whatever the
     spares' warm-up), among: a kill, a hang (SIGSTOP: found by its lease), a planned
-    migration, kills of two ranks on consecutive steps, a kill of the claimed spare during
-    the build of the recovery a kill started. Only what the spares can serve: a second
-    rank killed during that build would take a rank's local state with its mirror (both
+    migration, kills of two ranks on consecutive steps, a kill of the spare claimed by the
+    recovery a kill started, as it pulls the state. Only what the spares can serve: a second
+    rank killed inside that recovery would take a rank's local state with its mirror (both
     ranks of the pair are neighbours in a world of 2 or 3), which no live path recovers."""
     import random
 
@@ -266,12 +266,12 @@ def _sequence(seed: int) -> tuple[int, list[str], str]:
     nproc = rnd.choice((2, 3))
     faults, what, step = [], [], rnd.randint(4, 10)
     while step < SEQ_STEPS - 8 and len(what) < 3:
-        kind = rnd.choice(("kill", "kill", "hang", "migrate", "migrate", "consecutive", "in-build"))
+        kind = rnd.choice(("kill", "kill", "hang", "migrate", "migrate", "consecutive", "in-recovery"))
         r, other = rnd.sample(range(nproc), 2)
         if kind == "consecutive":
             faults += [f"kill:rank={r}:step={step}", f"kill:rank={other}:step={step + 1}"]
-        elif kind == "in-build":  # the spare claimed for r killed while the group builds: another takes r
-            faults += [f"kill:rank={r}:step={step}", f"spare-kill:step={step}:during=build"]
+        elif kind == "in-recovery":  # the spare claimed for r killed as it pulls r's state: another takes r
+            faults += [f"kill:rank={r}:step={step}", f"spare-kill:step={step}:during=stream"]
         else:
             faults.append(f"{kind}:rank={r}:step={step}")
         what.append(f"{kind}@{step}")

@@ -18,7 +18,7 @@ from livemig.config import validate_job_name
 from livemig.errors import ConfigError
 from livemig.faults import KINDS, PHASE_DURING, Fault
 from livemig.jobs import connect, require_live_job
-from livemig.launch_faults import phase_reached, record_fault, step_reached
+from livemig.launch_faults import in_flight_spares, phase_reached, record_fault, step_reached
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.membership import Rendezvous
 from livemig.rdzv.security import add_arguments as add_security_arguments
@@ -32,7 +32,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inject", help="inject a fault into a running job")
     p.add_argument("kind", choices=sorted(CLI_KINDS))
     p.add_argument("--job", required=True)
-    p.add_argument("--rank", type=int, help="target rank (kill, hang, resume, slow, corrupt)")
+    p.add_argument(
+        "--rank",
+        type=int,
+        help="target rank (kill, hang, resume, slow, corrupt); spare-kill and "
+        "spare-hang take a claimed (else a standby) spare, never a rank",
+    )
     p.add_argument("--at-step", type=int, default=0, help="wait until the rank (any rank) committed this step")
     p.add_argument("--during", choices=PHASE_DURING, help="wait until a recovery reaches this phase")
     p.add_argument("--factor", type=float, default=4.0, help="slow: this many times slower (default 4)")
@@ -92,9 +97,12 @@ def _target_pid(a: argparse.Namespace, rdzv: Rendezvous, client: EtcdClient) -> 
         parts = kv.value.decode().split("-")  # coordinator-HOST-PID-RANDOM
         _local("-".join(parts[1:-2]), "the leader coordinator")
         return int(parts[-2])
-    if a.kind == "spare-kill":
-        claimed = [mem for mem in m.members.values() if mem.role == "spare" and mem.pid]
+    if a.kind in ("spare-kill", "spare-hang"):
+        # the spare a recovery in flight claimed, else one in standby (never a member)
+        kvs, _ = client.get_prefix(rdzv.keys.prefix)
+        claimed = [mem for mem in in_flight_spares(rdzv.keys, {kv.key: kv for kv in kvs}, m) if mem.pid]
         if claimed:
+            _local(claimed[0].host, "the claimed spare")
             return claimed[0].pid
         kvs, _ = client.get_prefix(rdzv.keys.spares_prefix)
         for kv in kvs:
@@ -121,6 +129,11 @@ def _target_pid(a: argparse.Namespace, rdzv: Rendezvous, client: EtcdClient) -> 
 
 def cmd_inject(a: argparse.Namespace) -> int:
     job = validate_job_name(a.job)
+    if a.kind in ("wedge", "break"):
+        raise ConfigError(f"inject {a.kind} lands inside the worker's own step, which only a fault plan reaches: "
+                          f"livemig run --fault {a.kind}:rank=R:step=S ...")  # fmt: skip
+    if a.kind in ("spare-kill", "spare-hang", "coordinator-kill", "etcd-kill") and a.rank is not None:
+        raise ConfigError(f"inject {a.kind} takes no --rank: it targets a spare, the leader or an etcd member")
     client = connect(job, a.etcd, timedelta(seconds=a.etcd_timeout))
     rdzv = Rendezvous(client, job)
     keys = rdzv.keys
@@ -151,7 +164,7 @@ def cmd_inject(a: argparse.Namespace) -> int:
         if a.via_agent or (mem is not None and not _is_local(mem.host)):
             return _via_agent(a, client, rdzv, step)
     pid = _target_pid(a, rdzv, client)
-    sig = {"hang": signal.SIGSTOP, "resume": signal.SIGCONT}.get(a.kind, signal.SIGKILL)
+    sig = {"hang": signal.SIGSTOP, "spare-hang": signal.SIGSTOP, "resume": signal.SIGCONT}.get(a.kind, signal.SIGKILL)
     try:
         if a.kind == "slow":
             print(f"slowing pid {pid} {a.factor:g}x for {a.duration:g}s", flush=True)
@@ -166,7 +179,7 @@ def cmd_inject(a: argparse.Namespace) -> int:
             os.kill(pid, sig)
     except ProcessLookupError:
         raise ConfigError(f"process {pid} no longer exists") from None
-    if a.kind not in ("resume", "slow"):
+    if a.kind not in ("resume", "slow", "spare-hang"):  # a stopped spare starts no downtime
         record_fault(client, keys, a.kind, a.rank, step, time.time())
     print(f"injected {a.kind} into pid {pid} at step {step}")
     return 0

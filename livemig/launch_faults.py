@@ -265,17 +265,26 @@ class FaultDriver:
         rank, and of the mirror a later recovery may need)."""
         raw = by_key.get(self.keys.membership)
         m = Membership.from_bytes(raw.value if raw else None)
-        now: set[str] = set()
-        for k, kv in by_key.items() if m.state in (GenState.RECOVERING, GenState.BUILDING) else ():
-            if k.startswith(self.keys.timeline_prefix) and k.endswith("-claim"):
-                ev = conform(kv.value, {"generation": (int,)}) or {}
-                if ev.get("generation") == m.generation and isinstance(ev.get("spares"), list):
-                    now.update(x for x in ev["spares"] if isinstance(x, str))
-        claimed = {mem.incarnation for mem in m.members.values() if mem.role == "spare" and mem.spare_id in now}
+        claimed = {mem.incarnation for mem in in_flight_spares(self.keys, by_key, m)}
         members = {mem.incarnation for mem in m.members.values()}
         live = [c for c in self.children if c.role == "spare" and c.proc.poll() is None]
         return next((c for c in live if c.incarnation in claimed), None) or next(
             (c for c in live if c.incarnation not in members), None)  # fmt: skip
+
+
+def in_flight_spares(keys: JobKeys, by_key: dict, m: Membership) -> list[Any]:
+    """The members the recovery (or planned migration) in flight claimed (its timeline's claim
+    event): none once the generation committed, and never a spare an earlier recovery claimed
+    (it holds a rank)."""
+    if m.state not in (GenState.RECOVERING, GenState.BUILDING, GenState.MIGRATING):
+        return []
+    now: set[str] = set()
+    for k, kv in by_key.items():
+        if k.startswith(keys.timeline_prefix) and k.endswith("-claim"):
+            ev = conform(kv.value, {"generation": (int,)}) or {}
+            if ev.get("generation") == m.generation and isinstance(ev.get("spares"), list):
+                now.update(x for x in ev["spares"] if isinstance(x, str))
+    return [mem for mem in m.members.values() if mem.role == "spare" and mem.spare_id in now]
 
 
 def step_reached(keys: JobKeys, f: Fault, by_key: dict) -> int:

@@ -33,3 +33,44 @@ def test_a_script_that_fails_before_training_ends_the_run_at_once(tmp_path, scri
     if script != "never_trains.py":  # that one ends through the worker's own error, as a misuse does
         assert "before the job formed" in run.stdout, explain(run)
         assert "no final state: no rank finished the job" in run.stdout
+
+
+def test_inject_spare_hang_stops_a_spare_and_wedge_is_refused(tmp_path):
+    """`livemig inject spare-hang` SIGSTOPs a spare (it used to SIGKILL worker R); wedge and
+    break, which only land inside a worker's step, are refused with one line."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path))
+    cli = [sys.executable, "-m", "livemig.cli"]
+    argv = [*cli, "run", "--nproc", "2", "--spares", "1", "--job", "sh", "--lease-ttl", "2",
+            os.path.join(REPO, "examples", "mlp.py"), "--steps", "100000", "--layers", "1"]  # fmt: skip
+    job = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        r = subprocess.run([*cli, "inject", "wedge", "--job", "sh", "--rank", "1"], env=env, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 2 and "livemig run --fault wedge:rank=R:step=S" in r.stderr, r.stderr
+        deadline, out = time.monotonic() + 90, None
+        while time.monotonic() < deadline:  # until the spare is warm (registered in the pool)
+            r = subprocess.run([*cli, "inject", "spare-hang", "--job", "sh"], env=env, capture_output=True,
+                               text=True, timeout=60)  # fmt: skip
+            if r.returncode == 0:
+                out = r.stdout
+                break
+            time.sleep(0.5)
+        assert out, r.stderr
+        pid = int(out.split("pid ")[1].split()[0])
+        proc = psutil.Process(pid)
+        assert proc.status() == psutil.STATUS_STOPPED, proc.status()
+        assert proc.environ().get("LIVEMIG_ROLE") == "spare"
+        os.kill(pid, signal.SIGCONT)
+    finally:
+        os.killpg(job.pid, signal.SIGINT)
+        try:
+            job.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()

@@ -103,8 +103,10 @@ def _migration(run) -> tuple[int, int]:
 @pytest.mark.parametrize("nproc,args", [(2, ()), (3, tuple(AMP))], ids=["clip+accum", "gradscaler+clip+accum"])
 def test_planned_migration_of_a_clipped_run_is_exact(tmp_path, reference, nproc, args):
     ref = reference(nproc, args)
-    # 30 ms steps: the spare's snapshot, some steps after the request, leaves a catch-up window
-    run, ranks = _run(tmp_path, nproc, spares=1, faults=("migrate:rank=0:step=12",), args=args, job="m", step_ms=30)
+    # The spare stalls 0.2 s once its snapshot is loaded, so the group runs ~5 steps (30 ms each)
+    # ahead of it: a catch-up of several steps, fewer than the 8 averages the leaving rank keeps.
+    faults = ("migrate:rank=0:step=12", "spare-hang:during=snapshot:resume=0.2")
+    run, ranks = _run(tmp_path, nproc, spares=1, faults=faults, args=args, job="m", step_ms=30)
     assert_same_run(run, ranks, ref)
     loaded, switch = _migration(run)
     assert [(f["kind"], f["step"]) for f in run.report["faults_injected"]] == [("migrate", 12)]

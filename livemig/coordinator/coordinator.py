@@ -35,7 +35,7 @@ from livemig.config import (
 from livemig.coordinator.checks import Checks
 from livemig.coordinator.migration import Migrations
 from livemig.coordinator.prune import stale_ops
-from livemig.coordinator.snapshot import Decoded, Snapshot, _num, _safe_decode
+from livemig.coordinator.snapshot import Decoded, Snapshot, _num, _safe_decode, node_of
 from livemig.coordinator.store_host import StoreHost
 from livemig.coordinator.timeline import Timeline
 from livemig.errors import CorruptStateError, EtcdUnavailableError, LivemigError, NotLeaderError
@@ -50,12 +50,6 @@ log = logging.getLogger("livemig.coordinator")
 FULL_READ_S = 5.0  # a pass reads etcd itself at least this often, whatever the mirror says
 PASS_REST_MAX_S = 0.1  # the most a pass rests after itself (as long as it took), for the watch to keep up
 MIRROR_WAIT_S = 0.5  # how long a pass waits for the mirror to hold the coordinator's own writes
-
-
-def _node(reg: dict) -> int | None:
-    """The node rank a registration names (None: a spare of a standby host, or older records)."""
-    n = reg.get("node")
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 class Coordinator(Checks, Migrations, StoreHost):
@@ -333,7 +327,7 @@ class Coordinator(Checks, Migrations, StoreHost):
             if diff:
                 return self._fail(s.m, f"rank {r}'s model differs from rank 0's ({diff}); "
                                   "every worker must build the same model")  # fmt: skip
-        members = {r: Member(r, x["incarnation"], x["host"], x["pid"], x["addr"], node=_node(x))
+        members = {r: Member(r, x["incarnation"], x["host"], x["pid"], x["addr"], node=node_of(x))
                    for r, x in regs.items()}  # fmt: skip
         m = Membership(state=GenState.FORMING, world_size=self.world_size, members=members,
                        store=self._store_for(s, members), leader=self.id)  # fmt: skip

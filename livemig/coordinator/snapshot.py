@@ -100,6 +100,12 @@ def _table(key: str, raw: bytes) -> Membership:
     return Membership.from_bytes(raw)
 
 
+def node_of(reg: dict) -> int | None:
+    """The node rank a registration names (None: a spare of a standby host, or older records)."""
+    n = reg.get("node")
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
 class Snapshot:
     """All keys of the job at one revision, with typed accessors."""
 
@@ -163,9 +169,8 @@ class Snapshot:
         for r, mem in members.items():
             reg = self.get(self.keys.member(r)) or {}
             if reg.get("incarnation") == mem.incarnation and isinstance(reg.get("addr"), str):
-                node = reg.get("node")
                 mem = replace(mem, addr=reg["addr"], host=reg.get("host", mem.host), pid=reg.get("pid", mem.pid),
-                              node=node if isinstance(node, int) and not isinstance(node, bool) else None)  # fmt: skip
+                              node=node_of(reg))  # fmt: skip
             out[r] = mem
         return out
 

@@ -182,7 +182,7 @@ class StepLoop:
         """
         t = self._in_step("ctx.step()")
         if scaler is not None and self.role != "local":
-            self.reg.extra_state_of(scaler)  # refused at once if unregistered: a spare could not follow it
+            self.reg.extra_name_of(scaler)  # refused at once if unregistered: a spare could not follow it
         self._scaler = scaler
         try:
             if self._sandbox_pg is not None:
@@ -401,10 +401,7 @@ class StepLoop:
         _, after, _, committed_extra = self._replay
         self._replay = None
         if self._scaler is not None:  # changed only by commits: take the source's, as of step t
-            name = next((k for k, v in self.reg.extra.items() if v is self._scaler), None)
-            if name is None:
-                raise ConfigError("ctx.step(scaler=...): register the GradScaler as an extra (ctx.register(scaler=s))")
-            self._scaler.load_state_dict(committed_extra[name])
+            self._scaler.load_state_dict(committed_extra[self.reg.extra_name_of(self._scaler)])
         with torch.no_grad():
             for p, a in zip(self._params, after, strict=True):
                 p.copy_(a)

@@ -209,14 +209,16 @@ class Registry:
             grads = applied[0] if applied else None
             applied[:] = [{"grads": grads, "stepped": grads is not None, "scaler": self.extra_state_of(scaler)}]
 
-    def extra_state_of(self, obj: Any) -> list | None:
-        """[name, state_dict()] of a registered extra (the GradScaler of a step), None if no obj."""
-        if obj is None:
-            return None
+    def extra_name_of(self, obj: Any) -> str:
+        """The name a GradScaler passed to ctx.step() is registered under: a spare follows it by that name."""
         name = next((k for k, v in self.extra.items() if v is obj), None)
         if name is None:
             raise ConfigError("ctx.step(scaler=...): register the GradScaler as an extra (ctx.register(scaler=s))")
-        return [name, obj.state_dict()]
+        return name
+
+    def extra_state_of(self, obj: Any) -> list | None:
+        """[name, state_dict()] of a registered extra (the GradScaler of a step), None if no obj."""
+        return None if obj is None else [self.extra_name_of(obj), obj.state_dict()]
 
     def apply_step(self, applied: dict) -> None:
         """A catching-up spare repeats a step exactly as the leaving worker applied it

@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rank",
         type=int,
-        help="target rank (kill, hang, resume, slow, corrupt); spare-kill and "
+        help="target rank (kill, hang, resume, slow, corrupt, wedge, break); spare-kill and "
         "spare-hang take a claimed (else a standby) spare, never a rank",
     )
     p.add_argument("--at-step", type=int, default=0, help="wait until the rank (any rank) committed this step")
@@ -86,6 +86,31 @@ def _via_agent(a: argparse.Namespace, client: EtcdClient, rdzv: Rendezvous, step
     return 0
 
 
+def _ask_member(a: argparse.Namespace, client: EtcdClient, rdzv: Rendezvous, step: int) -> int:
+    """wedge / break land inside the worker's own step: asked through etcd (keys.inject_self,
+    keyed by the process, never a later holder of the rank), taken at its next boundary. The
+    worker deletes the request when it takes it: that is the answer waited for here."""
+    if a.rank is None:
+        raise ConfigError(f"inject {a.kind} needs --rank")
+    mem = rdzv.read().members.get(a.rank)
+    if mem is None:
+        raise ConfigError(f"job {a.job} has no member with rank {a.rank}")
+    key = rdzv.keys.inject_self(mem.incarnation)
+    client.put(key, encode({"kind": a.kind, "time": time.time()}))
+    bound = min(a.timeout, 30.0)
+    deadline = time.monotonic() + bound
+    while client.get(key) is not None:
+        if time.monotonic() > deadline:
+            client.delete(key)
+            raise ConfigError(f"rank {a.rank} did not take the {a.kind} request within {bound:.0f} s: "
+                              "is it training (livemig status)?")  # fmt: skip
+        time.sleep(0.05)
+    record_fault(client, rdzv.keys, a.kind, a.rank, step, time.time())
+    what = "blocks its training thread" if a.kind == "wedge" else "fails its gradient collective"
+    print(f"injected {a.kind} into rank {a.rank} (pid {mem.pid}): it {what} in its next step, after step {step}")
+    return 0
+
+
 def _target_pid(a: argparse.Namespace, rdzv: Rendezvous, client: EtcdClient) -> int:
     if a.pid is not None:
         return a.pid
@@ -129,9 +154,6 @@ def _target_pid(a: argparse.Namespace, rdzv: Rendezvous, client: EtcdClient) -> 
 
 def cmd_inject(a: argparse.Namespace) -> int:
     job = validate_job_name(a.job)
-    if a.kind in ("wedge", "break"):
-        raise ConfigError(f"inject {a.kind} lands inside the worker's own step, which only a fault plan reaches: "
-                          f"livemig run --fault {a.kind}:rank=R:step=S ...")  # fmt: skip
     if a.kind in ("spare-kill", "spare-hang", "coordinator-kill", "etcd-kill") and a.rank is not None:
         raise ConfigError(f"inject {a.kind} takes no --rank: it targets a spare, the leader or an etcd member")
     client = connect(job, a.etcd, timedelta(seconds=a.etcd_timeout))
@@ -153,6 +175,8 @@ def cmd_inject(a: argparse.Namespace) -> int:
             raise ConfigError(f"step {a.at_step}{' / phase ' + a.during if a.during else ''} not reached "
                               f"within {a.timeout:.0f}s")  # fmt: skip
         time.sleep(0.01)
+    if a.kind in ("wedge", "break"):
+        return _ask_member(a, client, rdzv, step)
     if a.kind == "corrupt":
         if a.rank is None:
             raise ConfigError("inject corrupt needs --rank (the member whose next served chunk is altered)")

@@ -44,9 +44,62 @@ def write_job_file(job: str, etcd: str, pid: int | None = None, security: EtcdSe
     return path
 
 
-def remove_job_file(job: str) -> None:
+def _read(path: str) -> dict | None:
     try:
-        os.unlink(job_file(job))
+        with open(path) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def live_owner(job: str) -> dict | None:
+    """The job file of a `livemig run` of `job` on this machine that is still alive and is
+    not this process: its launcher's pid exists and started before the file was written
+    (a recycled pid is not the run)."""
+    info = _read(job_file(job))
+    if info is None:
+        return None
+    try:
+        pid = int(info.get("pid", -1))
+        if pid == os.getpid() or not psutil.pid_exists(pid):
+            return None
+        if psutil.Process(pid).create_time() > float(info.get("started", 0)) + 1:
+            return None
+    except (psutil.Error, TypeError, ValueError):
+        return None
+    return info
+
+
+def refuse_duplicate(job: str) -> None:
+    """One job name, one job on this machine: a second `livemig run` of a live name would
+    point `status`, `inject` and `livemig-spare` at itself, so it is refused before it starts."""
+    info = live_owner(job)
+    if info is not None:
+        since = time.strftime("%H:%M:%S", time.localtime(float(info.get("started", 0))))
+        raise ConfigError(
+            f"job {job} is already running on this machine (livemig run pid {info['pid']}, since {since}, "
+            f"etcd {info.get('etcd')}): name this one with --job NAME"
+        )
+
+
+def claim_job_file(job: str, etcd: str, security: EtcdSecurity | None = None) -> bool:
+    """Write the job file unless another live run of `job` holds it (a further node of a
+    `--nnodes` run on this machine joins that run: the first node's file stays)."""
+    if live_owner(job) is not None:
+        return False
+    write_job_file(job, etcd, security=security)
+    return True
+
+
+def remove_job_file(job: str) -> None:
+    """Only our own: a run never removes the file of another run of the same name."""
+    path = job_file(job)
+    info = _read(path)
+    if info is not None and info.get("pid") not in (None, os.getpid()):
+        return
+    try:
+        os.unlink(path)
     except OSError:
         pass
 

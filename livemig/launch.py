@@ -40,7 +40,7 @@ from livemig.config import (
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.fault_gate import ENV_FAULT_GATE, ENV_FAULT_PLAN, Arrival, GateServer, gated, plan_env
 from livemig.faults import KINDS, USAGE, Fault, parse_fault
-from livemig.jobs import prune_stale_dirs, remove_job_file, state_dir, write_job_file
+from livemig.jobs import claim_job_file, prune_stale_dirs, refuse_duplicate, remove_job_file, state_dir
 from livemig.launch_faults import FaultDriver, record_fault
 from livemig.launch_watch import FINE_TICK_S, IDLE_TICK_S, PROBE_S, ChildWatch, Wakeup
 from livemig.nodes import default_host
@@ -147,6 +147,9 @@ class Launcher(FaultDriver, ChildWatch):
         # etcd credentials of this run: the embedded etcd's own, else the environment's
         self.security = EtcdSecurity.from_env()
         self._wake = Wakeup()  # what the agent loop sleeps on (launch_watch.Wakeup)
+        self._mirror: PrefixMirror | None = None  # the job's keys, watch-fed (supervise)
+        self._t0 = time.time()
+        self.signal_name = "SIGINT"  # what interrupted the run, if anything did
         # A fault plan's gates (livemig/fault_gate.py): where our children stop at a fault's step.
         self.gate = GateServer(self._wake.poke) if any(gated(f) for f in cfg.faults) else None
         self._arrived: list[Arrival] = []  # children waiting at a gate, not answered yet
@@ -183,8 +186,10 @@ class Launcher(FaultDriver, ChildWatch):
         return child
 
     def start(self) -> None:
-        os.makedirs(self.logdir, exist_ok=True)
         cfg = self.cfg
+        if not cfg.etcd:  # on an external etcd the run's own keys refuse a second run (nodes.attach_node)
+            refuse_duplicate(cfg.job)
+        os.makedirs(self.logdir, exist_ok=True)
         part_rank = None
         if cfg.etcd:
             if any(f.kind in ("partition", "link") for f in cfg.faults):
@@ -223,7 +228,7 @@ class Launcher(FaultDriver, ChildWatch):
             self.cluster.wait_started()
         self.client = EtcdClient(self.etcd, cfg.timeouts.etcd, self.security)
         self._join(host, fresh=early)
-        write_job_file(cfg.job, self.etcd, security=self.security)
+        claim_job_file(cfg.job, self.etcd, security=self.security)
         if not early:
             self._spawn_job(host, part_rank)
         elif self.node_rank != 0:  # pragma: no cover - a fresh etcd of our own has no other node
@@ -290,25 +295,37 @@ class Launcher(FaultDriver, ChildWatch):
         assert self.client is not None
         t0 = time.time()
         deadline = time.monotonic() + self.cfg.max_wall
-        result = None
-        result_seen_at = None
         # The job's keys come from a watch-fed mirror (no prefix read and decode every pass).
         # Passes run when a child exits or a key other than a progress record changes, else
         # at the tick: FINE_TICK_S while a fault plan is live, IDLE_TICK_S otherwise.
-        mirror: PrefixMirror | None = None
         wake = self._wake
-        probed = 0.0
         progress_prefix = self.keys.progress_prefix
 
         def on_change(events: list) -> None:
             if not events or any(not e.key.startswith(progress_prefix) for e in events):
                 wake.poke()
 
+        self._t0 = t0
+        try:
+            result = self._watch_job(deadline, wake, on_change)
+        finally:  # also on Ctrl-C: a watch left running would warn once its etcd stops
+            if self._mirror is not None:
+                self._mirror.cancel()
+                self._mirror = None
+        return self._report(result)
+
+    def _watch_job(self, deadline: float, wake: Wakeup, on_change: Any) -> dict[str, Any] | None:
+        """The agent loop proper: until the job's result (or a reason it cannot run)."""
+        assert self.client is not None
+        result = None
+        result_seen_at = None
+        probed = 0.0
         while time.monotonic() < deadline:
             try:
                 self._reap()
-                if mirror is None:
-                    mirror = PrefixMirror(self.client, self.keys.prefix, on_change)
+                if self._mirror is None:
+                    self._mirror = PrefixMirror(self.client, self.keys.prefix, on_change)
+                mirror = self._mirror
                 # A small read with a short deadline is how an outage shows (during one the
                 # loop must still carry out timed faults): every pass while faults are
                 # planned, else once per PROBE_S.
@@ -338,6 +355,8 @@ class Launcher(FaultDriver, ChildWatch):
             if res is not None and result is None:
                 result = conform(res.value, {"state": (str,)})  # not a result record: not the end
                 result_seen_at = time.monotonic() if result is not None else None
+            if result is not None and result.get("state") == "interrupted":
+                break  # another agent of the run was interrupted: this node stops too, at once
             if result is not None:
                 members_alive = [c for c in self.children if c.role in ("worker", "spare")
                                  and c.proc.poll() is None and self._is_member(c, by_key)]  # fmt: skip
@@ -358,11 +377,11 @@ class Launcher(FaultDriver, ChildWatch):
             wake.wait(self.children, FINE_TICK_S if self._fine() else IDLE_TICK_S)
         else:
             result = {"state": "failed", "reason": f"run exceeded {self.cfg.max_wall:.0f}s"}
-        if mirror is not None:
-            mirror.cancel()
-        wall = time.time() - t0
-        from livemig import report
+        return result
 
+    def _report(self, result: dict[str, Any] | None) -> dict[str, Any]:
+        assert self.client is not None
+        wall = time.time() - self._t0
         stops = [f["time"] for f in self.injected if f["kind"] == "etcd-stop"]
         ends = [f["time"] for f in self.injected if f["kind"] == "etcd-resume"]
         rep = report.build(self.client, self.cfg.job, self.cfg.nproc, wall, list(zip(stops, ends, strict=False)),
@@ -381,7 +400,7 @@ class Launcher(FaultDriver, ChildWatch):
                 for c in self.children]  # fmt: skip
 
     # -- shutdown -----------------------------------------------------------------------------
-    def stop(self) -> None:
+    def _terminate(self) -> None:
         for c in self.children:
             if c.proc.poll() is None:
                 try:
@@ -389,7 +408,37 @@ class Launcher(FaultDriver, ChildWatch):
                     os.killpg(c.proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        deadline = time.monotonic() + 5
+
+    def interrupted(self) -> dict[str, Any]:
+        """Ctrl-C or SIGTERM of the run. The children are told to stop first (they go while
+        etcd is written); the job is marked ended with an "interrupted" result, which ends
+        every other agent of the run and every standby spare, also one started from another
+        shell; on an external etcd, which outlives us, the job's secret goes with it. The
+        report is then built as at a normal end, so `--report` and the summary are written."""
+        t0 = time.monotonic()
+        self._terminate()
+        result = {"state": "interrupted", "reason": f"interrupted by {self.signal_name} (node {self.node_rank})",
+                  "time": time.time()}  # fmt: skip
+        rep = None
+        if self.client is not None:
+            try:
+                t = self.client.txn_ops
+                self.client.txn([t.version(self.keys.result) == 0], [t.put(self.keys.result, encode(result))])
+                if self.cfg.etcd:
+                    self.client.delete(self.keys.secret)
+                rep = self._report(None)
+            except LivemigError as exc:  # etcd gone too: a report of what this agent knows
+                log.info("the interrupted job's keys were not written", extra={"err": str(exc)})
+        if rep is None:
+            rep = report.empty(self.cfg.job, self.cfg.nproc, time.time() - self._t0)
+        rep["result"] = result
+        log.info("interrupted: job marked ended, report built", extra={"s": round(time.monotonic() - t0, 3)})
+        return rep
+
+    def stop(self, grace: float = 5.0) -> None:
+        """grace: how long children have after SIGTERM before SIGKILL."""
+        self._terminate()
+        deadline = time.monotonic() + grace
         for c in self.children:
             try:
                 c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -399,6 +448,7 @@ class Launcher(FaultDriver, ChildWatch):
                 except ProcessLookupError:
                     pass
                 c.proc.wait()
+        log.info("children stopped", extra={"s": round(time.monotonic() - deadline + grace, 3)})
         if self.node_keeper is not None:
             self.node_keeper.stop(revoke=True)
         if self.client is not None:
@@ -407,6 +457,7 @@ class Launcher(FaultDriver, ChildWatch):
             self.cluster.stop()
         if self.partition is not None:
             self.partition.teardown()
+        log.info("run stopped", extra={"s": round(time.monotonic() - deadline + grace, 3)})
         remove_job_file(self.cfg.job)
         if self.gate is not None:
             self.gate.close()
@@ -424,15 +475,32 @@ class Launcher(FaultDriver, ChildWatch):
         return ""
 
 
+# SIGTERM and SIGINT stop the run in the same way: what the launcher does on them (interrupted)
+INTERRUPT_GRACE_S = 1.5  # after Ctrl-C: children's time to exit on SIGTERM before SIGKILL
+
+
 def run(cfg: RunConfig) -> dict[str, Any]:
     launcher = Launcher(cfg)
     rep: dict[str, Any] | None = None
     make_interruptible()
-    old = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def on_term(signum: int, _frame: Any) -> None:
+        launcher.signal_name = signal.Signals(signum).name
+        raise KeyboardInterrupt()
+
+    signal.signal(signal.SIGTERM, on_term)
+    grace = 5.0
     try:
-        launcher.start()
-        rep = launcher.supervise()
+        try:
+            launcher.start()
+            rep = launcher.supervise()
+        except KeyboardInterrupt:
+            # a second Ctrl-C must not cut the clean-up short: it is bounded (INTERRUPT_GRACE_S)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            grace = INTERRUPT_GRACE_S
+            rep = launcher.interrupted()
         rep["faults_injected"] = launcher.injected
         if rep["result"] and rep["result"].get("state") != "done":
             tail = launcher.failure_tail()
@@ -440,17 +508,20 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                 rep["result"]["log_tail"] = tail
         return rep
     finally:
-        launcher.stop()
+        launcher.stop(grace)
         if rep is not None:
             rep["processes"] = launcher.processes()
-        signal.signal(signal.SIGTERM, old)
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
 
 
 def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
     res = rep["result"] or {}
+    median = rep["step_time_s_median"]
+    median_s = f", median step {median * 1e3:.0f} ms" if median else ""  # none measured: not "0 ms"
     lines = [f"livemig: job {rep['job']} {res.get('state', '?')}"
              f"{': ' + res['reason'] if res.get('reason') else ''}; {rep['steps_completed']} steps in "
-             f"{rep['wall_s']:.1f}s, median step {rep['step_time_s_median'] * 1e3:.0f} ms"]  # fmt: skip
+             f"{rep['wall_s']:.1f}s{median_s}"]  # fmt: skip
     for r in rep["recoveries"]:
         phases = "  ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
         what = f"recovery of rank {r['rank']}" if r["rank"] is not None else "rebuild of the group"
@@ -550,10 +621,14 @@ def cmd_run(a: argparse.Namespace) -> int:
                             etcd=a.etcd if a.nnodes == 1 else None, etcd_bin=a.etcd_bin, timeouts=t, quiet=True,
                             max_wall=a.max_wall, buddy_stride=cfg.nproc_per_node if a.nnodes > 1 else 0)  # fmt: skip
         ref = run(ref_cfg)
+        if (ref["result"] or {}).get("state") == "interrupted":
+            raise KeyboardInterrupt()  # the CLI's one line and exit 130; the reference left nothing behind
         if (ref["result"] or {}).get("state") != "done":
             raise LivemigError(f"the fault-free reference run failed: {ref['result']}")
         return ref
 
+    if not a.etcd:
+        refuse_duplicate(cfg.job)  # before the reference run, not after it
     # one node: the reference first (as before); several: after the job, on this node, so that
     # no agent holds the others up while they wait to join
     ref = verify() if a.verify and a.nnodes == 1 else None
@@ -570,6 +645,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         with open(a.report, "w") as f:
             json.dump(rep, f, indent=2)
     print_summary(rep, reference)
+    if (rep["result"] or {}).get("state") == "interrupted":
+        return 130  # as a shell reports a process ended by Ctrl-C
     ok = (rep["result"] or {}).get("state") == "done"
     if not ok and (rep["result"] or {}).get("traceback"):
         print(rep["result"]["traceback"], file=sys.stderr)  # a bug in the training function

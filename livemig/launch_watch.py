@@ -184,9 +184,11 @@ class ChildWatch:
         window = self.cfg.log_every
         if (low + 1) // window > (self._last_print + 1) // window:
             now = time.monotonic()
-            rate = (low - self._last_print) / max(1e-6, now - self._t_print) if self._last_print >= 0 else 0
+            # a rate needs two lines: the first would count the start-up as steps
+            rate = (low - self._last_print) / max(1e-6, now - self._t_print) if self._last_print >= 0 else None
             loss = steps.get(self.keys.progress(0), {}).get("loss")
             gen = max(s.get("generation", 0) for s in steps.values())
             loss_s = f"  loss {loss:.5f}" if isinstance(loss, float) else ""
-            self.say(f"step {low + 1:>6}{loss_s}  {rate:.2f} steps/s  generation {gen}")
+            rate_s = f"  {rate:.2f} steps/s" if rate is not None else ""
+            self.say(f"step {low + 1:>6}{loss_s}{rate_s}  generation {gen}")
             self._last_print, self._t_print = low, now

@@ -178,14 +178,20 @@ def attach_node(client: EtcdClient, keys: JobKeys, cfg: Any, host: str, incarnat
 
     # etcd may come up with the agents (a batch script, a pod): wait for it up to the join timeout
     deadline = time.monotonic() + cfg.join_timeout
+    announced = False
     while True:
         try:
             client.get(keys.run)
             break
         except EtcdUnavailableError:
             if time.monotonic() > deadline:
-                raise
-            say(f"livemig: etcd at {client.describe()} does not answer yet; waiting (LIVEMIG_JOIN_TIMEOUT)")
+                raise ConfigError(f"etcd at {client.describe()} did not answer within {cfg.join_timeout:.0f} s: "
+                                  "is it running, and is --etcd its client URL?") from None  # fmt: skip
+            if not announced:  # once: the wait is expected where etcd comes up with the agents
+                say(f"livemig: etcd at {client.describe()} does not answer yet; waiting up to "
+                    f"{cfg.join_timeout:.0f} s (LIVEMIG_JOIN_TIMEOUT)")  # fmt: skip
+                announced = True
+            time.sleep(0.5)
     keeper = LeaseKeeper(client, cfg.timeouts.lease_ttl_s, name="node",
                          outage_budget_s=cfg.timeouts.etcd_outage.total_seconds(), reattach=reattach)  # fmt: skip
     box["run"], box["rank"] = join_run(client, keys, cfg.nnodes, cfg.nproc_per_node,

@@ -68,7 +68,10 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
         "job": job,
         "world_size": world_size,
         "result": conform(result.value, {}) if result else None,
-        "steps_completed": min((f["steps"] for f in finals.values()), default=0),
+        # no final records (a failed or interrupted run): the steps every rank had committed
+        "steps_completed": min((f["steps"] for f in finals.values()), default=None)
+        if finals
+        else committed_steps(client, keys, world_size),
         "wall_s": wall_s,
         "step_time_s_median": median_step,
         "state_digest": job_digest(ranks),
@@ -99,6 +102,27 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
         "nodes": nodes_of(Membership.from_bytes(table.value if table else None)),
         **({"etcd_outages": [_outage(a, b, commits) for a, b in outages]} if outages else {}),
     }
+
+
+def committed_steps(client: EtcdClient, keys: JobKeys, world_size: int) -> int:
+    """Steps committed by every rank, from the members' progress records: what a run that
+    ended without final records got done."""
+    kvs, _ = client.get_prefix(keys.progress_prefix)
+    steps = {}
+    for kv in kvs:
+        rank, rec = kv.key[len(keys.progress_prefix) :], conform(kv.value, {"step": (int,)})
+        if rec is not None and rank.isdigit():
+            steps[int(rank)] = rec["step"] + 1
+    return min(steps.values()) if len(steps) == world_size else 0
+
+
+def empty(job: str, world_size: int, wall_s: float) -> dict[str, Any]:
+    """The report of a run whose etcd could not be read (interrupted before it answered, or
+    gone): the same keys, nothing measured."""
+    return {"job": job, "world_size": world_size, "result": None, "steps_completed": 0, "wall_s": wall_s,
+            "step_time_s_median": 0.0, "state_digest": job_digest({}), "rank_digests": {},
+            "replicas_identical": False, "members": {}, "commit_window": None, "spares_warm": {},
+            "recoveries": [], "migrations": [], "timeline": [], "nodes": []}  # fmt: skip
 
 
 def nodes_of(m: Membership) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ from typing import Any
 from livemig.errors import ConfigError
 from livemig.rdzv.client import EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
-from livemig.rdzv.membership import Membership
+from livemig.rdzv.membership import GenState, Membership
 
 
 def collect(client: EtcdClient, job: str) -> dict[str, Any]:
@@ -68,7 +68,10 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
     return {
         "job": job,
         "generation": m.generation,
-        "state": m.state,
+        # an ended run whose table never said so (interrupted: the agent writes the result)
+        "state": (conform(result.value, {"state": (str,)}) or {}).get("state", m.state)
+        if result is not None and m.state not in (GenState.DONE, GenState.FAILED)
+        else m.state,
         "world_size": m.world_size,
         "members": members,
         "spares": spares,

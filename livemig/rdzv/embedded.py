@@ -172,6 +172,10 @@ class EtcdCluster:
              "--dir", m.data_dir, "--", *args],
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
+            # its own session: a Ctrl-C at the terminal reaches the whole foreground group,
+            # and etcd must outlive it until the run has marked the job ended (the guard
+            # still stops it when we exit, whichever way)
+            start_new_session=True,
         )  # fmt: skip
         line = m.guard.stdout.readline().decode().strip() if m.guard.stdout else ""
         if not line.isdigit():

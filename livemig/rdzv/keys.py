@@ -172,6 +172,11 @@ class JobKeys:
         """Fault injection: the member holding `rank` corrupts the next chunk it serves."""
         return f"{self.prefix}inject/corrupt/{rank}"
 
+    def inject_self(self, incarnation: str) -> str:
+        """Fault injection (`livemig inject wedge|break`): the process `incarnation` (never a
+        later holder of its rank) takes the fault at its next step boundary, then deletes this."""
+        return f"{self.prefix}inject/self/{incarnation}"
+
     @property
     def migrate_request(self) -> str:
         """A planned-migration request (`livemig migrate`, a fault plan, the straggler hook)."""

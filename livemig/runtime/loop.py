@@ -75,6 +75,8 @@ class StepLoop:
             self._at_boundary(step)
             if self._gate.wants(self.rank, step):
                 self._at_gate(step)
+            if self.runtime is not None and self.runtime.injected is not None:
+                self._take_injected(step)
         self._current = None
         if self._leaving is not None:  # the switch was voted at the last step
             self._leave(self._leaving)

@@ -41,8 +41,8 @@ from livemig.config import (
     node_rank,
     progress_budget,
 )
-from livemig.errors import ConfigError, FencedError, RecoveryError
-from livemig.rdzv.client import EtcdClient, encode, through_outage
+from livemig.errors import ConfigError, EtcdUnavailableError, FencedError, RecoveryError
+from livemig.rdzv.client import EtcdClient, conform, encode, through_outage
 from livemig.rdzv.lease import LeaseKeeper
 from livemig.rdzv.membership import GenState, Membership, Rendezvous
 from livemig.rdzv.watch import PrefixWatch, wait_for
@@ -95,6 +95,10 @@ class MemberRuntime:
         kv, rev = self.client.get_with_revision(self.keys.membership)
         self.m = Membership.from_bytes(kv.value if kv else None)
         self._watch = PrefixWatch(self.client, self.keys.membership, self._on_membership, rev + 1)
+        # `livemig inject wedge|break` asks this process (keys.inject_self): taken at a boundary
+        self.injected: str | None = None
+        inject_key = self.keys.inject_self(incarnation)
+        self._inject_watch = PrefixWatch(self.client, inject_key, lambda ev: self._on_inject(inject_key, ev), rev + 1)
         threading.Thread(target=self._progress_loop, daemon=True, name="livemig-progress").start()
 
     # -- etcd plumbing -----------------------------------------------------------------
@@ -117,6 +121,24 @@ class MemberRuntime:
                 with self._cond:
                     self.m = m
                     self._cond.notify_all()
+
+    def _on_inject(self, key: str, events: list) -> None:
+        for e in events:
+            if e.key == key and e.kind == "put":
+                req = conform(e.value, {"kind": (str,)})
+                if req is not None and req["kind"] in ("wedge", "break"):
+                    self.injected = req["kind"]
+
+    def take_injected(self) -> str | None:
+        """The fault `livemig inject` asked of this process, once; its key goes, which is the
+        command's acknowledgement."""
+        kind, self.injected = self.injected, None
+        if kind is not None:
+            try:
+                self.client.delete(self.keys.inject_self(self.incarnation))
+            except EtcdUnavailableError:
+                pass  # the command then says it was not acknowledged; the fault lands anyway
+        return kind
 
     def _on_lost(self, reason: str) -> None:
         self.mark_fenced(f"lease lost ({reason})")
@@ -472,6 +494,7 @@ class MemberRuntime:
 
     def close(self) -> None:
         self._watch.cancel()
+        self._inject_watch.cancel()
         if self.keeper is not None:
             self.keeper.stop(revoke=False)
         if self.server is not None:

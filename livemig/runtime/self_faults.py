@@ -49,6 +49,16 @@ class SelfFaults:
         finally:
             self.runtime.set_busy(False)
 
+    def _take_injected(self, step: int) -> None:
+        """`livemig inject wedge|break` (asked through etcd, runtime.take_injected): lands in
+        the next step as the plan's `wedge:step=S` / `break:step=S` would."""
+        kind = self.runtime.take_injected()
+        if kind is None or self.role != "worker":
+            return
+        log.warning("fault injection: taken at the step boundary", extra={"kind": kind, "step": step + 1})
+        at = "compute" if kind == "wedge" else "allreduce"
+        self._self_fault = ("selfwedge" if kind == "wedge" else "selfbreak", step + 1, at, 10.0)
+
     def _stall_after_snapshot(self) -> None:
         """`spare-hang:during=snapshot:resume=S`: a migrating spare stalls S seconds once its
         snapshot is loaded (a starved host), so the group runs ahead of what it can replay."""

@@ -80,23 +80,53 @@ def _detach(a: argparse.Namespace) -> int:
     return 0
 
 
+def _wait_run(client: EtcdClient, etcd: str, a: argparse.Namespace) -> bytes:
+    """The job's run key, once an agent of the job has written it: a spare may be started
+    before the job (a batch script), so this waits --wait-job, announced once."""
+    keys = JobKeys(a.job)
+    deadline = time.monotonic() + a.wait_job
+    announced = False
+    while True:  # etcd may come up with the job (a batch script): wait for it too
+        try:
+            kv = client.get(keys.run, timedelta(seconds=min(a.etcd_timeout, 2.0)))
+            if kv is not None:
+                return kv.value
+            if not announced:
+                logs.say(f"livemig-spare: waiting for job {a.job} on etcd {etcd}, up to {a.wait_job:.0f} s "
+                         "(--wait-job)")  # fmt: skip
+                announced = True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConfigError(f"job {a.job} did not start on etcd {etcd} within {a.wait_job:.0f} s: is its "
+                                  "`livemig run` started, under that name (--job)?")  # fmt: skip
+            return wait_for(client, keys.run, lambda s: s.get(keys.run), left, f"job {a.job} to start")
+        except TimeoutError:
+            continue  # the deadline's line, above
+        except EtcdUnavailableError:
+            if not announced:
+                logs.say(f"livemig-spare: etcd {etcd} does not answer; waiting for it and job {a.job}, "
+                         f"up to {a.wait_job:.0f} s (--wait-job)")  # fmt: skip
+                announced = True
+            if time.monotonic() > deadline:
+                raise ConfigError(f"etcd {etcd} did not answer within {a.wait_job:.0f} s: is it running, "
+                                  "and is --etcd its client URL?") from None  # fmt: skip
+            time.sleep(0.5)
+
+
 def cmd_start(a: argparse.Namespace) -> int:
     if not os.path.isfile(a.script):
         raise ConfigError(f"training script {a.script!r} not found")
-    if a.detach:
-        return _detach(a)
+    if a.count < 1 or (a.id and a.count > 1):  # before any wait
+        raise ConfigError("--count must be >= 1, and --id names a single spare (--count 1)")
     client, etcd = _client(a)
-    keys = JobKeys(a.job)
-    deadline = time.monotonic() + a.wait_job
-    while True:  # etcd may come up with the job (a batch script): wait for it too
+    if a.detach:  # an etcd that does not answer is said here, not later in a log nobody reads
         try:
-            raw = wait_for(client, keys.run, lambda s: s.get(keys.run), max(0.1, deadline - time.monotonic()),
-                           f"job {a.job} to start (its run key: an agent has started)")  # fmt: skip
-            break
+            client.get(JobKeys(a.job).run, timedelta(seconds=a.etcd_timeout))
         except EtcdUnavailableError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+            raise ConfigError(f"etcd {etcd} does not answer: is it running, and is --etcd its client URL?") from None
+        return _detach(a)
+    keys = JobKeys(a.job)
+    raw = _wait_run(client, etcd, a)
     run = decode(raw) or {}
     world = a.world_size or int(run.get("nnodes", 1)) * int(run.get("nproc_per_node", 0))
     if world < 1:
@@ -104,8 +134,6 @@ def cmd_start(a: argparse.Namespace) -> int:
     host = a.host or (default_host(etcd) if not etcd.startswith("http://127.") else "")
     stride = stride_of(run)
     ident = host or socket.gethostname()
-    if a.count < 1 or (a.id and a.count > 1):
-        raise ConfigError("--count must be >= 1, and --id names a single spare (--count 1)")
     children = []
     for _ in range(a.count):
         sid = a.id or f"{a.pool}-{ident}-{uuid.uuid4().hex[:6]}"
@@ -126,10 +154,24 @@ def cmd_start(a: argparse.Namespace) -> int:
     return _supervise(children, client, keys)
 
 
+def _job_interrupted(client: EtcdClient, keys: JobKeys) -> str:
+    """The reason, if the job's run was interrupted (Ctrl-C of a `livemig run`): its spares,
+    claimed ones included, have nothing left to serve."""
+    try:
+        kv = client.get(keys.result, timedelta(seconds=1))
+    except EtcdUnavailableError:
+        return ""
+    res = decode(kv.value) if kv is not None else None
+    if isinstance(res, dict) and res.get("state") == "interrupted":
+        return str(res.get("reason") or "interrupted")
+    return ""
+
+
 def _supervise(children: list[tuple[subprocess.Popen, str, str]], client: EtcdClient, keys: JobKeys) -> int:
     """Be the spares' agent (livemig/agent.py): kill one that is fenced and does not exit,
-    report a death at once, remove a fence key once its process is reaped. Returns the
-    first non-zero exit code (as a shell reports a signal: 128 + n), else 0."""
+    report a death at once, remove a fence key once its process is reaped, stop them all
+    when the job was interrupted. Returns the first non-zero exit code (as a shell reports
+    a signal: 128 + n), else 0."""
     first_seen: dict[str, float] = {}
     codes: dict[str, int] = {}
 
@@ -137,8 +179,15 @@ def _supervise(children: list[tuple[subprocess.Popen, str, str]], client: EtcdCl
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, stop)
+    polled = 0.0
     try:
         while len(codes) < len(children):
+            if time.monotonic() - polled >= 1.0:
+                polled = time.monotonic()
+                if why := _job_interrupted(client, keys):
+                    logs.say(f"livemig-spare: job {keys.job} ended ({why}): its spares exit")
+                    _stop_children(children)
+                    return 0
             for proc, inc, name in children:
                 if inc in codes:
                     continue
@@ -153,20 +202,25 @@ def _supervise(children: list[tuple[subprocess.Popen, str, str]], client: EtcdCl
                     pass  # an outage: the spares ride it through, and so do we
             time.sleep(0.25)
     except KeyboardInterrupt:
-        for proc, _, _name in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc, _, name in children:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                kill_group(proc.pid, name)
-                proc.wait()
+        _stop_children(children)
         return 130
     finally:
         signal.signal(signal.SIGTERM, old)
     bad = [c for c in codes.values() if c != 0]
     return (bad[0] if bad[0] >= 0 else 128 - bad[0]) if bad else 0
+
+
+def _stop_children(children: list[tuple[subprocess.Popen, str, str]], grace: float = 10.0) -> None:
+    for proc, _, _name in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc, _, name in children:
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid, name)
+            proc.wait()
 
 
 def _reaped(client: EtcdClient, keys: JobKeys, inc: str, name: str, code: int) -> None:

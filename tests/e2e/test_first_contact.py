@@ -35,28 +35,43 @@ def test_a_script_that_fails_before_training_ends_the_run_at_once(tmp_path, scri
         assert "no final state: no rank finished the job" in run.stdout
 
 
-def test_inject_spare_hang_stops_a_spare_and_wedge_is_refused(tmp_path):
-    """`livemig inject spare-hang` SIGSTOPs a spare (it used to SIGKILL worker R); wedge and
-    break, which only land inside a worker's step, are refused with one line."""
+def test_inject_kinds_do_what_they_say_and_a_second_run_of_the_name_is_refused(tmp_path):
+    """`livemig inject` (issue 30, item 3): spare-hang SIGSTOPs a spare (it used to SIGKILL
+    worker R), break fails one gradient collective of the rank (the group is rebuilt and
+    training goes on), wedge blocks its training thread (the process stays alive). Item 2:
+    a second `livemig run` of a live job name is refused with one line. Item 4: SIGINT
+    ends the run with exit 130 and an "interrupted" report. CI ~45 s."""
+    import glob
+    import json
     import signal
     import subprocess
     import sys
 
     import psutil
 
+    from livemig.rdzv.client import decode
+
     env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path))
     cli = [sys.executable, "-m", "livemig.cli"]
+    report = tmp_path / "r.json"
     argv = [*cli, "run", "--nproc", "2", "--spares", "1", "--job", "sh", "--lease-ttl", "2",
             os.path.join(REPO, "examples", "mlp.py"), "--steps", "100000", "--layers", "1"]  # fmt: skip
-    job = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    job = subprocess.Popen([*argv[:4], "--report", str(report), *argv[4:]], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+
+    def inject(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*cli, "inject", *args, "--job", "sh"], env=env, capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+
+    def log_of(name: str) -> str:
+        (path,) = glob.glob(str(tmp_path / "runs" / "sh-*" / f"{name}.log"))
+        with open(path) as f:
+            return f.read()
+
     try:
-        r = subprocess.run([*cli, "inject", "wedge", "--job", "sh", "--rank", "1"], env=env, capture_output=True,
-                           text=True, timeout=60)  # fmt: skip
-        assert r.returncode == 2 and "livemig run --fault wedge:rank=R:step=S" in r.stderr, r.stderr
         deadline, out = time.monotonic() + 90, None
         while time.monotonic() < deadline:  # until the spare is warm (registered in the pool)
-            r = subprocess.run([*cli, "inject", "spare-hang", "--job", "sh"], env=env, capture_output=True,
-                               text=True, timeout=60)  # fmt: skip
+            r = inject("spare-hang")
             if r.returncode == 0:
                 out = r.stdout
                 break
@@ -67,10 +82,115 @@ def test_inject_spare_hang_stops_a_spare_and_wedge_is_refused(tmp_path):
         assert proc.status() == psutil.STATUS_STOPPED, proc.status()
         assert proc.environ().get("LIVEMIG_ROLE") == "spare"
         os.kill(pid, signal.SIGCONT)
+        # one job name, one job (item 2): a second run of "sh" is refused before it starts,
+        # and the first stays reachable through its job file
+        t0 = time.monotonic()
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and time.monotonic() - t0 < 3, (r.returncode, r.stderr)
+        assert f"job sh is already running on this machine (livemig run pid {job.pid}" in r.stderr, r.stderr
+        assert "--job NAME" in r.stderr and "Traceback" not in r.stderr
+        r = subprocess.run([*cli, "status", "--job", "sh"], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "job sh" in r.stdout, r.stderr
+        # break: one collective of rank 0 fails; the group is rebuilt and the job trains on
+        r = inject("break", "--rank", "0")
+        assert r.returncode == 0 and "injected break into rank 0" in r.stdout, r.stderr
+        at = int(r.stdout.rsplit("after step ", 1)[1])
+        from livemig.rdzv.keys import JobKeys
+        from tests.e2e.test_hangs import _etcd_of
+
+        client = _etcd_of("sh", tmp_path)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            kv = client.get(JobKeys("sh").progress(0))
+            if kv is not None and decode(kv.value)["step"] >= at + 3:
+                break
+            time.sleep(0.2)
+        assert decode(kv.value)["step"] >= at + 3, "the job did not train on after the break"
+        assert "test fault: the collective fails as on a broken socket" in log_of("worker-0")
+        # wedge: rank 1's training thread blocks; its process stays alive
+        r = inject("wedge", "--rank", "1")
+        assert r.returncode == 0 and "injected wedge into rank 1" in r.stdout, r.stderr
+        wedged = psutil.Process(int(r.stdout.split("(pid ")[1].split(")")[0]))
+        deadline = time.monotonic() + 20
+        while "test fault: the training thread blocks forever" not in log_of("worker-1"):
+            assert time.monotonic() < deadline, log_of("worker-1")[-2000:]
+            time.sleep(0.2)
+        assert wedged.is_running() and wedged.status() != psutil.STATUS_ZOMBIE
+        client.close()
     finally:
         os.killpg(job.pid, signal.SIGINT)
+        t0 = time.monotonic()
         try:
             job.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
+    assert job.returncode == 130 and time.monotonic() - t0 < 5, (job.returncode, time.monotonic() - t0)
+    assert json.loads(report.read_text())["result"]["state"] == "interrupted"
+
+
+def test_ctrl_c_on_an_external_etcd_ends_the_job_and_its_spares(tmp_path, etcd):
+    """SIGINT of `livemig run` (issue 30, item 4): every process stops within a bound, the
+    summary and --report say "interrupted", the exit code is 130 and nothing reaches stderr;
+    on the external etcd, which outlives the run, the job is marked ended and its secret is
+    removed, and a `livemig-spare start` from another shell exits with one line. CI ~30 s."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import psutil
+
+    from livemig.rdzv.client import EtcdClient, decode
+    from livemig.rdzv.keys import JobKeys
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path / "state"), TMPDIR=str(tmp), PYTHONPATH=REPO)
+    mlp = [os.path.join(REPO, "examples", "mlp.py"), "--steps", "100000", "--layers", "1"]
+    report = tmp_path / "r.json"
+    run = subprocess.Popen([sys.executable, "-m", "livemig.cli", "run", "--etcd", etcd.endpoints, "--nproc", "2",
+                            "--job", "intr", "--report", str(report), *mlp], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    spare = subprocess.Popen([sys.executable, "-m", "livemig.spare_pool.cli", "start", "--etcd", etcd.endpoints,
+                              "--job", "intr", *mlp], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)  # fmt: skip
+    client = EtcdClient(etcd.endpoints, timedelta(seconds=5))
+    keys = JobKeys("intr")
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # trained a few steps, the spare warm
+            p = client.get(keys.progress(1))
+            if client.get_prefix(keys.spares_prefix)[0] and p is not None and decode(p.value)["step"] >= 3:
+                break
+            time.sleep(0.2)
+        assert client.get(keys.secret) is not None
+        os.killpg(run.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        out, err = run.communicate(timeout=30)
+        took = time.monotonic() - t0
+        spare.wait(timeout=30)
+        spare_took = time.monotonic() - t0
+    finally:
+        for p in (run, spare):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert run.returncode == 130, (run.returncode, out, err)
+    assert took < 5, f"the run took {took:.1f}s to stop"
+    assert "WARNING" not in err and "Traceback" not in err, err
+    assert "job intr interrupted" in out, out
+    rep = json.loads(report.read_text())
+    assert rep["result"]["state"] == "interrupted"
+    assert rep["steps_completed"] >= 3, rep["steps_completed"]
+    alive = [p["pid"] for p in rep["processes"] if psutil.pid_exists(p["pid"])]
+    assert not alive, f"processes of the run still alive: {alive}"
+    assert client.get(keys.secret) is None, "the job's secret outlived it"
+    assert decode(client.get(keys.result).value)["state"] == "interrupted"
+    spare_out = spare.stdout.read()
+    assert spare.returncode == 0 and spare_took < 10, (spare.returncode, spare_took, spare_out)
+    assert "job intr ended (interrupted" in spare_out, spare_out
+    client.close()
+    # torch's own inductor cache directory is torch's, not a leftover of the run
+    assert [n for n in os.listdir(tmp) if not n.startswith("torchinductor_")] == []

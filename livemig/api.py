@@ -84,6 +84,7 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self._sandbox_pg: Any = None
         self._warm_loaders: dict[tuple, Any] = {}  # a spare's loaders from standby, workers running
         self._warm_s: float | None = None
+        self._no_grad_said = False  # ctx.step() with no backward: said once (loop._check_backward)
         self._reset_user_state()
         self._self_fault = parse_self_fault(os.environ[ENV_SELF_FAULT]) if os.environ.get(
             ENV_SELF_FAULT) else None  # fmt: skip

@@ -72,6 +72,24 @@ class Fault:
     member: int = 0  # etcd-kill: which etcd member
     after: float = 0.0  # seconds between the trigger and the fault (lands during an etcd outage, say)
 
+    def __str__(self) -> str:
+        """The plan as the user wrote it (the fields that differ from the defaults)."""
+        parts = [self.kind]
+        if self.rank is not None:
+            parts.append(f"rank={self.rank}")
+        parts.append(f"step={self.step}")
+        if self.during:
+            parts.append(f"during={self.during}")
+        if self.resume_after is not None:
+            parts.append(f"resume={self.resume_after:g}")
+        if self.kind == "slow":
+            parts.append(f"factor={self.factor:g}")
+        if self.kind == "etcd-kill":
+            parts.append(f"member={self.member}")
+        if self.after:
+            parts.append(f"after={self.after:g}")
+        return ":".join(parts)
+
     @property
     def in_process(self) -> bool:
         return (self.kind in ("drop_avg", "wedge", "break") or self.during in IN_PROCESS_DURING
@@ -144,6 +162,8 @@ def parse_fault(spec: str) -> Fault:
         raise ConfigError(f"bad fault {spec!r}: unknown field(s) {', '.join(fields)}")
     if (rank is not None and rank < 0) or step < 0 or factor < 1:  # type: ignore[operator]
         raise ConfigError(f"bad fault {spec!r}: rank and step must be >= 0, factor >= 1")
+    if (resume is not None and resume < 0) or member < 0:  # type: ignore[operator]
+        raise ConfigError(f"bad fault {spec!r}: resume= and heal= seconds and member= must be >= 0")
     return Fault(kind, rank, step, during, resume, factor, member, after)  # type: ignore[arg-type]
 
 

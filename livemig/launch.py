@@ -111,9 +111,14 @@ class RunConfig:
         on_error_policy(self.on_error or None)  # a bad value is refused before anything starts
         if not os.path.isfile(self.script):
             raise ConfigError(f"training script {self.script!r} not found")
-        for f in self.faults:
+        for f in self.faults:  # the whole plan, before anything starts
             if f.rank is not None and f.rank >= self.nproc:
                 raise ConfigError(f"fault targets rank {f.rank}, but --nproc is {self.nproc}")
+            if f.kind in ("etcd-kill", "etcd-stop", "partition", "link") and self.etcd:
+                raise ConfigError(f"a {f.kind} fault needs the embedded etcd (drop --etcd)")
+            if f.kind == "etcd-kill" and (self.etcd_members < 2 or f.member >= self.etcd_members):
+                raise ConfigError(f"etcd-kill:member={f.member} needs an embedded cluster holding that member: "
+                                  f"--etcd-members {max(3, f.member + 1)} (now {self.etcd_members})")  # fmt: skip
         self.job = validate_job_name(self.job or os.path.splitext(os.path.basename(self.script))[0])
 
 
@@ -475,6 +480,8 @@ class Launcher(FaultDriver, ChildWatch):
         return ""
 
 
+OVERSUBSCRIBE = 4  # processes per core above which `livemig run` warns (each one is a Python with torch)
+
 # SIGTERM and SIGINT stop the run in the same way: what the launcher does on them (interrupted)
 INTERRUPT_GRACE_S = 1.5  # after Ctrl-C: children's time to exit on SIGTERM before SIGKILL
 
@@ -502,6 +509,12 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             grace = INTERRUPT_GRACE_S
             rep = launcher.interrupted()
         rep["faults_injected"] = launcher.injected
+        # a planned fault the run ended before: nothing was recovered from it, and --verify must say so
+        rep["faults_not_fired"] = [str(f) for f in launcher.pending]
+        if cfg.spares and cfg.nnodes == 1:  # this agent's own spares (others may serve the job too)
+            used = {s for r in rep["recoveries"] for s in r.get("spares", [])}
+            used |= {s for m in rep.get("migrations", []) if m.get("outcome") == "done" for s in m.get("spares", [])}
+            rep["spares_left"] = sum(1 for i in range(cfg.spares) if f"spare-{i}" not in used)
         if rep["result"] and rep["result"].get("state") != "done":
             tail = launcher.failure_tail()
             if tail:
@@ -525,19 +538,33 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
     for r in rep["recoveries"]:
         phases = "  ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
         what = f"recovery of rank {r['rank']}" if r["rank"] is not None else "rebuild of the group"
-        lines += [f"{what} (generation {r['generation']}): downtime {r['downtime_s']:.2f} s; "
+        onto = f" onto spare {', '.join(r['spares'])}" if r.get("spares") else ""
+        lines += [f"{what}{onto} (generation {r['generation']}): downtime {r['downtime_s']:.2f} s; "
                   f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed", f"  phases (s): {phases}"]  # fmt: skip
+    if rep["recoveries"]:
+        lines.append(
+            "  (downtime = first group-wide commit after the fault - last one before it - one median "
+            "step; the phases time the fault to that commit, so they also hold the step's own work)"
+        )
+        if rep.get("spares_left") == 0:
+            lines.append(
+                "  no spare of this run was left: a further failure would have waited --spare-wait, then failed the job"
+            )
     if rep.get("rank_digests"):
         lines.append(f"state digest {rep['state_digest'][:16]}…  replicas identical: "
                      f"{'yes' if rep['replicas_identical'] else 'no'}")  # fmt: skip
     else:  # the digest of nothing, and "identical: no", would say something false
         lines.append("no final state: no rank finished the job")
+    if rep.get("faults_not_fired"):
+        lines.append(f"planned fault(s) that never fired (the run ended first): {', '.join(rep['faults_not_fired'])}")
     if reference is not None:
         same = reference == rep["state_digest"]
         differ = rep.get("ranks_differing", [])
         where = f"; rank(s) {differ} differ from the same rank of the fault-free run" if differ else ""
         lines.append(f"bit-identical: {'yes' if same else 'no'} (every rank's final state vs the same rank of "
                      f"a fault-free run{where})")  # fmt: skip
+        if rep.get("faults_not_fired"):
+            lines.append("verify: not shown: the fault plan did not run in full, so nothing was recovered from it")
     logs.say(*lines)  # one write: agents sharing a pipe do not cut into each other's summary
 
 
@@ -612,6 +639,11 @@ def cmd_run(a: argparse.Namespace) -> int:
                     faults=[parse_fault(f) for f in a.fault], report=a.report, timeouts=t,
                     log_every=a.log_every, max_wall=a.max_wall, on_error=a.on_error)  # fmt: skip
     reference = None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cfg.nproc_per_node + cfg.spares > OVERSUBSCRIBE * cores:
+        print(f"livemig: warning: {cfg.nproc_per_node} workers and {cfg.spares} spare(s) on {cores} core(s) of this "
+              "host: steps will crawl and timeouts may fire (fewer per node, or more nodes)",
+              file=sys.stderr)  # fmt: skip
 
     def verify() -> dict[str, Any]:
         """The fault-free reference: the whole world as local processes with an embedded etcd,
@@ -652,4 +684,5 @@ def cmd_run(a: argparse.Namespace) -> int:
         print(rep["result"]["traceback"], file=sys.stderr)  # a bug in the training function
     elif not ok and (rep["result"] or {}).get("log_tail"):
         print(rep["result"]["log_tail"], file=sys.stderr)
-    return 0 if ok and rep.get("bit_identical", True) else 1
+    verified = rep.get("bit_identical", True) and not (a.verify and rep.get("faults_not_fired"))
+    return 0 if ok and verified else 1

@@ -34,6 +34,8 @@ def request_migration(client: EtcdClient, keys: JobKeys, rank: int, reason: str 
 
 
 def wait_result(client: EtcdClient, keys: JobKeys, rid: str, timeout: float) -> dict[str, Any]:
+    """The request's outcome; a job that ends first answers too (its request then goes, so
+    no phantom job stays behind in `livemig status`)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         kv = client.get(keys.migrate_result)
@@ -41,6 +43,13 @@ def wait_result(client: EtcdClient, keys: JobKeys, rid: str, timeout: float) -> 
             res = decode(kv.value)
             if res.get("id") == rid:
                 return res
+        ended = client.get(keys.result)
+        if ended is not None:
+            state = (conform(ended.value, {"state": (str,)}) or {}).get("state", "ended")
+            req = client.get(keys.migrate_request)
+            if req is not None and (decode(req.value) or {}).get("id") == rid:
+                client.delete(keys.migrate_request)
+            return {"state": "not done", "reason": f"the job ended ({state}) before the migration ran"}
         time.sleep(0.1)
     raise ConfigError(f"no outcome within {timeout:.0f}s (the request stays queued; see `livemig status`)")
 

@@ -203,7 +203,9 @@ def migrations(events: list[dict], commits: list[tuple[int, float]], median_step
         elif g in by_gen:
             cur = by_gen[g]
             cur["t"].setdefault(ev["phase"], ev["time"])
-            if ev["phase"] == "stream":
+            if ev["phase"] == "claim" and isinstance(ev.get("spares"), list):
+                cur["spares"] = [str(x) for x in ev["spares"]]
+            elif ev["phase"] == "stream":
                 cur["bytes_streamed"] += ev.get("bytes", 0)
                 cur["snapshot_s"] = ev.get("seconds", 0.0)
                 cur["resyncs"] = int(ev.get("resyncs") or 0)  # newer snapshots loaded after falling behind
@@ -246,6 +248,8 @@ def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step
                 cur["stream_s"] = max(cur["stream_s"], ev.get("seconds", 0.0))
             cur["t"].setdefault(ph, ev["time"])
             cur["generation"] = ev.get("generation")
+            if ph == "claim" and isinstance(ev.get("spares"), list):
+                cur["spares"] = [str(x) for x in ev["spares"]]
             if ph == "commit":
                 out.append(_finish(cur, commits, median_step))
                 cur = None
@@ -276,4 +280,5 @@ def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float) -> 
         "downtime_s": round(max(0.0, first_after - last_before - median_step), 4),
         "phases": phases,
         "bytes_streamed": cur["bytes_streamed"],
+        "spares": cur.get("spares", []),  # the spare(s) that took the lost rank(s)
     }

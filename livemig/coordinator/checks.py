@@ -236,8 +236,11 @@ class Checks:
             return None
         e = min(errors, key=lambda x: (x.get("step") if isinstance(x.get("step"), int) else -1, x.get("rank", 0)))
         where = f"at step {e['step']}" if isinstance(e.get("step"), int) else "before training"
-        reason = (f"rank {e.get('rank')} raised {e.get('error', '?')} {where}: a bug in the training function "
-                  "ends the job (no spare is used; `--on-error replace:N` retries on spares)")  # fmt: skip
+        if e.get("misuse") is True:  # livemig refused what the script asked: a retry repeats it
+            reason = f"rank {e.get('rank')} {where}: {e.get('error', '?')}"
+        else:
+            reason = (f"rank {e.get('rank')} raised {e.get('error', '?')} {where}: a bug in the training function "
+                      "ends the job (no spare is used; `--on-error replace:N` retries on spares)")  # fmt: skip
         if policy == "replace":
             reason += f"; {retries} retries used"
         self._bug_time = float(e.get("time", 0.0) or 0.0)

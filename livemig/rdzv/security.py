@@ -77,6 +77,13 @@ class EtcdSecurity:
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ConfigError(f"etcd {name.replace('_', ' ')} file {path!r} does not exist")
+        # gRPC takes any bytes and fails each connection with lines of its own: say it once, here
+        for name, marker in (("ca", b"-----BEGIN CERTIFICATE-----"), ("cert", b"-----BEGIN CERTIFICATE-----"),
+                             ("key", b"PRIVATE KEY-----")):  # fmt: skip
+            path = getattr(self, name)
+            if path and not _holds(path, marker):
+                what = "a PEM certificate" if name != "key" else "a PEM private key"
+                raise ConfigError(f"etcd {name} file {path!r} is not {what} (--etcd-{name})")
         if bool(self.user) != bool(self.password_file):
             raise ConfigError(
                 f"etcd auth needs both a user and a password file: set {ENV_USER} and {ENV_PASSWORD_FILE} "
@@ -111,6 +118,14 @@ class EtcdSecurity:
 
         # no CA file: the system's roots (an etcd behind a public CA)
         return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
+def _holds(path: str, marker: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return marker in f.read(1 << 20)
+    except OSError:
+        return True  # unreadable: credentials() says so with the reason
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

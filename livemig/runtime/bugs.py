@@ -39,7 +39,7 @@ def exit_on_bug(ctx: Any, exc: BaseException) -> None:
         try:
             rt.put(rt.keys.error(ctx.incarnation), {
                 "rank": ctx.rank, "step": ctx._current, "incarnation": ctx.incarnation, "error": one_line[:500],
-                "time": time.time(),
+                "time": time.time(), "misuse": isinstance(exc, ConfigError),
                 "traceback": tb[-4000:]})  # fmt: skip
         except Exception:  # noqa: BLE001 - etcd gone or fenced: the process exit still reports it
             log.warning("could not record the error in etcd", exc_info=True)

@@ -121,6 +121,8 @@ class StepLoop:
         t = self._in_step("ctx.sync_gradients()")
         if self._synced is not None and self._synced[0] == t:
             return
+        if self._replay is None or self._replay[0] != t:
+            self._check_backward(t)
         if self._sandbox_pg is not None or self.role == "local" or self.runtime is None:
             self._synced = (t, None, False, 0.0)  # a world of one: the gradient is its own average
             return
@@ -186,6 +188,8 @@ class StepLoop:
         if scaler is not None and self.role != "local":
             self.reg.extra_name_of(scaler)  # refused at once if unregistered: a spare could not follow it
         self._scaler = scaler
+        if self._replay is None or self._replay[0] != t:
+            self._check_backward(t)
         try:
             if self._sandbox_pg is not None:
                 self._sandbox_step(t)
@@ -258,6 +262,15 @@ class StepLoop:
         retire(self.runtime.pg)
         self.runtime.pg = None
         self.runtime.follow(self.runtime.gen + 1, self)
+
+    def _check_backward(self, step: int) -> None:
+        """No gradient on any parameter at the user's own step means no backward ran: the
+        step trains nothing, which is said once (a replayed step holds the average)."""
+        if self._no_grad_said or not self._params or any(p.grad is not None for p in self._params):
+            return
+        self._no_grad_said = True
+        log.warning(f"ctx.step() at step {step} found no gradient on any parameter: was loss.backward() "
+                    "called? this step updates nothing", extra={"step": step, "rank": self.rank})  # fmt: skip
 
     def _ensure_grads(self) -> None:
         """A parameter backward did not reach still takes part in the reduction, as zeros."""

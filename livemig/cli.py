@@ -89,6 +89,9 @@ def build_parser(with_benches: bool | str = True) -> argparse.ArgumentParser:
 
     for register in _EXTRA_COMMANDS:
         register(sub)
+    for name, sp in sub.choices.items():  # `livemig run --log-level INFO` as well as `livemig --log-level INFO run`
+        if name != "bench":
+            sp.add_argument("--log-level", dest="command_log_level", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -127,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     named = args[args.index("bench") + 1 :] if "bench" in args else []
     parser = build_parser(with_benches=next((x for x in named if x in {b[0] for b in BENCHES}), False))
     a = parser.parse_args(args)
-    logs.setup(a.log_level, role="cli")
+    logs.setup(getattr(a, "command_log_level", None) or a.log_level, role="cli")
     try:
         apply_security_arguments(a)  # flags -> environment: every process started from here inherits them
         return int(a.fn(a) or 0)

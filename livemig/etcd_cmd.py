@@ -21,8 +21,10 @@ speaks plaintext: keep it on a private network.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
+import shutil
+import signal
+import socket
+import subprocess
 import tempfile
 
 from livemig.errors import ConfigError
@@ -82,19 +84,58 @@ def argv_for(a: argparse.Namespace, binary: str, data_dir: str, pki: Pki | None 
             "--logger", "zap", "--log-level", "error", *(pki.server_args() if pki else [])]  # fmt: skip
 
 
+def _port_free(host: str, port: int) -> bool:
+    """Whether etcd could bind host:port now (a listener there makes it print a Go stack)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no obstacle to etcd either
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def cmd_etcd(a: argparse.Namespace) -> int:
     from livemig.rdzv.embedded import find_etcd_binary
 
+    for what, port in (("client", a.client_port), ("peer", a.peer_port)):
+        if not _port_free(a.listen, port):
+            flag = f"--{what}-port"
+            raise ConfigError(f"{a.listen}:{port} ({what} port) is in use, by another etcd perhaps: pick another "
+                              f"with {flag}")  # fmt: skip
     binary = find_etcd_binary(a.etcd_bin)
+    made = a.data_dir is None  # a directory of our own: removed when etcd exits
     data_dir = a.data_dir or tempfile.mkdtemp(prefix=f"livemig-etcd-{a.name}-")
-    pki = tls_bundle(a) if a.tls_dir else None
-    argv = argv_for(a, binary, data_dir, pki)
-    url = f"{'https' if pki else 'http'}://{a.listen}:{a.client_port}"
-    print(f"livemig etcd: member {a.name} serving {url} (data {data_dir})", flush=True)
-    if pki:
-        print(f"livemig etcd: TLS bundle in {pki.root}: copy it to every host of the job and set "
-              f"LIVEMIG_ETCD_CA={pki.ca} LIVEMIG_ETCD_CERT={pki.client_cert} LIVEMIG_ETCD_KEY={pki.client_key}",
+    try:
+        pki = tls_bundle(a) if a.tls_dir else None
+        argv = argv_for(a, binary, data_dir, pki)
+        url = f"{'https' if pki else 'http'}://{a.listen}:{a.client_port}"
+        print(f"livemig etcd: member {a.name} serving {url} (data {data_dir}{', removed at exit' if made else ''})",
               flush=True)  # fmt: skip
-    sys.stdout.flush()
-    os.execv(binary, argv)
-    return 0  # not reached
+        if pki:
+            print(f"livemig etcd: TLS bundle in {pki.root}: copy it to every host of the job and set "
+                  f"LIVEMIG_ETCD_CA={pki.ca} LIVEMIG_ETCD_CERT={pki.client_cert} LIVEMIG_ETCD_KEY={pki.client_key}",
+                  flush=True)  # fmt: skip
+        return _serve(argv)
+    finally:
+        if made:
+            shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _serve(argv: list[str]) -> int:
+    """etcd in the foreground as our child, so its temporary data directory can go when it
+    exits; SIGINT/SIGTERM are passed on, and its exit code is ours."""
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+
+    def forward(signum: int, _frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return 0 if code in (0, -signal.SIGINT, -signal.SIGTERM) else (code if code > 0 else 128 - code)

@@ -158,6 +158,36 @@ def prune_stale_dirs(root: str) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+KEEP_RUNS_DEFAULT = 20  # run log directories kept under the state dir ($LIVEMIG_KEEP_RUNS)
+
+
+def prune_runs(root: str, keep: int | None = None) -> None:
+    """Keep the newest `keep` run log directories under root (state_dir()/runs): every run
+    leaves one, and nothing else ever removes them."""
+    if keep is None:
+        raw = os.environ.get("LIVEMIG_KEEP_RUNS", "")
+        if raw and not raw.isdigit():
+            raise ConfigError(f"LIVEMIG_KEEP_RUNS={raw!r}: expected a number of run directories to keep")
+        keep = int(raw) if raw else KEEP_RUNS_DEFAULT
+    import shutil
+
+    try:
+        entries = [os.path.join(root, n) for n in os.listdir(root)]
+    except OSError:
+        return
+    def touched(path: str) -> float:  # a live run appends to its logs: its newest file is recent
+        try:
+            return max([os.stat(path).st_mtime, *(e.stat().st_mtime for e in os.scandir(path))])
+        except OSError:
+            return 0.0
+
+    now = time.time()
+    dirs = sorted(((touched(p), p) for p in entries if os.path.isdir(p)), reverse=True)
+    for t, path in dirs[max(keep, 1) :]:  # never this run's own (the newest), nor one written lately
+        if now - t > 600:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def require_live_job(client: EtcdClient, job: str) -> None:
     """Refuse at once a command aimed at a job etcd does not hold, or one that has ended,
     rather than wait out its timeout (and, for migrate, leave a request behind)."""

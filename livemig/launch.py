@@ -9,9 +9,11 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -40,13 +42,13 @@ from livemig.config import (
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.fault_gate import ENV_FAULT_GATE, ENV_FAULT_PLAN, Arrival, GateServer, gated, plan_env
 from livemig.faults import KINDS, USAGE, Fault, parse_fault
-from livemig.jobs import claim_job_file, prune_stale_dirs, refuse_duplicate, remove_job_file, state_dir
+from livemig.jobs import claim_job_file, prune_runs, prune_stale_dirs, refuse_duplicate, remove_job_file, state_dir
 from livemig.launch_faults import FaultDriver, record_fault
 from livemig.launch_watch import FINE_TICK_S, IDLE_TICK_S, PROBE_S, ChildWatch, Wakeup
 from livemig.nodes import default_host
 from livemig.rdzv.client import EtcdClient, conform, encode
 from livemig.rdzv.keys import JobKeys
-from livemig.rdzv.membership import new_incarnation
+from livemig.rdzv.membership import Membership, new_incarnation
 from livemig.rdzv.security import EtcdSecurity
 from livemig.rdzv.security import add_arguments as add_security_arguments
 from livemig.rdzv.watch import PrefixMirror
@@ -153,6 +155,7 @@ class Launcher(FaultDriver, ChildWatch):
         self.security = EtcdSecurity.from_env()
         self._wake = Wakeup()  # what the agent loop sleeps on (launch_watch.Wakeup)
         self._mirror: PrefixMirror | None = None  # the job's keys, watch-fed (supervise)
+        self.tmpdir = ""  # the children's TMPDIR (start)
         self._t0 = time.time()
         self.signal_name = "SIGINT"  # what interrupted the run, if anything did
         # A fault plan's gates (livemig/fault_gate.py): where our children stop at a fault's step.
@@ -176,6 +179,8 @@ class Launcher(FaultDriver, ChildWatch):
             full[ENV_ON_ERROR] = self.cfg.on_error
         full.update(EtcdSecurity().to_env_clear())
         full.update(self.security.to_env())
+        if self.tmpdir:  # what the child leaves in its temporary directory goes with the run
+            full["TMPDIR"] = self.tmpdir
         full.update({ENV_ETCD: self.etcd, ENV_JOB: self.cfg.job, ENV_INCARNATION: inc,
                      ENV_PARENT_PID: str(os.getpid()), **env})  # fmt: skip
         if role in ("worker", "spare") and self.cfg.faults:
@@ -195,6 +200,10 @@ class Launcher(FaultDriver, ChildWatch):
         if not cfg.etcd:  # on an external etcd the run's own keys refuse a second run (nodes.attach_node)
             refuse_duplicate(cfg.job)
         os.makedirs(self.logdir, exist_ok=True)
+        prune_runs(os.path.dirname(self.logdir))  # the newest LIVEMIG_KEEP_RUNS (20) run logs stay
+        # the children's TMPDIR (forkserver sockets, torch's caches), removed at stop: short,
+        # under the caller's TMPDIR, as Unix socket paths inside it must stay under 108 bytes
+        self.tmpdir = tempfile.mkdtemp(prefix=f"livemig-{cfg.job[:24]}-")
         part_rank = None
         if cfg.etcd:
             if any(f.kind in ("partition", "link") for f in cfg.faults):
@@ -400,19 +409,25 @@ class Launcher(FaultDriver, ChildWatch):
         return bool(self.pending or self._resumes or self._slow or self._held)
 
     def processes(self) -> list[dict[str, Any]]:
-        return [{"name": c.name, "role": c.role, "rank": c.rank, "incarnation": c.incarnation,
-                 "pid": c.proc.pid, "exit_code": c.proc.returncode, "log": c.log_path}
+        """Every process this agent started; a spare that took a rank has that rank (the
+        last table it saw)."""
+        raw = self._by_key.get(self.keys.membership)
+        m = Membership.from_bytes(raw.value if raw else None)
+        return [{"name": c.name, "role": c.role, "rank": c.rank if c.rank is not None else m.rank_of(c.incarnation),
+                 "incarnation": c.incarnation, "pid": c.proc.pid, "exit_code": c.proc.returncode, "log": c.log_path}
                 for c in self.children]  # fmt: skip
 
     # -- shutdown -----------------------------------------------------------------------------
     def _terminate(self) -> None:
+        """SIGTERM every child's process group, also of a child that already exited: what
+        it started in its group (the coordinator's store process while it imports torch, a
+        worker's data-loader processes) goes with it."""
         for c in self.children:
-            if c.proc.poll() is None:
-                try:
-                    os.killpg(c.proc.pid, signal.SIGCONT)
-                    os.killpg(c.proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            try:
+                os.killpg(c.proc.pid, signal.SIGCONT)
+                os.killpg(c.proc.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def interrupted(self) -> dict[str, Any]:
         """Ctrl-C or SIGTERM of the run. The children are told to stop first (they go while
@@ -453,6 +468,11 @@ class Launcher(FaultDriver, ChildWatch):
                 except ProcessLookupError:
                     pass
                 c.proc.wait()
+        for c in self.children:  # whatever is left in their groups
+            try:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         log.info("children stopped", extra={"s": round(time.monotonic() - deadline + grace, 3)})
         if self.node_keeper is not None:
             self.node_keeper.stop(revoke=True)
@@ -464,6 +484,8 @@ class Launcher(FaultDriver, ChildWatch):
             self.partition.teardown()
         log.info("run stopped", extra={"s": round(time.monotonic() - deadline + grace, 3)})
         remove_job_file(self.cfg.job)
+        if self.tmpdir:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
         if self.gate is not None:
             self.gate.close()
         self._wake.close()

@@ -19,6 +19,7 @@ from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership
 
 _NUM = (int, float)
+COMMIT_TIMES = 200  # group-wide commits listed in the report (runtime/loop.py COMMITS_KEPT per member)
 # A final record as the report reads it (conform(): anything else under final/ is skipped).
 FINAL_NEED = {"steps": (int,), "digest": (str,)}
 FINAL_MAY = {"digests": (dict,), "shard_digest": (str,), "mirror_digest": (str,), "mirror_of": (int,),
@@ -92,6 +93,8 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
         },  # fmt: skip
         # wall times of the group's first and last committed step (start-up and teardown)
         "commit_window": [commits[0][1], commits[-1][1]] if commits else None,
+        # [step, wall time] of the last group-wide commits (the final records keep no more)
+        "commit_times": [[st, t] for st, t in commits[-COMMIT_TIMES:]],
         "spares_warm": {
             k: {"warm_at": t, "steps_committed": sum(1 for _, c in commits if c <= t)}
             for k, t in sorted((spares_warm or {}).items())
@@ -121,7 +124,7 @@ def empty(job: str, world_size: int, wall_s: float) -> dict[str, Any]:
     gone): the same keys, nothing measured."""
     return {"job": job, "world_size": world_size, "result": None, "steps_completed": 0, "wall_s": wall_s,
             "step_time_s_median": 0.0, "state_digest": job_digest({}), "rank_digests": {},
-            "replicas_identical": False, "members": {}, "commit_window": None, "spares_warm": {},
+            "replicas_identical": False, "members": {}, "commit_window": None, "commit_times": [], "spares_warm": {},
             "recoveries": [], "migrations": [], "timeline": [], "nodes": []}  # fmt: skip
 
 

@@ -118,7 +118,8 @@ def test_the_summary_is_one_write(monkeypatch):
     assert len(rec.writes) == 1
     lines = rec.writes[0].splitlines()
     assert lines[0] == "livemig: job j done; 30 steps in 10.0s, median step 71 ms"
-    assert rec.writes[0].endswith("\n") and len(lines) == 5 and lines[-1].startswith("bit-identical: yes")
+    assert lines[3].startswith("  (downtime = first group-wide commit after the fault")
+    assert rec.writes[0].endswith("\n") and len(lines) == 6 and lines[-1].startswith("bit-identical: yes")
 
 
 def test_bench_help_answers_without_importing_torch():
@@ -141,3 +142,52 @@ def test_every_fault_kind_is_in_run_help_and_the_readme():
     for kind in KINDS:
         assert re.search(rf"(?<![\w-]){re.escape(kind)}(?![\w-])", help_text), f"{kind} missing from run --help"
         assert re.search(rf"(?<![\w-]){re.escape(kind)}(?![\w-])", plans), f"{kind} missing from the README"
+
+
+def test_inject_kinds_agree_with_its_help_and_the_readme():
+    """Every kind `livemig inject` accepts is in its --help and in the README's inject line."""
+    import os
+    import re
+
+    from livemig.inject import CLI_KINDS
+
+    help_text = " ".join(run_cli("inject", "--help").stdout.split())
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    line = " ".join(readme[readme.index("- `livemig inject KIND") :].split("- `livemig-spare start")[0].split())
+    for kind in CLI_KINDS:
+        assert re.search(rf"(?<![\w-]){re.escape(kind)}(?![\w-])", help_text), f"{kind} missing from inject --help"
+        assert re.search(rf"(?<![\w-]){re.escape(kind)}(?![\w-])", line), f"{kind} missing from the README"
+    assert run_cli("run", "--log-level", "INFO", "--help").returncode == 0  # as docs/operations.md says
+
+
+def test_livemig_etcd_refuses_a_busy_port_in_one_line():
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        p = run_cli("etcd", "--client-port", str(port), "--peer-port", str(port + 1))
+    assert p.returncode == 2 and time.monotonic() - t0 < 5, p
+    assert f"127.0.0.1:{port} (client port) is in use" in one_line(p.stderr)
+    assert "serving" not in p.stdout
+
+
+def test_prune_runs_keeps_the_newest_and_the_recent(tmp_path):
+    import os
+    import time
+
+    from livemig.jobs import prune_runs
+
+    old = time.time() - 3600
+    for i in range(5):
+        d = tmp_path / f"job-{i}"
+        d.mkdir()
+        (d / "worker-0.log").write_text("x")
+        if i < 4:  # job-4 was written just now: a live run, kept whatever its rank
+            os.utime(d / "worker-0.log", (old + i, old + i))
+            os.utime(d, (old + i, old + i))
+    prune_runs(str(tmp_path), keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["job-3", "job-4"]

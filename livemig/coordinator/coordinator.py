@@ -69,6 +69,7 @@ class Coordinator(Checks, Migrations, StoreHost):
         self._store_addr = ""
         self._store_thread: threading.Thread | None = None
         self._store_err = ""
+        self._store_starting = None  # the store process until it reports its port
         self._wake = threading.Event()
         # passes read a watch-fed mirror of the job's keys (_read); counted in the log at the end
         self.reads = {"mirror": 0, "full": 0}

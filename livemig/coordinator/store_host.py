@@ -39,6 +39,7 @@ class StoreHost:
     _store_addr: str
     _store_thread: threading.Thread | None
     _store_err: str
+    _store_starting: subprocess.Popen | None
 
     # -- the c10d store -----------------------------------------------------------------------
     # Groups are built from a c10d TCPStore, and hosting one costs `import torch` (~1.5 CPU s).
@@ -58,6 +59,7 @@ class StoreHost:
              "--timeout", str(self.timeouts.collective.total_seconds())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )  # fmt: skip
+        self._store_starting = proc  # stopped at exit even while it still imports torch (_stop_store)
 
         def wait_port() -> None:
             line = proc.stdout.readline().decode().split() if proc.stdout else []
@@ -73,14 +75,18 @@ class StoreHost:
         self._store_thread.start()
 
     def _stop_store(self) -> None:
-        if self.store is not None:
-            self.store.terminate()
+        """The store process, up or still starting: one that has not printed its port yet
+        would otherwise outlive us until its torch import ends and it sees stdin closed."""
+        proc = self.store or getattr(self, "_store_starting", None)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
             try:
-                self.store.wait(timeout=5)
+                proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                self.store.kill()
-                self.store.wait()
-            self.store = None
+                proc.kill()
+                proc.wait()
+        self.store = None
+        self._store_starting = None
 
     @property
     def store_addr(self) -> str:

@@ -126,7 +126,13 @@ def test_inject_kinds_do_what_they_say_and_a_second_run_of_the_name_is_refused(t
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
     assert job.returncode == 130 and time.monotonic() - t0 < 5, (job.returncode, time.monotonic() - t0)
-    assert json.loads(report.read_text())["result"]["state"] == "interrupted"
+    rep = json.loads(report.read_text())
+    assert rep["result"]["state"] == "interrupted"
+    with open(os.path.join(REPO, "docs", "operations.md")) as f:
+        documented = f.read()
+    assert [k for k in rep if f"`{k}`" not in documented] == [], "report keys missing from docs/operations.md"
+    spare_rows = [p for p in rep["processes"] if p["role"] == "spare"]
+    assert spare_rows and all(p["pid"] for p in spare_rows)
 
 
 def test_ctrl_c_on_an_external_etcd_ends_the_job_and_its_spares(tmp_path, etcd):

@@ -175,6 +175,7 @@ def prune_runs(root: str, keep: int | None = None) -> None:
         entries = [os.path.join(root, n) for n in os.listdir(root)]
     except OSError:
         return
+
     def touched(path: str) -> float:  # a live run appends to its logs: its newest file is recent
         try:
             return max([os.stat(path).st_mtime, *(e.stat().st_mtime for e in os.scandir(path))])

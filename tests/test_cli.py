@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -87,6 +88,21 @@ def test_inject_and_migrate_for_a_missing_job_end_at_once(etcd, cmd):
 
     kvs, _ = EtcdClient(etcd.endpoints).get_prefix(JobKeys("nosuchjob").prefix)
     assert not kvs, "a request key was left behind"
+
+
+def test_livemig_spare_start_announces_its_wait_once_and_ends_in_one_line(etcd, tmp_path):
+    """A spare may start before its job (a batch script): the wait stays, but is said once,
+    with its bound, and ends naming what was not found. --count 0 is refused before it."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "mlp.py")
+    spare = [sys.executable, "-m", "livemig.spare_pool.cli", "start", "--etcd", etcd.endpoints, "--job", "later"]
+    t0 = time.monotonic()
+    r = subprocess.run([*spare, "--count", "0", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and time.monotonic() - t0 < 5 and "--count must be >= 1" in one_line(r.stderr)
+    r = subprocess.run([*spare, "--wait-job", "2", script], capture_output=True, text=True, timeout=60)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert out.count("waiting for job later on etcd") == 1 and "up to 2 s (--wait-job)" in out, out
+    assert "livemig-spare: error: job later did not start on etcd" in r.stderr, r.stderr
 
 
 def test_the_summary_is_one_write(monkeypatch):

@@ -182,7 +182,7 @@ def _supervise(children: list[tuple[subprocess.Popen, str, str]], client: EtcdCl
     polled = 0.0
     try:
         while len(codes) < len(children):
-            if time.monotonic() - polled >= 1.0:
+            if time.monotonic() - polled >= 0.25:
                 polled = time.monotonic()
                 if why := _job_interrupted(client, keys):
                     logs.say(f"livemig-spare: job {keys.job} ended ({why}): its spares exit")

@@ -207,3 +207,22 @@ def test_prune_runs_keeps_the_newest_and_the_recent(tmp_path):
             os.utime(d, (old + i, old + i))
     prune_runs(str(tmp_path), keep=2)
     assert sorted(os.listdir(tmp_path)) == ["job-3", "job-4"]
+
+
+@pytest.mark.parametrize(
+    "plan,line",
+    [
+        ("hang:rank=0:step=3:resume=-3", "resume= and heal= seconds and member= must be >= 0"),
+        ("etcd-kill:member=4:step=3", "etcd-kill:member=4 needs an embedded cluster holding that member"),
+    ],
+    ids=["negative-resume", "etcd-member"],
+)
+def test_a_fault_plan_is_refused_whole_before_anything_starts(plan, line, tmp_path):
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "mlp.py")
+    env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "livemig.cli", "run", "--nproc", "2", "--fault", plan, script],
+                       capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert r.returncode == 2 and time.monotonic() - t0 < 5, r
+    assert line in one_line(r.stderr)
+    assert not (tmp_path / "runs").exists(), "something started"

@@ -35,6 +35,18 @@ def test_a_script_that_fails_before_training_ends_the_run_at_once(tmp_path, scri
         assert "no final state: no rank finished the job" in run.stdout
 
 
+def test_a_fault_that_never_fired_makes_verify_fail(tmp_path):
+    """A plan whose fault waits for a recovery phase that never comes: the run is done and
+    its state equals the fault-free run's, but nothing was recovered, so `--verify` must not
+    pass it (issue 30, item 6). CI ~20 s."""
+    run = livemig_run(tmp_path, 2, faults=("kill:rank=1:step=2:during=claim",), extra=("--verify",),
+                      workload=["--steps", "12", "--layers", "1"])  # fmt: skip
+    assert run.rc == 1, explain(run)
+    assert "planned fault(s) that never fired (the run ended first): kill:rank=1:step=2:during=claim" in run.stdout
+    assert run.report["faults_not_fired"] == ["kill:rank=1:step=2:during=claim"]
+    assert run.report["bit_identical"] is True and run.report["result"]["state"] == "done"
+
+
 def test_inject_kinds_do_what_they_say_and_a_second_run_of_the_name_is_refused(tmp_path):
     """`livemig inject` (issue 30, item 3): spare-hang SIGSTOPs a spare (it used to SIGKILL
     worker R), break fails one gradient collective of the rank (the group is rebuilt and

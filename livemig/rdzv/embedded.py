@@ -297,8 +297,3 @@ class EtcdCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def embedded_etcd(etcd_bin: str | None = None) -> EtcdCluster:
-    """A started single-node etcd; call `.stop()` (or use `with`)."""
-    return EtcdCluster(size=1, etcd_bin=etcd_bin).start()

@@ -116,10 +116,6 @@ class LeaseKeeper:
                                                    "reattached": ttl <= 0})  # fmt: skip
         return True
 
-    def unreachable_for(self) -> float:
-        """Seconds since the last renewal while renewals fail (0 when etcd answers)."""
-        return time.monotonic() - self._last_ok if self._failed else 0.0
-
     def _lose(self, reason: str) -> None:
         if self._stop.is_set():  # its owner stopped it (and may have revoked it): nothing is lost
             return

@@ -47,12 +47,6 @@ def batch_generator(step: int, rank: int, world_size: int = 0, seed: int = 0) ->
     return g
 
 
-def shard_indices(step: int, rank: int, world_size: int, batch: int, dataset_len: int) -> list[int]:
-    """Indices of rank's batch at `step` in a dataset walked in order."""
-    start = (step * world_size + rank) * batch
-    return [(start + i) % dataset_len for i in range(batch)]
-
-
 class ElasticSampler(torch.utils.data.Sampler):
     """A batch sampler over a map-style dataset whose batches are a function of
     (seed, epoch, step, rank, world size) alone, so a spare taking rank r at step s

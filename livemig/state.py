@@ -16,7 +16,6 @@ import blake3
 import torch
 
 from livemig.errors import ConfigError
-from livemig.sharding import first_mismatch  # noqa: F401 - re-exported: its home is torch-free
 
 _T = "__t__"
 _TUPLE = "__tuple__"

@@ -7,7 +7,8 @@ import torch
 
 from livemig.errors import ConfigError
 from livemig.runtime.registry import Registry
-from livemig.state import first_mismatch, pack, unpack
+from livemig.sharding import first_mismatch
+from livemig.state import pack, unpack
 
 
 class Holder:

@@ -11,7 +11,8 @@ import torch
 import zmq
 
 from livemig.errors import TransferError
-from livemig.state import first_mismatch, flatten, signature, unflatten
+from livemig.sharding import first_mismatch
+from livemig.state import flatten, signature, unflatten
 from livemig.transfer import channel
 from livemig.transfer import protocol as P
 from livemig.transfer.client import pull

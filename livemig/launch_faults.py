@@ -306,7 +306,7 @@ def _time_of(kv: Any) -> float:
 def phase_reached(keys: JobKeys, f: Fault, by_key: dict, since: float) -> bool:
     """Has a recovery after `since` reached the fault's phase (see livemig/faults.py)?"""
     want = {"stream": "claim", "build": "ready"}.get(f.phase, f.phase)
-    rec = keys.prefix + "recovery/"
+    rec = keys.recoveries_prefix
     for k, kv in by_key.items():
         if want == "snapshot" and k.startswith(rec) and k.endswith("/catchup"):
             if _time_of(kv) >= since:  # the spare's first catch-up record: its snapshot is loaded

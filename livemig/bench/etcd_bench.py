@@ -47,11 +47,11 @@ def measure(endpoints: str, n: int, world: int) -> dict[str, dict[str, float]]:
         assert rdzv.commit_change(g, Membership(world_size=world, members=members), fence=["x"])
         cas.append(time.perf_counter() - t0)
     got = threading.Event()
-    w = PrefixWatch(watcher_client, rdzv.keys.prefix + "w", lambda ev: got.set())
+    w = PrefixWatch(watcher_client, rdzv.keys.scratch("w"), lambda ev: got.set())
     for i in range(n):
         got.clear()
         t0 = time.perf_counter()
-        client.put(rdzv.keys.prefix + "w", str(i).encode())
+        client.put(rdzv.keys.scratch("w"), str(i).encode())
         if not got.wait(5):
             raise RuntimeError("watch event not delivered within 5 s")
         watch.append(time.perf_counter() - t0)

@@ -75,7 +75,7 @@ class SimJob:
     def form(self) -> None:
         k = self.keys
         self._put_many([self._register(r, self.inc[r]) for r in range(self.n)], self.lease)
-        self._put_many([(k.prefix + f"signatures/{r}", encode({"incarnation": self.inc[r], "signature": SIG}))
+        self._put_many([(k.signature(r), encode({"incarnation": self.inc[r], "signature": SIG}))
                         for r in range(self.n)])  # fmt: skip
         self._wait(lambda m: m.generation == 1, "generation 1")
         self._put_many([(k.ready(1, r), encode({"incarnation": self.inc[r], "time": time.time()}))

@@ -166,7 +166,7 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, 
                                      "addr": f"tcp://sim:{r}", "state": "running"}))
             for r in range(n)
         ]  # fmt: skip
-        sigs = [(keys.prefix + f"signatures/{r}", encode({"incarnation": inc[r], "signature": SIG}))
+        sigs = [(keys.signature(r), encode({"incarnation": inc[r], "signature": SIG}))
                 for r in range(n)]  # fmt: skip
         _put_many(client, regs, lease)
         _put_many(client, sigs)

@@ -319,7 +319,7 @@ class Coordinator(Checks, Migrations, StoreHost):
 
     def _form(self, s: Snapshot) -> None:
         regs = {r: s.get(self.keys.member(r)) for r in range(self.world_size)}
-        sigs = s.under(self.keys.prefix + "signatures/")
+        sigs = s.under(self.keys.signatures_prefix)
         if not all(regs.values()) or not all(str(r) in sigs for r in range(self.world_size)):
             return
         ref = sigs["0"]["signature"]

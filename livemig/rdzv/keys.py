@@ -92,6 +92,18 @@ class JobKeys:
     def suspect(self, incarnation: str) -> str:
         return self.suspects_prefix + incarnation
 
+    def scratch(self, name: str) -> str:
+        """A key of the job's prefix that nothing reads (benchmarks time writes and watches on it)."""
+        return f"{self.prefix}scratch/{name}"
+
+    @property
+    def signatures_prefix(self) -> str:
+        return self.prefix + "signatures/"
+
+    def signature(self, rank: int) -> str:
+        """A member's layout signature (the coordinator checks a spare against it)."""
+        return f"{self.signatures_prefix}{rank}"
+
     @property
     def recoveries_prefix(self) -> str:
         return self.prefix + "recovery/"

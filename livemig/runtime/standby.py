@@ -38,7 +38,7 @@ class Standby:
     def _register_signature(self) -> None:
         rt = self.runtime
         rt.put(
-            rt.keys.prefix + f"signatures/{self.rank}",
+            rt.keys.signature(self.rank),
             {"incarnation": self.incarnation, "signature": self.signature()},
         )
 

@@ -18,12 +18,23 @@ import os
 import signal
 import time
 
+from livemig.config import ENV_FENCED_KILL_S
+from livemig.errors import ConfigError
 from livemig.rdzv.client import EtcdClient, encode
 from livemig.rdzv.keys import JobKeys
 
 log = logging.getLogger("livemig.agent")
 # A fenced process that has not exited this long after its fence is wedged: its agent kills it.
-FENCED_KILL_S = float(os.environ.get("LIVEMIG_FENCED_KILL_S", "5"))
+FENCED_KILL_S = 5.0  # default of $LIVEMIG_FENCED_KILL_S
+
+
+def fenced_kill_s() -> float:
+    """Read when used, not at import: a test or an operator may set it for one agent."""
+    raw = os.environ.get(ENV_FENCED_KILL_S, "")
+    try:
+        return float(raw) if raw else FENCED_KILL_S
+    except ValueError:
+        raise ConfigError(f"{ENV_FENCED_KILL_S}={raw!r}: expected seconds") from None
 
 
 def report_death(client: EtcdClient, keys: JobKeys, incarnation: str, name: str, code: int, seen: float) -> None:
@@ -44,4 +55,4 @@ def kill_group(pid: int, name: str) -> None:
 def fenced_too_long(first_seen: dict[str, float], incarnation: str) -> bool:
     """Record when a child's fence was first seen; True once FENCED_KILL_S passed."""
     now = time.monotonic()
-    return now - first_seen.setdefault(incarnation, now) > FENCED_KILL_S
+    return now - first_seen.setdefault(incarnation, now) > fenced_kill_s()

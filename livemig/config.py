@@ -26,6 +26,26 @@ ENV_OUTAGE_GRACE = "LIVEMIG_ETCD_OUTAGE_GRACE"
 ENV_STATE_DIR = "LIVEMIG_STATE_DIR"
 ENV_GRAD_VIEWS = "LIVEMIG_GRAD_VIEWS"  # 0: .grad is a copy of the bucket's average, not a view into it
 
+# Names read elsewhere, defined here so that every LIVEMIG_* setting is in one file
+# (docs/operations.md lists them all).
+ENV_CA = "LIVEMIG_ETCD_CA"
+ENV_CERT = "LIVEMIG_ETCD_CERT"
+ENV_KEY = "LIVEMIG_ETCD_KEY"
+ENV_USER = "LIVEMIG_ETCD_USER"
+ENV_PASSWORD_FILE = "LIVEMIG_ETCD_PASSWORD_FILE"
+ENV_SHADOW_STEPS = "LIVEMIG_SHADOW_STEPS"
+ENV_LOCAL_MAX_MB = "LIVEMIG_LOCAL_STATE_MAX_MB"  # per-rank local state (buffers + local=) mirrored each step
+ENV_FAULT_GATE = "LIVEMIG_FAULT_GATE"
+ENV_FAULT_PLAN = "LIVEMIG_FAULT_PLAN"
+ENV_GATE_TIMEOUT = "LIVEMIG_FAULT_GATE_TIMEOUT"
+ENV_ENCRYPT = "LIVEMIG_TRANSFER_ENCRYPT"
+ENV_VERIFIERS = "LIVEMIG_TRANSFER_VERIFIERS"
+ENV_REDUCE = "LIVEMIG_ZERO1_REDUCE"  # "allreduce" (default on gloo) or "reduce_scatter" (default on nccl)
+ENV_KEEP_RUNS = "LIVEMIG_KEEP_RUNS"  # run log directories kept under the state dir (default 20)
+ENV_JOIN_TIMEOUT = "LIVEMIG_JOIN_TIMEOUT"  # every node of a run joins within this, s (default 300)
+ENV_FENCED_KILL_S = "LIVEMIG_FENCED_KILL_S"  # an agent kills a fenced child still running after this, s (default 5)
+ENV_LOG_LEVEL = "LIVEMIG_LOG_LEVEL"
+
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 

@@ -34,14 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from livemig.config import ENV_FAULT_GATE, ENV_FAULT_PLAN, ENV_GATE_TIMEOUT
 from livemig.errors import ConfigError
 from livemig.faults import Fault
 
 log = logging.getLogger("livemig.fault_gate")
 
-ENV_FAULT_GATE = "LIVEMIG_FAULT_GATE"
-ENV_FAULT_PLAN = "LIVEMIG_FAULT_PLAN"
-ENV_GATE_TIMEOUT = "LIVEMIG_FAULT_GATE_TIMEOUT"
 GATED_KINDS = ("kill", "hang", "slow", "corrupt", "partition", "link", "migrate",
                "etcd-kill", "etcd-stop", "coordinator-kill", "spare-kill", "spare-hang")  # fmt: skip
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from livemig.config import ENV_ETCD, ENV_STATE_DIR, validate_job_name
+from livemig.config import ENV_ETCD, ENV_KEEP_RUNS, ENV_STATE_DIR, validate_job_name
 from livemig.errors import ConfigError
 from livemig.rdzv.security import EtcdSecurity
 
@@ -165,9 +165,9 @@ def prune_runs(root: str, keep: int | None = None) -> None:
     """Keep the newest `keep` run log directories under root (state_dir()/runs): every run
     leaves one, and nothing else ever removes them."""
     if keep is None:
-        raw = os.environ.get("LIVEMIG_KEEP_RUNS", "")
+        raw = os.environ.get(ENV_KEEP_RUNS, "")
         if raw and not raw.isdigit():
-            raise ConfigError(f"LIVEMIG_KEEP_RUNS={raw!r}: expected a number of run directories to keep")
+            raise ConfigError(f"{ENV_KEEP_RUNS}={raw!r}: expected a number of run directories to keep")
         keep = int(raw) if raw else KEEP_RUNS_DEFAULT
     import shutil
 

@@ -23,15 +23,19 @@ from livemig import logs, report
 from livemig.config import (
     ENV_BUDDY_STRIDE,
     ENV_ETCD,
+    ENV_FAULT_GATE,
+    ENV_FAULT_PLAN,
     ENV_HOST,
     ENV_INCARNATION,
     ENV_JOB,
+    ENV_JOIN_TIMEOUT,
     ENV_NODE_RANK,
     ENV_ON_ERROR,
     ENV_PARENT_PID,
     ENV_RANK,
     ENV_ROLE,
     ENV_SELF_FAULT,
+    ENV_SHADOW_STEPS,
     ENV_SPARE_ID,
     ENV_WORLD_SIZE,
     Timeouts,
@@ -40,7 +44,7 @@ from livemig.config import (
     validate_job_name,
 )  # fmt: skip
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
-from livemig.fault_gate import ENV_FAULT_GATE, ENV_FAULT_PLAN, Arrival, GateServer, gated, plan_env
+from livemig.fault_gate import Arrival, GateServer, gated, plan_env
 from livemig.faults import KINDS, USAGE, Fault, parse_fault
 from livemig.jobs import claim_job_file, prune_runs, prune_stale_dirs, refuse_duplicate, remove_job_file, state_dir
 from livemig.launch_faults import FaultDriver, record_fault
@@ -93,7 +97,7 @@ class RunConfig:
     host: str | None = None  # address other hosts reach this node at (default: nodes.default_host)
     buddy_stride: int = 0  # mirror rank-local state on rank + this (default: nproc_per_node with nnodes > 1)
     # how long to wait for every node of the run to join, s
-    join_timeout: float = field(default_factory=lambda: float(os.environ.get("LIVEMIG_JOIN_TIMEOUT", "") or 300))
+    join_timeout: float = field(default_factory=lambda: float(os.environ.get(ENV_JOIN_TIMEOUT, "") or 300))
 
     @property
     def nproc_per_node(self) -> int:
@@ -295,7 +299,7 @@ class Launcher(FaultDriver, ChildWatch):
 
     def _spawn_spares(self) -> None:
         cfg = self.cfg
-        cold = {"LIVEMIG_SHADOW_STEPS": "0"} if cfg.cold_spares else {}
+        cold = {ENV_SHADOW_STEPS: "0"} if cfg.cold_spares else {}
         cold.update((ENV_SELF_FAULT, f.self_spec()) for f in cfg.faults if f.kind == "spare-hang" and f.in_process)
         pre = f"n{self.node_rank}-" if cfg.nnodes > 1 else ""
         for i in range(cfg.spares):

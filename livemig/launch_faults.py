@@ -14,8 +14,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from livemig.config import ENV_GATE_TIMEOUT
 from livemig.errors import ConfigError, EtcdUnavailableError
-from livemig.fault_gate import ENV_GATE_TIMEOUT, gate_timeout, gated
+from livemig.fault_gate import gate_timeout, gated
 from livemig.faults import Fault
 from livemig.rdzv.client import EtcdClient, conform, encode
 from livemig.rdzv.keys import JobKeys

@@ -8,6 +8,8 @@ import os
 import sys
 from typing import TextIO
 
+from livemig.config import ENV_LOG_LEVEL
+
 _STD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
 
@@ -31,7 +33,7 @@ def say(*lines: str, file: TextIO | None = None) -> None:
 
 
 def setup(level: str | None = None, role: str = "") -> None:
-    level = level or os.environ.get("LIVEMIG_LOG_LEVEL", "WARNING")
+    level = level or os.environ.get(ENV_LOG_LEVEL, "WARNING")
     handler = logging.StreamHandler(sys.stderr)
     tag = f" [{role}]" if role else ""
     handler.setFormatter(

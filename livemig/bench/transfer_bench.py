@@ -28,8 +28,9 @@ import torch
 import zmq
 
 from livemig.bench import proc_cpu_s
+from livemig.config import ENV_VERIFIERS
 from livemig.transfer import protocol as P
-from livemig.transfer.channel import ENV_VERIFIERS, verifiers
+from livemig.transfer.channel import verifiers
 from livemig.transfer.client import pull
 
 SECRET = b"bench-secret"

@@ -45,12 +45,11 @@ import torch
 
 from livemig.comm.group import CollectiveAborted, wait_all
 from livemig.comm.reducer import GradReducer
-from livemig.config import buddy_stride
+from livemig.config import ENV_REDUCE, buddy_stride
 from livemig.errors import ConfigError
 
 log = logging.getLogger("livemig.zero1")
 
-ENV_REDUCE = "LIVEMIG_ZERO1_REDUCE"  # "allreduce" (default on gloo) or "reduce_scatter" (default on nccl)
 SYNC_SKIP = ("params", "foreach")  # our choice of implementation is kept when hyperparameters follow the template
 
 

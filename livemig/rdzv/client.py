@@ -26,8 +26,9 @@ import msgpack
 import pyetcd
 from pyetcd import exceptions as etcd_exc
 
+from livemig.config import ENV_PASSWORD_FILE, ENV_USER
 from livemig.errors import ConfigError, EtcdAccessError, EtcdUnavailableError
-from livemig.rdzv.security import ENV_PASSWORD_FILE, ENV_USER, EtcdSecurity
+from livemig.rdzv.security import EtcdSecurity
 
 log = logging.getLogger("livemig.rdzv.client")
 T = TypeVar("T")

@@ -22,15 +22,11 @@ import socket
 import stat
 from dataclasses import asdict, dataclass
 
+from livemig.config import ENV_CA, ENV_CERT, ENV_KEY, ENV_PASSWORD_FILE, ENV_USER
 from livemig.errors import ConfigError
 
 log = logging.getLogger("livemig.rdzv.security")
 
-ENV_CA = "LIVEMIG_ETCD_CA"
-ENV_CERT = "LIVEMIG_ETCD_CERT"
-ENV_KEY = "LIVEMIG_ETCD_KEY"
-ENV_USER = "LIVEMIG_ETCD_USER"
-ENV_PASSWORD_FILE = "LIVEMIG_ETCD_PASSWORD_FILE"
 _FIELDS = {"ca": ENV_CA, "cert": ENV_CERT, "key": ENV_KEY, "user": ENV_USER, "password_file": ENV_PASSWORD_FILE}
 
 

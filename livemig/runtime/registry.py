@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 
-from livemig.config import LOCAL_STATE_ENTRY, SHARDING_ENTRY
+from livemig.config import ENV_LOCAL_MAX_MB, LOCAL_STATE_ENTRY, SHARDING_ENTRY
 from livemig.errors import ConfigError
 from livemig.state import digest, flatten, pack, signature
 
 PARAMS_CHECK, OPTIMIZER_CHECK = "<parameters>", "<optimizer>"  # replica_digests' entries besides the extras
-ENV_LOCAL_MAX_MB = "LIVEMIG_LOCAL_STATE_MAX_MB"  # per-rank local state (buffers + local=) mirrored each step
 
 
 def local_limit_bytes() -> int:

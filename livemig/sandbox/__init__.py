@@ -15,7 +15,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
-ENV_SHADOW_STEPS = "LIVEMIG_SHADOW_STEPS"
+from livemig.config import ENV_SHADOW_STEPS
 
 
 def shadow_steps() -> int:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from livemig.config import ENV_VERIFIERS
 from livemig.errors import TransferError
 from livemig.transfer import gmac
 from livemig.transfer import protocol as P
@@ -29,7 +30,6 @@ log = logging.getLogger("livemig.transfer.client")  # the pull's component, as b
 
 MAX_BAD_CHUNKS = 3  # bad chunks (or failed replies) before a source is dropped
 HASH_PIECE = 512 << 10  # received, then hashed while cache-hot
-ENV_VERIFIERS = "LIVEMIG_TRANSFER_VERIFIERS"
 FAST_HASH_GBPS = 4.0  # a core hashing this fast keeps up with the stream in line (see verifiers())
 _calibrated: list[float] = []
 

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import blake3
 import msgpack
 
+from livemig.config import ENV_ENCRYPT
 from livemig.transfer import gmac
 
 CHUNK_BYTES = 4 << 20
@@ -67,9 +68,6 @@ TAG_BYTES = 16
 REQ_HEAD = struct.Struct(">II")
 REP_HEAD = struct.Struct(">III")
 MAX_META_BYTES = 1 << 20  # a chunk reply's meta is tens of bytes; more is not a livemig server
-
-
-ENV_ENCRYPT = "LIVEMIG_TRANSFER_ENCRYPT"
 
 
 def encrypted() -> bool:

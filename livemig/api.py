@@ -36,6 +36,7 @@ from livemig.config import (
     ENV_SPARE_ID,
     ENV_WORLD_SIZE,
     ENV_ZERO1_MIRROR,
+    Role,
     Timeouts,
     exit_with_parent,
     fast_exit,
@@ -69,9 +70,10 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
 
     def __init__(self, seed: int = 0, timeouts: Timeouts | None = None) -> None:
         self.seed = seed
-        self.role = os.environ.get(ENV_ROLE, "local")
-        if self.role not in ("worker", "spare", "local"):
-            raise ConfigError(f"{ENV_ROLE}={self.role!r}: expected worker or spare")
+        raw = os.environ.get(ENV_ROLE, Role.LOCAL)
+        if raw not in (Role.WORKER, Role.SPARE, Role.LOCAL):
+            raise ConfigError(f"{ENV_ROLE}={raw!r}: expected worker or spare")
+        self.role = Role(raw)
         self.incarnation = os.environ.get(ENV_INCARNATION) or new_incarnation(self.role)
         self.timeouts = timeouts or Timeouts.from_env()
         self.runtime: Any = None
@@ -88,8 +90,8 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self._reset_user_state()
         self._self_fault = parse_self_fault(os.environ[ENV_SELF_FAULT]) if os.environ.get(
             ENV_SELF_FAULT) else None  # fmt: skip
-        self._gate = Gate({} if self.role == "local" else None)  # a fault plan's steps (livemig/fault_gate.py)
-        if self.role != "local":
+        self._gate = Gate({} if self.role == Role.LOCAL else None)  # a fault plan's steps (livemig/fault_gate.py)
+        if self.role != Role.LOCAL:
             from livemig.runtime.member import MemberRuntime
 
             exit_with_parent()
@@ -197,7 +199,7 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         if self._reducer is not None:
             self._reducer.remove()
         self._reducer, self.reg.zero = None, None
-        if not self._params or self.role == "local":
+        if not self._params or self.role == Role.LOCAL:
             return  # a single local process: plain optimizer steps, sharded or not
         zero = sharding == "zero1"
         scatter = False

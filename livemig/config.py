@@ -10,8 +10,20 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
+from enum import StrEnum
 
 from livemig.errors import ConfigError
+
+
+class Role(StrEnum):
+    """What a livemig process is (LIVEMIG_ROLE; a member's table entry; the agent's children).
+    A str: it goes over etcd and into reports as its value."""
+
+    WORKER = "worker"
+    SPARE = "spare"
+    COORDINATOR = "coordinator"
+    LOCAL = "local"  # the script run by hand: a world of one, no etcd
+
 
 ENV_ETCD = "LIVEMIG_ETCD"  # comma-separated http://host:port endpoints
 ENV_JOB = "LIVEMIG_JOB"
@@ -194,7 +206,7 @@ def fast_exit(role: str) -> None:
     import atexit
     import gc
 
-    if role in ("worker", "spare") and os.environ.get(ENV_FAST_EXIT, "1") not in ("0", "false", "no"):
+    if role in (Role.WORKER, Role.SPARE) and os.environ.get(ENV_FAST_EXIT, "1") not in ("0", "false", "no"):
         atexit.register(gc.freeze)
 
 

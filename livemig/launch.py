@@ -38,6 +38,7 @@ from livemig.config import (
     ENV_SHADOW_STEPS,
     ENV_SPARE_ID,
     ENV_WORLD_SIZE,
+    Role,
     Timeouts,
     make_interruptible,
     on_error_policy,
@@ -63,7 +64,7 @@ log = logging.getLogger("livemig.launch")
 @dataclass
 class Child:
     name: str
-    role: str  # worker | spare | coordinator
+    role: Role
     incarnation: str
     proc: subprocess.Popen
     log_path: str
@@ -174,7 +175,7 @@ class Launcher(FaultDriver, ChildWatch):
             logs.say(msg)
 
     # -- processes --------------------------------------------------------------------------
-    def _spawn(self, name: str, role: str, argv: list[str], env: dict[str, str],
+    def _spawn(self, name: str, role: Role, argv: list[str], env: dict[str, str],
                rank: int | None = None) -> Child:  # fmt: skip
         inc = new_incarnation(role, self.net_env.get(ENV_HOST))  # --host names the node, not the hostname
         full = dict(os.environ)
@@ -187,7 +188,7 @@ class Launcher(FaultDriver, ChildWatch):
             full["TMPDIR"] = self.tmpdir
         full.update({ENV_ETCD: self.etcd, ENV_JOB: self.cfg.job, ENV_INCARNATION: inc,
                      ENV_PARENT_PID: str(os.getpid()), **env})  # fmt: skip
-        if role in ("worker", "spare") and self.cfg.faults:
+        if role in (Role.WORKER, Role.SPARE) and self.cfg.faults:
             full[ENV_FAULT_PLAN] = plan_env(self.cfg.faults)
             if self.gate is not None:
                 full[ENV_FAULT_GATE] = self.gate.path
@@ -266,7 +267,7 @@ class Launcher(FaultDriver, ChildWatch):
         if stride:  # a buddy on the next node (config.buddy_stride)
             self.net_env[ENV_BUDDY_STRIDE] = str(stride)
         for i in range(cfg.coordinators):
-            self._spawn(f"coordinator-{i}", "coordinator",
+            self._spawn(f"coordinator-{i}", Role.COORDINATOR,
                         [sys.executable, "-m", "livemig.coordinator", "--etcd", self.etcd, "--job", cfg.job,
                          "--world-size", str(cfg.nproc), "--host", host], dict(self.net_env))  # fmt: skip
         by_rank: dict[int, str] = {}
@@ -276,7 +277,7 @@ class Launcher(FaultDriver, ChildWatch):
         base = [sys.executable, cfg.script, *cfg.args]
         first = self.node_rank * cfg.nproc_per_node
         for r in range(first, first + cfg.nproc_per_node):
-            env = {ENV_ROLE: "worker", ENV_RANK: str(r), ENV_WORLD_SIZE: str(cfg.nproc)}
+            env = {ENV_ROLE: Role.WORKER, ENV_RANK: str(r), ENV_WORLD_SIZE: str(cfg.nproc)}
             if r in by_rank:
                 env[ENV_SELF_FAULT] = by_rank[r]
             argv = base
@@ -286,7 +287,7 @@ class Launcher(FaultDriver, ChildWatch):
                             ENV_ETCD: self.cluster.endpoints_on(self.partition.etcd_ip)})  # fmt: skip
             else:
                 env.update(self.net_env)
-            self._spawn(f"worker-{r}", "worker", argv, env, rank=r)
+            self._spawn(f"worker-{r}", Role.WORKER, argv, env, rank=r)
 
     def _join(self, host: str, fresh: bool = False) -> None:
         """Create or join the job's run and take a node rank (nodes.attach_node)."""
@@ -303,8 +304,8 @@ class Launcher(FaultDriver, ChildWatch):
         cold.update((ENV_SELF_FAULT, f.self_spec()) for f in cfg.faults if f.kind == "spare-hang" and f.in_process)
         pre = f"n{self.node_rank}-" if cfg.nnodes > 1 else ""
         for i in range(cfg.spares):
-            self._spawn(f"spare-{i}", "spare", [sys.executable, cfg.script, *cfg.args],
-                        {ENV_ROLE: "spare", ENV_SPARE_ID: f"{pre}spare-{i}", ENV_WORLD_SIZE: str(cfg.nproc),
+            self._spawn(f"spare-{i}", Role.SPARE, [sys.executable, cfg.script, *cfg.args],
+                        {ENV_ROLE: Role.SPARE, ENV_SPARE_ID: f"{pre}spare-{i}", ENV_WORLD_SIZE: str(cfg.nproc),
                          **self.net_env, **cold})  # fmt: skip
         self._spares_started = True
 
@@ -376,15 +377,15 @@ class Launcher(FaultDriver, ChildWatch):
             if result is not None and result.get("state") == "interrupted":
                 break  # another agent of the run was interrupted: this node stops too, at once
             if result is not None:
-                members_alive = [c for c in self.children if c.role in ("worker", "spare")
+                members_alive = [c for c in self.children if c.role in (Role.WORKER, Role.SPARE)
                                  and c.proc.poll() is None and self._is_member(c, by_key)]  # fmt: skip
                 # Carry out the whole fault plan (a pending SIGCONT or heal), then give
                 # replaced workers a moment to notice they were fenced and exit by themselves.
-                replaced_alive = [c for c in self.children if c.role == "worker" and c.proc.poll() is None]
+                replaced_alive = [c for c in self.children if c.role == Role.WORKER and c.proc.poll() is None]
                 waited = time.monotonic() - (result_seen_at or 0)
                 if waited > 30 or not members_alive and not self._resumes and (not replaced_alive or waited > 10):
                     break
-            elif all(c.proc.poll() is not None for c in self.children if c.role == "coordinator"):
+            elif all(c.proc.poll() is not None for c in self.children if c.role == Role.COORDINATOR):
                 result = {"state": "failed", "reason": "every coordinator exited before the job finished"}
                 break
             elif why := self._cannot_form(by_key):
@@ -497,7 +498,7 @@ class Launcher(FaultDriver, ChildWatch):
     def failure_tail(self) -> str:
         """The last lines of a failed worker's log, to show the user."""
         for c in self.children:
-            if c.role == "worker" and c.proc.returncode not in (0, None, -9, -19):
+            if c.role == Role.WORKER and c.proc.returncode not in (0, None, -9, -19):
                 try:
                     with open(c.log_path) as f:
                         return f"{c.name}: " + "".join(f.readlines()[-5:]).strip()

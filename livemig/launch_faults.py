@@ -14,7 +14,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from livemig.config import ENV_GATE_TIMEOUT
+from livemig.config import ENV_GATE_TIMEOUT, Role
 from livemig.errors import ConfigError, EtcdUnavailableError
 from livemig.fault_gate import gate_timeout, gated
 from livemig.faults import Fault
@@ -163,7 +163,7 @@ class FaultDriver:
         if any(k.startswith(self.keys.spares_prefix) and (conform(kv.value, {"state": (str,)}) or {}).get("state")
                == "warm" for k, kv in by_key.items()):  # fmt: skip
             return ""
-        mine = [c for c in self.children if c.role == "spare" and c.proc.poll() is None]
+        mine = [c for c in self.children if c.role == Role.SPARE and c.proc.poll() is None]
         if not mine:
             return "no spare is running here: start one with `livemig-spare start`"
         return ", ".join(f"{c.name} warming up ({time.monotonic() - c.started:.1f}s since start)" for c in mine)
@@ -268,7 +268,7 @@ class FaultDriver:
         m = Membership.from_bytes(raw.value if raw else None)
         claimed = {mem.incarnation for mem in in_flight_spares(self.keys, by_key, m)}
         members = {mem.incarnation for mem in m.members.values()}
-        live = [c for c in self.children if c.role == "spare" and c.proc.poll() is None]
+        live = [c for c in self.children if c.role == Role.SPARE and c.proc.poll() is None]
         return next((c for c in live if c.incarnation in claimed), None) or next(
             (c for c in live if c.incarnation not in members), None)  # fmt: skip
 
@@ -285,7 +285,7 @@ def in_flight_spares(keys: JobKeys, by_key: dict, m: Membership) -> list[Any]:
             ev = conform(kv.value, {"generation": (int,)}) or {}
             if ev.get("generation") == m.generation and isinstance(ev.get("spares"), list):
                 now.update(x for x in ev["spares"] if isinstance(x, str))
-    return [mem for mem in m.members.values() if mem.role == "spare" and mem.spare_id in now]
+    return [mem for mem in m.members.values() if mem.role == Role.SPARE and mem.spare_id in now]
 
 
 def step_reached(keys: JobKeys, f: Fault, by_key: dict) -> int:

@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from livemig.agent import fenced_too_long, kill_group, report_death
+from livemig.config import Role
 from livemig.rdzv.client import conform
 from livemig.rdzv.membership import Membership
 
@@ -108,7 +109,7 @@ class ChildWatch:
         assert self.client is not None
         for c in self.children:
             code = c.proc.poll()
-            if code is None or c.reported or c.role == "coordinator":
+            if code is None or c.reported or c.role == Role.COORDINATOR:
                 continue
             if code == 0:
                 c.reported = True
@@ -127,7 +128,7 @@ class ChildWatch:
         if raw is not None and Membership.from_bytes(raw.value).generation > 0:
             return ""  # formed (or forming): a death is a recovery's business now
         for c in self.children:
-            code = c.proc.poll() if c.role == "worker" else None
+            code = c.proc.poll() if c.role == Role.WORKER else None
             if code is None:
                 continue
             if code == 0:
@@ -141,7 +142,7 @@ class ChildWatch:
         """A fenced worker or spare still running after FENCED_KILL_S is wedged (its training
         thread cannot see the fence): kill it, so no replaced process lingers."""
         for c in self.children:
-            if c.role == "coordinator" or c.proc.poll() is not None:
+            if c.role == Role.COORDINATOR or c.proc.poll() is not None:
                 continue
             if by_key.get(self.keys.fenced(c.incarnation)) is None:
                 continue

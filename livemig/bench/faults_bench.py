@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from livemig.config import Timeouts
+from livemig.config import Role, Timeouts
 from livemig.faults import parse_fault
 from livemig.launch import RunConfig, run
 
@@ -74,17 +74,17 @@ def _fenced_self_stop(rep: dict) -> str:
 
 
 def _refetched(rep: dict) -> str:
-    logs = "".join(_log_of(rep, p["name"]) for p in rep.get("processes", []) if p["role"] == "spare")
+    logs = "".join(_log_of(rep, p["name"]) for p in rep.get("processes", []) if p["role"] == Role.SPARE)
     return "" if "chunk failed its checksum; refetching" in logs else "no corrupted chunk was detected"
 
 
 def _spare_replaced(rep: dict) -> str:
-    dead = [p for p in rep.get("processes", []) if p["role"] == "spare" and p["exit_code"] == -9]
+    dead = [p for p in rep.get("processes", []) if p["role"] == Role.SPARE and p["exit_code"] == -9]
     return "" if dead else "no claimed spare was killed (the fault did not land)"
 
 
 def _coordinator_took_over(rep: dict) -> str:
-    dead = [p for p in rep.get("processes", []) if p["role"] == "coordinator" and p["exit_code"] == -9]
+    dead = [p for p in rep.get("processes", []) if p["role"] == Role.COORDINATOR and p["exit_code"] == -9]
     return "" if dead else "the leader coordinator was not killed"
 
 

@@ -24,6 +24,7 @@ import uuid
 from typing import Any
 
 from livemig.bench.downtime_bench import MLP, add_workload_arguments, workload_args
+from livemig.config import Role
 from livemig.faults import parse_fault
 from livemig.launch import RunConfig, run
 
@@ -41,7 +42,7 @@ def _one(a: argparse.Namespace, cold: bool) -> dict[str, Any]:
                     faults=[parse_fault(f"kill:rank=1:step={a.fail_at}")])  # fmt: skip
     rep = run(cfg)
     out: dict[str, Any] = {"ok": (rep["result"] or {}).get("state") == "done", "digest": rep["state_digest"]}
-    spare = next((m for m in rep["members"].values() if m["role"] == "spare"), None)
+    spare = next((m for m in rep["members"].values() if m["role"] == Role.SPARE), None)
     rec = rep["recoveries"][0] if rep["recoveries"] else None
     if spare is None or rec is None or not spare.get("first_commit"):
         out["ok"] = False

@@ -28,6 +28,7 @@ from typing import Any
 
 from livemig.config import (
     ENV_INCARNATION,
+    Role,
     Timeouts,
     exit_with_parent,
     outage_grace_s,
@@ -62,7 +63,7 @@ class Coordinator(Checks, Migrations, StoreHost):
         self.job = job
         self.world_size = world_size
         self.host = host
-        self.id = os.environ.get(ENV_INCARNATION) or new_incarnation("coordinator")
+        self.id = os.environ.get(ENV_INCARNATION) or new_incarnation(Role.COORDINATOR)
         self.election = LeaderElection(client, job, self.id, self.timeouts.lease_ttl_s, self._lost)
         self.timeline = Timeline(client, self.keys)
         self.store: Any = None  # this leader's c10d store (see store_addr)
@@ -495,7 +496,7 @@ class Coordinator(Checks, Migrations, StoreHost):
         ops = []
         for rank, (sid, kv, info) in zip(vacant, picks, strict=True):
             members[rank] = Member(rank, info["incarnation"], info.get("host", ""), info.get("pid", 0),
-                                   "", role="spare", spare_id=sid)  # fmt: skip
+                                   "", role=Role.SPARE, spare_id=sid)  # fmt: skip
             compare += [t.mod(kv.key) == kv.mod_revision, t.version(self.keys.assignment(sid)) == 0]
             claimed = dict(info, state="claimed", claim={"generation": m.generation, "rank": rank})
             ops += [t.put(self.keys.assignment(sid), encode({"generation": m.generation, "rank": rank})),
@@ -553,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1", help="address members reach the group store at")
     a = p.parse_args(argv)
-    logs.setup(role="coordinator")
+    logs.setup(role=Role.COORDINATOR)
     exit_with_parent()
     try:
         timeouts = Timeouts.from_env()

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
+from livemig.config import Role
 from livemig.coordinator.snapshot import Snapshot, _num
 from livemig.rdzv.client import encode
 from livemig.rdzv.membership import GenState, Member, Membership
@@ -73,7 +74,7 @@ class Migrations:
         leaving = m.members[rank]
         members = dict(m.members)
         members[rank] = Member(rank, info["incarnation"], info.get("host", ""), info.get("pid", 0), "",
-                               role="spare", spare_id=sid)  # fmt: skip
+                               role=Role.SPARE, spare_id=sid)  # fmt: skip
         g = m.generation + 1
         mig = {"id": rid, "rank": rank, "from_gen": m.group_gen, "leaving": leaving.incarnation,
                "leaving_member": asdict(leaving), "addr": leaving.addr, "phase": "catchup",

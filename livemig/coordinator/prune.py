@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from livemig.config import Role
 from livemig.coordinator.timeline import fold
 from livemig.rdzv.client import decode, encode, prefix_end
 from livemig.rdzv.keys import JobKeys
@@ -73,7 +74,7 @@ def stale_ops(snap: Any, keys: JobKeys, t: Any) -> list[Any]:
         p = keys.recovery_prefix(h)
         other.append(t.delete(p, range_end=prefix_end(p)))
     for r, mem in m.members.items():
-        if mem.role != "spare" or not mem.spare_id or keys.assignment(mem.spare_id) not in snap.kv:
+        if mem.role != Role.SPARE or not mem.spare_id or keys.assignment(mem.spare_id) not in snap.kv:
             continue
         reg = snap.get(keys.member(r))
         if reg and reg.get("incarnation") == mem.incarnation:

@@ -12,6 +12,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+from livemig.config import Role
 from livemig.rdzv.client import KV, decode
 from livemig.rdzv.membership import Member, Membership, Rendezvous
 
@@ -186,7 +187,7 @@ class Snapshot:
             return True
         if grace and not reg:
             return True
-        if member.role == "spare" and member.spare_id:  # claimed, not yet registered as member
+        if member.role == Role.SPARE and member.spare_id:  # claimed, not yet registered as member
             sp = self.get(self.keys.spare(member.spare_id))
             return bool(sp and sp.get("incarnation") == member.incarnation)
         return False

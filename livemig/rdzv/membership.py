@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from livemig.config import ENV_HOST, Timeouts
+from livemig.config import ENV_HOST, Role, Timeouts
 from livemig.errors import CorruptStateError, FencedError, StaleGenerationError
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.keys import JobKeys
@@ -74,7 +74,7 @@ class Member:
     host: str = ""
     pid: int = 0
     addr: str = ""  # state-transfer endpoint, tcp://host:port
-    role: str = "worker"  # "worker", or "spare" for a claimed spare
+    role: str = Role.WORKER  # or Role.SPARE for a claimed spare
     spare_id: str = ""
     node: int | None = None  # node rank of the agent that started it (None: a standby host's spare)
 
@@ -83,7 +83,7 @@ class Member:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-_ROLES = ["worker", "spare"]
+_ROLES = [Role.WORKER, Role.SPARE]
 
 
 def _pack_members(members: dict[int, Member]) -> dict:

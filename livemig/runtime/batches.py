@@ -17,6 +17,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from livemig.config import Role
 from livemig.data import ElasticSampler
 from livemig.errors import ConfigError
 
@@ -57,12 +58,12 @@ class Batches:
         """Iterate `loader` from the step the loop runs at: call next() on the result
         once per step inside `for step in ctx.steps(...)`."""
         _check(loader)
-        if self.role == "spare" and self._joining is not None:
+        if self.role == Role.SPARE and self._joining is not None:
             warm = self._warm_loaders.get(_shape(loader))
             if warm is not None:
                 log.info("using the loader warmed up in standby", extra={"workers": warm.num_workers})
                 loader = warm
-        elif self.role == "spare" and loader.num_workers > 0 and loader.persistent_workers:
+        elif self.role == Role.SPARE and loader.num_workers > 0 and loader.persistent_workers:
             self._warm_loaders[_shape(loader)] = loader  # standby: keep it, workers and all
         return self._feed(loader)
 

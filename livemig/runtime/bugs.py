@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import Any
 
+from livemig.config import Role
 from livemig.errors import ConfigError
 
 log = logging.getLogger("livemig.runtime.bugs")
@@ -32,7 +33,7 @@ def exit_on_bug(ctx: Any, exc: BaseException) -> None:
     tb = one_line if isinstance(exc, ConfigError) else "".join(traceback.format_exception(exc)).rstrip()
     print(f"livemig: error: {one_line}" if isinstance(exc, ConfigError) else tb, file=sys.stderr, flush=True)
     rt = getattr(ctx, "runtime", None)
-    member = ctx is not None and (ctx.role == "worker" or getattr(ctx, "_joining", None) is not None)
+    member = ctx is not None and (ctx.role == Role.WORKER or getattr(ctx, "_joining", None) is not None)
     if not member:  # a spare in standby (refused, or its warm-up raised): it only leaves the pool
         os._exit(getattr(exc, "exit_code", 1))
     if rt is not None and not rt.fenced.is_set():

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from livemig.comm.group import CollectiveAborted, allreduce_sum, retire, ring_exchange
+from livemig.config import Role
 from livemig.data import seed_step, step_seed
 from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import GenState
@@ -36,14 +37,14 @@ class StepLoop:
             raise ConfigError("call ctx.register(model=..., optimizer=...) before ctx.steps()")
         self._total = total
         start = 0
-        if self.role == "worker":
+        if self.role == Role.WORKER:
             self._gate.check_total(total)  # a fault plan's step the job never reaches: refused now
             self.runtime.register(self.rank, host_store=self.rank == 0)
             self._register_signature()
             self.runtime.follow(1, self)
             self._sync_start()
             self._gathered_gen = self.runtime.gen  # every rank holds rank 0's initial model
-        elif self.role == "spare":
+        elif self.role == Role.SPARE:
             if self._joining is None:
                 yield from self._shadow(total)  # sandboxed warm-up of the real loop body
                 self._standby()  # raises _Activate
@@ -58,7 +59,7 @@ class StepLoop:
                     start = total
                 elif self._replay is not None:
                     yield from self._replay_step()
-        if self.role != "spare":
+        if self.role != Role.SPARE:
             self._at_boundary(-1)  # the state every rank starts from
         for step in range(start, total):
             self._current = step
@@ -123,7 +124,7 @@ class StepLoop:
             return
         if self._replay is None or self._replay[0] != t:
             self._check_backward(t)
-        if self._sandbox_pg is not None or self.role == "local" or self.runtime is None:
+        if self._sandbox_pg is not None or self.role == Role.LOCAL or self.runtime is None:
             self._synced = (t, None, False, 0.0)  # a world of one: the gradient is its own average
             return
         if self._replay is not None and self._replay[0] == t:
@@ -185,7 +186,7 @@ class StepLoop:
         or nobody did (we redo the collective in the new group).
         """
         t = self._in_step("ctx.step()")
-        if scaler is not None and self.role != "local":
+        if scaler is not None and self.role != Role.LOCAL:
             self.reg.extra_name_of(scaler)  # refused at once if unregistered: a spare could not follow it
         self._scaler = scaler
         if self._replay is None or self._replay[0] != t:
@@ -194,7 +195,7 @@ class StepLoop:
             if self._sandbox_pg is not None:
                 self._sandbox_step(t)
                 return
-            if self.role == "local" or self.world_size == 1 and self.runtime is None:
+            if self.role == Role.LOCAL or self.world_size == 1 and self.runtime is None:
                 self._commit(t, None)
                 return
             if self._replay is not None and self._replay[0] == t:
@@ -337,7 +338,7 @@ class StepLoop:
     def _at_boundary(self, step: int) -> None:
         """All user code of `step` ran (after ctx.step() included): keep what a spare
         resuming after `step` needs, the newest two boundaries."""
-        if step == 0 and self.role == "worker" and self.runtime is not None and self.world_size > 1:
+        if step == 0 and self.role == Role.WORKER and self.runtime is not None and self.world_size > 1:
             # Replicated state must be equal on every rank (a spare takes it from any peer):
             # checked here in the group the job formed with, and by the coordinator from these.
             digests = self.reg.replica_digests()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from livemig.config import Role
 from livemig.errors import RecoveryError, TransferError, WithdrawnError
 from livemig.rdzv.membership import GenState, Membership
 from livemig.runtime.control import _Released, _Requeue
@@ -46,7 +47,7 @@ class Migration:
     def _migration_tick(self) -> None:
         """At a step boundary: the leaving worker takes its snapshot once the spare
         asks for it; every staying member starts building the new group."""
-        if self.role == "local" or self._zero is not None:
+        if self.role == Role.LOCAL or self._zero is not None:
             return
         if self._leaving is not None:
             self._leave(self._leaving)  # the switch step is done, user code after ctx.step() too

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from livemig.comm.group import CollectiveAborted
-from livemig.config import buddy_stride
+from livemig.config import Role, buddy_stride
 from livemig.errors import RecoveryError, TransferError
 from livemig.rdzv.membership import Membership
 from livemig.state import unpack
@@ -28,7 +28,7 @@ class StatePull:
     """Mixed into api.Context; relies on the attributes Context.__init__ sets."""
 
     def committed_step(self) -> int | None:
-        if self.role == "spare" and self._loaded_step is None:
+        if self.role == Role.SPARE and self._loaded_step is None:
             return None  # holds no state yet
         return self.committed
 
@@ -46,8 +46,8 @@ class StatePull:
             return None
         target = m.resume_step - 1  # last step that must be committed here
         if self.committed_step() == target:
-            return self._stream_info if self.role == "spare" else None
-        if self.committed_step() is None or (self.role == "spare" and self._current is None):
+            return self._stream_info if self.role == Role.SPARE else None
+        if self.committed_step() is None or (self.role == Role.SPARE and self._current is None):
             return self._pull_state(m)
         if self.committed == target - 1 and self._current == target:
             if self._zero is None:

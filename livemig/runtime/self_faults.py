@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 
+from livemig.config import Role
+
 log = logging.getLogger("livemig.runtime.self_faults")
 
 
@@ -17,18 +19,18 @@ class SelfFaults:
 
     def _maybe_self_fault(self, t: int, at: str) -> None:
         f = self._self_fault
-        if f and f[0] == "selfbreak" and f[1] == t and at == "allreduce" and self.role == "worker":
+        if f and f[0] == "selfbreak" and f[1] == t and at == "allreduce" and self.role == Role.WORKER:
             from livemig.comm.group import CollectiveAborted
 
             self._self_fault = None  # once: the rebuilt group's collective goes through
             log.warning("test fault: the collective fails as on a broken socket", extra={"step": t})
             raise CollectiveAborted("collective failed: test fault (connection reset, every peer reachable)")
-        if f and f[0] == "selfwedge" and f[1] == t and f[2] == at and self.role == "worker":
+        if f and f[0] == "selfwedge" and f[1] == t and f[2] == at and self.role == Role.WORKER:
             import threading
 
             log.warning("test fault: the training thread blocks forever", extra={"step": t, "at": at})
             threading.Event().wait()  # a deadlock: only the lease and progress threads go on
-        if f and f[0] == "selfkill" and f[1] == t and f[2] == at and self.role == "worker":
+        if f and f[0] == "selfkill" and f[1] == t and f[2] == at and self.role == Role.WORKER:
             import signal
             import threading
 
@@ -53,7 +55,7 @@ class SelfFaults:
         """`livemig inject wedge|break` (asked through etcd, runtime.take_injected): lands in
         the next step as the plan's `wedge:step=S` / `break:step=S` would."""
         kind = self.runtime.take_injected()
-        if kind is None or self.role != "worker":
+        if kind is None or self.role != Role.WORKER:
             return
         log.warning("fault injection: taken at the step boundary", extra={"kind": kind, "step": step + 1})
         at = "compute" if kind == "wedge" else "allreduce"
@@ -72,7 +74,7 @@ class SelfFaults:
 
     def _drop_avg(self, t: int) -> bool:
         f = self._self_fault
-        if f and f[0] == "drop_avg" and f[1] == t and self.role == "worker":
+        if f and f[0] == "drop_avg" and f[1] == t and self.role == Role.WORKER:
             self._self_fault = None
             return True
         return False

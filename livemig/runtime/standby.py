@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from livemig.comm.group import retire
-from livemig.config import ENV_RANK, node_host, node_rank
+from livemig.config import ENV_RANK, Role, node_host, node_rank
 from livemig.errors import ConfigError, EtcdUnavailableError
 from livemig.rdzv.client import decode, through_outage
 from livemig.rdzv.watch import PrefixWatch, wait_for
@@ -135,7 +135,7 @@ class Standby:
     def _finish(self) -> None:
         if self.runtime is None:
             return
-        if self.role == "worker" and self.runtime.keeper is None:  # never registered: ctx.steps() never ran
+        if self.role == Role.WORKER and self.runtime.keeper is None:  # never registered: ctx.steps() never ran
             raise ConfigError(
                 "the training function returned without running `for step in ctx.steps(n)`: a worker "
                 "trains inside that loop (is the loop there, and reached?)"

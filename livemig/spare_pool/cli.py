@@ -42,6 +42,7 @@ from livemig.config import (
     ENV_ROLE,
     ENV_SPARE_ID,
     ENV_WORLD_SIZE,
+    Role,
     Timeouts,
     make_interruptible,
     validate_job_name,
@@ -139,14 +140,14 @@ def cmd_start(a: argparse.Namespace) -> int:
         sid = a.id or f"{a.pool}-{ident}-{uuid.uuid4().hex[:6]}"
         env = dict(os.environ)
         env.update(Timeouts.from_env().to_env())
-        env.update({ENV_ETCD: etcd, ENV_JOB: a.job, ENV_ROLE: "spare", ENV_SPARE_ID: sid,
+        env.update({ENV_ETCD: etcd, ENV_JOB: a.job, ENV_ROLE: Role.SPARE, ENV_SPARE_ID: sid,
                     ENV_WORLD_SIZE: str(world)})  # fmt: skip
         if host:
             env[ENV_HOST] = host
         env[ENV_PARENT_PID] = str(os.getpid())  # its own session (a kill reaches its group only): exits with us
         if stride > 1:  # the job's buddies are on the next node: mirror as its members do
             env[ENV_BUDDY_STRIDE] = str(stride)
-        env[ENV_INCARNATION] = new_incarnation("spare", host or None)
+        env[ENV_INCARNATION] = new_incarnation(Role.SPARE, host or None)
         argv = [sys.executable, a.script, *a.args]
         logs.say(f"spare {sid}: standby for job {a.job} (world size {world})")
         children.append((subprocess.Popen(argv, env=env, start_new_session=True), env[ENV_INCARNATION],

@@ -26,10 +26,6 @@ from livemig.transfer.client import pull
 AVG_KEEP = 8  # averaged gradients a leaving worker keeps for its catching-up spare
 
 
-class _FellBehind(Exception):
-    """The averaged gradient a catching-up spare needs was already withdrawn."""
-
-
 log = logging.getLogger("livemig.runtime.migration")
 
 
@@ -169,8 +165,8 @@ class Migration:
                 try:
                     return pull(addr, rt.job, secret, g, item, self.timeouts.collective.total_seconds(), alloc,
                                 abort=moved)  # fmt: skip
-                except WithdrawnError as exc:
-                    raise _FellBehind(str(exc)) from None
+                except WithdrawnError:
+                    raise  # the group ran ahead of what the source keeps: the caller loads a newer snapshot
                 except TransferError as exc:
                     if time.monotonic() > deadline:
                         raise RecoveryError(f"migration: could not pull {item} from {addr}: {exc}") from exc
@@ -193,7 +189,7 @@ class Migration:
             t = self.committed + 1
             try:
                 got = fetch(f"avg/{t}")
-            except _FellBehind as exc:
+            except WithdrawnError as exc:
                 # The group ran more than AVG_KEEP steps ahead (this process was starved or
                 # slow to load): start over from a newer snapshot instead of waiting forever.
                 resyncs += 1

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import zmq
 
+from livemig.errors import WithdrawnError
 from livemig.state import as_bytes, flatten, tensor_meta
 from livemig.transfer import gmac
 from livemig.transfer import protocol as P
@@ -56,10 +57,6 @@ class _Snapshot:
 
 
 GONE_KEEP = 64  # withdrawn item names remembered
-
-
-class Withdrawn(LookupError):
-    """The item existed and will not come back; its refusal says so in a field ("gone")."""
 
 
 class Hooks:
@@ -145,7 +142,8 @@ class StateServer:
             if self._fenced:
                 raise PermissionError("this member is fenced and serves no state")
             if item in self._gone:  # a peer that fell behind: waiting will not bring it back
-                raise Withdrawn(f"item {item!r} is no longer served (withdrawn)")
+                # it existed and will not come back: the refusal says so in a field ("gone")
+                raise WithdrawnError(f"item {item!r} is no longer served (withdrawn)")
             if item not in self._items:
                 self.wanted.add(item)  # authenticated: the owner may produce it (planned migration)
                 raise LookupError(f"item {item!r} is not being served now")
@@ -193,8 +191,8 @@ class StateServer:
             return self._reply(nonce, {"ok": False, "error": f"wrong job {req.get('job')!r}"})
         try:
             snap = self._snapshot(int(req["gen"]), str(req["item"]))
-        except (PermissionError, LookupError) as exc:
-            return self._reply(nonce, {"ok": False, "error": str(exc), "gone": isinstance(exc, Withdrawn)})
+        except (PermissionError, LookupError, WithdrawnError) as exc:
+            return self._reply(nonce, {"ok": False, "error": str(exc), "gone": isinstance(exc, WithdrawnError)})
         if req["op"] == "header":
             return self._reply(nonce, {
                 "ok": True,

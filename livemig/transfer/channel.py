@@ -24,7 +24,7 @@ from livemig.transfer import gmac
 from livemig.transfer import protocol as P
 
 if TYPE_CHECKING:
-    from livemig.transfer.client import _Source
+    from livemig.transfer.source import Source
 
 log = logging.getLogger("livemig.transfer.client")  # the pull's component, as before
 
@@ -74,7 +74,7 @@ def verifiers() -> int:
 class _Shared:
     """What the data-channel threads of one pull share, under `cv`."""
 
-    def __init__(self, n: int, alive: list[_Source], dropped: list[str],
+    def __init__(self, n: int, alive: list[Source], dropped: list[str],
                  pool: concurrent.futures.ThreadPoolExecutor | None = None) -> None:  # fmt: skip
         self.pool = pool  # verifier threads, or None: each receiving thread hashes in line
         self.cv = threading.Condition()
@@ -90,7 +90,7 @@ class _Shared:
     def over(self) -> bool:
         return bool(self.error) or not self.remaining
 
-    def drop(self, s: _Source, inflight: collections.deque, why: str) -> None:
+    def drop(self, s: Source, inflight: collections.deque, why: str) -> None:
         """Hand `s`'s outstanding and queued chunks to the others (caller holds `cv`)."""
         if s not in self.alive:
             return
@@ -109,7 +109,7 @@ class _Shared:
                 self.alive[k % len(self.alive)].queue.append(seq)
         self.cv.notify_all()
 
-    def next_chunks(self, s: _Source, room: int) -> list[int]:
+    def next_chunks(self, s: Source, room: int) -> list[int]:
         """Up to `room` chunks for `s`: its own queue, else the tail of the longest other queue."""
         out: list[int] = []
         while len(out) < room:
@@ -124,7 +124,7 @@ class _Shared:
         return out
 
 
-def tcp_stream(alive: list[_Source], chunks: list[P.Chunk], auth: P.ChunkAuth, views: list, job: str,
+def tcp_stream(alive: list[Source], chunks: list[P.Chunk], auth: P.ChunkAuth, views: list, job: str,
                 secret: bytes, gen: int, item: str, stall: float, dropped: list[str],
                 abort: Callable[[], bool] | None = None) -> int:  # fmt: skip
     """Chunks over the data channel, a thread per source; returns how many were refetched."""
@@ -165,7 +165,7 @@ def tcp_stream(alive: list[_Source], chunks: list[P.Chunk], auth: P.ChunkAuth, v
     return sh.refetched
 
 
-def _tcp_worker(s: _Source, sh: _Shared, chunks: list[P.Chunk], auth: P.ChunkAuth, views: list, job: str,
+def _tcp_worker(s: Source, sh: _Shared, chunks: list[P.Chunk], auth: P.ChunkAuth, views: list, job: str,
                 secret: bytes, gen: int, item: str, stall: float) -> None:  # fmt: skip
     key = auth.key  # the reply key, derived once per pull
     inflight: collections.deque[tuple[int, bytes]] = collections.deque()  # (seq, nonce), in request order
@@ -217,7 +217,7 @@ def _tcp_worker(s: _Source, sh: _Shared, chunks: list[P.Chunk], auth: P.ChunkAut
 
 
 def _tcp_reply(conn: socket.socket, key: bytes, nonce: bytes, seq: int, chunks: list[P.Chunk], auth: P.ChunkAuth,
-               views: list, sh: _Shared, s: _Source) -> str:  # fmt: skip
+               views: list, sh: _Shared, s: Source) -> str:  # fmt: skip
     """Read the reply to chunk `seq` into its place and verify it; why the source must go, or ""."""
     head = P.recv_exact(conn, P.REP_HEAD.size)
     n_meta, n_tag, n_data = P.REP_HEAD.unpack(head)
@@ -270,7 +270,7 @@ def _tcp_reply(conn: socket.socket, key: bytes, nonce: bytes, seq: int, chunks: 
     return _checked(mac, seq, auth, sh, s)
 
 
-def _verify_pooled(dest: memoryview, auth: P.ChunkAuth, seq: int, sh: _Shared, s: _Source) -> None:
+def _verify_pooled(dest: memoryview, auth: P.ChunkAuth, seq: int, sh: _Shared, s: Source) -> None:
     """A verifier thread: the chunk is in place; its place stays claimed (`receiving`)
     until its MAC is checked, so no other copy of it lands there meanwhile."""
     try:
@@ -285,7 +285,7 @@ def _verify_pooled(dest: memoryview, auth: P.ChunkAuth, seq: int, sh: _Shared, s
             sh.cv.notify_all()
 
 
-def _checked(mac: bytes, seq: int, auth: P.ChunkAuth, sh: _Shared, s: _Source) -> str:
+def _checked(mac: bytes, seq: int, auth: P.ChunkAuth, sh: _Shared, s: Source) -> str:
     """Mark chunk `seq` verified, or hand it to another source; why `s` must go, or "".
     Its place is released (`receiving`) under the same lock: released first, another
     source's copy could start landing there before `done` is set, and then overwrite

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from livemig.errors import TransferError, WithdrawnError
 from livemig.state import as_bytes, dtype_of, unflatten
 from livemig.transfer import protocol as P
 from livemig.transfer.channel import MAX_BAD_CHUNKS, tcp_stream
+from livemig.transfer.source import Source
 
 log = logging.getLogger("livemig.transfer.client")
 
@@ -63,65 +63,6 @@ class Pulled:
 Alloc = Callable[[int, dict], torch.Tensor | None]
 
 
-class _Source:
-    def __init__(self, ctx: zmq.Context, addr: str, secret: bytes, send_timeout: float = 3.0) -> None:
-        self.addr = addr
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        # a DEALER's send blocks until a connection completes its handshake: bound it (a
-        # CURVE server never completes one with a plaintext client)
-        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(send_timeout * 1000)))
-        P.secure_client(self.sock, secret)  # CURVE when LIVEMIG_TRANSFER_ENCRYPT=1
-        self.sock.connect(addr)
-        self.queue: collections.deque[int] = collections.deque()
-        self.inflight: dict[int, float] = {}
-        self.last_reply = time.monotonic()
-        self.bad = 0
-        self.served = 0
-        self.error = ""
-        self.gone = False  # its refusal said the item was withdrawn for good
-        self.nonces: dict[int, bytes] = {}  # outstanding request -> its nonce (-1: the header)
-        self.conn: socket.socket | None = None  # the data channel, while chunks stream
-        self.data_port: int | None = None  # from this source's own (authenticated) header
-
-    def request(self, job: str, secret: bytes, gen: int, item: str, op: str, **kw: Any) -> None:
-        body, nonce = P.request_body(job, gen, item, op, **kw)
-        self.nonces[int(kw.get("seq", -1))] = nonce
-        self.sock.send_multipart([P.mac(secret, body), body])
-
-    def reply(self, key: bytes) -> tuple[dict | None, bool]:
-        """The next reply's meta (None if it is not an authentic answer to one of our
-        requests) and whether a data frame follows. The tag is checked against the nonce
-        of the request the reply names (the header: -1)."""
-        raw = self.sock.recv()
-        got = self.sock.recv() if self.sock.getsockopt(zmq.RCVMORE) else b""
-        more = bool(self.sock.getsockopt(zmq.RCVMORE))
-        try:
-            meta = P.unpack(raw)
-        except Exception:  # noqa: BLE001 - garbage on the wire
-            return None, more
-        if not isinstance(meta, dict):
-            return None, more
-        seq = meta.get("seq", -1) if meta.get("ok") else None
-        cands = [self.nonces[seq]] if isinstance(seq, int) and seq in self.nonces else list(self.nonces.values())
-        if any(P.tag_ok(key, n, raw, got) for n in cands):
-            return meta, more
-        if not meta.get("ok") and P.tag_ok(key, b"", raw, got):
-            return meta, more  # a request the server could not read back (its nonce unknown to it)
-        return None, more
-
-    def data_addr(self) -> tuple[str, int]:
-        """The data channel's address: the host this source was reached at, its header's port."""
-        host = self.addr.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-        return host, int(self.data_port or 0)
-
-    def close(self) -> None:
-        self.sock.close(0)
-        if self.conn is not None:
-            P.shut(self.conn)
-            self.conn.close()
-
-
 def pull(
     addrs: str | list[str], job: str, secret: bytes, gen: int, item: str, timeout: float,
     alloc: Alloc | None = None, abort: Callable[[], bool] | None = None, stall: float | None = None,
@@ -138,7 +79,7 @@ def pull(
         raise TransferError("no source to pull from")
     ctx = zmq.Context.instance()
     stall_s = min(timeout, 3.0) if stall is None else stall
-    sources = [_Source(ctx, a, secret, stall_s) for a in addrs]
+    sources = [Source(ctx, a, secret, stall_s) for a in addrs]
     dropped: list[str] = []
     try:
         header, alive = _headers(sources, job, secret, gen, item, timeout, dropped, stall_s, abort)
@@ -166,9 +107,9 @@ def pull(
             s.close()
 
 
-def _headers(sources: list[_Source], job: str, secret: bytes, gen: int, item: str, timeout: float,
+def _headers(sources: list[Source], job: str, secret: bytes, gen: int, item: str, timeout: float,
              dropped: list[str], stall: float = 3.0, abort: Callable[[], bool] | None = None,
-             ) -> tuple[dict, list[_Source]]:  # fmt: skip
+             ) -> tuple[dict, list[Source]]:  # fmt: skip
     """Headers from every source; once one answered, the others get `stall` more seconds."""
     key = P.reply_key(secret)
     asked = []
@@ -242,7 +183,7 @@ def _destinations(metas: list[dict], alloc: Alloc | None) -> list[torch.Tensor]:
     return dests
 
 
-def _stream(alive: list[_Source], chunks: list[P.Chunk], auth: P.ChunkAuth, views: list, job: str,
+def _stream(alive: list[Source], chunks: list[P.Chunk], auth: P.ChunkAuth, views: list, job: str,
             secret: bytes, gen: int, item: str, timeout: float, dropped: list[str],
             abort: Callable[[], bool] | None = None) -> int:  # fmt: skip
     key = auth.key  # the reply key, derived once per pull
@@ -254,7 +195,7 @@ def _stream(alive: list[_Source], chunks: list[P.Chunk], auth: P.ChunkAuth, view
     for s in alive:
         poller.register(s.sock, zmq.POLLIN)
 
-    def drop(s: _Source, why: str) -> None:
+    def drop(s: Source, why: str) -> None:
         s.error = why
         log.warning("transfer source dropped", extra={"source": s.addr, "why": why})
         poller.unregister(s.sock)

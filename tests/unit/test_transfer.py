@@ -532,14 +532,14 @@ def test_a_chunk_being_received_or_verified_is_never_overwritten():
     import threading
 
     from livemig.transfer import channel as C
-    from livemig.transfer.client import _Source
+    from livemig.transfer.source import Source
 
     key, nonce = P.reply_key(b"secret"), b"n" * 16
     chunk = P.Chunk(0, 0, 4096)
     dest = torch.zeros(4096, dtype=torch.uint8)
     good = torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8)
     dest.copy_(good)
-    src = _Source(zmq.Context.instance(), "tcp://127.0.0.1:1", b"secret")
+    src = Source(zmq.Context.instance(), "tcp://127.0.0.1:1", b"secret")
     try:
         sh = C._Shared(1, [src], [])
         for state in ("receiving", "done"):

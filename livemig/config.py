@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from enum import StrEnum
+from typing import Any
 
 from livemig.errors import ConfigError
 
@@ -314,3 +315,11 @@ def buddy_stride(world: int, stride: int | None = None) -> int:
         raw = os.environ.get(ENV_BUDDY_STRIDE, "")
         stride = int(raw) if raw.isdigit() else 1
     return stride if 0 < stride < world and world % stride == 0 else 1
+
+
+def stride_of(run: dict[str, Any] | None) -> int:
+    """The buddy stride of a run record (buddy_stride): nproc_per_node with several nodes.
+    Here, not in the agent that writes the record: the coordinator and livemig-spare read it."""
+    run = run or {}
+    nnodes, per = run.get("nnodes"), run.get("nproc_per_node")
+    return per if isinstance(nnodes, int) and nnodes > 1 and isinstance(per, int) and per > 0 else 1

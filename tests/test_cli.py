@@ -111,7 +111,7 @@ def test_the_summary_is_one_write(monkeypatch):
     other agent's (a CI run saw "... mslivemig: job ... done" on one line)."""
     import sys
 
-    from livemig.launch import print_summary
+    from livemig.cli.run import print_summary
 
     class Recorder:
         def __init__(self) -> None:
@@ -165,7 +165,7 @@ def test_inject_kinds_agree_with_its_help_and_the_readme():
     import os
     import re
 
-    from livemig.inject import CLI_KINDS
+    from livemig.cli.inject import CLI_KINDS
 
     help_text = " ".join(run_cli("inject", "--help").stdout.split())
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
@@ -195,7 +195,7 @@ def test_prune_runs_keeps_the_newest_and_the_recent(tmp_path):
     import os
     import time
 
-    from livemig.jobs import prune_runs
+    from livemig.agent.jobs import prune_runs
 
     old = time.time() - 3600
     for i in range(5):

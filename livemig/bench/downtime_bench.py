@@ -31,8 +31,8 @@ import time
 import uuid
 from typing import Any
 
+from livemig.agent.launcher import RunConfig, run
 from livemig.faults import parse_fault
-from livemig.launch import RunConfig, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MLP = os.path.join(ROOT, "examples", "mlp.py")

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from livemig.agent.launcher import RunConfig, run
 from livemig.config import Role, Timeouts
 from livemig.faults import parse_fault
-from livemig.launch import RunConfig, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MLP = os.path.join(ROOT, "examples", "mlp.py")

@@ -23,10 +23,10 @@ import statistics
 import uuid
 from typing import Any
 
+from livemig.agent.launcher import RunConfig, run
 from livemig.bench.downtime_bench import MLP, add_workload_arguments, workload_args
 from livemig.config import Role
 from livemig.faults import parse_fault
-from livemig.launch import RunConfig, run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

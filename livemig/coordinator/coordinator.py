@@ -32,20 +32,20 @@ from livemig.config import (
     Timeouts,
     exit_with_parent,
     outage_grace_s,
+    stride_of,
 )
 from livemig.coordinator.checks import Checks
 from livemig.coordinator.migration import Migrations
 from livemig.coordinator.prune import stale_ops
+from livemig.coordinator.sharding import first_mismatch, has_local_state, lost_local_state, lost_shards, sharding_of
 from livemig.coordinator.snapshot import Decoded, Snapshot, _num, _safe_decode, node_of
 from livemig.coordinator.store_host import StoreHost
 from livemig.coordinator.timeline import Timeline
 from livemig.errors import CorruptStateError, EtcdUnavailableError, LivemigError, NotLeaderError
-from livemig.nodes import stride_of
 from livemig.rdzv.client import KV, EtcdClient, encode
 from livemig.rdzv.election import LeaderElection
 from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, new_incarnation
 from livemig.rdzv.watch import PrefixMirror
-from livemig.sharding import first_mismatch, has_local_state, lost_local_state, lost_shards, sharding_of
 
 log = logging.getLogger("livemig.coordinator")
 FULL_READ_S = 5.0  # a pass reads etcd itself at least this often, whatever the mirror says

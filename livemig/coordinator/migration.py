@@ -14,10 +14,10 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from livemig.config import Role
+from livemig.coordinator.sharding import sharding_of
 from livemig.coordinator.snapshot import Snapshot, _num
 from livemig.rdzv.client import encode
 from livemig.rdzv.membership import GenState, Member, Membership
-from livemig.sharding import sharding_of
 
 log = logging.getLogger("livemig.coordinator")
 

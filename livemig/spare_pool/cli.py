@@ -7,7 +7,7 @@
 `start` runs SCRIPT as a spare in the foreground (use your process
 supervisor, or `--detach`): the decorator builds the model, registers the
 spare as warm under a lease and blocks until the coordinator claims it. In
-the foreground `livemig-spare` is the spare's agent (livemig/agent.py): it
+the foreground `livemig-spare` is the spare's agent (livemig/agent/children.py): it
 reports its death at once and kills it if it is fenced and does not exit
 (a wedged spare-turned-member); `--detach` runs this same agent in the
 background (its own session, output in a log file), so detached spares keep it.
@@ -31,7 +31,9 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 from livemig import logs
-from livemig.agent import fenced_too_long, kill_group, report_death
+from livemig.agent.children import fenced_too_long, kill_group, report_death
+from livemig.agent.jobs import resolve, state_dir
+from livemig.agent.nodes import default_host
 from livemig.config import (
     ENV_BUDDY_STRIDE,
     ENV_ETCD,
@@ -45,11 +47,10 @@ from livemig.config import (
     Role,
     Timeouts,
     make_interruptible,
+    stride_of,
     validate_job_name,
 )  # fmt: skip
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
-from livemig.jobs import resolve, state_dir
-from livemig.nodes import default_host, stride_of
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import new_incarnation
@@ -169,7 +170,7 @@ def _job_interrupted(client: EtcdClient, keys: JobKeys) -> str:
 
 
 def _supervise(children: list[tuple[subprocess.Popen, str, str]], client: EtcdClient, keys: JobKeys) -> int:
-    """Be the spares' agent (livemig/agent.py): kill one that is fenced and does not exit,
+    """Be the spares' agent (livemig/agent/children.py): kill one that is fenced and does not exit,
     report a death at once, remove a fence key once its process is reaped, stop them all
     when the job was interrupted. Returns the first non-zero exit code (as a shell reports
     a signal: 128 + n), else 0."""
@@ -243,7 +244,7 @@ def _reaped(client: EtcdClient, keys: JobKeys, inc: str, name: str, code: int) -
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    from livemig.status import collect
+    from livemig.cli.status import collect
 
     client, _ = _client(a)
     spares = collect(client, a.job)["spares"]

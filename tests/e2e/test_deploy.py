@@ -58,7 +58,7 @@ def test_kubernetes_commands_are_livemig_command_lines():
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2 (netns)")
 def test_slurm_batch_scripts_run_a_job_over_two_nodes_with_spares(tmp_path):
-    from livemig.netns import Hosts
+    from livemig.agent.netns import Hosts
 
     fake = os.path.join(REPO, "tests", "helpers", "fake_slurm")
     train = os.path.join(REPO, "examples", "mlp.py")

@@ -79,7 +79,7 @@ def test_livemig_spare_kills_its_fenced_spare(tmp_path, procs):
 
 
 def _etcd_of(job: str, tmp_path):  # -> EtcdClient
-    from livemig.jobs import connect
+    from livemig.agent.jobs import connect
 
     os.environ["LIVEMIG_STATE_DIR"] = str(tmp_path)
     try:

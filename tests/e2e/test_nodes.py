@@ -1,6 +1,6 @@
 """Many nodes: per-node agents (`livemig run --nnodes`), spares on a standby host
 (`livemig-spare start --count`), a whole node lost. Hosts are simulated with network
-namespaces on a Linux bridge (livemig/netns.py Hosts): real addresses, real sockets,
+namespaces on a Linux bridge (livemig/agent/netns.py Hosts): real addresses, real sockets,
 real gloo, one kernel. Needs root and iproute2; skipped otherwise."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _until_step_10_with_warm_spares(client: EtcdClient, keys: JobKeys, count: in
 
 @pytest.fixture
 def hosts():
-    from livemig.netns import Hosts
+    from livemig.agent.netns import Hosts
 
     with Hosts(4) as h:
         yield h

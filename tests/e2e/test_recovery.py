@@ -119,7 +119,7 @@ def test_spare_with_different_model_is_refused(tmp_path, procs):
     assert "livemig: job mis" in line, line
     bad = procs.spawn([sys.executable, "-m", "livemig.spare_pool.cli", "start", "--job", "mis", "--id", "bad",
                        MLP, "--steps", "400", "--layers", "2", "--batch", "32", "--width", "512"], env=env)  # fmt: skip
-    from livemig.jobs import connect
+    from livemig.agent.jobs import connect
     from livemig.rdzv.keys import JobKeys
 
     os.environ["LIVEMIG_STATE_DIR"] = str(tmp_path)

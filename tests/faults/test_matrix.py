@@ -60,7 +60,7 @@ def test_malformed_values_under_job_prefix_are_ignored(tmp_path, reference):
     """Garbage written under the job's prefix is logged and ignored; the job finishes exactly."""
     import json
 
-    from livemig.jobs import connect
+    from livemig.agent.jobs import connect
     from livemig.rdzv.keys import JobKeys
 
     env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path))

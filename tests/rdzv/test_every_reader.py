@@ -14,7 +14,8 @@ from datetime import timedelta
 import msgpack
 import pytest
 
-from livemig import report, status
+from livemig.agent import report
+from livemig.cli import status
 from livemig.coordinator.coordinator import Coordinator, Snapshot
 from livemig.rdzv.client import EtcdClient
 from livemig.rdzv.keys import JobKeys

@@ -1,4 +1,4 @@
-"""The agent loop's sleep (launch_watch.Wakeup): a child's exit and a poke end it at
+"""The agent loop's sleep (agent/watch.py Wakeup): a child's exit and a poke end it at
 once; otherwise it lasts its tick. Real child processes, no fakes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from livemig.launch_watch import Wakeup
+from livemig.agent.watch import Wakeup
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The house's floors: arrows run down only (docs/architecture.md, "Layout")."""
+"""The house's floors: arrows run down only (docs/architecture.md, "Module map")."""
 
 from __future__ import annotations
 
@@ -72,3 +72,115 @@ def test_every_livemig_setting_is_named_in_config():
                     and isinstance(node.value.value, str) and node.value.value.startswith("LIVEMIG_")):  # fmt: skip
                 offenders.append(f"{f.relative_to(PKG.parent)}:{node.lineno}")
     assert not offenders, f"LIVEMIG_* names defined outside livemig/config.py: {offenders}"
+
+
+# Floors of the house, top first (docs/architecture.md, "Module map"): a room imports only
+# rooms on its floor or below. The foundation is livemig's loose modules.
+FLOORS = [
+    {"cli", "spare_pool", "bench"},
+    {"agent"},
+    {"coordinator"},
+    {"api", "livemig"},
+    {"runtime", "sandbox"},
+    {"comm", "transfer"},
+    {"rdzv"},
+    {"fault_gate", "faults", "state", "data"},
+    {"config", "logs", "errors"},
+]
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for f in PKG.rglob("*.py"):
+        parts = list(f.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the livemig modules it imports (anywhere in it: a lazy import is an arrow too)."""
+    mods = _modules()
+
+    def resolve(name: str) -> str:
+        while name and name not in mods:
+            name = name.rsplit(".", 1)[0] if "." in name else ""
+        return name
+
+    g: dict[str, set[str]] = {}
+    for m, f in mods.items():
+        out = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("livemig"):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    out.add(full if full in mods else resolve(node.module))
+            elif isinstance(node, ast.Import):
+                out.update(resolve(a.name) for a in node.names if a.name.startswith("livemig"))
+        g[m] = {x for x in out if x and x != m}
+    return g
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "livemig"
+
+
+def test_imports_run_down_the_floors_only():
+    floor = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
+    rooms = {_room(m) for m in _modules()}
+    assert rooms <= set(floor), f"rooms on no floor (add them to FLOORS and the module map): {rooms - set(floor)}"
+    up = sorted(f"{m} -> {o}" for m, outs in _graph().items() for o in outs
+                if floor[_room(o)] < floor[_room(m)])  # fmt: skip
+    assert not up, f"imports that go up a floor: {up}"
+
+
+def test_no_import_circles():
+    g = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan: a strongly connected component of more than one module is a circle
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_module_map_lists_every_module():
+    text = (PKG.parent / "docs" / "architecture.md").read_text()
+    block = text[text.index("## Module map") :].split("```text", 1)[1].split("```", 1)[0]
+    listed, folder = set(), ""
+    for line in block.splitlines()[1:]:  # the first line is livemig/
+        name = line.strip().split()[0] if line.strip() else ""
+        if name.endswith("/"):
+            folder = name
+        elif name.endswith(".py"):
+            listed.add((folder if line.startswith("    ") else "") + name)
+    files = {str(f.relative_to(PKG)) for f in PKG.rglob("*.py")}
+    files -= {str(f.relative_to(PKG)) for f in (PKG / "bench").rglob("*.py")}  # one line: bench/
+    files -= {"spare_pool/__init__.py", "sandbox/__init__.py", "comm/__init__.py", "transfer/__init__.py",
+              "rdzv/__init__.py", "runtime/__init__.py", "coordinator/__init__.py", "agent/__init__.py"}  # fmt: skip
+    assert not files - listed, f"modules missing from the module map: {sorted(files - listed)}"
+    assert not listed - files, f"the module map lists modules that do not exist: {sorted(listed - files)}"

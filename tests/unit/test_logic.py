@@ -6,10 +6,10 @@ from datetime import timedelta
 
 import pytest
 
+from livemig.agent.report import recoveries
 from livemig.config import Timeouts
 from livemig.errors import ConfigError
 from livemig.faults import parse_fault
-from livemig.report import recoveries
 
 
 def test_parse_fault():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from livemig.coordinator.sharding import first_mismatch
 from livemig.errors import ConfigError
 from livemig.runtime.registry import Registry
-from livemig.sharding import first_mismatch
 from livemig.state import pack, unpack
 
 

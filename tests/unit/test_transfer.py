@@ -10,8 +10,8 @@ import pytest
 import torch
 import zmq
 
+from livemig.coordinator.sharding import first_mismatch
 from livemig.errors import TransferError
-from livemig.sharding import first_mismatch
 from livemig.state import flatten, signature, unflatten
 from livemig.transfer import channel
 from livemig.transfer import protocol as P

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from livemig.comm.reducer import GradReducer
 from livemig.comm.zero1 import Zero1, shard_pieces
+from livemig.coordinator.sharding import lost_shards, sharding_of
 from livemig.errors import ConfigError
-from livemig.sharding import lost_shards, sharding_of
 
 T = timedelta(seconds=20)
 

@@ -30,7 +30,7 @@ from livemig.errors import ConfigError, EtcdUnavailableError
 from livemig.rdzv.client import EtcdClient, decode, encode, prefix_end
 from livemig.rdzv.keys import JobKeys
 
-log = logging.getLogger("livemig.nodes")
+log = logging.getLogger("livemig.agent.nodes")
 
 
 def default_host(etcd: str) -> str:
@@ -52,13 +52,6 @@ def default_host(etcd: str) -> str:
             return s.getsockname()[0]
         except OSError as exc:
             raise ConfigError(f"no route to etcd at {addr} ({exc}): pass --host ADDR") from None
-
-
-def stride_of(run: dict[str, Any] | None) -> int:
-    """The buddy stride of a run (config.buddy_stride): nproc_per_node with several nodes."""
-    run = run or {}
-    nnodes, per = run.get("nnodes"), run.get("nproc_per_node")
-    return per if isinstance(nnodes, int) and nnodes > 1 and isinstance(per, int) and per > 0 else 1
 
 
 def script_signature(script: str, args: list[str]) -> str:

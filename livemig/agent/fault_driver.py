@@ -23,9 +23,9 @@ from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import GenState, Membership
 
 if TYPE_CHECKING:
-    from livemig.launch import Child
+    from livemig.agent.children import Child
 
-log = logging.getLogger("livemig.launch")
+log = logging.getLogger("livemig.agent.launcher")
 
 
 class FaultDriver:
@@ -210,7 +210,7 @@ class FaultDriver:
             elif f.kind == "corrupt":
                 self.client.put(self.keys.inject_corrupt(f.rank), encode({"time": time.time()}))  # type: ignore[arg-type]
             elif f.kind == "migrate":
-                from livemig.migrate import request_migration
+                from livemig.rdzv.requests import request_migration
 
                 self._migration_ids[id(f)] = request_migration(self.client, self.keys, f.rank,  # type: ignore[arg-type]
                                                                f"fault plan after step {step}")  # fmt: skip

@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import time
+from dataclasses import dataclass, field
 
-from livemig.config import ENV_FENCED_KILL_S
+from livemig.config import ENV_FENCED_KILL_S, Role
 from livemig.errors import ConfigError
 from livemig.rdzv.client import EtcdClient, encode
 from livemig.rdzv.keys import JobKeys
@@ -56,3 +58,18 @@ def fenced_too_long(first_seen: dict[str, float], incarnation: str) -> bool:
     """Record when a child's fence was first seen; True once FENCED_KILL_S passed."""
     now = time.monotonic()
     return now - first_seen.setdefault(incarnation, now) > fenced_kill_s()
+
+
+@dataclass
+class Child:
+    """One process an agent started, and what the agent knows of it."""
+
+    name: str
+    role: Role
+    incarnation: str
+    proc: subprocess.Popen
+    log_path: str
+    reported: bool = False
+    rank: int | None = None
+    died_at: float | None = None  # when the agent first saw it dead (reported once etcd answers)
+    started: float = field(default_factory=time.monotonic)

@@ -1,4 +1,6 @@
-"""`livemig` command line: run, status, inject, migrate, bench."""
+"""`livemig` command line: one module per command (run, status, inject, migrate, etcd),
+the benchmarks' table, and `main`, the entry point. A command's module is imported only
+to build its parser, so `livemig bench --help` never imports torch."""
 
 from __future__ import annotations
 
@@ -6,41 +8,11 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 
 from livemig import logs
-from livemig.config import make_interruptible, validate_job_name
+from livemig.config import make_interruptible
 from livemig.errors import LivemigError
-from livemig.rdzv.security import add_arguments as add_security_arguments
 from livemig.rdzv.security import apply_arguments as apply_security_arguments
-
-
-def _add_etcd(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--etcd",
-        help="etcd endpoints https://HOST:PORT[,...] (default: $LIVEMIG_ETCD, or the local run of --job)",
-    )
-    add_security_arguments(p)
-    p.add_argument(
-        "--etcd-timeout",
-        type=float,
-        default=5.0,
-        help="seconds an etcd call may take, failover included (default 5)",
-    )
-
-
-def cmd_status(a: argparse.Namespace) -> int:
-    from livemig.jobs import connect
-    from livemig.status import collect, render
-
-    job = validate_job_name(a.job)
-    client = connect(job, a.etcd, timedelta(seconds=a.etcd_timeout))
-    try:
-        print(render(collect(client, job), a.json))
-    finally:
-        client.close()
-    return 0
-
 
 # name, help, module under livemig/bench, argument adder, runner
 BENCHES = [
@@ -72,11 +44,9 @@ def build_parser(with_benches: bool | str = True) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default; or $LIVEMIG_LOG_LEVEL)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("status", help="show a job's generation, members, spares and leader")
-    s.add_argument("--job", required=True)
-    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    _add_etcd(s)
-    s.set_defaults(fn=cmd_status)
+    from livemig.cli.status import add_parser as add_status
+
+    add_status(sub)
 
     b = sub.add_parser("bench", help="benchmarks: figures measured side by side in one run")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -96,25 +66,25 @@ def build_parser(with_benches: bool | str = True) -> argparse.ArgumentParser:
 
 
 def _run_parser(sub: argparse._SubParsersAction) -> None:
-    from livemig.launch import add_parser
+    from livemig.cli.run import add_parser
 
     add_parser(sub)
 
 
 def _inject_parser(sub: argparse._SubParsersAction) -> None:
-    from livemig.inject import add_parser
+    from livemig.cli.inject import add_parser
 
     add_parser(sub)
 
 
 def _migrate_parser(sub: argparse._SubParsersAction) -> None:
-    from livemig.migrate import add_parser
+    from livemig.cli.migrate import add_parser
 
     add_parser(sub)
 
 
 def _etcd_parser(sub: argparse._SubParsersAction) -> None:
-    from livemig.etcd_cmd import add_parser
+    from livemig.cli.etcd import add_parser
 
     add_parser(sub)
 
@@ -140,7 +110,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("livemig: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

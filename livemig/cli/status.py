@@ -2,14 +2,52 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
+from datetime import timedelta
 from typing import Any
 
+from livemig.config import validate_job_name
 from livemig.errors import ConfigError
 from livemig.rdzv.client import EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import GenState, Membership
+from livemig.rdzv.security import add_arguments as add_security_arguments
+
+
+def add_etcd_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--etcd",
+        help="etcd endpoints https://HOST:PORT[,...] (default: $LIVEMIG_ETCD, or the local run of --job)",
+    )
+    add_security_arguments(p)
+    p.add_argument(
+        "--etcd-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an etcd call may take, failover included (default 5)",
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("status", help="show a job's generation, members, spares and leader")
+    s.add_argument("--job", required=True)
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_etcd_arguments(s)
+    s.set_defaults(fn=cmd_status)
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    from livemig.agent.jobs import connect
+
+    job = validate_job_name(a.job)
+    client = connect(job, a.etcd, timedelta(seconds=a.etcd_timeout))
+    try:
+        print(render(collect(client, job), a.json))
+    finally:
+        client.close()
+    return 0
 
 
 def collect(client: EtcdClient, job: str) -> dict[str, Any]:

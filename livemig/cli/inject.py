@@ -14,11 +14,11 @@ from datetime import timedelta
 
 import psutil
 
+from livemig.agent.fault_driver import in_flight_spares, phase_reached, record_fault, step_reached
+from livemig.agent.jobs import connect, require_live_job
 from livemig.config import validate_job_name
 from livemig.errors import ConfigError
 from livemig.faults import KINDS, PHASE_DURING, Fault
-from livemig.jobs import connect, require_live_job
-from livemig.launch_faults import in_flight_spares, phase_reached, record_fault, step_reached
 from livemig.rdzv.client import EtcdClient, decode, encode
 from livemig.rdzv.membership import Rendezvous
 from livemig.rdzv.security import add_arguments as add_security_arguments

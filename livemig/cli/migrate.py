@@ -10,27 +10,16 @@ command waits for the outcome (done, rejected, aborted) and prints it.
 from __future__ import annotations
 
 import argparse
-import secrets
 import time
 from datetime import timedelta
 from typing import Any
 
 from livemig.config import validate_job_name
 from livemig.errors import ConfigError
-from livemig.rdzv.client import EtcdClient, conform, decode, encode
+from livemig.rdzv.client import EtcdClient, conform, decode
 from livemig.rdzv.keys import JobKeys
+from livemig.rdzv.requests import request_migration
 from livemig.rdzv.security import add_arguments as add_security_arguments
-
-
-def request_migration(client: EtcdClient, keys: JobKeys, rank: int, reason: str = "") -> str:
-    """Ask for rank's migration; refused while another request waits. Returns the request id."""
-    rid = secrets.token_hex(4)
-    t = client.txn_ops
-    req = {"id": rid, "rank": rank, "time": time.time(), "reason": reason}
-    ok, _ = client.txn([t.version(keys.migrate_request) == 0], [t.put(keys.migrate_request, encode(req))])
-    if not ok:
-        raise ConfigError("another migration request is waiting: retry once it is done")
-    return rid
 
 
 def wait_result(client: EtcdClient, keys: JobKeys, rid: str, timeout: float) -> dict[str, Any]:
@@ -67,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_migrate(a: argparse.Namespace) -> int:
-    from livemig.jobs import connect, require_live_job
+    from livemig.agent.jobs import connect, require_live_job
 
     job = validate_job_name(a.job)
     if a.rank < 0:

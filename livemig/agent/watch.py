@@ -12,13 +12,13 @@ import select
 import time
 from typing import TYPE_CHECKING, Any
 
-from livemig.agent import fenced_too_long, kill_group, report_death
+from livemig.agent.children import fenced_too_long, kill_group, report_death
 from livemig.config import Role
 from livemig.rdzv.client import conform
 from livemig.rdzv.membership import Membership
 
 if TYPE_CHECKING:
-    from livemig.launch import Child
+    from livemig.agent.children import Child
 
 FINE_TICK_S = 0.02  # the agent's tick while a fault plan runs (step triggers, SIGSTOP duty cycles)
 IDLE_TICK_S = 0.25  # its tick otherwise: fence kills, progress lines, the job's end

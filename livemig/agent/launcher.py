@@ -5,8 +5,6 @@ etcd at once, inject planned faults); print progress; clean up everything.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import shutil
@@ -15,11 +13,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from livemig import logs, report
+from livemig import logs
+from livemig.agent import report
+from livemig.agent.children import Child
+from livemig.agent.fault_driver import FaultDriver, record_fault
+from livemig.agent.jobs import (
+    claim_job_file,
+    prune_runs,
+    prune_stale_dirs,
+    refuse_duplicate,
+    remove_job_file,
+    state_dir,
+)
+from livemig.agent.nodes import default_host
+from livemig.agent.watch import FINE_TICK_S, IDLE_TICK_S, PROBE_S, ChildWatch, Wakeup
 from livemig.config import (
     ENV_BUDDY_STRIDE,
     ENV_ETCD,
@@ -46,32 +57,14 @@ from livemig.config import (
 )  # fmt: skip
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.fault_gate import Arrival, GateServer, gated, plan_env
-from livemig.faults import KINDS, USAGE, Fault, parse_fault
-from livemig.jobs import claim_job_file, prune_runs, prune_stale_dirs, refuse_duplicate, remove_job_file, state_dir
-from livemig.launch_faults import FaultDriver, record_fault
-from livemig.launch_watch import FINE_TICK_S, IDLE_TICK_S, PROBE_S, ChildWatch, Wakeup
-from livemig.nodes import default_host
+from livemig.faults import Fault
 from livemig.rdzv.client import EtcdClient, conform, encode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership, new_incarnation
 from livemig.rdzv.security import EtcdSecurity
-from livemig.rdzv.security import add_arguments as add_security_arguments
 from livemig.rdzv.watch import PrefixMirror
 
-log = logging.getLogger("livemig.launch")
-
-
-@dataclass
-class Child:
-    name: str
-    role: Role
-    incarnation: str
-    proc: subprocess.Popen
-    log_path: str
-    reported: bool = False
-    rank: int | None = None
-    died_at: float | None = None  # when the agent first saw it dead (reported once etcd answers)
-    started: float = field(default_factory=time.monotonic)
+log = logging.getLogger("livemig.agent.launcher")
 
 
 @dataclass
@@ -158,7 +151,7 @@ class Launcher(FaultDriver, ChildWatch):
         self.run_id = ""
         # etcd credentials of this run: the embedded etcd's own, else the environment's
         self.security = EtcdSecurity.from_env()
-        self._wake = Wakeup()  # what the agent loop sleeps on (launch_watch.Wakeup)
+        self._wake = Wakeup()  # what the agent loop sleeps on (agent/watch.py Wakeup)
         self._mirror: PrefixMirror | None = None  # the job's keys, watch-fed (supervise)
         self.tmpdir = ""  # the children's TMPDIR (start)
         self._t0 = time.time()
@@ -219,7 +212,7 @@ class Launcher(FaultDriver, ChildWatch):
 
             part_rank = next((f.rank for f in cfg.faults if f.kind in ("partition", "link")), None)
             if part_rank is not None:
-                from livemig.netns import Partition
+                from livemig.agent.netns import Partition
 
                 self.partition = Partition().setup()
                 self.net_env = {ENV_HOST: self.partition.host_ip, "GLOO_SOCKET_IFNAME": self.partition.host_if}
@@ -291,7 +284,7 @@ class Launcher(FaultDriver, ChildWatch):
 
     def _join(self, host: str, fresh: bool = False) -> None:
         """Create or join the job's run and take a node rank (nodes.attach_node)."""
-        from livemig.nodes import attach_node
+        from livemig.agent.nodes import attach_node
 
         assert self.client is not None
         self.node_keeper, self.run_id, self.node_rank = attach_node(
@@ -507,8 +500,6 @@ class Launcher(FaultDriver, ChildWatch):
         return ""
 
 
-OVERSUBSCRIBE = 4  # processes per core above which `livemig run` warns (each one is a Python with torch)
-
 # SIGTERM and SIGINT stop the run in the same way: what the launcher does on them (interrupted)
 INTERRUPT_GRACE_S = 1.5  # after Ctrl-C: children's time to exit on SIGTERM before SIGKILL
 
@@ -553,163 +544,3 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             rep["processes"] = launcher.processes()
         for signum, handler in old.items():
             signal.signal(signum, handler)
-
-
-def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
-    res = rep["result"] or {}
-    median = rep["step_time_s_median"]
-    median_s = f", median step {median * 1e3:.0f} ms" if median else ""  # none measured: not "0 ms"
-    lines = [f"livemig: job {rep['job']} {res.get('state', '?')}"
-             f"{': ' + res['reason'] if res.get('reason') else ''}; {rep['steps_completed']} steps in "
-             f"{rep['wall_s']:.1f}s{median_s}"]  # fmt: skip
-    for r in rep["recoveries"]:
-        phases = "  ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
-        what = f"recovery of rank {r['rank']}" if r["rank"] is not None else "rebuild of the group"
-        onto = f" onto spare {', '.join(r['spares'])}" if r.get("spares") else ""
-        lines += [f"{what}{onto} (generation {r['generation']}): downtime {r['downtime_s']:.2f} s; "
-                  f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed", f"  phases (s): {phases}"]  # fmt: skip
-    if rep["recoveries"]:
-        lines.append(
-            "  (downtime = first group-wide commit after the fault - last one before it - one median "
-            "step; the phases time the fault to that commit, so they also hold the step's own work)"
-        )
-        if rep.get("spares_left") == 0:
-            lines.append(
-                "  no spare of this run was left: a further failure would have waited --spare-wait, then failed the job"
-            )
-    if rep.get("rank_digests"):
-        lines.append(f"state digest {rep['state_digest'][:16]}…  replicas identical: "
-                     f"{'yes' if rep['replicas_identical'] else 'no'}")  # fmt: skip
-    else:  # the digest of nothing, and "identical: no", would say something false
-        lines.append("no final state: no rank finished the job")
-    if rep.get("faults_not_fired"):
-        lines.append(f"planned fault(s) that never fired (the run ended first): {', '.join(rep['faults_not_fired'])}")
-    if reference is not None:
-        same = reference == rep["state_digest"]
-        differ = rep.get("ranks_differing", [])
-        where = f"; rank(s) {differ} differ from the same rank of the fault-free run" if differ else ""
-        lines.append(f"bit-identical: {'yes' if same else 'no'} (every rank's final state vs the same rank of "
-                     f"a fault-free run{where})")  # fmt: skip
-        if rep.get("faults_not_fired"):
-            lines.append("verify: not shown: the fault plan did not run in full, so nothing was recovered from it")
-    logs.say(*lines)  # one write: agents sharing a pipe do not cut into each other's summary
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run a training script with workers, spares and a coordinator")
-    p.add_argument("--nproc", type=int, help="workers on one node (the world size): --nnodes 1 --nproc-per-node N")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes of the job: one agent each, same command (default 1)")
-    p.add_argument("--nproc-per-node", type=int, help="workers on each node (global rank = node rank x this + i)")
-    p.add_argument("--node-rank", default="auto", help="this node's rank, or auto: the first free one (default)")
-    p.add_argument("--host", help="address other hosts reach this node at (default $LIVEMIG_HOST, else the "
-                                  "local address of the route to etcd; 127.0.0.1 with a local etcd)")  # fmt: skip
-    p.add_argument("--spares", type=int, default=0, help="warm spares to start (default 0)")
-    p.add_argument("--coordinators", type=int, default=1, help="coordinator candidates (default 1)")
-    p.add_argument("--job", default="", help="job name (default: the script's name)")
-    p.add_argument("--etcd", help="etcd endpoints; default: start an embedded etcd for this run")
-    p.add_argument("--etcd-bin", help="etcd binary for the embedded etcd")
-    p.add_argument("--etcd-members", type=int, default=1, help="embedded etcd cluster size (default 1; 3 for HA)")
-    add_security_arguments(p)
-    p.add_argument(
-        "--fault",
-        action="append",
-        default=[],
-        metavar="PLAN",
-        help=f"a fault plan, {USAGE}; KIND: {', '.join(KINDS)} (livemig/faults.py); repeatable",
-    )
-    p.add_argument("--report", help="write the run report (JSON) here")
-    p.add_argument(
-        "--verify",
-        action="store_true",
-        help="also run the job without faults or spares and compare final state digests",
-    )
-    p.add_argument("--log-every", type=int, default=10, help="print progress every N steps (default 10)")
-    p.add_argument("--lease-ttl", type=float, help="lease TTL seconds (default 5, or $LIVEMIG_LEASE_TTL)")
-    p.add_argument(
-        "--collective-timeout",
-        type=float,
-        help="watchdog timeout of a collective / group build, s (default 30)",
-    )
-    p.add_argument("--spare-wait", type=float, help="wait this long for a warm spare, s (default 60)")
-    p.add_argument("--max-wall", type=float, default=3600.0, help="abort the run after this long, s")
-    p.add_argument("--on-error", default="",
-                   help="an exception in the training function: fail (default: end the job at once, no spare "
-                        "used) or replace:N (recover on a spare, at most N times); $LIVEMIG_ON_ERROR")  # fmt: skip
-    p.add_argument("script")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=cmd_run)
-
-
-def cmd_run(a: argparse.Namespace) -> int:
-    t = Timeouts.from_env()
-    t = replace(
-        t,
-        lease_ttl=timedelta(seconds=a.lease_ttl) if a.lease_ttl else t.lease_ttl,
-        collective=timedelta(seconds=a.collective_timeout) if a.collective_timeout else t.collective,
-        spare_wait=timedelta(seconds=a.spare_wait) if a.spare_wait else t.spare_wait,
-    )
-    if (a.nproc is None) == (a.nproc_per_node is None):
-        raise ConfigError("give --nproc N (one node) or --nnodes NN --nproc-per-node P")
-    if a.nproc is not None and a.nnodes != 1:
-        raise ConfigError("--nproc is one node's world: with --nnodes, give --nproc-per-node")
-    world = a.nproc if a.nproc is not None else a.nnodes * a.nproc_per_node
-    if a.node_rank == "auto":
-        node_rank = None
-    elif a.node_rank.isdigit():
-        node_rank = int(a.node_rank)
-    else:
-        raise ConfigError(f"--node-rank {a.node_rank!r}: expected a number or auto")
-    cfg = RunConfig(script=a.script, args=a.args, nproc=world, spares=a.spares, nnodes=a.nnodes,
-                    node_rank=node_rank, host=a.host,
-                    coordinators=a.coordinators, job=a.job, etcd=a.etcd, etcd_bin=a.etcd_bin,
-                    etcd_members=a.etcd_members,
-                    faults=[parse_fault(f) for f in a.fault], report=a.report, timeouts=t,
-                    log_every=a.log_every, max_wall=a.max_wall, on_error=a.on_error)  # fmt: skip
-    reference = None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if cfg.nproc_per_node + cfg.spares > OVERSUBSCRIBE * cores:
-        print(f"livemig: warning: {cfg.nproc_per_node} workers and {cfg.spares} spare(s) on {cores} core(s) of this "
-              "host: steps will crawl and timeouts may fire (fewer per node, or more nodes)",
-              file=sys.stderr)  # fmt: skip
-
-    def verify() -> dict[str, Any]:
-        """The fault-free reference: the whole world as local processes with an embedded etcd,
-        each rank's mirror where the job has it (the buddy on the next node)."""
-        print("livemig: reference run without faults or spares ...", flush=True)
-        ref_cfg = RunConfig(script=a.script, args=a.args, nproc=world, job=cfg.job + "-ref",
-                            etcd=a.etcd if a.nnodes == 1 else None, etcd_bin=a.etcd_bin, timeouts=t, quiet=True,
-                            max_wall=a.max_wall, buddy_stride=cfg.nproc_per_node if a.nnodes > 1 else 0)  # fmt: skip
-        ref = run(ref_cfg)
-        if (ref["result"] or {}).get("state") == "interrupted":
-            raise KeyboardInterrupt()  # the CLI's one line and exit 130; the reference left nothing behind
-        if (ref["result"] or {}).get("state") != "done":
-            raise LivemigError(f"the fault-free reference run failed: {ref['result']}")
-        return ref
-
-    if not a.etcd:
-        refuse_duplicate(cfg.job)  # before the reference run, not after it
-    # one node: the reference first (as before); several: after the job, on this node, so that
-    # no agent holds the others up while they wait to join
-    ref = verify() if a.verify and a.nnodes == 1 else None
-    rep = run(cfg)
-    if a.verify and a.nnodes > 1:
-        ref = verify()
-    if ref is not None:
-        reference = ref["state_digest"]
-    if reference is not None:
-        rep["reference_digest"] = reference
-        rep["bit_identical"] = reference == rep["state_digest"]
-        rep["ranks_differing"] = report.differing_ranks(ref["rank_digests"], rep["rank_digests"])
-    if a.report:
-        with open(a.report, "w") as f:
-            json.dump(rep, f, indent=2)
-    print_summary(rep, reference)
-    if (rep["result"] or {}).get("state") == "interrupted":
-        return 130  # as a shell reports a process ended by Ctrl-C
-    ok = (rep["result"] or {}).get("state") == "done"
-    if not ok and (rep["result"] or {}).get("traceback"):
-        print(rep["result"]["traceback"], file=sys.stderr)  # a bug in the training function
-    elif not ok and (rep["result"] or {}).get("log_tail"):
-        print(rep["result"]["log_tail"], file=sys.stderr)
-    verified = rep.get("bit_identical", True) and not (a.verify and rep.get("faults_not_fired"))
-    return 0 if ok and verified else 1

@@ -1,7 +1,7 @@
 """The agent's fault side (`livemig run --fault`, `livemig inject` through etcd): carry
 out a fault plan's faults when their step or recovery phase is reached, the `slow`
 duty cycle, SIGCONT and heals, etcd stops; and the helpers `livemig inject` shares.
-A mixin of launch.Launcher, which owns the children, the client and the keys.
+Composed by agent/launcher.py's Launcher, which owns the children, the client and the keys.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from livemig.config import ENV_GATE_TIMEOUT, Role
 from livemig.errors import ConfigError, EtcdUnavailableError
-from livemig.fault_gate import gate_timeout, gated
+from livemig.fault_gate import Arrival, GateServer, gate_timeout, gated
 from livemig.faults import Fault
 from livemig.rdzv.client import EtcdClient, conform, encode
 from livemig.rdzv.keys import JobKeys
@@ -24,25 +24,61 @@ from livemig.rdzv.membership import GenState, Membership
 
 if TYPE_CHECKING:
     from livemig.agent.children import Child
+    from livemig.agent.launcher import Launcher as Agent
 
 log = logging.getLogger("livemig.agent.launcher")
 
 
 class FaultDriver:
-    """Launcher's fault methods (see the module doc); its attributes are the Launcher's."""
+    """The fault plan of one agent and everything in flight for it: what is pending, what
+    landed, the SIGCONTs and heals due, slow duty cycles, the gates its children wait at.
+    It owns that state; the processes, the client and the keys are its agent's."""
 
-    def _inject_requests(self, by_key: dict) -> None:
+    def __init__(self, agent: Agent, faults: list[Fault], poke: Any) -> None:
+        self.agent = agent
+        self.pending = list(faults)  # the agent narrows it to its own faults once started
+        self.injected: list[dict] = []
+        self._resumes: list[tuple[float, Child]] = []
+        self._slow: list[tuple[Child, float, float]] = []  # (target, factor, until: monotonic)
+        self._armed: dict[int, float] = {}
+        self._unrecorded: list[tuple] = []  # fault events to write once etcd answers
+        # A fault plan's gates (livemig/fault_gate.py): where our children stop at a fault's step.
+        self.gate = GateServer(poke) if any(gated(f) for f in faults) else None
+        self._arrived: list[Arrival] = []  # children waiting at a gate, not answered yet
+        self._held: list[tuple[Arrival, float, Fault]] = []  # (gate, until, migrate fault): held for its claim
+        self._migration_ids: dict[int, str] = {}  # id(fault) -> the migration request it made
+        self._gates_passed: set[int] = set()  # steps whose gate went by without its fault (not our target)
+
+    def busy(self) -> bool:
+        """A fault plan is live: step triggers, timed resumes and slow duty cycles need the fine tick."""
+        return bool(self.pending or self._resumes or self._slow or self._held)
+
+    def record_pending(self) -> None:
+        """Write the fault events an etcd outage held back (the downtime a report measures)."""
+        while self._unrecorded:
+            record_fault(self.agent.client, self.agent.keys, *self._unrecorded[0])
+            self._unrecorded.pop(0)
+
+    def stopped_by_plan(self, c: Child) -> bool:
+        """Stopped by the plan (a SIGSTOP with its SIGCONT due, or cut off from etcd by a
+        partition): a fence it cannot see yet is no sign of a wedge."""
+        # a link cut still sees etcd: only a partition hides the fence
+        cut_off = (self.agent.partition is not None and c.name == self.partition_target()
+                   and any(f.kind == "partition" for f in self.agent.cfg.faults))  # fmt: skip
+        return any(t is c for _, t in self._resumes) or getattr(c, "_stopped", False) or cut_off
+
+    def inject_requests(self, by_key: dict) -> None:
         """`livemig inject` from another host (inject.py): kill, hang, resume or slow one of our children."""
-        assert self.client is not None
+        assert self.agent.client is not None
         for key, kv in by_key.items():
-            if not key.startswith(self.keys.inject_requests_prefix):
+            if not key.startswith(self.agent.keys.inject_requests_prefix):
                 continue
             req = conform(kv.value, {"kind": (str,), "incarnation": (str,)}, {"step": (int,), "rank": (int,)})
             if req is None:  # not a request livemig wrote: dropped, once
                 log.warning("dropping a malformed inject request", extra={"key": key})
-                self.client.delete(key)
+                self.agent.client.delete(key)
                 continue
-            child = next((c for c in self.children if c.incarnation == req.get("incarnation")), None)
+            child = next((c for c in self.agent.children if c.incarnation == req.get("incarnation")), None)
             if child is None or child.proc.poll() is not None:
                 continue
             sig = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "resume": signal.SIGCONT}.get(req.get("kind"))
@@ -50,28 +86,30 @@ class FaultDriver:
                 factor, duration = req.get("factor"), req.get("duration")
                 if isinstance(factor, int | float) and factor > 1 and isinstance(duration, int | float):
                     self._slow.append((child, float(factor), time.monotonic() + float(duration)))
-                    self.say(f"livemig: slowing {child.name} {factor:g}x for {duration:g}s (requested through etcd)")
+                    self.agent.say(
+                        f"livemig: slowing {child.name} {factor:g}x for {duration:g}s (requested through etcd)"
+                    )
             elif sig is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(child.proc.pid, sig)
                 if req["kind"] != "resume":
-                    record_fault(self.client, self.keys, req["kind"], req.get("rank"), int(req.get("step", 0)),
-                                 time.time())  # fmt: skip
-                self.say(f"livemig: injected {req['kind']} of {child.name} (requested through etcd)")
-            self.client.delete(key)
+                    record_fault(self.agent.client, self.agent.keys, req["kind"], req.get("rank"),
+                                 int(req.get("step", 0)), time.time())  # fmt: skip
+                self.agent.say(f"livemig: injected {req['kind']} of {child.name} (requested through etcd)")
+            self.agent.client.delete(key)
 
     def _holder(self, rank: int, by_key: dict) -> Child | None:
-        raw = by_key.get(self.keys.membership)
+        raw = by_key.get(self.agent.keys.membership)
         m = Membership.from_bytes(raw.value if raw else None)
         mem = m.members.get(rank)
-        return next((c for c in self.children if mem and c.incarnation == mem.incarnation), None)
+        return next((c for c in self.agent.children if mem and c.incarnation == mem.incarnation), None)
 
-    def _faults(self, by_key: dict) -> None:
+    def tick(self, by_key: dict) -> None:
         now = time.monotonic()
         if self.gate is not None:
             self._arrived += self.gate.take()
         for f in list(self.pending):
-            step = step_reached(self.keys, f, by_key)
+            step = step_reached(self.agent.keys, f, by_key)
             if gated(f) and f.step not in self._gates_passed:
                 # At the gate: the target stopped after committing S (livemig/fault_gate.py).
                 # Without a gate of ours (a process another agent started), once it is past S.
@@ -81,7 +119,7 @@ class FaultDriver:
                 holder = None
                 if arr is not None:
                     self._arrived.remove(arr)  # the process at the gate holds the rank, whatever by_key says yet
-                    holder = next((c for c in self.children if c.incarnation == arr.incarnation), None)
+                    holder = next((c for c in self.agent.children if c.incarnation == arr.incarnation), None)
                 if not self.inject(f, by_key, f.step if arr is not None else step, holder):
                     if arr is not None:  # not ours to carry out (another agent's target): its trigger decides
                         self.gate.release(arr)
@@ -98,7 +136,7 @@ class FaultDriver:
             armed = self._armed.setdefault(id(f), time.time())
             if time.time() < armed + f.after:
                 continue
-            if f.phase and not phase_reached(self.keys, f, by_key, armed):
+            if f.phase and not phase_reached(self.agent.keys, f, by_key, armed):
                 continue
             if self.inject(f, by_key, step):
                 self.pending.remove(f)
@@ -106,19 +144,19 @@ class FaultDriver:
         for due, target in list(self._resumes):
             if now >= due:
                 self._resumes.remove((due, target))
-                if self.partition is not None and target.name == self.partition_target():
-                    self.partition.heal()
-                    self.say(f"livemig: healed the partition of {target.name}")
+                if self.agent.partition is not None and target.name == self.partition_target():
+                    self.agent.partition.heal()
+                    self.agent.say(f"livemig: healed the partition of {target.name}")
                 elif target.proc.poll() is None:
                     os.killpg(target.proc.pid, signal.SIGCONT)
-                    self.say(f"livemig: resumed {target.name} (SIGCONT)")
+                    self.agent.say(f"livemig: resumed {target.name} (SIGCONT)")
         for entry in list(self._slow):
             target, factor, until = entry
             if target.proc.poll() is not None:
                 self._slow.remove(entry)
                 continue
             # migrated away or fenced: let it exit at full speed; or its time is up (inject slow --for)
-            if not self._is_member(target, by_key) or time.monotonic() >= until:
+            if not self.agent.watch.is_member(target, by_key) or time.monotonic() >= until:
                 self._slow.remove(entry)
                 os.killpg(target.proc.pid, signal.SIGCONT)
                 target._stopped = False  # type: ignore[attr-defined]
@@ -144,51 +182,53 @@ class FaultDriver:
             arr, until, f = entry
             if self._migration_started(by_key, self._migration_ids.get(id(f), "")) or now >= until:
                 if now >= until:
-                    self.say(f"livemig: the migration of rank {f.rank} did not start within {gate_timeout() - 1:.0f}s "
-                             f"({ENV_GATE_TIMEOUT}); rank {f.rank} goes on training")  # fmt: skip
+                    self.agent.say(
+                        f"livemig: the migration of rank {f.rank} did not start within "
+                        f"{gate_timeout() - 1:.0f}s ({ENV_GATE_TIMEOUT}); rank {f.rank} goes on training"
+                    )
                 self._held.remove(entry)
                 self.gate.release(arr)
 
     def _migration_started(self, by_key: dict, rid: str) -> bool:
         """Has the coordinator taken migration request `rid`: a spare claimed (MIGRATING), or an outcome?"""
-        res = by_key.get(self.keys.migrate_result)
+        res = by_key.get(self.agent.keys.migrate_result)
         if res is not None and (conform(res.value, {"id": (str,)}) or {}).get("id") == rid:
             return True
-        raw = by_key.get(self.keys.membership)
+        raw = by_key.get(self.agent.keys.membership)
         m = Membership.from_bytes(raw.value if raw else None)
         return m.migration.get("id") == rid
 
     def _no_warm_spare(self, by_key: dict) -> str:
         """'' if a spare of the job is warm; else a few words on the spares' warm-up."""
-        if any(k.startswith(self.keys.spares_prefix) and (conform(kv.value, {"state": (str,)}) or {}).get("state")
+        if any(k.startswith(self.agent.keys.spares_prefix) and (conform(kv.value, {"state": (str,)}) or {}).get("state")
                == "warm" for k, kv in by_key.items()):  # fmt: skip
             return ""
-        mine = [c for c in self.children if c.role == Role.SPARE and c.proc.poll() is None]
+        mine = [c for c in self.agent.children if c.role == Role.SPARE and c.proc.poll() is None]
         if not mine:
             return "no spare is running here: start one with `livemig-spare start`"
         return ", ".join(f"{c.name} warming up ({time.monotonic() - c.started:.1f}s since start)" for c in mine)
 
     def partition_target(self) -> str:
-        rank = next((f.rank for f in self.cfg.faults if f.kind in ("partition", "link")), None)
+        rank = next((f.rank for f in self.agent.cfg.faults if f.kind in ("partition", "link")), None)
         return f"worker-{rank}"
 
     def inject(self, f: Fault, by_key: dict, step: int, holder: Child | None = None) -> bool:
         """Carry out one fault; False if its target is not there (yet). holder: the process
         of rank f.rank waiting at the fault's gate."""
-        assert self.client is not None
+        assert self.agent.client is not None
         target: Child | None = None
         if f.kind == "etcd-kill":
-            if self.cluster is None or self.cluster.size < 2:
+            if self.agent.cluster is None or self.agent.cluster.size < 2:
                 raise ConfigError("etcd-kill needs an embedded etcd cluster: run with --etcd-members 3")
-            self.cluster.kill_member(f.member)
+            self.agent.cluster.kill_member(f.member)
             what = f"etcd member {f.member}"
         elif f.kind == "etcd-stop":
             return self._etcd_stop(f, step)
         else:
             if f.kind == "coordinator-kill":
-                leader = by_key.get(self.keys.leader)
+                leader = by_key.get(self.agent.keys.leader)
                 lid = leader.value.decode() if leader else ""
-                target = next((c for c in self.children if c.incarnation == lid), None)
+                target = next((c for c in self.agent.children if c.incarnation == lid), None)
             elif f.kind in ("spare-kill", "spare-hang"):
                 target = self._claimed_spare(by_key)
             else:
@@ -199,24 +239,24 @@ class FaultDriver:
             if f.kind == "slow":
                 self._slow.append((target, f.factor, float("inf")))
             elif f.kind in ("partition", "link"):
-                if self.partition is None or target.rank != f.rank or target.name != f"worker-{f.rank}":
+                if self.agent.partition is None or target.rank != f.rank or target.name != f"worker-{f.rank}":
                     raise ConfigError(f"{f.kind} targets the worker started in the namespace (its first holder)")
                 if f.kind == "link":
-                    self.partition.cut_peers()
+                    self.agent.partition.cut_peers()
                 else:
-                    self.partition.cut()
+                    self.agent.partition.cut()
                 if f.resume_after is not None:
                     self._resumes.append((time.monotonic() + f.resume_after, target))
             elif f.kind == "corrupt":
-                self.client.put(self.keys.inject_corrupt(f.rank), encode({"time": time.time()}))  # type: ignore[arg-type]
+                self.agent.client.put(self.agent.keys.inject_corrupt(f.rank), encode({"time": time.time()}))  # type: ignore[arg-type]
             elif f.kind == "migrate":
                 from livemig.rdzv.requests import request_migration
 
-                self._migration_ids[id(f)] = request_migration(self.client, self.keys, f.rank,  # type: ignore[arg-type]
+                self._migration_ids[id(f)] = request_migration(self.agent.client, self.agent.keys, f.rank,  # type: ignore[arg-type]
                                                                f"fault plan after step {step}")  # fmt: skip
                 cold = self._no_warm_spare(by_key)
                 if cold:
-                    self.say(f"livemig: migration of rank {f.rank} requested after step {step} waits for a warm "
+                    self.agent.say(f"livemig: migration of rank {f.rank} requested after step {step} waits for a warm "
                              f"spare: {cold}")  # fmt: skip
             else:
                 stop = f.kind in ("hang", "spare-hang")
@@ -226,49 +266,49 @@ class FaultDriver:
         now = time.time()
         if f.kind not in ("slow", "corrupt", "migrate", "spare-hang"):  # these do not start a downtime
             try:
-                record_fault(self.client, self.keys, f.kind, f.rank, step, now)
+                record_fault(self.agent.client, self.agent.keys, f.kind, f.rank, step, now)
             except EtcdUnavailableError:
                 self._unrecorded.append((f.kind, f.rank, step, now))
-        if self.cfg.cold_spares and not self._spares_started:
-            self._spawn_spares()  # a cold start: a fresh process at the moment of failure
+        if self.agent.cfg.cold_spares and not self.agent._spares_started:
+            self.agent._spawn_spares()  # a cold start: a fresh process at the moment of failure
         self.injected.append({"kind": f.kind, "rank": f.rank, "step": step, "during": f.during, "time": now,
                               "target": what})  # fmt: skip
         when = f" during {f.during}" if f.phase else ""
-        self.say(f"livemig: injected {f.kind} of {what} after step {step}{when}")
+        self.agent.say(f"livemig: injected {f.kind} of {what} after step {step}{when}")
         return True
 
     def _etcd_stop(self, f: Fault, step: int) -> bool:
         """SIGSTOP every embedded etcd member (an outage of the whole cluster); SIGCONT
         after `resume` seconds from a timer, since this agent's own etcd calls block."""
 
-        if self.cluster is None:
+        if self.agent.cluster is None:
             raise ConfigError("etcd-stop needs the embedded etcd (drop --etcd)")
-        assert self.client is not None
+        assert self.agent.client is not None
         now = time.time()
-        record_fault(self.client, self.keys, f.kind, None, step, now)  # before etcd stops answering
-        self.cluster.pause()
+        record_fault(self.agent.client, self.agent.keys, f.kind, None, step, now)  # before etcd stops answering
+        self.agent.cluster.pause()
         resume = f.resume_after if f.resume_after is not None else 10.0
 
         def cont() -> None:
-            self.cluster.resume()
+            self.agent.cluster.resume()
             self.injected.append({"kind": "etcd-resume", "rank": None, "step": step, "time": time.time()})
-            self.say(f"livemig: resumed etcd after {resume:g}s")
+            self.agent.say(f"livemig: resumed etcd after {resume:g}s")
 
         threading.Timer(resume, cont).start()
         self.injected.append({"kind": f.kind, "rank": None, "step": step, "during": "", "time": now,
                               "target": "every etcd member", "resume_s": resume})  # fmt: skip
-        self.say(f"livemig: injected etcd-stop (SIGSTOP of every etcd member for {resume:g}s) after step {step}")
+        self.agent.say(f"livemig: injected etcd-stop (SIGSTOP of every etcd member for {resume:g}s) after step {step}")
         return True
 
     def _claimed_spare(self, by_key: dict) -> Child | None:
         """The spare claimed by the recovery in flight, else a spare in standby. Never one a
         committed generation holds: it has a rank now (killing it would be a kill of that
         rank, and of the mirror a later recovery may need)."""
-        raw = by_key.get(self.keys.membership)
+        raw = by_key.get(self.agent.keys.membership)
         m = Membership.from_bytes(raw.value if raw else None)
-        claimed = {mem.incarnation for mem in in_flight_spares(self.keys, by_key, m)}
+        claimed = {mem.incarnation for mem in in_flight_spares(self.agent.keys, by_key, m)}
         members = {mem.incarnation for mem in m.members.values()}
-        live = [c for c in self.children if c.role == Role.SPARE and c.proc.poll() is None]
+        live = [c for c in self.agent.children if c.role == Role.SPARE and c.proc.poll() is None]
         return next((c for c in live if c.incarnation in claimed), None) or next(
             (c for c in live if c.incarnation not in members), None)  # fmt: skip
 

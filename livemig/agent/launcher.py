@@ -20,7 +20,7 @@ from typing import Any
 from livemig import logs
 from livemig.agent import report
 from livemig.agent.children import Child
-from livemig.agent.fault_driver import FaultDriver, record_fault
+from livemig.agent.fault_driver import FaultDriver
 from livemig.agent.jobs import (
     claim_job_file,
     prune_runs,
@@ -56,7 +56,7 @@ from livemig.config import (
     validate_job_name,
 )  # fmt: skip
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
-from livemig.fault_gate import Arrival, GateServer, gated, plan_env
+from livemig.fault_gate import plan_env
 from livemig.faults import Fault
 from livemig.rdzv.client import EtcdClient, conform, encode
 from livemig.rdzv.keys import JobKeys
@@ -122,30 +122,22 @@ class RunConfig:
         self.job = validate_job_name(self.job or os.path.splitext(os.path.basename(self.script))[0])
 
 
-class Launcher(FaultDriver, ChildWatch):
+class Launcher:
+    """One node's agent of a run: it owns the processes, the etcd client and the keys; its
+    fault plan (FaultDriver) and the watch of its children (ChildWatch) are collaborators."""
+
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.keys = JobKeys(cfg.job)
         self.children: list[Child] = []
-        self._fenced_seen: dict[str, float] = {}  # incarnation -> when its fence was first seen
         self.cluster: Any = None
         self.client: EtcdClient | None = None
         self.logdir = os.path.join(state_dir(), "runs", f"{cfg.job}-{int(time.time())}")
-        self.pending = list(cfg.faults)
-        self.injected: list[dict] = []
-        self._resumes: list[tuple[float, Child]] = []
-        self._slow: list[tuple[Child, float, float]] = []  # (target, factor, until: monotonic)
-        self._armed: dict[int, float] = {}
         self.partition: Any = None
         self.net_env: dict[str, str] = {}
-        self._last_print = -1
-        self._t_print = time.monotonic()
         self._spares_started = False
-        self.spares_warm: dict[str, float] = {}  # spare id -> when it first reported warm (wall time)
         self._outage = False  # etcd unreachable at the last look
         self._by_key: dict = {}  # the last snapshot of the job's keys (faults due during an outage)
-        self._progress_cache: dict[str, tuple[int, dict | None]] = {}  # key -> (mod revision, record)
-        self._unrecorded: list[tuple] = []  # fault events to write once etcd answers
         self.node_keeper: Any = None  # this agent's lease: holds its node key
         self.node_rank = 0
         self.run_id = ""
@@ -156,12 +148,9 @@ class Launcher(FaultDriver, ChildWatch):
         self.tmpdir = ""  # the children's TMPDIR (start)
         self._t0 = time.time()
         self.signal_name = "SIGINT"  # what interrupted the run, if anything did
-        # A fault plan's gates (livemig/fault_gate.py): where our children stop at a fault's step.
-        self.gate = GateServer(self._wake.poke) if any(gated(f) for f in cfg.faults) else None
-        self._arrived: list[Arrival] = []  # children waiting at a gate, not answered yet
-        self._held: list[tuple[Arrival, float, Fault]] = []  # (gate, until, migrate fault): held for its claim
-        self._migration_ids: dict[int, str] = {}  # id(fault) -> the migration request it made
-        self._gates_passed: set[int] = set()  # steps whose gate went by without its fault (not our target)
+        # collaborators, each owning its state: the fault plan's, the children's watch
+        self.faults = FaultDriver(self, cfg.faults, self._wake.poke)
+        self.watch = ChildWatch(self)
 
     def say(self, msg: str) -> None:
         if not self.cfg.quiet:
@@ -183,8 +172,8 @@ class Launcher(FaultDriver, ChildWatch):
                      ENV_PARENT_PID: str(os.getpid()), **env})  # fmt: skip
         if role in (Role.WORKER, Role.SPARE) and self.cfg.faults:
             full[ENV_FAULT_PLAN] = plan_env(self.cfg.faults)
-            if self.gate is not None:
-                full[ENV_FAULT_GATE] = self.gate.path
+            if self.faults.gate is not None:
+                full[ENV_FAULT_GATE] = self.faults.gate.path
         path = os.path.join(self.logdir, f"{name}.log")
         with open(path, "ab") as logf:
             proc = subprocess.Popen(argv, env=full, stdout=logf, stderr=subprocess.STDOUT,
@@ -247,7 +236,7 @@ class Launcher(FaultDriver, ChildWatch):
             raise LivemigError(f"node rank {self.node_rank} on a job's own etcd: expected 0")
         if not cfg.cold_spares and not self._spares_started:  # a spare guards the job from its first step
             self._spawn_spares()
-        self.pending = [f for f in cfg.faults if not f.in_process]
+        self.faults.pending = [f for f in cfg.faults if not f.in_process]
         where = f" (node {self.node_rank} of {cfg.nnodes}, {host})" if cfg.nnodes > 1 else ""
         self.say(f"livemig: job {cfg.job}: {cfg.nproc} workers, {cfg.spares} spare(s), etcd {self.etcd}; "
                  f"logs in {self.logdir}{where}")  # fmt: skip
@@ -334,14 +323,14 @@ class Launcher(FaultDriver, ChildWatch):
         probed = 0.0
         while time.monotonic() < deadline:
             try:
-                self._reap()
+                self.watch.reap()
                 if self._mirror is None:
                     self._mirror = PrefixMirror(self.client, self.keys.prefix, on_change)
                 mirror = self._mirror
                 # A small read with a short deadline is how an outage shows (during one the
                 # loop must still carry out timed faults): every pass while faults are
                 # planned, else once per PROBE_S.
-                if self._fine() or time.monotonic() - probed >= PROBE_S:
+                if self.faults.busy() or time.monotonic() - probed >= PROBE_S:
                     self.client.get(self.keys.result, timedelta(seconds=1))
                     probed = time.monotonic()
                 kvs, _ = mirror.kvs()
@@ -349,20 +338,18 @@ class Launcher(FaultDriver, ChildWatch):
                 if not self._outage:
                     log.warning("etcd unreachable; the agent keeps watching its children", extra={"err": str(exc)})
                 self._outage = True
-                self._faults(self._by_key)  # a fault plan's timed faults still land
+                self.faults.tick(self._by_key)  # a fault plan's timed faults still land
                 time.sleep(0.1)
                 continue
             self._outage = False
             by_key = self._by_key = {kv.key: kv for kv in kvs}
-            while self._unrecorded:
-                record_fault(self.client, self.keys, *self._unrecorded[0])
-                self._unrecorded.pop(0)
-            self._faults(by_key)
-            self._note_warm_spares(by_key)
-            self._kill_fenced(by_key)
-            self._forget_fenced(by_key)
-            self._inject_requests(by_key)
-            self._progress(by_key)
+            self.faults.record_pending()
+            self.faults.tick(by_key)
+            self.watch.note_warm_spares(by_key)
+            self.watch.kill_fenced(by_key)
+            self.watch.forget_fenced(by_key)
+            self.faults.inject_requests(by_key)
+            self.watch.progress(by_key)
             res = by_key.get(self.keys.result)
             if res is not None and result is None:
                 result = conform(res.value, {"state": (str,)})  # not a result record: not the end
@@ -371,22 +358,27 @@ class Launcher(FaultDriver, ChildWatch):
                 break  # another agent of the run was interrupted: this node stops too, at once
             if result is not None:
                 members_alive = [c for c in self.children if c.role in (Role.WORKER, Role.SPARE)
-                                 and c.proc.poll() is None and self._is_member(c, by_key)]  # fmt: skip
+                                 and c.proc.poll() is None and self.watch.is_member(c, by_key)]  # fmt: skip
                 # Carry out the whole fault plan (a pending SIGCONT or heal), then give
                 # replaced workers a moment to notice they were fenced and exit by themselves.
                 replaced_alive = [c for c in self.children if c.role == Role.WORKER and c.proc.poll() is None]
                 waited = time.monotonic() - (result_seen_at or 0)
-                if waited > 30 or not members_alive and not self._resumes and (not replaced_alive or waited > 10):
+                if (
+                    waited > 30
+                    or not members_alive
+                    and not self.faults._resumes
+                    and (not replaced_alive or waited > 10)
+                ):
                     break
             elif all(c.proc.poll() is not None for c in self.children if c.role == Role.COORDINATOR):
                 result = {"state": "failed", "reason": "every coordinator exited before the job finished"}
                 break
-            elif why := self._cannot_form(by_key):
+            elif why := self.watch.cannot_form(by_key):
                 result = {"state": "failed", "reason": why, "time": time.time()}
                 t = self.client.txn_ops  # every agent of the run ends on it (the coordinator writes none)
                 self.client.txn([t.version(self.keys.result) == 0], [t.put(self.keys.result, encode(result))])
                 break
-            wake.wait(self.children, FINE_TICK_S if self._fine() else IDLE_TICK_S)
+            wake.wait(self.children, FINE_TICK_S if self.faults.busy() else IDLE_TICK_S)
         else:
             result = {"state": "failed", "reason": f"run exceeded {self.cfg.max_wall:.0f}s"}
         return result
@@ -394,17 +386,13 @@ class Launcher(FaultDriver, ChildWatch):
     def _report(self, result: dict[str, Any] | None) -> dict[str, Any]:
         assert self.client is not None
         wall = time.time() - self._t0
-        stops = [f["time"] for f in self.injected if f["kind"] == "etcd-stop"]
-        ends = [f["time"] for f in self.injected if f["kind"] == "etcd-resume"]
+        stops = [f["time"] for f in self.faults.injected if f["kind"] == "etcd-stop"]
+        ends = [f["time"] for f in self.faults.injected if f["kind"] == "etcd-resume"]
         rep = report.build(self.client, self.cfg.job, self.cfg.nproc, wall, list(zip(stops, ends, strict=False)),
-                           self.spares_warm)  # fmt: skip
+                           self.watch.spares_warm)  # fmt: skip
         if result is not None and rep["result"] is None:
             rep["result"] = result
         return rep
-
-    def _fine(self) -> bool:
-        """A fault plan is live: step triggers, timed resumes and slow duty cycles need the fine tick."""
-        return bool(self.pending or self._resumes or self._slow or self._held)
 
     def processes(self) -> list[dict[str, Any]]:
         """Every process this agent started; a spare that took a rank has that rank (the
@@ -484,8 +472,8 @@ class Launcher(FaultDriver, ChildWatch):
         remove_job_file(self.cfg.job)
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
-        if self.gate is not None:
-            self.gate.close()
+        if self.faults.gate is not None:
+            self.faults.gate.close()
         self._wake.close()
 
     def failure_tail(self) -> str:
@@ -526,9 +514,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             grace = INTERRUPT_GRACE_S
             rep = launcher.interrupted()
-        rep["faults_injected"] = launcher.injected
+        rep["faults_injected"] = launcher.faults.injected
         # a planned fault the run ended before: nothing was recovered from it, and --verify must say so
-        rep["faults_not_fired"] = [str(f) for f in launcher.pending]
+        rep["faults_not_fired"] = [str(f) for f in launcher.faults.pending]
         if cfg.spares and cfg.nnodes == 1:  # this agent's own spares (others may serve the job too)
             used = {s for r in rep["recoveries"] for s in r.get("spares", [])}
             used |= {s for m in rep.get("migrations", []) if m.get("outcome") == "done" for s in m.get("spares", [])}

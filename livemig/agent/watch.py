@@ -1,7 +1,7 @@
 """The agent's watch of its children (`livemig run`): report a dead child to etcd at
 once, kill a fenced child that cannot see its fence, drop the fence keys of reaped
-children, note when spares are warm, print progress lines. A mixin of
-launch.Launcher, which owns the children, the client and the keys.
+children, note when spares are warm, print progress lines. Composed by
+agent/launcher.py's Launcher, which owns the children, the client and the keys.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from livemig.rdzv.membership import Membership
 
 if TYPE_CHECKING:
     from livemig.agent.children import Child
+    from livemig.agent.launcher import Launcher as Agent
 
 FINE_TICK_S = 0.02  # the agent's tick while a fault plan runs (step triggers, SIGSTOP duty cycles)
 IDLE_TICK_S = 0.25  # its tick otherwise: fence kills, progress lines, the job's end
@@ -74,40 +75,35 @@ class Wakeup:
 
 
 class ChildWatch:
-    """Launcher's watch methods (see the module doc); its attributes are the Launcher's."""
+    """What an agent watches of its children (see the module doc). It owns what it
+    remembers (fences first seen, spares warm, the progress line); the children, the
+    client and the keys are its agent's."""
 
-    children: list[Any]
-    client: Any
-    keys: Any
-    cfg: Any
-    partition: Any
-    spares_warm: dict[str, float]
-    _resumes: list[tuple[float, Any]]
-    _fenced_seen: dict[str, float]
-    _progress_cache: dict[str, tuple[int, Any]]
-    _last_print: int
-    _t_print: float
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self._fenced_seen: dict[str, float] = {}  # incarnation -> when its fence was first seen
+        self.spares_warm: dict[str, float] = {}  # spare id -> when it first reported warm (wall time)
+        self._progress_cache: dict[str, tuple[int, dict | None]] = {}  # key -> (mod revision, record)
+        self._last_print = -1
+        self._t_print = time.monotonic()
 
-    say: Any  # Launcher's
-    partition_target: Any  # FaultDriver's
-
-    def _note_warm_spares(self, by_key: dict) -> None:
+    def note_warm_spares(self, by_key: dict) -> None:
         """When each spare of the job first reported warm (the report's `spares_warm`)."""
         for k, kv in by_key.items():
-            if k.startswith(self.keys.spares_prefix) and k not in self.spares_warm:
+            if k.startswith(self.agent.keys.spares_prefix) and k not in self.spares_warm:
                 rec = conform(kv.value, {"state": (str,)}, {"warm_at": (float,)})
                 if rec is not None and rec["state"] == "warm":
-                    self.spares_warm[k[len(self.keys.spares_prefix) :]] = rec.get("warm_at", time.time())
+                    self.spares_warm[k[len(self.agent.keys.spares_prefix) :]] = rec.get("warm_at", time.time())
 
-    def _is_member(self, c: Child, by_key: dict) -> bool:
-        raw = by_key.get(self.keys.membership)
+    def is_member(self, c: Child, by_key: dict) -> bool:
+        raw = by_key.get(self.agent.keys.membership)
         m = Membership.from_bytes(raw.value if raw else None)
         return m.rank_of(c.incarnation) is not None
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
         """Report a child that died to etcd at once: the fast detection path."""
-        assert self.client is not None
-        for c in self.children:
+        assert self.agent.client is not None
+        for c in self.agent.children:
             code = c.proc.poll()
             if code is None or c.reported or c.role == Role.COORDINATOR:
                 continue
@@ -116,18 +112,18 @@ class ChildWatch:
                 continue
             if c.died_at is None:
                 c.died_at = time.time()
-            report_death(self.client, self.keys, c.incarnation, c.name, code, c.died_at)
+            report_death(self.agent.client, self.agent.keys, c.incarnation, c.name, code, c.died_at)
             c.reported = True
 
-    def _cannot_form(self, by_key: dict) -> str:
+    def cannot_form(self, by_key: dict) -> str:
         """Why the job can never start ('' while it can): one of our workers exited before
         the job formed (a syntax error, an exception at import, a script that never
         reaches ctx.steps()). Forming needs every rank's worker, and no spare stands in
         before the job has state, so the run ends now instead of at --max-wall."""
-        raw = by_key.get(self.keys.membership)
+        raw = by_key.get(self.agent.keys.membership)
         if raw is not None and Membership.from_bytes(raw.value).generation > 0:
             return ""  # formed (or forming): a death is a recovery's business now
-        for c in self.children:
+        for c in self.agent.children:
             code = c.proc.poll() if c.role == Role.WORKER else None
             if code is None:
                 continue
@@ -138,41 +134,36 @@ class ChildWatch:
             return f"{c.name} exited ({why}) before the job formed: the script fails before it trains ({c.log_path})"
         return ""
 
-    def _kill_fenced(self, by_key: dict) -> None:
+    def kill_fenced(self, by_key: dict) -> None:
         """A fenced worker or spare still running after FENCED_KILL_S is wedged (its training
         thread cannot see the fence): kill it, so no replaced process lingers."""
-        for c in self.children:
+        for c in self.agent.children:
             if c.role == Role.COORDINATOR or c.proc.poll() is not None:
                 continue
-            if by_key.get(self.keys.fenced(c.incarnation)) is None:
+            if by_key.get(self.agent.keys.fenced(c.incarnation)) is None:
                 continue
-            cut_off = (
-                self.partition is not None
-                and c.name == self.partition_target()
-                and any(f.kind == "partition" for f in self.cfg.faults)
-            )  # a link cut still sees etcd
-            if any(t is c for _, t in self._resumes) or getattr(c, "_stopped", False) or cut_off:
+            if self.agent.faults.stopped_by_plan(c):
                 self._fenced_seen.pop(c.incarnation, None)  # stopped by a fault plan: its clock starts once resumed
                 continue
             if fenced_too_long(self._fenced_seen, c.incarnation):
                 kill_group(c.proc.pid, c.name)
 
-    def _forget_fenced(self, by_key: dict) -> None:
+    def forget_fenced(self, by_key: dict) -> None:
         """A fence key exists to refuse a zombie's writes; once this agent has reaped the
         process it can write nothing, so the key goes (a bounded etcd footprint)."""
-        assert self.client is not None
-        for c in self.children:
-            if c.proc.poll() is not None and c.reported and self.keys.fenced(c.incarnation) in by_key:
-                self.client.delete(self.keys.fenced(c.incarnation))
+        assert self.agent.client is not None
+        for c in self.agent.children:
+            if c.proc.poll() is not None and c.reported and self.agent.keys.fenced(c.incarnation) in by_key:
+                self.agent.client.delete(self.agent.keys.fenced(c.incarnation))
 
-    def _progress(self, by_key: dict) -> None:
+    def progress(self, by_key: dict) -> None:
         """Print a progress line every --log-every steps of the slowest rank. Each record is
         decoded once per change (by mod revision), not every tick; one that is not a progress
         record (anyone with etcd access can write one) is skipped."""
         steps = {}
         cache = self._progress_cache
         for k, kv in by_key.items():
-            if k.startswith(self.keys.progress_prefix):
+            if k.startswith(self.agent.keys.progress_prefix):
                 hit = cache.get(k)
                 if hit is None or hit[0] != kv.mod_revision:
                     hit = cache[k] = (kv.mod_revision, conform(kv.value, {"step": (int,)},
@@ -182,14 +173,14 @@ class ChildWatch:
         if not steps:
             return
         low = min(s["step"] for s in steps.values())
-        window = self.cfg.log_every
+        window = self.agent.cfg.log_every
         if (low + 1) // window > (self._last_print + 1) // window:
             now = time.monotonic()
             # a rate needs two lines: the first would count the start-up as steps
             rate = (low - self._last_print) / max(1e-6, now - self._t_print) if self._last_print >= 0 else None
-            loss = steps.get(self.keys.progress(0), {}).get("loss")
+            loss = steps.get(self.agent.keys.progress(0), {}).get("loss")
             gen = max(s.get("generation", 0) for s in steps.values())
             loss_s = f"  loss {loss:.5f}" if isinstance(loss, float) else ""
             rate_s = f"  {rate:.2f} steps/s" if rate is not None else ""
-            self.say(f"step {low + 1:>6}{loss_s}{rate_s}  generation {gen}")
+            self.agent.say(f"step {low + 1:>6}{loss_s}{rate_s}  generation {gen}")
             self._last_print, self._t_print = low, now

@@ -53,7 +53,7 @@ PASS_REST_MAX_S = 0.1  # the most a pass rests after itself (as long as it took)
 MIRROR_WAIT_S = 0.5  # how long a pass waits for the mirror to hold the coordinator's own writes
 
 
-class Coordinator(Checks, Migrations, StoreHost):
+class Coordinator(Checks, Migrations):
     def __init__(self, client: EtcdClient, job: str, world_size: int,
                  timeouts: Timeouts | None = None, host: str = "127.0.0.1") -> None:  # fmt: skip
         self.client = client
@@ -66,11 +66,7 @@ class Coordinator(Checks, Migrations, StoreHost):
         self.id = os.environ.get(ENV_INCARNATION) or new_incarnation(Role.COORDINATOR)
         self.election = LeaderElection(client, job, self.id, self.timeouts.lease_ttl_s, self._lost)
         self.timeline = Timeline(client, self.keys)
-        self.store: Any = None  # this leader's c10d store (see store_addr)
-        self._store_addr = ""
-        self._store_thread: threading.Thread | None = None
-        self._store_err = ""
-        self._store_starting = None  # the store process until it reports its port
+        self.stores = StoreHost(host, self.keys, self.timeouts)  # this leader's c10d store process
         self._wake = threading.Event()
         # passes read a watch-fed mirror of the job's keys (_read); counted in the log at the end
         self.reads = {"mirror": 0, "full": 0}
@@ -109,7 +105,7 @@ class Coordinator(Checks, Migrations, StoreHost):
         try:
             return self._run()
         finally:
-            self._stop_store()
+            self.stores.stop()
 
     def _run(self) -> str:
         while True:
@@ -226,12 +222,12 @@ class Coordinator(Checks, Migrations, StoreHost):
         """A new leader re-issues an in-flight build against its own store; a planned
         migration still catching up is aborted (its background builds used the old store)."""
         m = self.rdzv.read()
-        if m.state == GenState.MIGRATING and m.migration.get("phase") == "catchup" and m.store != self.store_addr:
+        if m.state == GenState.MIGRATING and m.migration.get("phase") == "catchup" and m.store != self.stores.addr:
             kvs, _ = self.client.get_prefix(self.keys.prefix)
             self._abort_migration(Snapshot(kvs, self.rdzv), "coordinator takeover")
             return
-        if m.generation > 0 and m.state in (GenState.FORMING, GenState.BUILDING) and m.store != self.store_addr:
-            new = replace(m, store=self.store_addr, reason="coordinator takeover")
+        if m.generation > 0 and m.state in (GenState.FORMING, GenState.BUILDING) and m.store != self.stores.addr:
+            new = replace(m, store=self.stores.addr, reason="coordinator takeover")
             self.rdzv.commit_change(m.generation, new, guard=[self.election.guard()])
             self.timeline.record(new.generation, "takeover", [self.election.guard()], leader=self.id)
 
@@ -258,7 +254,7 @@ class Coordinator(Checks, Migrations, StoreHost):
         if m.state == GenState.RECOVERING:
             return self._agree_and_claim(s, first_seen)
         if m.state == GenState.COMMITTED:
-            self._start_store()  # training runs: the store's import competes with no start-up now
+            self.stores.start()  # training runs: the store's import competes with no start-up now
             differ = self._extras_differ(s)
             if differ:
                 return self._fail(m, differ)
@@ -332,7 +328,7 @@ class Coordinator(Checks, Migrations, StoreHost):
         members = {r: Member(r, x["incarnation"], x["host"], x["pid"], x["addr"], node=node_of(x))
                    for r, x in regs.items()}  # fmt: skip
         m = Membership(state=GenState.FORMING, world_size=self.world_size, members=members,
-                       store=self._store_for(s, members), leader=self.id)  # fmt: skip
+                       store=self.stores.for_generation(s, members), leader=self.id)  # fmt: skip
         cfg = encode({"world_size": self.world_size, "signature": ref, "created": time.time()})
         if self.rdzv.commit_change(0, m, guard=self._guard(),
                                    extra=[self.client.txn_ops.put(self.keys.config, cfg)]):  # fmt: skip
@@ -502,7 +498,7 @@ class Coordinator(Checks, Migrations, StoreHost):
             ops += [t.put(self.keys.assignment(sid), encode({"generation": m.generation, "rank": rank})),
                     t.put(kv.key, encode(claimed), kv.lease)]  # fmt: skip
         new = replace(m, state=GenState.BUILDING, members=members, resume_step=resume,
-                      sources=sources, store=self._store_for(s, members), updated=time.time(),
+                      sources=sources, store=self.stores.for_generation(s, members), updated=time.time(),
                       nonce=secrets.token_hex(8))  # fmt: skip
         ops.append(self.timeline.op(m.generation, "claim", spares=[p[0] for p in picks], ranks=vacant))
         ok, _ = self.client.txn(compare, [t.put(self.keys.membership, new.to_bytes()), *ops])

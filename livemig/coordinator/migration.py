@@ -39,7 +39,7 @@ class Migrations:
     timeline: Any
     rdzv: Any
     timeouts: Any
-    _store_for: Any  # (snapshot, members) -> the store a new generation builds from
+    stores: Any  # StoreHost: the store a new generation builds from
 
     def _maybe_migrate(self, s: Snapshot) -> bool:
         """Start a requested migration: claim a spare, move to g+1 MIGRATING. True if it acted."""
@@ -81,7 +81,7 @@ class Migrations:
                "requested": _num(req.get("time"), time.time()), "reason": str(req.get("reason", "")),
                "spare": sid}  # fmt: skip
         new = Membership(state=GenState.MIGRATING, world_size=m.world_size, members=members,
-                         store=self._store_for(s, members),
+                         store=self.stores.for_generation(s, members),
                          kind="migration", leader=self.id, migration=mig,
                          reason=f"planned migration of rank {rank}: {req.get('reason') or 'requested'}")  # fmt: skip
         claimed = dict(info, state="claimed", claim={"generation": g, "rank": rank, "migration": True})

@@ -30,16 +30,16 @@ log = logging.getLogger("livemig.coordinator")
 
 
 class StoreHost:
-    """Mixed into Coordinator: this leader's store process, and which store a generation uses."""
+    """This leader's c10d store process, and which store a generation builds from. It owns
+    the process and what is known of it; the coordinator asks it for addresses."""
 
-    host: str
-    keys: Any
-    timeouts: Any
-    store: subprocess.Popen | None
-    _store_addr: str
-    _store_thread: threading.Thread | None
-    _store_err: str
-    _store_starting: subprocess.Popen | None
+    def __init__(self, host: str, keys: Any, timeouts: Any) -> None:
+        self.host, self.keys, self.timeouts = host, keys, timeouts
+        self.store: subprocess.Popen | None = None  # up: it printed its port
+        self._store_addr = ""
+        self._store_thread: threading.Thread | None = None
+        self._store_err = ""
+        self._store_starting: subprocess.Popen | None = None  # the process until it reports its port
 
     # -- the c10d store -----------------------------------------------------------------------
     # Groups are built from a c10d TCPStore, and hosting one costs `import torch` (~1.5 CPU s).
@@ -47,8 +47,8 @@ class StoreHost:
     # this process it would hold the interpreter while the first steps' passes run: so the
     # first generation builds from the store rank 0 hosts (its record's "store"), and this
     # leader's own runs in a child process (store_host.py) started once training runs; a
-    # later generation uses it once it is up, rank 0's until then (_store_for).
-    def _start_store(self) -> None:
+    # later generation uses it once it is up, rank 0's until then (for_generation).
+    def start(self) -> None:
         if self.store is not None and self.store.poll() is not None:  # it died: a new one
             log.warning("c10d store process exited; starting another", extra={"code": self.store.returncode})
             self.store, self._store_thread = None, None
@@ -74,7 +74,7 @@ class StoreHost:
         self._store_thread = threading.Thread(target=wait_port, daemon=True, name="livemig-c10d-store")
         self._store_thread.start()
 
-    def _stop_store(self) -> None:
+    def stop(self) -> None:
         """The store process, up or still starting: one that has not printed its port yet
         would otherwise outlive us until its torch import ends and it sees stdin closed."""
         proc = self.store or getattr(self, "_store_starting", None)
@@ -89,10 +89,10 @@ class StoreHost:
         self._store_starting = None
 
     @property
-    def store_addr(self) -> str:
+    def addr(self) -> str:
         """host:port of this leader's store, waited for if it is still starting (at most the
         collective timeout)."""
-        self._start_store()
+        self.start()
         if self.store is None:
             t = self._store_thread
             if t is not None:
@@ -102,7 +102,7 @@ class StoreHost:
                                    f"{self._store_err or 'timed out'}")  # fmt: skip
         return self._store_addr
 
-    def _store_for(self, s: Any, members: dict[int, Member]) -> str:
+    def for_generation(self, s: Any, members: dict[int, Member]) -> str:
         """The store a new generation builds from: this leader's own once it is made; until
         then (the first seconds of a job) rank 0's, if rank 0 is still the process serving
         it, so an early recovery or migration does not wait for the store process to start."""
@@ -111,7 +111,7 @@ class StoreHost:
             mem = members.get(0)
             if mem is not None and mem.incarnation == rec.get("incarnation") and is_host_port(rec.get("store")):
                 return rec["store"]
-        return self.store_addr
+        return self.addr
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """The coordinator's checks of a committed generation that are not deaths: hung
 ranks, broken links and failed collectives, bugs in user code, replicated extras
-that differ, stragglers (docs/reliability.md). Mixed into Coordinator; they rely
-on the attributes Coordinator.__init__ sets and on its _guard, _fence and _fail.
+that differ, stragglers (docs/reliability.md). A collaborator of the Coordinator,
+which writes through its client, _guard, _fence and _fail.
 """
 
 from __future__ import annotations
@@ -38,23 +38,23 @@ def link_victims(reports: dict[int, list[int]]) -> tuple[list[int], int]:
 
 
 class Checks:
-    """Mixed into Coordinator."""
+    """The checks, and what they remember between passes (waits, links, rebuilds, bugs,
+    the straggler hook's window). The coordinator passes itself: the checks write through
+    its client, guard, fence and fail, and own nothing else of it."""
 
-    client: Any
-    keys: Any
-    timeline: Any
-    _busy_seen: dict[tuple[int, int], float]
-    _waits: dict[tuple[int, int, int], float]
-    _link_first: dict[int, float]
-    _rebuilds: dict[int, int]
-    _bugs_seen: set[str]
-    _slow_seen: dict[int, dict[int, float]]
-    _straggler_gen: int
-    _straggler_from: int
-    _extras_checked: bool
-    _bug_time: float
+    def __init__(self, coord: Any) -> None:
+        self.coord = coord
+        self.bug_time = 0.0  # when the bug that ended the job was raised (the result's raised_at)
+        self._extras_checked = False
+        self._waits: dict[tuple[int, int, int], float] = {}  # (generation, rank, step) -> wait start here
+        self._busy_seen: dict[tuple[int, int], float] = {}  # (generation, rank) -> last seen inside ctx.busy()
+        self._straggler_gen, self._straggler_from = -1, 0  # the straggler hook's group and first judged step
+        self._bugs_seen: set[str] = set()  # incarnations whose bug was recorded (--on-error replace:N)
+        self._slow_seen: dict[int, dict[int, float]] = {}  # straggler hook: rank -> {step: compute_s}
+        self._link_first: dict[int, float] = {}  # generation -> first link report seen
+        self._rebuilds: dict[int, int] = {}  # step -> group rebuilds for it
 
-    def _straggler(self, s: Snapshot) -> None:
+    def straggler(self, s: Snapshot) -> None:
         """Off unless LIVEMIG_STRAGGLER_FACTOR is set: request the migration of a rank
         whose forward+backward time stays above factor x the median of the others."""
         factor, need = straggler_settings()
@@ -63,7 +63,7 @@ class Checks:
         m = s.m
         comp = {}
         for r in m.members:
-            p = s.get(self.keys.progress(r)) or {}
+            p = s.get(self.coord.keys.progress(r)) or {}
             if "compute_s" in p:
                 comp[r] = (int(p["step"]), _num(p["compute_s"]))
         # Judge one step at a time: the progress keys hold each rank's latest step, and
@@ -88,18 +88,18 @@ class Checks:
                 seen.clear()
                 why = f"straggler: compute {c:.3f}s > {factor:g} x median {med:.3f}s for {need} steps"
                 req = {"id": secrets.token_hex(4), "rank": r, "time": time.time(), "reason": why}
-                t = self.client.txn_ops
-                self.client.txn([*self._guard(), t.version(self.keys.migrate_request) == 0],
-                                [t.put(self.keys.migrate_request, encode(req))])  # fmt: skip
+                t = self.coord.client.txn_ops
+                self.coord.client.txn([*self.coord._guard(), t.version(self.coord.keys.migrate_request) == 0],
+                                [t.put(self.coord.keys.migrate_request, encode(req))])  # fmt: skip
                 log.warning("straggler detected; migration requested", extra={"rank": r, "reason": req["reason"]})
                 return
 
-    def _extras_differ(self, s: Snapshot) -> str:
+    def extras_differ(self, s: Snapshot) -> str:
         """Replicated extras must be equal on every rank (a spare takes them from any
         peer): each worker's digests of them after step 0, compared once all are in."""
         if self._extras_checked:
             return ""
-        checks = s.under(self.keys.extras_check_prefix)
+        checks = s.under(self.coord.keys.extras_check_prefix)
         if len(checks) < s.m.world_size:
             return ""
         self._extras_checked = True
@@ -122,7 +122,7 @@ class Checks:
                 )
         return ""
 
-    def _links(self, s: Snapshot) -> bool:
+    def links(self, s: Snapshot) -> bool:
         """Collective failures attributed (docs/reliability.md, "Broken links"). A member
         whose collective failed, or has waited in it for a quarter of the hang timeout,
         reports the peers it cannot reach (a TCP connect to their state servers). Once
@@ -134,7 +134,7 @@ class Checks:
         m = s.m
         reports: dict[int, tuple[bool, list[int], dict]] = {}
         for r, mem in m.members.items():
-            p = s.get(self.keys.progress(r)) or {}
+            p = s.get(self.coord.keys.progress(r)) or {}
             if p.get("incarnation") != mem.incarnation or p.get("group") != m.group_gen:
                 continue
             failed = isinstance(p.get("failed_step"), int)
@@ -146,18 +146,18 @@ class Checks:
         first = self._link_first.setdefault(m.generation, time.monotonic())
         if len(reports) < len(m.members) and time.monotonic() - first < LINK_GATHER_S:
             return False
-        t = self.client.txn_ops
+        t = self.coord.client.txn_ops
         victims, top = link_victims({r: named for r, (_, named, _) in reports.items()})
         if victims:
             ops = []
             for victim in victims:
                 by = sorted(r for r, (_, named, _) in reports.items() if victim in named)
                 why = f"broken link: rank(s) {by} cannot reach rank {victim}'s host ({top} of {len(reports)} reports)"
-                ops.append(t.put(self.keys.suspect(m.members[victim].incarnation),
+                ops.append(t.put(self.coord.keys.suspect(m.members[victim].incarnation),
                                  encode({"rank": victim, "why": why, "time": time.time()})))  # fmt: skip
-            ops.append(self.timeline.op(m.generation, "link", ranks=victims,
+            ops.append(self.coord.timeline.op(m.generation, "link", ranks=victims,
                                         reports={str(r): named for r, (_, named, _) in reports.items()}))  # fmt: skip
-            self.client.txn(self._guard(), ops)
+            self.coord.client.txn(self.coord._guard(), ops)
             seen = {r: v[1] for r, v in reports.items()}
             log.warning("broken link: rank(s) suspected", extra={"ranks": victims, "reports": seen})
             return True
@@ -168,19 +168,19 @@ class Checks:
         error = next(iter(failed.values())).get("error", "")
         n = self._rebuilds.get(step, 0)
         if n >= MAX_REBUILDS:
-            self._fail(m, f"the collective of step {step} failed {n + 1} times with every peer reachable "
+            self.coord._fail(m, f"the collective of step {step} failed {n + 1} times with every peer reachable "
                           f"(last error: {error}); check the network between the workers")  # fmt: skip
             return True
         self._rebuilds[step] = n + 1
-        self._fence(
+        self.coord._fence(
             s,
             [],
-            more=[self.timeline.op(m.generation + 1, "rebuild", step=step, error=error)],
+            more=[self.coord.timeline.op(m.generation + 1, "rebuild", step=step, error=error)],
             reason=f"rebuild: the collective of step {step} failed with every peer reachable ({error})",
         )
         return True
 
-    def _hung(self, s: Snapshot) -> bool:
+    def hung(self, s: Snapshot) -> bool:
         """Progress-based hang detection (docs/reliability.md): when every other member
         has waited in step W's collective for longer than the hang timeout and a rank
         has not entered it (its training thread is stuck while its lease lives on), or
@@ -189,7 +189,7 @@ class Checks:
         `ctx.busy()` is never suspected. The wait is measured on this coordinator's
         clock from what each member reported (`waited_s`), so host clocks do not matter."""
         m = s.m
-        prog = {r: s.get(self.keys.progress(r)) or {} for r in m.members}
+        prog = {r: s.get(self.coord.keys.progress(r)) or {} for r in m.members}
         now = time.monotonic()
         for r, p in prog.items():  # a rank is given the whole hang timeout again after a busy pause
             if p.get("busy"):
@@ -212,21 +212,21 @@ class Checks:
                     and now - self._busy_seen.get((m.generation, r), -1e18) >= limit]  # fmt: skip
         if not suspects or waited < limit:
             return False
-        t = self.client.txn_ops
-        ops = [t.put(self.keys.suspect(m.members[r].incarnation),
+        t = self.coord.client.txn_ops
+        ops = [t.put(self.coord.keys.suspect(m.members[r].incarnation),
                      encode({"rank": r, "why": f"hung: rank(s) {waiters} waited {waited:.1f}s in step {w}'s "
                                              f"collective (hang timeout {limit:.1f}s)", "time": time.time()}))
                for r in suspects]  # fmt: skip
-        ops.append(self.timeline.op(m.generation, "hang", ranks=suspects, step=w, waited_s=waited))
-        self.client.txn(self._guard(), ops)
+        ops.append(self.coord.timeline.op(m.generation, "hang", ranks=suspects, step=w, waited_s=waited))
+        self.coord.client.txn(self.coord._guard(), ops)
         log.warning("hung rank(s) suspected", extra={"ranks": suspects, "step": w, "waited_s": round(waited, 2)})
         return True
 
-    def _bug(self, s: Snapshot) -> tuple[str, str] | None:
+    def bug(self, s: Snapshot) -> tuple[str, str] | None:
         """A member's recorded bug (runtime/bugs.py) that ends the job: (reason, traceback).
         Under --on-error replace:N the process exit is recovered like any other, N times."""
         m = s.m
-        errors = [e for inc, e in s.under(self.keys.errors_prefix).items()
+        errors = [e for inc, e in s.under(self.coord.keys.errors_prefix).items()
                   if m.generation == 0 or m.rank_of(inc) is not None or inc in self._bugs_seen]  # fmt: skip
         if not errors:
             return None
@@ -243,5 +243,5 @@ class Checks:
                       "ends the job (no spare is used; `--on-error replace:N` retries on spares)")  # fmt: skip
         if policy == "replace":
             reason += f"; {retries} retries used"
-        self._bug_time = float(e.get("time", 0.0) or 0.0)
+        self.bug_time = float(e.get("time", 0.0) or 0.0)
         return reason, str(e.get("traceback", ""))

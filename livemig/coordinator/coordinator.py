@@ -53,7 +53,7 @@ PASS_REST_MAX_S = 0.1  # the most a pass rests after itself (as long as it took)
 MIRROR_WAIT_S = 0.5  # how long a pass waits for the mirror to hold the coordinator's own writes
 
 
-class Coordinator(Checks, Migrations):
+class Coordinator(Migrations):
     def __init__(self, client: EtcdClient, job: str, world_size: int,
                  timeouts: Timeouts | None = None, host: str = "127.0.0.1") -> None:  # fmt: skip
         self.client = client
@@ -78,16 +78,8 @@ class Coordinator(Checks, Migrations):
         self._woken = False  # this pass answers a change (not the 0.2 s timer)
         self._stop = threading.Event()
         self._since: dict[tuple[int, str], float] = {}  # when we first saw (generation, state)
-        self._bug_time = 0.0
-        self._extras_checked = False
-        self._waits: dict[tuple[int, int, int], float] = {}  # (generation, rank, step) -> wait start here
-        self._busy_seen: dict[tuple[int, int], float] = {}  # (generation, rank) -> last seen inside ctx.busy()
-        self._straggler_gen, self._straggler_from = -1, 0  # the straggler hook's group and first judged step
-        self._bugs_seen: set[str] = set()  # incarnations whose bug was recorded (--on-error replace:N)
-        self._slow_seen: dict[int, dict[int, float]] = {}  # straggler hook: rank -> {step: compute_s}
+        self.checks = Checks(self)  # hangs, links, bugs, extras, stragglers: what they remember is theirs
         self.outage_grace_s = outage_grace_s(self.timeouts)
-        self._link_first: dict[int, float] = {}  # generation -> first link report seen
-        self._rebuilds: dict[int, int] = {}  # step -> group rebuilds for it
         self._lease_dead: dict[tuple[int, str], float] = {}  # (generation, incarnation) -> lease first seen gone
         self._in_grace = False
 
@@ -237,7 +229,7 @@ class Coordinator(Checks, Migrations):
         key = (m.generation, m.state)
         first_seen = self._since.setdefault(key, time.monotonic())
         if m.state not in (GenState.DONE, GenState.FAILED):
-            bug = self._bug(s)
+            bug = self.checks.bug(s)
             if bug is not None:
                 return self._fail(m, *bug)
         if m.generation == 0:
@@ -255,10 +247,10 @@ class Coordinator(Checks, Migrations):
             return self._agree_and_claim(s, first_seen)
         if m.state == GenState.COMMITTED:
             self.stores.start()  # training runs: the store's import competes with no start-up now
-            differ = self._extras_differ(s)
+            differ = self.checks.extras_differ(s)
             if differ:
                 return self._fail(m, differ)
-            if self._links(s) or self._hung(s):
+            if self.checks.links(s) or self.checks.hung(s):
                 return None
             if self._maybe_migrate(s):
                 return None
@@ -535,7 +527,7 @@ class Coordinator(Checks, Migrations):
         res = {"state": str(m.state), "reason": m.reason if m.state == GenState.FAILED else "",
                "generation": m.generation, "time": time.time()}  # fmt: skip
         if detail:
-            res["traceback"], res["raised_at"] = detail, self._bug_time
+            res["traceback"], res["raised_at"] = detail, self.checks.bug_time
         self.client.txn(self._guard(), [self.client.txn_ops.put(self.keys.result, encode(res))])
 
 

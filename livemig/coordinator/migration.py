@@ -46,7 +46,7 @@ class Migrations:
         m = s.m
         req = s.get(self.keys.migrate_request)
         if req is None:
-            self._straggler(s)
+            self.checks.straggler(s)
             return False
         t = self.client.txn_ops
         rank, rid = req.get("rank"), req.get("id", "")

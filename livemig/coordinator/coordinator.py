@@ -53,7 +53,7 @@ PASS_REST_MAX_S = 0.1  # the most a pass rests after itself (as long as it took)
 MIRROR_WAIT_S = 0.5  # how long a pass waits for the mirror to hold the coordinator's own writes
 
 
-class Coordinator(Migrations):
+class Coordinator:
     def __init__(self, client: EtcdClient, job: str, world_size: int,
                  timeouts: Timeouts | None = None, host: str = "127.0.0.1") -> None:  # fmt: skip
         self.client = client
@@ -78,6 +78,7 @@ class Coordinator(Migrations):
         self._woken = False  # this pass answers a change (not the 0.2 s timer)
         self._stop = threading.Event()
         self._since: dict[tuple[int, str], float] = {}  # when we first saw (generation, state)
+        self.migrations = Migrations(self)  # planned migration: no state of its own
         self.checks = Checks(self)  # hangs, links, bugs, extras, stragglers: what they remember is theirs
         self.outage_grace_s = outage_grace_s(self.timeouts)
         self._lease_dead: dict[tuple[int, str], float] = {}  # (generation, incarnation) -> lease first seen gone
@@ -216,7 +217,7 @@ class Coordinator(Migrations):
         m = self.rdzv.read()
         if m.state == GenState.MIGRATING and m.migration.get("phase") == "catchup" and m.store != self.stores.addr:
             kvs, _ = self.client.get_prefix(self.keys.prefix)
-            self._abort_migration(Snapshot(kvs, self.rdzv), "coordinator takeover")
+            self.migrations.abort(Snapshot(kvs, self.rdzv), "coordinator takeover")
             return
         if m.generation > 0 and m.state in (GenState.FORMING, GenState.BUILDING) and m.store != self.stores.addr:
             new = replace(m, store=self.stores.addr, reason="coordinator takeover")
@@ -235,7 +236,7 @@ class Coordinator(Migrations):
         if m.generation == 0:
             return self._form(s)
         if m.state == GenState.MIGRATING:
-            return self._migrating(s, first_seen)
+            return self.migrations.migrating(s, first_seen)
         if m.state in (GenState.FORMING, GenState.BUILDING, GenState.COMMITTED, GenState.RECOVERING):
             grace = self._outage_grace()
             dead = self._whole_nodes(s, s.dead(m.members, grace), grace)
@@ -252,7 +253,7 @@ class Coordinator(Migrations):
                 return self._fail(m, differ)
             if self.checks.links(s) or self.checks.hung(s):
                 return None
-            if self._maybe_migrate(s):
+            if self.migrations.maybe_migrate(s):
                 return None
             self._prune(s)
             return self._maybe_done(s)

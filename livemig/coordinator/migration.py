@@ -1,9 +1,8 @@
 """Planned migration, the coordinator's side (docs/architecture.md, "Planned
 migration"): take a request (`livemig migrate`, a fault plan, the straggler hook),
 claim a warm spare, let it stream and catch up while the group trains, vote the
-switch step, commit, or abort and leave the group as it was. Mixed into
-Coordinator; it relies on the attributes Coordinator.__init__ sets and on its
-_guard, _pick_spares and the timeline.
+switch step, commit, or abort and leave the group as it was. A collaborator of
+the Coordinator: it acts through its _guard, _pick_spares and the timeline.
 """
 
 from __future__ import annotations
@@ -32,43 +31,41 @@ def _table_before(m: Membership) -> dict[int, Member]:
 
 
 class Migrations:
-    """Mixed into Coordinator."""
+    """The coordinator's side of a planned migration. It keeps no state of its own (the
+    table in etcd is the state): it acts through its coordinator's client, keys, guard,
+    timeline, stores and spare picking."""
 
-    client: Any
-    keys: Any
-    timeline: Any
-    rdzv: Any
-    timeouts: Any
-    stores: Any  # StoreHost: the store a new generation builds from
+    def __init__(self, coord: Any) -> None:
+        self.coord = coord
 
-    def _maybe_migrate(self, s: Snapshot) -> bool:
+    def maybe_migrate(self, s: Snapshot) -> bool:
         """Start a requested migration: claim a spare, move to g+1 MIGRATING. True if it acted."""
         m = s.m
-        req = s.get(self.keys.migrate_request)
+        req = s.get(self.coord.keys.migrate_request)
         if req is None:
-            self.checks.straggler(s)
+            self.coord.checks.straggler(s)
             return False
-        t = self.client.txn_ops
+        t = self.coord.client.txn_ops
         rank, rid = req.get("rank"), req.get("id", "")
         reject = ""
         if not isinstance(rank, int) or rank not in m.members:
             reject = f"rank {rank!r} is not a member of the job (world size {m.world_size})"
-        elif sharding_of((s.get(self.keys.config) or {}).get("signature", []))[0]:
+        elif sharding_of((s.get(self.coord.keys.config) or {}).get("signature", []))[0]:
             reject = "planned migration of a job with sharded optimizer state (zero1) is not supported yet"
         elif m.world_size < 2:
             reject = "a job of one rank has no group to keep training while the spare catches up"
-        picks = [] if reject else self._pick_spares(s, 1)
+        picks = [] if reject else self.coord._pick_spares(s, 1)
         if not reject and not picks:
-            if time.time() - _num(req.get("time")) > self.timeouts.spare_wait.total_seconds():
-                reject = (f"no warm spare within {self.timeouts.spare_wait.total_seconds():.0f}s "
+            if time.time() - _num(req.get("time")) > self.coord.timeouts.spare_wait.total_seconds():
+                reject = (f"no warm spare within {self.coord.timeouts.spare_wait.total_seconds():.0f}s "
                           "(LIVEMIG_SPARE_WAIT): start one with `livemig-spare start`")  # fmt: skip
             else:
                 return False  # wait for a spare; the job trains on
         if reject:
             log.error("migration request rejected", extra={"rank": rank, "reason": reject})
             res = {"id": rid, "state": "rejected", "rank": rank, "reason": reject, "time": time.time()}
-            self.client.txn(self._guard(), [t.delete(self.keys.migrate_request),
-                                            t.put(self.keys.migrate_result, encode(res))])  # fmt: skip
+            self.coord.client.txn(self.coord._guard(), [t.delete(self.coord.keys.migrate_request),
+                                            t.put(self.coord.keys.migrate_result, encode(res))])  # fmt: skip
             return True
         sid, kv, info = picks[0]
         leaving = m.members[rank]
@@ -81,48 +78,53 @@ class Migrations:
                "requested": _num(req.get("time"), time.time()), "reason": str(req.get("reason", "")),
                "spare": sid}  # fmt: skip
         new = Membership(state=GenState.MIGRATING, world_size=m.world_size, members=members,
-                         store=self.stores.for_generation(s, members),
-                         kind="migration", leader=self.id, migration=mig,
+                         store=self.coord.stores.for_generation(s, members),
+                         kind="migration", leader=self.coord.id, migration=mig,
                          reason=f"planned migration of rank {rank}: {req.get('reason') or 'requested'}")  # fmt: skip
         claimed = dict(info, state="claimed", claim={"generation": g, "rank": rank, "migration": True})
-        compare = [*self._guard(), t.mod(kv.key) == kv.mod_revision, t.version(self.keys.assignment(sid)) == 0]
-        ops = [t.put(self.keys.assignment(sid), encode({"generation": g, "rank": rank, "migration": True})),
-               t.put(kv.key, encode(claimed), kv.lease), t.delete(self.keys.migrate_request),
-               self.timeline.op(g, "request", at=mig["requested"], rank=rank, reason=mig["reason"], id=rid),
-               self.timeline.op(g, "claim", spares=[sid], ranks=[rank])]  # fmt: skip
-        if self.rdzv.commit_change(m.generation, new, guard=compare, extra=ops):
+        compare = [
+            *self.coord._guard(),
+            t.mod(kv.key) == kv.mod_revision,
+            t.version(self.coord.keys.assignment(sid)) == 0,
+        ]
+        ops = [t.put(self.coord.keys.assignment(sid), encode({"generation": g, "rank": rank, "migration": True})),
+               t.put(kv.key, encode(claimed), kv.lease), t.delete(self.coord.keys.migrate_request),
+               self.coord.timeline.op(g, "request", at=mig["requested"], rank=rank, reason=mig["reason"], id=rid),
+               self.coord.timeline.op(g, "claim", spares=[sid], ranks=[rank])]  # fmt: skip
+        if self.coord.rdzv.commit_change(m.generation, new, guard=compare, extra=ops):
             log.warning("planned migration started", extra={"generation": g, "rank": rank, "spare": sid})
         return True
 
-    def _migrating(self, s: Snapshot, since: float) -> None:
+    def migrating(self, s: Snapshot, since: float) -> None:
         m = s.m
         mig, g = m.migration, m.generation
         rank = int(mig["rank"])
         spare = m.members[rank]
         old = _table_before(m)
-        t = self.client.txn_ops
-        ready = s.under(self.keys.recovery_prefix(g) + "ready/")
+        t = self.coord.client.txn_ops
+        ready = s.under(self.coord.keys.recovery_prefix(g) + "ready/")
         switched = {int(r) for r, x in ready.items()
                     if x.get("switched") is not None and int(r) in m.members
                     and x.get("incarnation") == m.members[int(r)].incarnation}  # fmt: skip
         dead = [r for r, mem in m.members.items() if r != rank and not s.alive(r, mem)]
         spare_dead = not s.alive(rank, spare)
         leaving_dead = rank not in switched and (
-            s.get(self.keys.suspect(old[rank].incarnation)) is not None
-            or (s.get(self.keys.member(rank)) or {}).get("incarnation")
+            s.get(self.coord.keys.suspect(old[rank].incarnation)) is not None
+            or (s.get(self.coord.keys.member(rank)) or {}).get("incarnation")
             not in (old[rank].incarnation, spare.incarnation)
         )
-        finals = s.under(self.keys.final_prefix)
+        finals = s.under(self.coord.keys.final_prefix)
         finished = all(finals.get(str(r), {}).get("incarnation") == mem.incarnation for r, mem in old.items())
-        timed_out = time.monotonic() - since > self.timeouts.recovery.total_seconds()
+        bound = self.coord.timeouts.recovery.total_seconds()
+        timed_out = time.monotonic() - since > bound
         if mig.get("phase") == "catchup" and not switched and (spare_dead or finished or timed_out):
             why = ("the spare failed" if spare_dead else "the job finished first" if finished
-                   else f"the spare did not catch up within {self.timeouts.recovery.total_seconds():.0f}s")  # fmt: skip
-            return self._abort_migration(s, why)
+                   else f"the spare did not catch up within {bound:.0f}s")  # fmt: skip
+            return self.abort(s, why)
         if mig.get("phase") == "switch" and not switched and finished and not spare_dead:
             # The vote never passed before the last step: every old member has ended, so no
             # vote can pass now; the spare would wait for an average nobody will serve.
-            return self._abort_migration(s, "the job finished first")
+            return self.abort(s, "the job finished first")
         if dead or leaving_dead or spare_dead:
             # A failure during the migration: recover from the table that holds the state.
             table = m.members if rank in switched else old
@@ -131,7 +133,7 @@ class Migrations:
                 lost.append(rank)
             if rank not in switched and leaving_dead:
                 lost.append(rank)
-            more = [] if rank in switched else [t.delete(self.keys.assignment(spare.spare_id))]
+            more = [] if rank in switched else [t.delete(self.coord.keys.assignment(spare.spare_id))]
             res = {
                 "id": mig.get("id", ""),
                 "state": "done" if rank in switched else "aborted",
@@ -139,23 +141,23 @@ class Migrations:
                 "reason": f"a failure during the migration (ranks {sorted(set(lost))})",
                 "time": time.time(),
             }
-            more.append(t.put(self.keys.migrate_result, encode(res)))
-            return self._fence(s, sorted(set(lost)), table, more)
+            more.append(t.put(self.coord.keys.migrate_result, encode(res)))
+            return self.coord._fence(s, sorted(set(lost)), table, more)
         if mig.get("phase") == "catchup":
-            cu = s.get(self.keys.catchup(g))
+            cu = s.get(self.coord.keys.catchup(g))
             if not cu or cu.get("incarnation") != spare.incarnation:
                 return None
-            progress = [(s.get(self.keys.progress(r)) or {}).get("step", -1) for r in m.members]
+            progress = [(s.get(self.coord.keys.progress(r)) or {}).get("step", -1) for r in m.members]
             lag = max(progress) - int(cu["applied"])
             built = all(ready.get(str(r), {}).get("incarnation") == mem.incarnation for r, mem in m.members.items())
             if lag > MIGRATION_SWITCH_LAG or not built:
                 return None  # once every group is built the switch needs no store: a leader change is harmless
             new = replace(m, migration=dict(mig, phase="switch", lag_at_switch=lag))
-            events = [self.timeline.op(g, "stream", at=cu["time"], seconds=cu.get("stream_s", 0.0),
+            events = [self.coord.timeline.op(g, "stream", at=cu["time"], seconds=cu.get("stream_s", 0.0),
                                        bytes=cu.get("bytes", 0), source=cu.get("source", ""), loaded=cu["loaded"],
                                        resyncs=_num(cu.get("resyncs"))),
-                      self.timeline.op(g, "catchup", lag=lag, applied=cu["applied"])]  # fmt: skip
-            if self.rdzv.update(new, guard=self._guard(), extra=events):
+                      self.coord.timeline.op(g, "catchup", lag=lag, applied=cu["applied"])]  # fmt: skip
+            if self.coord.rdzv.update(new, guard=self.coord._guard(), extra=events):
                 log.info("migration: spare caught up; members vote the switch", extra={"generation": g, "lag": lag})
             return None
         if switched == set(m.members):
@@ -167,23 +169,23 @@ class Migrations:
                           migration=dict(mig, phase="done", switch_step=step))  # fmt: skip
             res = {"id": mig.get("id", ""), "state": "done", "rank": rank, "generation": g, "switch_step": step,
                    "spare": spare.spare_id, "time": time.time()}  # fmt: skip
-            events = [self.timeline.op(g, "switch", at=at, step=step), self.timeline.op(g, "commit"),
-                      t.put(self.keys.migrate_result, encode(res))]  # fmt: skip
-            if self.rdzv.update(new, guard=self._guard(), extra=events):
+            events = [self.coord.timeline.op(g, "switch", at=at, step=step), self.coord.timeline.op(g, "commit"),
+                      t.put(self.coord.keys.migrate_result, encode(res))]  # fmt: skip
+            if self.coord.rdzv.update(new, guard=self.coord._guard(), extra=events):
                 log.warning("planned migration done", extra={"generation": g, "rank": rank, "switch_step": step})
         return None
 
-    def _abort_migration(self, s: Snapshot, why: str) -> None:
+    def abort(self, s: Snapshot, why: str) -> None:
         """Nobody switched: the old table and group go on (generation g+1 with continues=g)."""
         m = s.m
         mig = m.migration
-        t = self.client.txn_ops
+        t = self.coord.client.txn_ops
         new = Membership(state=GenState.COMMITTED, world_size=m.world_size, members=_table_before(m), store=m.store,
-                         kind="abort", leader=self.id, continues=int(mig["from_gen"]),
+                         kind="abort", leader=self.coord.id, continues=int(mig["from_gen"]),
                          reason=f"migration of rank {mig['rank']} aborted: {why}")  # fmt: skip
         res = {"id": mig.get("id", ""), "state": "aborted", "rank": mig["rank"], "reason": why, "time": time.time()}
-        ops = [t.delete(self.keys.assignment(m.members[int(mig["rank"])].spare_id)),
-               t.put(self.keys.migrate_result, encode(res)),
-               self.timeline.op(m.generation, "abort", reason=why, rank=mig["rank"])]  # fmt: skip
-        if self.rdzv.commit_change(m.generation, new, guard=self._guard(), extra=ops):
+        ops = [t.delete(self.coord.keys.assignment(m.members[int(mig["rank"])].spare_id)),
+               t.put(self.coord.keys.migrate_result, encode(res)),
+               self.coord.timeline.op(m.generation, "abort", reason=why, rank=mig["rank"])]  # fmt: skip
+        if self.coord.rdzv.commit_change(m.generation, new, guard=self.coord._guard(), extra=ops):
             log.warning("planned migration aborted", extra={"rank": mig["rank"], "why": why})

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from livemig.config import ENV_FENCED_KILL_S, Role
 from livemig.errors import ConfigError
@@ -73,3 +74,22 @@ class Child:
     rank: int | None = None
     died_at: float | None = None  # when the agent first saw it dead (reported once etcd answers)
     started: float = field(default_factory=time.monotonic)
+
+
+class Agent(Protocol):
+    """What an agent's collaborators (FaultDriver, ChildWatch) use of it: the Launcher is
+    one. A protocol, so they need not import the launcher that composes them."""
+
+    cfg: Any
+    client: Any
+    keys: Any
+    children: list[Child]
+    cluster: Any
+    partition: Any
+    faults: Any
+    watch: Any
+    _spares_started: bool
+
+    def say(self, msg: str) -> None: ...
+
+    def _spawn_spares(self) -> None: ...

@@ -23,8 +23,7 @@ from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import GenState, Membership
 
 if TYPE_CHECKING:
-    from livemig.agent.children import Child
-    from livemig.agent.launcher import Launcher as Agent
+    from livemig.agent.children import Agent, Child
 
 log = logging.getLogger("livemig.agent.launcher")
 

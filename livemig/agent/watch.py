@@ -18,8 +18,7 @@ from livemig.rdzv.client import conform
 from livemig.rdzv.membership import Membership
 
 if TYPE_CHECKING:
-    from livemig.agent.children import Child
-    from livemig.agent.launcher import Launcher as Agent
+    from livemig.agent.children import Agent, Child
 
 FINE_TICK_S = 0.02  # the agent's tick while a fault plan runs (step triggers, SIGSTOP duty cycles)
 IDLE_TICK_S = 0.25  # its tick otherwise: fence kills, progress lines, the job's end

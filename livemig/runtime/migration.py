@@ -9,7 +9,6 @@ and both switch at a step voted inside the gradient collective
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +20,7 @@ from livemig.errors import RecoveryError, TransferError, WithdrawnError
 from livemig.rdzv.membership import GenState, Membership
 from livemig.runtime.control import _Released, _Requeue
 from livemig.state import flatten, unflatten, unpack
+from livemig.transfer import items
 from livemig.transfer.client import pull
 
 AVG_KEEP = 8  # averaged gradients a leaving worker keeps for its catching-up spare
@@ -60,7 +60,7 @@ class Migration:
         if mig.get("leaving") == self.incarnation:
             # "snapshot" first; "snapshot/k" when the spare fell more than AVG_KEEP steps behind
             # (a retry that raced our first publish leaves "snapshot" wanted too: the newest counts)
-            snaps = [w for w in list(rt.server.wanted) if w == "snapshot" or re.fullmatch(r"snapshot/\d{1,6}", w)]
+            snaps = [w for w in list(rt.server.wanted) if items.is_snapshot(w)]
             for w in snaps:
                 rt.server.wanted.discard(w)
             if self._mig_gen == m.generation:
@@ -108,9 +108,9 @@ class Migration:
 
     def _publish_step(self, t: int, item: dict) -> None:
         rt, g = self.runtime, self._mig_gen
-        rt.server.publish(g, f"avg/{t}", lambda: (t, item))
-        rt.server.withdraw(f"avg/{t - AVG_KEEP}")
-        rt.server.wanted.discard(f"avg/{t}")
+        rt.server.publish(g, items.step_avg(t), lambda: (t, item))
+        rt.server.withdraw(items.step_avg(t - AVG_KEEP))
+        rt.server.wanted.discard(items.step_avg(t))
 
     def _after_commit(self, t: int, switch: bool) -> None:
         if not switch:
@@ -135,7 +135,7 @@ class Migration:
         rt, t = self.runtime, self.committed
         self._leaving = None
         tail = {"local": self.reg.pack_local(), "boundary": self.reg.pack_boundary()}
-        rt.server.publish(g, f"tail/{t}", lambda: (t, tail))
+        rt.server.publish(g, items.tail(t), lambda: (t, tail))
         m = rt.wait_membership(lambda x: x.generation != g or x.state != GenState.MIGRATING,
                                "the spare to take over this rank")  # fmt: skip
         if m.generation == g and m.state == GenState.COMMITTED:
@@ -183,19 +183,19 @@ class Migration:
             rt.put(rt.keys.catchup(g), {**rec, "applied": self.committed, "time": time.time()})
             return rec
 
-        rec = load_snapshot("snapshot")
+        rec = load_snapshot(items.snapshot())
         red, resyncs = self._reducer, 0
         while True:
             t = self.committed + 1
             try:
-                got = fetch(f"avg/{t}")
+                got = fetch(items.step_avg(t))
             except WithdrawnError as exc:
                 # The group ran more than AVG_KEEP steps ahead (this process was starved or
                 # slow to load): start over from a newer snapshot instead of waiting forever.
                 resyncs += 1
                 log.warning("migration: fell behind the group; loading a newer snapshot",
                             extra={"step": t, "resyncs": resyncs, "why": str(exc)})  # fmt: skip
-                rec = load_snapshot(f"snapshot/{resyncs}", resyncs)
+                rec = load_snapshot(items.snapshot(resyncs), resyncs)
                 continue
             self.reg.set_hparams(got.state["hparams"])
             if "stepped" in got.state:  # the update as applied (clipped, unscaled, or skipped)
@@ -207,7 +207,7 @@ class Migration:
                     red.write_back(got.state["flat"])
                 self._commit(t, None, replay=True)
             if got.state["final"]:
-                tail = fetch(f"tail/{t}").state
+                tail = fetch(items.tail(t)).state
                 self.reg.load_local(unpack(tail["local"]))  # buffers and local= at the switch boundary
                 self.reg.load_boundary(unpack(tail["boundary"]))  # extras, hyperparameters
                 break

@@ -19,6 +19,7 @@ from livemig.config import Role, buddy_stride
 from livemig.errors import RecoveryError, TransferError
 from livemig.rdzv.membership import Membership
 from livemig.state import unpack
+from livemig.transfer import items
 from livemig.transfer.client import pull
 
 log = logging.getLogger("livemig.runtime.pull")
@@ -72,11 +73,11 @@ class StatePull:
         # step (runtime/loop.py), the parameters before it and the boundary before it.
         replay = {"boundary": self._boundaries.get(self.committed - 1), "before": self._before.get(self.committed),
                   "uses_sync": self._uses_sync} if self._replays else {}  # fmt: skip
-        srv.publish(m.generation, "state", lambda: (self.committed + 1, {**self.state_obj(), **replay}))
+        srv.publish(m.generation, items.STATE, lambda: (self.committed + 1, {**self.state_obj(), **replay}))
         left = (self.rank - buddy_stride(self.world_size)) % self.world_size
         if self._mirrored.get(self.committed - 1) is not None:  # the left neighbour's local state
             blob = self._mirrored[self.committed - 1]
-            srv.publish(m.generation, f"local/{left}", lambda: (self.committed + 1, {"blob": blob}))
+            srv.publish(m.generation, items.local(left), lambda: (self.committed + 1, {"blob": blob}))
         key = self.runtime.keys.inject_corrupt(self.rank)
         if self.runtime.client.get(key) is not None:  # fault injection (`livemig inject corrupt`)
             self.runtime.client.delete(key)
@@ -85,10 +86,10 @@ class StatePull:
         if self._zero is not None:
             for sh in (self._zero.own, self._zero.mirror):
                 if sh is not None:
-                    srv.publish(m.generation, f"zshard/{sh.shard}", lambda sh=sh: (self.committed + 1, sh.state()))
+                    srv.publish(m.generation, items.zshard(sh.shard), lambda sh=sh: (self.committed + 1, sh.state()))
         elif self._avg is not None and self._avg[0] == self.committed:
             avg = self._avg
-            srv.publish(m.generation, "avg", lambda: (avg[0], {"flat": avg[1]}))
+            srv.publish(m.generation, items.AVG, lambda: (avg[0], {"flat": avg[1]}))
 
     def _sources(self, m: Membership, ranks: list[int] | None = None) -> list[str]:
         ranks = m.sources if ranks is None else ranks
@@ -122,7 +123,7 @@ class StatePull:
         raise RecoveryError(f"could not pull {item} from the sources of generation {m.generation}: {last}")
 
     def _fetch_avg(self, m: Membership, t: int) -> None:
-        _, got = self._pull_any(m, "avg")
+        _, got = self._pull_any(m, items.AVG)
         if got.step != t:
             raise RecoveryError(f"source holds the average of step {got.step}, need {t}")
         assert self._reducer is not None
@@ -146,7 +147,7 @@ class StatePull:
 
     def _pull_state(self, m: Membership) -> dict[str, Any]:
         t0 = time.monotonic()
-        addr, got = self._pull_any(m, "state", self._into_model())
+        addr, got = self._pull_any(m, items.STATE, self._into_model())
         self.reg.load_state(got.state)
         nbytes = got.nbytes
         if self._zero is not None:  # our shard from its mirror, the shard we mirror from its owner
@@ -155,7 +156,7 @@ class StatePull:
                 if sh is None:
                     continue
                 holders = [sh.shard, (sh.shard + buddy_stride(n)) % n] if self._zero.mirror is not None else [sh.shard]
-                where, part = self._pull_any(m, f"zshard/{sh.shard}", ranks=holders)
+                where, part = self._pull_any(m, items.zshard(sh.shard), ranks=holders)
                 if part.step != got.step:
                     raise RecoveryError(f"shard {sh.shard} from {where} is at step {part.step}, state at {got.step}")
                 sh.load(part.state)
@@ -170,7 +171,7 @@ class StatePull:
             local = None
             if self.reg.has_local and self.world_size > 1:
                 buddy = (self.rank + buddy_stride(self.world_size)) % self.world_size
-                where, part = self._pull_any(m, f"local/{self.rank}", ranks=[buddy])
+                where, part = self._pull_any(m, items.local(self.rank), ranks=[buddy])
                 if part.step != got.step:
                     raise RecoveryError(f"the local state of rank {self.rank} on rank {buddy} is of boundary "
                                         f"{part.step - 2}, the replay needs {got.step - 2}")  # fmt: skip
@@ -179,7 +180,7 @@ class StatePull:
                 addr += f",{where}"
             avg = None
             if st.get("uses_sync") and self._zero is None:  # the replayed sync_gradients() returns it
-                where, part = self._pull_any(m, "avg")
+                where, part = self._pull_any(m, items.AVG)
                 if part.step != self.committed:
                     raise RecoveryError(f"source holds the average of step {part.step}, need {self.committed}")
                 avg = part.state["flat"]

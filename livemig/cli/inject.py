@@ -75,15 +75,21 @@ def _via_agent(a: argparse.Namespace, client: EtcdClient, rdzv: Rendezvous, step
     key = rdzv.keys.inject_request(rid)
     client.put(key, encode({"kind": a.kind, "rank": a.rank, "incarnation": mem.incarnation, "step": step,
                             "time": time.time(), "factor": a.factor, "duration": a.duration}))  # fmt: skip
-    deadline = time.monotonic() + 30
+    _await_taken(client, key, 30.0, f"no agent carried out {a.kind} of rank {a.rank} ({mem.host}) within 30 s: "
+                                    "is its `livemig run` alive?")  # fmt: skip
+    print(f"injected {a.kind} into rank {a.rank} on {mem.host} (by its agent) at step {step}")
+    return 0
+
+
+def _await_taken(client: EtcdClient, key: str, bound: float, unanswered: str) -> None:
+    """A request's key is deleted by whoever carries it out: wait for that, up to bound
+    seconds; unanswered, the request goes and the command fails with that line."""
+    deadline = time.monotonic() + bound
     while client.get(key) is not None:
         if time.monotonic() > deadline:
             client.delete(key)
-            raise ConfigError(f"no agent carried out {a.kind} of rank {a.rank} ({mem.host}) within 30 s: "
-                              "is its `livemig run` alive?")  # fmt: skip
+            raise ConfigError(unanswered)
         time.sleep(0.05)
-    print(f"injected {a.kind} into rank {a.rank} on {mem.host} (by its agent) at step {step}")
-    return 0
 
 
 def _ask_member(a: argparse.Namespace, client: EtcdClient, rdzv: Rendezvous, step: int) -> int:
@@ -98,13 +104,8 @@ def _ask_member(a: argparse.Namespace, client: EtcdClient, rdzv: Rendezvous, ste
     key = rdzv.keys.inject_self(mem.incarnation)
     client.put(key, encode({"kind": a.kind, "time": time.time()}))
     bound = min(a.timeout, 30.0)
-    deadline = time.monotonic() + bound
-    while client.get(key) is not None:
-        if time.monotonic() > deadline:
-            client.delete(key)
-            raise ConfigError(f"rank {a.rank} did not take the {a.kind} request within {bound:.0f} s: "
-                              "is it training (livemig status)?")  # fmt: skip
-        time.sleep(0.05)
+    _await_taken(client, key, bound, f"rank {a.rank} did not take the {a.kind} request within {bound:.0f} s: "
+                                     "is it training (livemig status)?")  # fmt: skip
     record_fault(client, rdzv.keys, a.kind, a.rank, step, time.time())
     what = "blocks its training thread" if a.kind == "wedge" else "fails its gradient collective"
     print(f"injected {a.kind} into rank {a.rank} (pid {mem.pid}): it {what} in its next step, after step {step}")

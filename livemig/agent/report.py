@@ -90,7 +90,9 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
                 **({"peak_rss_mb": f["peak_rss_mb"]} if "peak_rss_mb" in f else {}),
             }
             for r, f in sorted(finals.items())
-        },  # fmt: skip
+        }
+        if finals
+        else members_of(Membership.from_bytes(table.value if table else None)),  # fmt: skip
         # wall times of the group's first and last committed step (start-up and teardown)
         "commit_window": [commits[0][1], commits[-1][1]] if commits else None,
         # [step, wall time] of the last group-wide commits (the final records keep no more)
@@ -126,6 +128,13 @@ def empty(job: str, world_size: int, wall_s: float) -> dict[str, Any]:
             "step_time_s_median": 0.0, "state_digest": job_digest({}), "rank_digests": {},
             "replicas_identical": False, "members": {}, "commit_window": None, "commit_times": [], "spares_warm": {},
             "recoveries": [], "migrations": [], "timeline": [], "nodes": []}  # fmt: skip
+
+
+def members_of(m: Membership) -> dict[str, dict[str, Any]]:
+    """The members of a run no rank finished (failed, interrupted): who held each rank in
+    the last table, with nothing measured."""
+    return {str(r): {"role": str(mem.role), "joined_at_step": None, "first_commit": None}
+            for r, mem in sorted(m.members.items())}  # fmt: skip
 
 
 def nodes_of(m: Membership) -> list[dict[str, Any]]:

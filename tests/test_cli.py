@@ -146,33 +146,36 @@ def test_bench_help_answers_without_importing_torch():
     assert "faults" in p.stdout and "downtime" in p.stdout
 
 
-def test_every_fault_kind_is_in_run_help_and_the_readme():
+def _kinds_missing(kinds, command: str, start: str, end: str) -> list[str]:
+    """Kinds absent, as whole words, from `livemig COMMAND --help` or from the README's
+    text between `start` and `end`."""
     import os
     import re
 
+    help_text = " ".join(run_cli(command, "--help").stdout.split())
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    part = " ".join(readme[readme.index(start) :].split(end)[0].split())
+    out = []
+    for kind in kinds:
+        word = rf"(?<![\w-]){re.escape(kind)}(?![\w-])"
+        out += [f"{kind} missing from {command} --help"] if not re.search(word, help_text) else []
+        out += [f"{kind} missing from the README"] if not re.search(word, part) else []
+    return out
+
+
+def test_every_fault_kind_is_in_run_help_and_the_readme():
     from livemig.faults import KINDS
 
-    help_text = " ".join(run_cli("run", "--help").stdout.split())
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    plans = " ".join(readme[readme.index("Fault plans:") :].split("(docs/reliability.md")[0].split())
-    for kind in KINDS:
-        assert re.search(rf"(?<![\w-]){re.escape(kind)}(?![\w-])", help_text), f"{kind} missing from run --help"
-        assert re.search(rf"(?<![\w-]){re.escape(kind)}(?![\w-])", plans), f"{kind} missing from the README"
+    missing = _kinds_missing(KINDS, "run", "Fault plans:", "(docs/reliability.md")
+    assert not missing, missing
 
 
 def test_inject_kinds_agree_with_its_help_and_the_readme():
     """Every kind `livemig inject` accepts is in its --help and in the README's inject line."""
-    import os
-    import re
-
     from livemig.cli.inject import CLI_KINDS
 
-    help_text = " ".join(run_cli("inject", "--help").stdout.split())
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    line = " ".join(readme[readme.index("- `livemig inject KIND") :].split("- `livemig-spare start")[0].split())
-    for kind in CLI_KINDS:
-        assert re.search(rf"(?<![\w-]){re.escape(kind)}(?![\w-])", help_text), f"{kind} missing from inject --help"
-        assert re.search(rf"(?<![\w-]){re.escape(kind)}(?![\w-])", line), f"{kind} missing from the README"
+    missing = _kinds_missing(CLI_KINDS, "inject", "- `livemig inject KIND", "- `livemig-spare start")
+    assert not missing, missing
     assert run_cli("run", "--log-level", "INFO", "--help").returncode == 0  # as docs/operations.md says
 
 

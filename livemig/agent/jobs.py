@@ -111,11 +111,7 @@ def resolve(job: str, etcd: str | None) -> tuple[str, EtcdSecurity]:
     given = etcd or os.environ.get(ENV_ETCD)
     env = EtcdSecurity.from_env()
     path = job_file(job)
-    try:
-        with open(path) as f:
-            info = json.load(f)
-    except (OSError, ValueError):
-        info = None
+    info = _read(path)
     security = env
     if info is not None and isinstance(info.get("tls"), dict) and not (env.tls or env.user):
         if not given or set(given.split(",")) <= set(str(info.get("etcd", "")).split(",")):

@@ -64,13 +64,14 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
     replicated = {r: f.get("digests", {}).get("replicated", f["digest"]) for r, f in finals.items()}
     events = read_events(client, keys)
     result = client.get(keys.result)
-    table = client.get(keys.membership)
+    raw = client.get(keys.membership)
+    table = Membership.from_bytes(raw.value if raw else None)
     return {
         "job": job,
         "world_size": world_size,
         "result": conform(result.value, {}) if result else None,
         # no final records (a failed or interrupted run): the steps every rank had committed
-        "steps_completed": min((f["steps"] for f in finals.values()), default=None)
+        "steps_completed": min(f["steps"] for f in finals.values())
         if finals
         else committed_steps(client, keys, world_size),
         "wall_s": wall_s,
@@ -92,7 +93,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
             for r, f in sorted(finals.items())
         }
         if finals
-        else members_of(Membership.from_bytes(table.value if table else None)),  # fmt: skip
+        else members_of(table),
         # wall times of the group's first and last committed step (start-up and teardown)
         "commit_window": [commits[0][1], commits[-1][1]] if commits else None,
         # [step, wall time] of the last group-wide commits (the final records keep no more)
@@ -104,7 +105,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
         "recoveries": recoveries(events, commits, median_step),
         "migrations": migrations(events, commits, median_step),
         "timeline": events,
-        "nodes": nodes_of(Membership.from_bytes(table.value if table else None)),
+        "nodes": nodes_of(table),
         **({"etcd_outages": [_outage(a, b, commits) for a, b in outages]} if outages else {}),
     }
 
@@ -200,6 +201,12 @@ def sharded_state(finals: dict[str, dict]) -> dict[str, Any] | None:
             "mirrored": any("mirror_of" in f for f in finals.values())}  # fmt: skip
 
 
+def _claimed(ev: dict) -> list[str]:
+    """The spares a claim event names (the timeline is etcd data: anything else is none)."""
+    spares = ev.get("spares")
+    return [str(x) for x in spares] if isinstance(spares, list) else []
+
+
 def migrations(events: list[dict], commits: list[tuple[int, float]], median_step: float) -> list[dict]:
     """Planned migrations (kind "migration"): phases, and the pause of the switch step.
 
@@ -215,8 +222,8 @@ def migrations(events: list[dict], commits: list[tuple[int, float]], median_step
         elif g in by_gen:
             cur = by_gen[g]
             cur["t"].setdefault(ev["phase"], ev["time"])
-            if ev["phase"] == "claim" and isinstance(ev.get("spares"), list):
-                cur["spares"] = [str(x) for x in ev["spares"]]
+            if ev["phase"] == "claim":
+                cur["spares"] = _claimed(ev)
             elif ev["phase"] == "stream":
                 cur["bytes_streamed"] += ev.get("bytes", 0)
                 cur["snapshot_s"] = ev.get("seconds", 0.0)
@@ -260,8 +267,8 @@ def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step
                 cur["stream_s"] = max(cur["stream_s"], ev.get("seconds", 0.0))
             cur["t"].setdefault(ph, ev["time"])
             cur["generation"] = ev.get("generation")
-            if ph == "claim" and isinstance(ev.get("spares"), list):
-                cur["spares"] = [str(x) for x in ev["spares"]]
+            if ph == "claim":
+                cur["spares"] = _claimed(ev)
             if ph == "commit":
                 out.append(_finish(cur, commits, median_step))
                 cur = None

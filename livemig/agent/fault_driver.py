@@ -48,6 +48,10 @@ class FaultDriver:
         self._migration_ids: dict[int, str] = {}  # id(fault) -> the migration request it made
         self._gates_passed: set[int] = set()  # steps whose gate went by without its fault (not our target)
 
+    def resumes_due(self) -> bool:
+        """A SIGCONT or heal of the plan is still to come: the run's end waits for it."""
+        return bool(self._resumes)
+
     def busy(self) -> bool:
         """A fault plan is live: step triggers, timed resumes and slow duty cycles need the fine tick."""
         return bool(self.pending or self._resumes or self._slow or self._held)
@@ -217,8 +221,7 @@ class FaultDriver:
         assert self.agent.client is not None
         target: Child | None = None
         if f.kind == "etcd-kill":
-            if self.agent.cluster is None or self.agent.cluster.size < 2:
-                raise ConfigError("etcd-kill needs an embedded etcd cluster: run with --etcd-members 3")
+            assert self.agent.cluster is not None  # RunConfig refused the plan without one
             self.agent.cluster.kill_member(f.member)
             what = f"etcd member {f.member}"
         elif f.kind == "etcd-stop":
@@ -280,8 +283,7 @@ class FaultDriver:
         """SIGSTOP every embedded etcd member (an outage of the whole cluster); SIGCONT
         after `resume` seconds from a timer, since this agent's own etcd calls block."""
 
-        if self.agent.cluster is None:
-            raise ConfigError("etcd-stop needs the embedded etcd (drop --etcd)")
+        assert self.agent.cluster is not None  # RunConfig refused the plan without one
         assert self.agent.client is not None
         now = time.time()
         record_fault(self.agent.client, self.agent.keys, f.kind, None, step, now)  # before etcd stops answering

@@ -192,9 +192,7 @@ class Launcher:
         # under the caller's TMPDIR, as Unix socket paths inside it must stay under 108 bytes
         self.tmpdir = tempfile.mkdtemp(prefix=f"livemig-{cfg.job[:24]}-")
         part_rank = None
-        if cfg.etcd:
-            if any(f.kind in ("partition", "link") for f in cfg.faults):
-                raise ConfigError("a partition or link fault needs the embedded etcd (drop --etcd)")
+        if cfg.etcd:  # a fault that needs the embedded etcd was refused with the plan (RunConfig)
             self.etcd = cfg.etcd
         else:
             from livemig.rdzv.embedded import EtcdCluster
@@ -366,7 +364,7 @@ class Launcher:
                 if (
                     waited > 30
                     or not members_alive
-                    and not self.faults._resumes
+                    and not self.faults.resumes_due()
                     and (not replaced_alive or waited > 10)
                 ):
                     break
@@ -421,7 +419,6 @@ class Launcher:
         every other agent of the run and every standby spare, also one started from another
         shell; on an external etcd, which outlives us, the job's secret goes with it. The
         report is then built as at a normal end, so `--report` and the summary are written."""
-        t0 = time.monotonic()
         self._terminate()
         result = {"state": "interrupted", "reason": f"interrupted by {self.signal_name} (node {self.node_rank})",
                   "time": time.time()}  # fmt: skip
@@ -438,13 +435,13 @@ class Launcher:
         if rep is None:
             rep = report.empty(self.cfg.job, self.cfg.nproc, time.time() - self._t0)
         rep["result"] = result
-        log.info("interrupted: job marked ended, report built", extra={"s": round(time.monotonic() - t0, 3)})
         return rep
 
     def stop(self, grace: float = 5.0) -> None:
         """grace: how long children have after SIGTERM before SIGKILL."""
+        t0 = time.monotonic()
         self._terminate()
-        deadline = time.monotonic() + grace
+        deadline = t0 + grace
         for c in self.children:
             try:
                 c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -459,7 +456,7 @@ class Launcher:
                 os.killpg(c.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        log.info("children stopped", extra={"s": round(time.monotonic() - deadline + grace, 3)})
+        log.info("children stopped", extra={"s": round(time.monotonic() - t0, 3)})
         if self.node_keeper is not None:
             self.node_keeper.stop(revoke=True)
         if self.client is not None:
@@ -468,7 +465,7 @@ class Launcher:
             self.cluster.stop()
         if self.partition is not None:
             self.partition.teardown()
-        log.info("run stopped", extra={"s": round(time.monotonic() - deadline + grace, 3)})
+        log.info("run stopped", extra={"s": round(time.monotonic() - t0, 3)})
         remove_job_file(self.cfg.job)
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)

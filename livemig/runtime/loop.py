@@ -104,6 +104,7 @@ class StepLoop:
         t = self._in_step("ctx.sync_gradients()")
         self._uses_sync = True
         self._user_synced = t  # .grad may change before ctx.step(): a migrating spare gets what was applied
+        self._check_backward(t)
         self._sync_gradients(views=False)  # user code may change .grad: it gets a copy
 
     def _views_safe(self) -> bool:
@@ -122,8 +123,6 @@ class StepLoop:
         t = self._in_step("ctx.sync_gradients()")
         if self._synced is not None and self._synced[0] == t:
             return
-        if self._replay is None or self._replay[0] != t:
-            self._check_backward(t)
         if self._sandbox_pg is not None or self.role == Role.LOCAL or self.runtime is None:
             self._synced = (t, None, False, 0.0)  # a world of one: the gradient is its own average
             return
@@ -189,8 +188,7 @@ class StepLoop:
         if scaler is not None and self.role != Role.LOCAL:
             self.reg.extra_name_of(scaler)  # refused at once if unregistered: a spare could not follow it
         self._scaler = scaler
-        if self._replay is None or self._replay[0] != t:
-            self._check_backward(t)
+        self._check_backward(t)
         try:
             if self._sandbox_pg is not None:
                 self._sandbox_step(t)
@@ -266,8 +264,11 @@ class StepLoop:
 
     def _check_backward(self, step: int) -> None:
         """No gradient on any parameter at the user's own step means no backward ran: the
-        step trains nothing, which is said once (a replayed step holds the average)."""
-        if self._no_grad_said or not self._params or any(p.grad is not None for p in self._params):
+        step trains nothing, which is said once. Called by ctx.sync_gradients() and
+        ctx.step(), the two verbs a step ends with (a replayed step holds the average)."""
+        if self._no_grad_said or (self._replay is not None and self._replay[0] == step):
+            return
+        if not self._params or any(p.grad is not None for p in self._params):
             return
         self._no_grad_said = True
         log.warning(f"ctx.step() at step {step} found no gradient on any parameter: was loss.backward() "

@@ -53,6 +53,20 @@ PASS_REST_MAX_S = 0.1  # the most a pass rests after itself (as long as it took)
 MIRROR_WAIT_S = 0.5  # how long a pass waits for the mirror to hold the coordinator's own writes
 
 
+def held_by_node(lease_only: dict[int, float], node: dict[int, int | None], now: float, settle: float) -> set[int]:
+    """The ranks to hold back this pass: every rank of a node whose latest lease-only loss
+    (first seen at lease_only[rank]) is younger than settle. Held by node, not by rank: a
+    node's ranks whose leases expire one after the other wait for the last one's settle, so
+    the first is not fenced alone when its own settle ends before the node key or the next
+    rank's lease is seen gone (a CI run fenced a lost node's ranks as [3], then [2])."""
+    newest: dict[int, float] = {}
+    for r, first in lease_only.items():
+        n = node[r]
+        if n is not None:
+            newest[n] = max(newest.get(n, first), first)
+    return {r for r, n in node.items() if n in newest and now - newest[n] < settle}
+
+
 class Coordinator:
     def __init__(self, client: EtcdClient, job: str, world_size: int,
                  timeouts: Timeouts | None = None, host: str = "127.0.0.1") -> None:  # fmt: skip
@@ -277,7 +291,8 @@ class Coordinator:
         nodes, every member started by an agent whose node key is gone (its lease expired:
         the node died or was cut off) is dead with it, fenced in the same transaction. A
         member whose lease alone is gone (no agent report) while its agent's key lives is
-        held back for NODE_SETTLE_S, so the leases of one node's processes, which expire
+        held back, with every other such member of its node, until the node's latest such
+        death is lease_ttl/2 + 0.5 s old, so the leases of one node's processes, which expire
         within a keep-alive interval of each other, are not fenced one generation each."""
         m = s.m
         run = s.get(self.keys.run) or {}
@@ -288,14 +303,12 @@ class Coordinator:
         out = sorted(set(dead) | {r for r, mem in m.members.items() if mem.node in lost})
         now = time.monotonic()
         settle = self.timeouts.lease_ttl_s / 2 + 0.5
-        held = []
+        lease_only: dict[int, float] = {}  # rank -> when its lease was first seen gone (its agent said nothing)
         for r in out:
             mem = m.members[r]
-            by_lease = s.get(self.keys.suspect(mem.incarnation)) is None and mem.node not in lost
-            if by_lease and mem.node is not None:
-                first = self._lease_dead.setdefault((m.generation, mem.incarnation), now)
-                if now - first < settle:
-                    held.append(r)
+            if s.get(self.keys.suspect(mem.incarnation)) is None and mem.node not in lost and mem.node is not None:
+                lease_only[r] = self._lease_dead.setdefault((m.generation, mem.incarnation), now)
+        held = held_by_node(lease_only, {r: m.members[r].node for r in out}, now, settle)
         if lost and out:
             log.warning("node(s) lost: their ranks are fenced together", extra={"nodes": sorted(lost), "ranks": out})
         return [r for r in out if r not in held]

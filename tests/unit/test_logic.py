@@ -261,3 +261,19 @@ def test_link_attribution_rule():
     assert link_victims({0: [3], 1: [3], 2: [3, 1]}) == ([3], 3)
     # a silent rank and a reporter named equally often: the silent one (it did not report)
     assert link_victims({0: [2, 1], 1: [2], 3: [1]}) == ([2], 2)
+
+
+def test_a_lost_nodes_ranks_are_held_back_together():
+    """Leases of one node's ranks expire one after the other: every rank of the node waits
+    for the last one's settle, then all go in one fence; other nodes are not held."""
+    from livemig.coordinator.coordinator import held_by_node
+
+    node = {2: 1, 3: 1, 0: 0}
+    # rank 3's lease went first (t=0), rank 2's at t=1.4; settle 1.5 s
+    assert held_by_node({3: 0.0}, {3: 1}, 1.0, 1.5) == {3}
+    assert held_by_node({3: 0.0, 2: 1.4}, node, 1.6, 1.5) == {2, 3}  # rank 3's own settle is over
+    assert held_by_node({3: 0.0, 2: 1.4}, node, 2.95, 1.5) == set()  # both fenced together
+    # a rank whose agent reported it (not lease-only) on a held node waits with it
+    assert held_by_node({3: 0.0}, {2: 1, 3: 1}, 1.0, 1.5) == {2, 3}
+    # a spare of a standby host (no node) is never held
+    assert held_by_node({5: 0.0}, {5: None}, 0.1, 1.5) == set()

@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,7 +32,6 @@ from livemig.config import (
     ENV_INCARNATION,
     ENV_RANK,
     ENV_ROLE,
-    ENV_SELF_FAULT,
     ENV_SPARE_ID,
     ENV_WORLD_SIZE,
     ENV_ZERO1_MIRROR,
@@ -42,8 +41,6 @@ from livemig.config import (
     fast_exit,
 )  # fmt: skip
 from livemig.errors import ConfigError, FencedError, LivemigError
-from livemig.fault_gate import Gate
-from livemig.faults import parse_self_fault
 from livemig.rdzv.membership import new_incarnation
 from livemig.runtime.batches import Batches
 from livemig.runtime.bugs import exit_on_bug
@@ -54,13 +51,14 @@ from livemig.runtime.pull import StatePull
 from livemig.runtime.registry import Registry
 from livemig.runtime.self_faults import SelfFaults
 from livemig.runtime.standby import Standby
+from livemig.runtime.step_state import Averaged, LocalBlob, Replay, Synced
 from livemig.runtime.zero1_step import Zero1Steps
 from livemig.sandbox.warmup import SandboxWarmup
 
 log = logging.getLogger("livemig.api")
 
 
-class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup, SelfFaults, Batches):
+class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup):
     """What the training function sees. Attributes are valid after set-up:
 
     rank, world_size: this process's place in the job (a spare in standby
@@ -84,13 +82,11 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self._started = time.monotonic()
         self._standby_info: dict[str, float] = {}  # how the spare waited: bench warmup reads it
         self._sandbox_pg: Any = None
-        self._warm_loaders: dict[tuple, Any] = {}  # a spare's loaders from standby, workers running
+        self._batches = Batches(self)  # ctx.batches (runtime/batches.py)
         self._warm_s: float | None = None
         self._no_grad_said = False  # ctx.step() with no backward: said once (loop._check_backward)
         self._reset_user_state()
-        self._self_fault = parse_self_fault(os.environ[ENV_SELF_FAULT]) if os.environ.get(
-            ENV_SELF_FAULT) else None  # fmt: skip
-        self._gate = Gate({} if self.role == Role.LOCAL else None)  # a fault plan's steps (livemig/fault_gate.py)
+        self._faults = SelfFaults(self)  # test faults and the fault plan's gate (runtime/self_faults.py)
         if self.role != Role.LOCAL:
             from livemig.runtime.member import MemberRuntime
 
@@ -105,7 +101,7 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self._gathered_gen: int | None = None  # zero1: generation whose group last gathered the parameters
         self.committed = -1  # last step whose optimizer update is applied here
         self._current: int | None = None  # step being run (between yield and ctx.step())
-        self._avg: tuple[int, list] | None = None  # averaged gradient of the last commit
+        self._avg: Averaged | None = None  # averaged gradient of the last commit
         self._commits: list[list[float]] = []
         self._commit_gen, self._gen_steps = -1, []  # generation changes seen by the commits (_trim_commits)
         self._last_metrics: dict[str, float] = {}
@@ -120,13 +116,13 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         # The boundary rule (docs/architecture.md): snapshots of step boundaries, newest last.
         self._boundaries: dict[int, Any] = {}  # step -> packed extras + hyperparameters after step
         self._mirrored: dict[int, Any] = {}  # boundary step -> left neighbour's packed local state
-        self._local_blob: tuple[int, Any] | None = None  # (step, this rank's packed local state of that boundary)
+        self._local_blob: LocalBlob | None = None  # this rank's packed local state of the last boundary
         self._before: dict[int, list[torch.Tensor]] = {}  # step -> parameters before its update
-        self._replay: tuple | None = None  # a spare's replay of step resume-1 (runtime/loop.py)
+        self._replay: Replay | None = None  # a spare's replay of step resume-1 (runtime/loop.py)
         self._uses_sync = False  # the loop body called ctx.sync_gradients(): a replay needs the average
         self._user_synced: int | None = None  # the last step whose body called ctx.sync_gradients()
-        self._synced: tuple | None = None  # (step, averaged buckets, switch vote, compute_s) of sync_gradients()
-        self._fetched: tuple | None = None  # (step, averaged buckets) a recovery fetched from a peer
+        self._synced: Synced | None = None  # what the step's average left for the commit
+        self._fetched: Averaged | None = None  # a step's average a recovery fetched from a peer
         self._scaler: Any = None  # the GradScaler of the ctx.step() in progress
         self._grad_views = os.environ.get(ENV_GRAD_VIEWS, "1") != "0"  # runtime/loop.py, _views_safe
 
@@ -222,6 +218,11 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         of one; nothing survives them): guard side effects with
         `if not ctx.warming_up and ctx.rank == 0:`."""
         return self._sandbox_pg is not None
+
+    def batches(self, loader: Any) -> Iterator[Any]:
+        """Iterate `loader` from the step the loop runs at: call next() on the result
+        once per step inside `for step in ctx.steps(...)`."""
+        return self._batches.batches(loader)
 
     def log(self, **metrics: float) -> None:
         """Metrics shown in `livemig run`'s progress lines (e.g. loss=...); ignored

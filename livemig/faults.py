@@ -167,8 +167,20 @@ def parse_fault(spec: str) -> Fault:
     return Fault(kind, rank, step, during, resume, factor, member, after)  # type: ignore[arg-type]
 
 
-def parse_self_fault(spec: str) -> tuple[str, int, str, float]:
-    """LIVEMIG_SELF_FAULT -> (kind, step, at, resume seconds or 10)."""
+@dataclass(frozen=True)
+class SelfFault:
+    """A fault a worker carries out on itself (LIVEMIG_SELF_FAULT, or `livemig inject
+    wedge|break` taken at a boundary): kind is selfkill, selfwedge, selfbreak, selfstall
+    or drop_avg; it lands in step `step` at the point `at` (runtime/self_faults.py)."""
+
+    kind: str
+    step: int
+    at: str = "allreduce"
+    seconds: float = 10.0  # selfstall: how long the spare stalls
+
+
+def parse_self_fault(spec: str) -> SelfFault:
+    """LIVEMIG_SELF_FAULT (what Fault.self_spec writes) -> SelfFault."""
     kind, *rest = spec.split(":")
     fields = dict(p.partition("=")[::2] for p in rest)
-    return kind, int(fields["step"]), fields.get("at", "allreduce"), float(fields.get("resume") or 10.0)
+    return SelfFault(kind, int(fields["step"]), fields.get("at", "allreduce"), float(fields.get("resume") or 10.0))

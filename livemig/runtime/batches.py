@@ -52,30 +52,35 @@ def _check(loader: Any) -> None:
 
 
 class Batches:
-    """Mixed into api.Context."""
+    """Owned by api.Context: a spare's warm loaders (workers running) kept from standby.
+    Reads the context's step, rank and world size as the loop moves."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+        self._warm: dict[tuple, Any] = {}
 
     def batches(self, loader: Any) -> Iterator[Any]:
-        """Iterate `loader` from the step the loop runs at: call next() on the result
-        once per step inside `for step in ctx.steps(...)`."""
         _check(loader)
-        if self.role == Role.SPARE and self._joining is not None:
-            warm = self._warm_loaders.get(_shape(loader))
+        ctx = self._ctx
+        if ctx.role == Role.SPARE and ctx._joining is not None:
+            warm = self._warm.get(_shape(loader))
             if warm is not None:
                 log.info("using the loader warmed up in standby", extra={"workers": warm.num_workers})
                 loader = warm
-        elif self.role == Role.SPARE and loader.num_workers > 0 and loader.persistent_workers:
-            self._warm_loaders[_shape(loader)] = loader  # standby: keep it, workers and all
+        elif ctx.role == Role.SPARE and loader.num_workers > 0 and loader.persistent_workers:
+            self._warm[_shape(loader)] = loader  # standby: keep it, workers and all
         return self._feed(loader)
 
     def _feed(self, loader: Any) -> Iterator[Any]:
+        ctx = self._ctx
         it, expect = None, None
         while True:
-            step = self._current
+            step = ctx._current
             if step is None:
                 raise ConfigError("next(ctx.batches(loader)) called outside `for step in ctx.steps(...)`")
             if it is None or step != expect:  # first use, or the loop moved (a spare's replay, a warm-up)
-                loader.batch_sampler.place(step, self.rank if not self.warming_up else 0,
-                                           self.world_size if not self.warming_up else 1)  # fmt: skip
+                local = ctx.warming_up
+                loader.batch_sampler.place(step, 0 if local else ctx.rank, 1 if local else ctx.world_size)
                 it = iter(loader)
             yield next(it)
             expect = step + 1

@@ -23,6 +23,7 @@ from livemig.data import seed_step, step_seed
 from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import GenState
 from livemig.runtime.start_sync import check_replicas, sync_start
+from livemig.runtime.step_state import Averaged, LocalBlob, Synced
 
 log = logging.getLogger("livemig.runtime.loop")
 COMMITS_KEPT = 200  # commit times in the final record, besides those around generation changes
@@ -38,7 +39,7 @@ class StepLoop:
         self._total = total
         start = 0
         if self.role == Role.WORKER:
-            self._gate.check_total(total)  # a fault plan's step the job never reaches: refused now
+            self._faults.gate.check_total(total)  # a fault plan's step the job never reaches: refused now
             self.runtime.register(self.rank, host_store=self.rank == 0)
             self._register_signature()
             self.runtime.follow(1, self)
@@ -69,15 +70,12 @@ class StepLoop:
             if self._reducer is not None:
                 self._reducer.arm(self.runtime.pg)
             self._step_t0 = time.monotonic()
-            self._maybe_self_fault(step, "compute")
+            self._faults.at(step, "compute")
             yield step
             if self.committed != step:
                 raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
             self._at_boundary(step)
-            if self._gate.wants(self.rank, step):
-                self._at_gate(step)
-            if self.runtime is not None and self.runtime.injected is not None:
-                self._take_injected(step)
+            self._faults.at_boundary(step)
         self._current = None
         if self._leaving is not None:  # the switch was voted at the last step
             self._leave(self._leaving)
@@ -121,18 +119,18 @@ class StepLoop:
 
     def _sync_gradients(self, views: bool) -> None:
         t = self._in_step("ctx.sync_gradients()")
-        if self._synced is not None and self._synced[0] == t:
+        if self._synced is not None and self._synced.step == t:
             return
         if self._sandbox_pg is not None or self.role == Role.LOCAL or self.runtime is None:
-            self._synced = (t, None, False, 0.0)  # a world of one: the gradient is its own average
+            self._synced = Synced(t, None)  # a world of one: the gradient is its own average
             return
-        if self._replay is not None and self._replay[0] == t:
-            avg = self._replay[2]
+        if self._replay is not None and self._replay.step == t:
+            avg = self._replay.avg
             if avg is None:
                 raise RecoveryError(f"the spare replaying step {t} holds no averaged gradient of it")
             self._ensure_grads()
             self._reducer.write_back(avg)
-            self._synced = (t, avg, False, 0.0)
+            self._synced = Synced(t, avg)
             return
         if self._zero is not None:
             raise ConfigError(
@@ -151,26 +149,26 @@ class StepLoop:
             try:
                 self._keep_before(t)
                 self._mirror_local(t)  # before the vote: nobody commits t unless our mirror holds it
-                self._maybe_self_fault(t, "allreduce")
+                self._faults.at(t, "allreduce")
                 if first:  # the overlapped reduction launched during backward
                     flats = red.finish(self.world_size, self.timeouts.collective, self.runtime.moved_on, ctl)
                 else:
                     flats = red.flatten(self.world_size)  # pre-divided, as the overlapped path's buckets
                     allreduce_sum(self.runtime.pg, [*flats, ctl], self.timeouts.collective, self.runtime.moved_on)
                     ctl.div_(self.world_size)
-                self._at_commit_point(t, "average")
+                self._faults.at_commit_point(t, "average")
             except CollectiveAborted as exc:
                 first = False
                 self._join_recovery(t, exc)
-                if self._fetched is not None and self._fetched[0] == t:  # a peer completed it: we have it
-                    self._synced = (t, self._fetched[1], False, compute_s)
+                if self._fetched is not None and self._fetched.step == t:  # a peer completed it: we have it
+                    self._synced = Synced(t, self._fetched.flats, False, compute_s)
                     self._fetched = None
                     return
                 continue
             # No copy needed for the kept average: the reducer double-buffers, so these
             # buffers are reused only after the next step's commit replaced self._avg.
             red.write_back(flats, views=views)
-            self._synced = (t, flats, float(ctl[0]) == 1.0, compute_s)
+            self._synced = Synced(t, flats, float(ctl[0]) == 1.0, compute_s)
             self.runtime.leave_collective()
             return
 
@@ -196,18 +194,20 @@ class StepLoop:
             if self.role == Role.LOCAL or self.world_size == 1 and self.runtime is None:
                 self._commit(t, None)
                 return
-            if self._replay is not None and self._replay[0] == t:
+            if self._replay is not None and self._replay.step == t:
                 self._finish_replay(t)
                 return
             if self._zero is not None:
                 if scaler is not None:
                     raise ConfigError("ctx.step(scaler=...) with sharding='zero1' is not supported yet")
                 self._step_zero1(t)
-                self._maybe_self_fault(t, "after_step")
+                self._faults.at(t, "after_step")
                 return
             views = self._views_safe()
             self._sync_gradients(views=views)  # a no-op if the user synced already
-            _, flats, switch, compute_s = self._synced
+            synced = self._synced
+            assert synced is not None
+            flats, switch, compute_s = synced.flats, synced.switch, synced.compute_s
             # A leaving worker serves each step's update to the spare catching up. The average
             # itself only when it is what the optimizer stepped with (nothing could change .grad),
             # before our optimizer step so the spare applies it meanwhile; otherwise (clipping,
@@ -221,7 +221,7 @@ class StepLoop:
             if applied is not None:
                 self._serve_applied(t, applied, switch)
             self._after_commit(t, switch)
-            self._maybe_self_fault(t, "after_step")
+            self._faults.at(t, "after_step")
         finally:
             self._scaler = None
 
@@ -266,7 +266,7 @@ class StepLoop:
         """No gradient on any parameter at the user's own step means no backward ran: the
         step trains nothing, which is said once. Called by ctx.sync_gradients() and
         ctx.step(), the two verbs a step ends with (a replayed step holds the average)."""
-        if self._no_grad_said or (self._replay is not None and self._replay[0] == step):
+        if self._no_grad_said or (self._replay is not None and self._replay.step == step):
             return
         if not self._params or any(p.grad is not None for p in self._params):
             return
@@ -306,7 +306,7 @@ class StepLoop:
         else:
             self.reg.step_optimizer(self._scaler, applied)
         self.committed = t
-        self._avg = (t, avg) if avg is not None else None
+        self._avg = Averaged(t, avg) if avg is not None else None
         if replay:  # a migrating spare replaying the group's steps: not a commit of the job's
             return
         self._commits.append([t, time.time()])
@@ -356,7 +356,7 @@ class StepLoop:
         self._boundaries[step] = self.reg.pack_boundary()
         self._boundaries.pop(step - 2, None)
         if self.reg.has_local:
-            self._local_blob = (step, self.reg.pack_local())
+            self._local_blob = LocalBlob(step, self.reg.pack_local())
 
     def _keep_before(self, t: int) -> None:
         """The parameters before step t's update, the newest two: a spare replaying
@@ -378,9 +378,9 @@ class StepLoop:
         knows that the mirror holds every rank's boundary t-1."""
         if not self.reg.has_local or self.world_size < 2:
             return
-        if self._local_blob is None or self._local_blob[0] != t - 1:
+        if self._local_blob is None or self._local_blob.step != t - 1:
             raise RecoveryError(f"rank {self.rank} has no local-state snapshot of boundary {t - 1}")
-        got = ring_exchange(self.runtime.pg, self._local_blob[1], self.rank, self.world_size,
+        got = ring_exchange(self.runtime.pg, self._local_blob.blob, self.rank, self.world_size,
                             self.timeouts.collective, self.runtime.moved_on)  # fmt: skip
         self._mirrored[t - 1] = got
         self._mirrored.pop(t - 3, None)
@@ -394,17 +394,18 @@ class StepLoop:
         after ctx.step() (a scheduler stepped once, a metric updated with this
         step's loss) then reach boundary s-1 exactly as r's own would have; at
         ctx.step() the parameters after the update are put back."""
-        t, boundary, local, before, avg, committed_extra = self._replay
+        rep = self._replay
+        assert rep is not None
+        t = rep.step
         self._zero_regather()  # the group's first collective after a switch, on every member
-        self.reg.load_boundary(boundary)
-        if local is not None:
-            self.reg.load_local(local)
+        self.reg.load_boundary(rep.boundary)
+        if rep.local is not None:
+            self.reg.load_local(rep.local)
         self._at_boundary(t - 1)  # a later recovery may need them from us
         with torch.no_grad():
-            after = [p.detach().clone() for p in self._params]
-            for p, b in zip(self._params, before, strict=True):
+            rep.after = [p.detach().clone() for p in self._params]
+            for p, b in zip(self._params, rep.before, strict=True):
                 p.copy_(b)
-        self._replay = (t, after, avg, committed_extra)
         self._current = t
         seed_step(step_seed(self.seed, t, self.rank))
         if self._reducer is not None:
@@ -415,11 +416,11 @@ class StepLoop:
         self._at_boundary(t)
 
     def _finish_replay(self, t: int) -> None:
-        _, after, _, committed_extra = self._replay
-        self._replay = None
+        rep, self._replay = self._replay, None
+        assert rep is not None and rep.after is not None
         if self._scaler is not None:  # changed only by commits: take the source's, as of step t
-            self._scaler.load_state_dict(committed_extra[self.reg.extra_name_of(self._scaler)])
+            self._scaler.load_state_dict(rep.extra[self.reg.extra_name_of(self._scaler)])
         with torch.no_grad():
-            for p, a in zip(self._params, after, strict=True):
+            for p, a in zip(self._params, rep.after, strict=True):
                 p.copy_(a)
                 p.grad = None

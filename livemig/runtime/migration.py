@@ -178,7 +178,7 @@ class Migration:
             self.reg.load_state(got.state)
             self.committed, self._loaded_step = got.step - 1, got.step
             self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
-            self._stall_after_snapshot()  # a test fault (spare-hang:during=snapshot), before we report
+            self._faults.stall_after_snapshot()  # a test fault (spare-hang:during=snapshot), before we report
             rec = {"incarnation": self.incarnation, "loaded": got.step, "resyncs": resyncs, **self._stream_info}
             rt.put(rt.keys.catchup(g), {**rec, "applied": self.committed, "time": time.time()})
             return rec

@@ -18,6 +18,7 @@ from livemig.comm.group import CollectiveAborted
 from livemig.config import Role, buddy_stride
 from livemig.errors import RecoveryError, TransferError
 from livemig.rdzv.membership import Membership
+from livemig.runtime.step_state import Averaged, Replay
 from livemig.state import unpack
 from livemig.transfer import items
 from livemig.transfer.client import pull
@@ -39,7 +40,7 @@ class StatePull:
         return sorted(self._mirrored)
 
     def avg_step(self) -> int | None:
-        return self._avg[0] if self._avg else None
+        return self._avg.step if self._avg else None
 
     def catch_up(self, m: Membership) -> dict[str, Any] | None:
         """Reach the agreed boundary (resume_step) of generation m."""
@@ -53,8 +54,8 @@ class StatePull:
         if self.committed == target - 1 and self._current == target:
             if self._zero is None:
                 self._fetch_avg(m, target)
-            elif self._avg is not None and self._avg[0] == target:
-                self._commit(target, self._avg[1])  # a peer passed the barrier: finish the step alone
+            elif self._avg is not None and self._avg.step == target:
+                self._commit(target, self._avg.flats)  # a peer passed the barrier: finish the step alone
                 log.info("finished a step a peer committed, from the slices held here", extra={"step": target})
             else:
                 raise RecoveryError(f"rank {self.rank} does not hold the gradient slices of step {target}")
@@ -87,9 +88,9 @@ class StatePull:
             for sh in (self._zero.own, self._zero.mirror):
                 if sh is not None:
                     srv.publish(m.generation, items.zshard(sh.shard), lambda sh=sh: (self.committed + 1, sh.state()))
-        elif self._avg is not None and self._avg[0] == self.committed:
+        elif self._avg is not None and self._avg.step == self.committed:
             avg = self._avg
-            srv.publish(m.generation, items.AVG, lambda: (avg[0], {"flat": avg[1]}))
+            srv.publish(m.generation, items.AVG, lambda: (avg.step, {"flat": avg.flats}))
 
     def _sources(self, m: Membership, ranks: list[int] | None = None) -> list[str]:
         ranks = m.sources if ranks is None else ranks
@@ -131,7 +132,7 @@ class StatePull:
         log.info("fetched the averaged gradient of a step a peer completed", extra={"step": t})
         # ctx.sync_gradients()/step() take it from here: the user's code between the two
         # still runs once, and the commit is the usual one.
-        self._fetched = (t, got.state["flat"])
+        self._fetched = Averaged(t, got.state["flat"])
 
     def _into_model(self) -> Callable[[int, dict], torch.Tensor | None]:
         """A transfer destination for a state object: its first tensors, the model's,
@@ -185,7 +186,7 @@ class StatePull:
                     raise RecoveryError(f"source holds the average of step {part.step}, need {self.committed}")
                 avg = part.state["flat"]
                 nbytes += part.nbytes
-            self._replay = (self.committed, unpack(st["boundary"]), local, st["before"], avg, st["extra"])
+            self._replay = Replay(self.committed, unpack(st["boundary"]), local, st["before"], avg, st["extra"])
         self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
         log.info("state loaded", extra={"resume_step": got.step, "bytes": got.nbytes,
                                         "seconds": round(got.seconds, 4)})  # fmt: skip

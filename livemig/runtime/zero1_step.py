@@ -11,6 +11,7 @@ import logging
 
 from livemig.comm.group import CollectiveAborted
 from livemig.rdzv.membership import GenState
+from livemig.runtime.step_state import Averaged
 
 log = logging.getLogger("livemig.runtime.zero1_step")
 
@@ -36,16 +37,16 @@ class Zero1Steps:
                 break
             try:
                 self._keep_before(t)
-                self._maybe_self_fault(t, "allreduce")
+                self._faults.at(t, "allreduce")
                 if first:  # reductions launched during backward
                     reduced = red.finish(self.world_size, timeout, rt.moved_on)
                 else:
                     reduced = red.reduce(rt.pg, red.flatten(self.world_size), timeout, rt.moved_on)
                 own, mirror = z.slices(rt.pg, reduced, timeout, rt.moved_on)
-                self._avg = (t, [own, mirror])  # held: enough to finish step t alone
+                self._avg = Averaged(t, [own, mirror])  # held: enough to finish step t alone
                 self._mirror_local(t)  # before the barrier: whoever passes it knows the mirror holds t
                 z.barrier(rt.pg, timeout, rt.moved_on)
-                self._at_commit_point(t, "barrier result")
+                self._faults.at_commit_point(t, "barrier result")
             except CollectiveAborted as exc:
                 first = False
                 self._join_recovery(t, exc)
@@ -55,7 +56,7 @@ class Zero1Steps:
             self._gathered_gen = None
             held = [own, mirror]
             try:
-                self._maybe_self_fault(t, "gather")
+                self._faults.at(t, "gather")
                 z.gather(rt.pg, timeout, rt.moved_on,
                          meanwhile=lambda held=held: self._commit(t, held, mirror_only=True))  # fmt: skip
                 self._gathered_gen = rt.gen

@@ -8,8 +8,8 @@ user code derives from `ctx.rank` before the loop is exactly what a worker
 started with that rank would have; the streamed state is loaded and the loop
 starts at the agreed step.
 
-This file is the facade: the protocols live in livemig/runtime/ (one room
-each, mixed into Context) and livemig/sandbox/.
+This file is the facade: `Context` holds the user's verbs only; the `Engine` behind
+it assembles the protocols of livemig/runtime/ and livemig/sandbox/.
 """
 
 from __future__ import annotations
@@ -58,13 +58,10 @@ from livemig.sandbox.warmup import SandboxWarmup
 log = logging.getLogger("livemig.api")
 
 
-class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup):
-    """What the training function sees. Attributes are valid after set-up:
-
-    rank, world_size: this process's place in the job (a spare in standby
-    sees rank 0 until it is claimed). generation: the membership generation
-    whose process group it trains in.
-    """
+class Engine(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup):
+    """The member behind a `Context`: the step protocol (the runtime/ mixins, over the
+    state set here) and its collaborators (self-faults, batches). MemberRuntime calls it
+    back through runtime.member.Callbacks; the user sees only the Context facade."""
 
     def __init__(self, seed: int = 0, timeouts: Timeouts | None = None) -> None:
         self.seed = seed
@@ -232,6 +229,49 @@ class Context(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup
         self._last_metrics = {k: float(v) for k, v in metrics.items()}
 
 
+def _verb(name: str) -> Callable:
+    """A Context method that is the engine's, with its signature and docstring."""
+    impl = getattr(Engine, name)
+
+    def verb(self: Context, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._engine, name)(*args, **kwargs)
+
+    return functools.update_wrapper(verb, impl)
+
+
+def _read(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self._engine, name), doc=doc)
+
+
+class Context:
+    """What the training function sees: the README's verbs and where this process stands.
+
+    rank, world_size: this process's place in the job (a spare in standby sees rank 0
+    until it is claimed). generation: the membership generation whose process group it
+    trains in. role: worker, spare or local (outside `livemig run`). Nothing else is on
+    it: the runtime's callbacks live on the Engine behind it (tests/unit/test_layers.py
+    holds the set).
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    register = _verb("register")
+    steps = _verb("steps")
+    batches = _verb("batches")
+    no_sync = _verb("no_sync")
+    sync_gradients = _verb("sync_gradients")
+    clip_grad_norm_ = _verb("clip_grad_norm_")
+    step = _verb("step")
+    busy = _verb("busy")
+    log = _verb("log")
+    rank = _read("rank", "This process's rank (0 for a spare in standby, until it is claimed).")
+    world_size = _read("world_size", "The number of ranks training.")
+    generation = _read("generation", "The membership generation whose process group this process trains in.")
+    role = _read("role", "worker, spare or local (a plain process outside `livemig run`).")
+    warming_up = _read("warming_up", Engine.warming_up.__doc__ or "")
+
+
 def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
     """Wrap a training function `fn(ctx, *args, **kwargs)`.
 
@@ -247,10 +287,11 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
             ctx = None
             clean = False  # the job ended and this member saw it: nothing of its group is pending
             try:
-                ctx = Context(seed, timeouts)
+                ctx = Engine(seed, timeouts)
+                user = Context(ctx)
                 while True:  # a spare: standby -> claimed -> (an aborted migration: standby again)
                     try:
-                        result = fn(ctx, *args, **kwargs)
+                        result = fn(user, *args, **kwargs)
                         break
                     except _Activate as act:
                         log.info("claimed", extra={"rank": act.rank, "generation": act.generation,

@@ -52,7 +52,7 @@ def _check(loader: Any) -> None:
 
 
 class Batches:
-    """Owned by api.Context: a spare's warm loaders (workers running) kept from standby.
+    """Owned by api.Engine: a spare's warm loaders (workers running) kept from standby.
     Reads the context's step, rank and world size as the loop moves."""
 
     def __init__(self, ctx: Any) -> None:

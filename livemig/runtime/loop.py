@@ -30,7 +30,7 @@ COMMITS_KEPT = 200  # commit times in the final record, besides those around gen
 
 
 class StepLoop:
-    """Mixed into api.Context; relies on the attributes Context.__init__ sets."""
+    """Mixed into api.Engine; relies on the attributes Engine.__init__ sets."""
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices, from the agreed resume step after a recovery."""

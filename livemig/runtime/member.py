@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -55,6 +55,26 @@ def _urgent(item: dict) -> bool:
     """A failed collective, a long wait or a busy flag: the coordinator acts on these (a
     recovery, the hang check), so they go out at once, outside the progress budget."""
     return "failed_step" in item or "waiting_step" in item or "busy" in item
+
+
+class Callbacks(Protocol):
+    """What MemberRuntime calls back on the member it moves between generations (api.Engine):
+    the state to report to the coordinator, the catch-up to the agreed boundary, what to
+    serve to peers, and what to redo after a switch outside a step."""
+
+    def committed_step(self) -> int | None: ...  # the last step applied here (None: a spare holding no state)
+
+    def avg_step(self) -> int | None: ...  # the step whose averaged gradient is held
+
+    def mirrored_steps(self) -> list[int]: ...  # boundaries of the left neighbour's local state held
+
+    def catch_up(self, m: Membership) -> dict[str, Any] | None: ...  # reach m's resume step; what streamed
+
+    def serve(self, m: Membership) -> None: ...  # publish what generation m's members may pull from here
+
+    def after_switch(self) -> None: ...  # a new group followed outside a step (ZeRO-1: gather again)
+
+    def write_final(self) -> None: ...  # record the final state again (the job may end in this group)
 
 
 class MemberRuntime:
@@ -384,11 +404,9 @@ class MemberRuntime:
             next_at = time.monotonic() + max(self.m.world_size, 1) / self._progress_budget
 
     # -- the protocol ---------------------------------------------------------------------
-    def follow(self, min_gen: int, member: Any) -> Membership:
-        """Move into the newest committed generation >= min_gen.
-
-        `member` is the Context: it supplies committed_step(), avg_step(),
-        catch_up(m) and serve(m)."""
+    def follow(self, min_gen: int, member: Callbacks) -> Membership:
+        """Move into the newest committed generation >= min_gen, reporting and moving
+        `member`'s state through its callbacks."""
         reported: set[int] = set()
         while True:
             m = self.wait_membership(
@@ -434,7 +452,7 @@ class MemberRuntime:
             f"the coordinator to move past generation {m.generation} ({m.state})",
         )
 
-    def _build(self, m: Membership, member: Any) -> None:
+    def _build(self, m: Membership, member: Callbacks) -> None:
         g, rank = m.generation, m.rank_of(self.incarnation)
         assert rank is not None
         if self.rank != rank or self.keeper is None:
@@ -474,7 +492,7 @@ class MemberRuntime:
         else:
             retire(pg, idle=True)  # built, never used: the generation moved on before its commit
 
-    def wait_result(self, member: Any) -> Membership:
+    def wait_result(self, member: Callbacks) -> Membership:
         """After the last step: stay a member (serving, rebuilding) until DONE."""
         while True:
             m = self.wait_membership(

@@ -30,7 +30,7 @@ log = logging.getLogger("livemig.runtime.migration")
 
 
 class Migration:
-    """Mixed into api.Context; relies on the attributes Context.__init__ sets."""
+    """Mixed into api.Engine; relies on the attributes Engine.__init__ sets."""
 
     def _migration_plan(self) -> tuple[Membership, dict] | None:
         """The migration of our group in progress, if any."""

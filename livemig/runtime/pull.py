@@ -27,7 +27,7 @@ log = logging.getLogger("livemig.runtime.pull")
 
 
 class StatePull:
-    """Mixed into api.Context; relies on the attributes Context.__init__ sets."""
+    """Mixed into api.Engine; relies on the attributes Engine.__init__ sets."""
 
     def committed_step(self) -> int | None:
         if self.role == Role.SPARE and self._loaded_step is None:

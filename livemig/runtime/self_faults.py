@@ -23,7 +23,7 @@ log = logging.getLogger("livemig.runtime.self_faults")
 
 
 class SelfFaults:
-    """Owned by api.Context: the pending self-fault and the plan's gate. Reads the
+    """Owned by api.Engine: the pending self-fault and the plan's gate. Reads the
     context's rank, runtime and warming_up when a point is reached (a spare's rank changes
     when it is claimed)."""
 

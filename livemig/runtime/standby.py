@@ -33,7 +33,7 @@ def _result_exists(rt: Any) -> bool:
 
 
 class Standby:
-    """Mixed into api.Context; relies on the attributes Context.__init__ sets."""
+    """Mixed into api.Engine; relies on the attributes Engine.__init__ sets."""
 
     def _register_signature(self) -> None:
         rt = self.runtime

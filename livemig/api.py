@@ -51,7 +51,7 @@ from livemig.runtime.pull import StatePull
 from livemig.runtime.registry import Registry
 from livemig.runtime.self_faults import SelfFaults
 from livemig.runtime.standby import Standby
-from livemig.runtime.step_state import Averaged, LocalBlob, Replay, Synced
+from livemig.runtime.step_state import Averaged, LocalBlob, Outgoing, Replay, Synced
 from livemig.runtime.zero1_step import Zero1Steps
 from livemig.sandbox.warmup import SandboxWarmup
 
@@ -105,10 +105,7 @@ class Engine(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup)
         self._total = 0
         self._loaded_step: int | None = None
         self._stream_info: dict[str, Any] = {}
-        self._mig_gen: int | None = None  # leaving worker: the migration generation it serves
-        self._mig_step: int | None = None  # leaving worker: the step its snapshot was taken before
-        self._mig_snap: str | None = None  # leaving worker: the snapshot item it serves now
-        self._leaving: int | None = None  # leaving worker: the switch was voted; leave at the next boundary
+        self._out = Outgoing()  # a leaving worker's side of a planned migration
         self._step_t0 = 0.0
         # The boundary rule (docs/architecture.md): snapshots of step boundaries, newest last.
         self._boundaries: dict[int, Any] = {}  # step -> packed extras + hyperparameters after step

@@ -77,8 +77,8 @@ class StepLoop:
             self._at_boundary(step)
             self._faults.at_boundary(step)
         self._current = None
-        if self._leaving is not None:  # the switch was voted at the last step
-            self._leave(self._leaving)
+        if self._out.leaving is not None:  # the switch was voted at the last step
+            self._leave(self._out.leaving)
         self.after_switch()
 
     def _sync_start(self) -> None:

@@ -19,6 +19,7 @@ from livemig.config import Role
 from livemig.errors import RecoveryError, TransferError, WithdrawnError
 from livemig.rdzv.membership import GenState, Membership
 from livemig.runtime.control import _Released, _Requeue
+from livemig.runtime.step_state import Outgoing
 from livemig.state import flatten, unflatten, unpack
 from livemig.transfer import items
 from livemig.transfer.client import pull
@@ -45,14 +46,14 @@ class Migration:
         asks for it; every staying member starts building the new group."""
         if self.role == Role.LOCAL or self._zero is not None:
             return
-        if self._leaving is not None:
-            self._leave(self._leaving)  # the switch step is done, user code after ctx.step() too
+        if self._out.leaving is not None:
+            self._leave(self._out.leaving)  # the switch step is done, user code after ctx.step() too
         rt = self.runtime
         plan = self._migration_plan()
         if plan is None:
-            if self._mig_gen is not None and rt.m.generation != self._mig_gen:
+            if self._out.gen is not None and rt.m.generation != self._out.gen:
                 rt.server.withdraw()  # the migration was resolved: stop serving its items
-                self._mig_gen = self._mig_step = self._mig_snap = None
+                self._out = Outgoing()
                 if self._reducer is not None:
                     self._reducer.keep(2)
             return
@@ -63,18 +64,18 @@ class Migration:
             snaps = [w for w in list(rt.server.wanted) if items.is_snapshot(w)]
             for w in snaps:
                 rt.server.wanted.discard(w)
-            if self._mig_gen == m.generation:
-                snaps = [w for w in snaps if w != self._mig_snap]
+            if self._out.gen == m.generation:
+                snaps = [w for w in snaps if w != self._out.snap]
             want = max(snaps, key=lambda w: int(w.partition("/")[2] or 0), default=None)
             if want is not None:
-                if self._mig_gen == m.generation and self._mig_snap:
-                    rt.server.withdraw(self._mig_snap)  # the spare asked for a newer one: free the old copy
+                if self._out.gen == m.generation and self._out.snap:
+                    rt.server.withdraw(self._out.snap)  # the spare asked for a newer one: free the old copy
                 tensors: list[torch.Tensor] = []
                 skel = flatten(self.state_obj(), tensors)
                 snap = unflatten(skel, [x.clone() for x in tensors])  # training goes on: serve a copy
                 step = self.committed + 1
                 rt.server.publish(m.generation, want, lambda: (step, snap))
-                self._mig_gen, self._mig_step, self._mig_snap = m.generation, step, want
+                self._out = Outgoing(m.generation, step, want)
                 if self._reducer is not None:
                     self._reducer.keep(AVG_KEEP + 1)  # serve averages straight from the buckets
                 log.info("migration: snapshot served", extra={"step": step, "generation": m.generation,
@@ -89,12 +90,12 @@ class Migration:
             return 0.0
         m, mig = plan
         if mig.get("leaving") == self.incarnation:
-            return 1.0 if self._mig_gen == m.generation else 0.0
+            return 1.0 if self._out.gen == m.generation else 0.0
         return 1.0 if self.runtime.prebuilt(m.generation) is not None else 0.0
 
     def _serving_migration(self, t: int) -> bool:
         """Does this (leaving) worker serve step t's update to a catching-up spare?"""
-        return self._mig_gen is not None and self._mig_step is not None and t >= self._mig_step
+        return self._out.serves(t)
 
     def _serve_avg(self, t: int, flats: list[torch.Tensor], final: bool) -> None:
         """Leaving worker: publish step t's averaged gradient and the step's hyperparameters
@@ -107,7 +108,7 @@ class Migration:
         self._publish_step(t, {**applied[0], "hparams": self.reg.hparams(), "final": final})
 
     def _publish_step(self, t: int, item: dict) -> None:
-        rt, g = self.runtime, self._mig_gen
+        rt, g = self.runtime, self._out.gen
         rt.server.publish(g, items.step_avg(t), lambda: (t, item))
         rt.server.withdraw(items.step_avg(t - AVG_KEEP))
         rt.server.wanted.discard(items.step_avg(t))
@@ -120,7 +121,7 @@ class Migration:
             return
         m, mig = plan
         if mig.get("leaving") == self.incarnation:
-            self._leaving = m.generation  # leave at the next boundary
+            self._out.leaving = m.generation  # leave at the next boundary
             return
         rt = self.runtime
         rank = m.rank_of(self.incarnation)
@@ -133,7 +134,7 @@ class Migration:
         outside the optimizer (buffers, registered extras, hyperparameters a scheduler
         set), serve until the spare switched, then exit."""
         rt, t = self.runtime, self.committed
-        self._leaving = None
+        self._out.leaving = None
         tail = {"local": self.reg.pack_local(), "boundary": self.reg.pack_boundary()}
         rt.server.publish(g, items.tail(t), lambda: (t, tail))
         m = rt.wait_membership(lambda x: x.generation != g or x.state != GenState.MIGRATING,

@@ -55,3 +55,20 @@ class LocalBlob:
 
     step: int
     blob: Any
+
+
+@dataclass
+class Outgoing:
+    """A leaving worker's side of a planned migration (runtime/migration.py): the
+    migration generation it serves (None: none), the step its snapshot was taken
+    before, the snapshot item it serves now, and, once the switch was voted, the
+    generation to leave for at the next boundary."""
+
+    gen: int | None = None
+    step: int | None = None
+    snap: str | None = None
+    leaving: int | None = None
+
+    def serves(self, t: int) -> bool:
+        """Does this worker serve step t's update to the catching-up spare?"""
+        return self.gen is not None and self.step is not None and t >= self.step

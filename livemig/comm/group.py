@@ -192,11 +192,6 @@ def _shutdown(pg: Any) -> None:
         log.debug("group shutdown failed", extra={"err": str(exc)})
 
 
-def graveyard_size() -> int:
-    with _GRAVE_LOCK:
-        return len(_GRAVEYARD)
-
-
 def release_all() -> None:
     """Before exit: shut down what may be; a group that may still be inside a collective
     is dropped and collected (destroyed before the interpreter's teardown, see the

@@ -11,10 +11,18 @@ from collections.abc import Iterator
 
 import pytest
 
+from livemig.bench.references import References
 from livemig.rdzv.embedded import EtcdCluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 logging.getLogger("livemig").setLevel(logging.INFO)
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory) -> References:
+    """The session's fault-free reference runs, one per key (livemig/bench/references.py):
+    every test and the faults matrix ask this one cache."""
+    return References(tmp_path_factory.mktemp("refs"))
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,34 @@ partition:...` or `link:...`.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
+import tempfile
 
 from livemig.errors import ConfigError
+
+
+def _claim(kind: str, start: int, lo: int, hi: int) -> tuple[int, int]:
+    """A namespace id in [lo, hi) no live process of this machine holds: (id, the lock's fd).
+    The lock is an flock, so a dead run's id is free again, and setup's removal of a dead
+    run's leftovers never touches a live run's namespace (two runs, or two pytest
+    workers, whose pids agree modulo the range)."""
+    span = hi - lo
+    for i in range(span):
+        ident = lo + (start - lo + i) % span
+        fd = os.open(os.path.join(tempfile.gettempdir(), f"livemig-{kind}-{ident}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return ident, fd
+        except BlockingIOError:
+            os.close(fd)
+    raise ConfigError(f"every {kind} namespace id ({lo}..{hi - 1}) is held by a live run on this machine")
+
+
+def _release(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)  # drops the flock
 
 
 def _ip(*args: str) -> None:
@@ -31,7 +55,10 @@ def _ip(*args: str) -> None:
 
 class Partition:
     def __init__(self, k: int | None = None) -> None:
-        self.k = (os.getpid() % 200) + 1 if k is None else k
+        self._lock: int | None = None
+        if k is None:
+            k, self._lock = _claim("partition", (os.getpid() % 200) + 1, 1, 201)
+        self.k = k
         self.ns = f"lm-{self.k}"
         self.host_if, self.ns_if = f"lmh{self.k}", f"lmn{self.k}"
         self.host_ip, self.ns_ip = f"10.213.{self.k}.1", f"10.213.{self.k}.2"
@@ -78,6 +105,8 @@ class Partition:
         subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
         self.up = False
+        _release(self._lock)
+        self._lock = None
 
 
 class Hosts:
@@ -89,7 +118,10 @@ class Hosts:
     its link down, `heal(k)` brings it back. Always `teardown()` (a context manager)."""
 
     def __init__(self, count: int, ident: int | None = None) -> None:
-        self.id = (os.getpid() % 200) + 20 if ident is None else ident
+        self._lock: int | None = None
+        if ident is None:
+            ident, self._lock = _claim("hosts", (os.getpid() % 200) + 20, 20, 220)
+        self.id = ident
         self.count = count
         self.bridge = f"lmbr{self.id}"
         self.names = [f"lmh{self.id}-{k}" for k in range(count)]
@@ -100,7 +132,7 @@ class Hosts:
         return f"lmv{self.id}x{k}", f"lmp{self.id}x{k}"
 
     def setup(self) -> Hosts:
-        self.teardown()  # leftovers of a dead run
+        self._remove()  # leftovers of a dead run (the id's lock says no live run holds them)
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.root_addr}/24", "dev", self.bridge)
@@ -146,6 +178,11 @@ class Hosts:
         _ip("link", "set", self._veth(k)[0], "up")
 
     def teardown(self) -> None:
+        self._remove()
+        _release(self._lock)
+        self._lock = None
+
+    def _remove(self) -> None:
         import signal
 
         for k, ns in enumerate(self.names):

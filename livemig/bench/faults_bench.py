@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -22,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 from livemig.agent.launcher import RunConfig, run
+from livemig.bench.references import References
 from livemig.config import Role, Timeouts
 from livemig.faults import parse_fault
 
@@ -118,7 +121,7 @@ MATRIX: list[Case] = [
 ]  # fmt: skip
 
 
-def run_case(case: Case, reference: Callable[[int], str]) -> dict[str, Any]:
+def run_case(case: Case, refs: References) -> dict[str, Any]:
     t = Timeouts(lease_ttl=timedelta(seconds=case.lease_ttl), collective=timedelta(seconds=30),
                  recovery=timedelta(seconds=60), spare_wait=timedelta(seconds=15))  # fmt: skip
     cfg = RunConfig(script=case.script, args=case.args, nproc=case.nproc, spares=case.spares,
@@ -128,7 +131,7 @@ def run_case(case: Case, reference: Callable[[int], str]) -> dict[str, Any]:
     t0 = time.monotonic()
     rep = run(cfg)
     wall = time.monotonic() - t0
-    ref = reference(case.nproc, case.script, case.args)
+    ref = refs.get(case.nproc, case.script, case.args).digest
     done = (rep["result"] or {}).get("state") == "done"
     notes = []
     if not done:
@@ -160,24 +163,6 @@ def run_case(case: Case, reference: Callable[[int], str]) -> dict[str, Any]:
         "recoveries": n, "downtime_s": downtime, "wall_s": wall, "ok": not notes,
         "notes": "; ".join(notes), "report": rep,
     }  # fmt: skip
-
-
-def references() -> Callable[..., str]:
-    cache: dict[tuple, str] = {}
-
-    def get(nproc: int, script: str = MLP, args: list[str] | None = None) -> str:
-        args = list(WORKLOAD if args is None else args)
-        key = (nproc, script, tuple(args))
-        if key not in cache:
-            cfg = RunConfig(script=script, args=args, nproc=nproc, job=f"f-ref{nproc}-{uuid.uuid4().hex[:4]}",
-                            quiet=True, max_wall=300)  # fmt: skip
-            rep = run(cfg)
-            if (rep["result"] or {}).get("state") != "done":
-                raise RuntimeError(f"the fault-free reference run with {nproc} workers failed: {rep['result']}")
-            cache[key] = rep["state_digest"]
-        return cache[key]
-
-    return get
 
 
 STATEFUL = os.path.join(ROOT, "examples", "stateful.py")
@@ -327,11 +312,15 @@ def run_matrix(a: argparse.Namespace) -> int:
         if unknown:
             raise SystemExit(f"unknown case(s) {sorted(unknown)}; known: {', '.join(c.name for c in every)}")
         cases = [c for c in every if c.name in want]
-    ref = references()
-    rows = []
-    for c in cases:
-        print(f"  {c.name} ...", flush=True)
-        rows.append(run_case(c, ref))
+    where = tempfile.mkdtemp(prefix="livemig-refs-")
+    try:
+        refs = References(where)  # the tests' cache too (livemig/bench/references.py)
+        rows = []
+        for c in cases:
+            print(f"  {c.name} ...", flush=True)
+            rows.append(run_case(c, refs))
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
     print(f"\n{'case':<30} {'injected at':<44} {'recovered':<9} {'steps':>5} {'bit-identical':<13} "
           f"{'downtime_s':>10}  notes")  # fmt: skip
     for r in rows:

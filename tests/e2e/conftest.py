@@ -1,8 +1,8 @@
 """End-to-end runs: real `livemig run` launcher, etcd, workers, spares, gloo.
 
 The workload is examples/mlp.py shrunk (2 x Linear(1024,1024)) so a run
-takes seconds; the reference digest of a fault-free run is computed once
-per world size.
+takes seconds; each fault-free reference runs once per session, shared by every
+test that asks for the same settings (the `references` fixture).
 """
 
 from __future__ import annotations
@@ -16,13 +16,16 @@ from typing import Any
 
 import pytest
 
+from livemig.bench.references import Reference, References
 from tests.helpers.logs import process_logs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MLP = os.path.join(REPO, "examples", "mlp.py")
 MLP_ZERO1 = os.path.join(REPO, "examples", "mlp_zero1.py")
+STATEFUL = os.path.join(REPO, "examples", "stateful.py")
 STEPS = 24
 WORKLOAD = ["--steps", str(STEPS), "--layers", "2", "--batch", "32"]
+RUN_ENV = {"LIVEMIG_LOG_LEVEL": "INFO", "LIVEMIG_RECOVERY_TIMEOUT": "60"}  # what livemig_run adds
 
 
 @dataclass
@@ -42,8 +45,7 @@ def livemig_run(tmp_path, nproc: int, spares: int = 0, faults: tuple[str, ...] =
     for f in faults:
         cmd += ["--fault", f]
     cmd += [script, *(workload or WORKLOAD)]
-    full_env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path), LIVEMIG_LOG_LEVEL="INFO",
-                    LIVEMIG_RECOVERY_TIMEOUT="60", **(env or {}))  # fmt: skip
+    full_env = {**os.environ, "LIVEMIG_STATE_DIR": str(tmp_path), **RUN_ENV, **(env or {})}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
     rep = json.loads(report.read_text()) if report.exists() else {}
     return Run(p.returncode, rep, p.stdout, p.stderr)
@@ -54,21 +56,32 @@ def explain(run: Run) -> str:
     return "\n".join([run.stdout[-3000:], run.stderr[-3000:], *process_logs(run.report, 25)])
 
 
-@pytest.fixture(scope="session")
-def reference_digest(tmp_path_factory):
-    cache: dict[tuple, str] = {}
+def reference_of(references: References, nproc: int, script: str = MLP, workload: list[str] | None = None,
+                 env: dict | None = None) -> Reference:  # fmt: skip
+    """The fault-free run with these settings, from the session's shared cache."""
+    return references.get(nproc, script, list(workload or WORKLOAD), {**RUN_ENV, **(env or {})})
 
+
+def rank_files(out) -> dict[int, dict]:
+    """The per-rank JSON files a script wrote into a directory (rank<r>.json)."""
+    return {int(f.stem[4:]): json.loads(f.read_text()) for f in out.glob("rank*.json")}
+
+
+@pytest.fixture(scope="session")
+def stateful_reference(references):
+    """examples/stateful.py's fault-free run: (report, each rank's dumped state). Without
+    the step sleep the faulted runs add (it changes no state), so they all share one."""
+
+    def get(nproc: int, args: tuple = (), steps: int = 16) -> tuple[dict, dict[int, dict]]:
+        ref = reference_of(references, nproc, STATEFUL, ["--steps", str(steps), *args], {"STATEFUL_DUMP": "{out}"})
+        return ref.report, rank_files(ref.out)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_digest(references):
     def get(nproc: int, script: str = MLP, env: dict | None = None, workload: list[str] | None = None) -> str:
-        key = (nproc, script, tuple(sorted((env or {}).items())), tuple(workload or WORKLOAD))
-        if key not in cache:
-            name = f"ref{nproc}{'z' if script == MLP_ZERO1 else ''}{len(cache)}"
-            run = livemig_run(tmp_path_factory.mktemp(name), nproc, job=name, script=script, env=env,
-                              workload=workload)  # fmt: skip
-            assert run.rc == 0, explain(run)
-            steps = (workload or WORKLOAD)[(workload or WORKLOAD).index("--steps") + 1]
-            assert run.report["steps_completed"] == int(steps)
-            assert run.report["replicas_identical"], explain(run)
-            cache[key] = run.report["state_digest"]
-        return cache[key]
+        return reference_of(references, nproc, script, workload, env).digest
 
     return get

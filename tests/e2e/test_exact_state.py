@@ -11,14 +11,12 @@ sample ids every rank consumed equal too (the sampler's state holds them).
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from tests.e2e.conftest import REPO, explain, livemig_run
+from tests.e2e.conftest import REPO, STATEFUL, explain, livemig_run, rank_files
 
-STATEFUL = os.path.join(REPO, "examples", "stateful.py")
 STEPS = 16
 
 
@@ -29,24 +27,12 @@ def _run(tmp_path, nproc, spares=0, faults=(), args=(), env=None, job="s", steps
     env = {"STATEFUL_DUMP": str(dump), "STATEFUL_STEP_SLEEP": "0.05", **(env or {})}
     run = livemig_run(tmp_path, nproc, spares=spares, faults=faults, script=STATEFUL, job=job,
                       workload=["--steps", str(steps), *args], env=env)  # fmt: skip
-    ranks = {int(f.stem[4:]): json.loads(f.read_text()) for f in dump.glob("rank*.json")}
-    return run, ranks
+    return run, rank_files(dump)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cache: dict = {}
-
-    def get(nproc: int, args: tuple = (), steps: int = STEPS):
-        key = (nproc, args, steps)
-        if key not in cache:
-            run, ranks = _run(tmp_path_factory.mktemp("ref"), nproc, args=args, job="ref", steps=steps)
-            assert run.rc == 0 and run.report["steps_completed"] == steps, explain(run)
-            assert run.report["replicas_identical"], explain(run)
-            cache[key] = (run.report, ranks)
-        return cache[key]
-
-    return get
+@pytest.fixture(scope="session")
+def reference(stateful_reference):
+    return lambda nproc, args=(), steps=STEPS: stateful_reference(nproc, args, steps)
 
 
 def assert_rank_by_rank(run, ranks, ref):

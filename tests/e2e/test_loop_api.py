@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from tests.e2e.conftest import REPO, explain, livemig_run
+from tests.e2e.conftest import REPO, explain, livemig_run, reference_of
 from tests.e2e.test_exact_state import _run, assert_rank_by_rank
 from tests.e2e.test_exact_state import reference as reference  # noqa: F401 - the shared fixture
 from tests.helpers import clip_proc
@@ -78,9 +78,8 @@ def test_clip_with_zero1_and_accumulation_misuse_get_one_line(tmp_path):
 CHAR_STEPS = ["--steps", "24", "--batch", "8"]
 
 
-def test_char_lm_killed_rank_by_rank_with_loader_workers(tmp_path):
-    ref = livemig_run(tmp_path, 2, script=CHAR_LM, job="cref", workload=CHAR_STEPS)
-    assert ref.rc == 0, explain(ref)
+def test_char_lm_killed_rank_by_rank_with_loader_workers(tmp_path, references):
+    ref = reference_of(references, 2, CHAR_LM, CHAR_STEPS)
     run = livemig_run(tmp_path, 2, spares=1, faults=("kill:rank=1:step=11",), script=CHAR_LM, job="c",
                       workload=CHAR_STEPS)  # fmt: skip
     assert run.rc == 0 and run.report["recoveries"], explain(run)

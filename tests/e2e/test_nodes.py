@@ -17,7 +17,7 @@ import pytest
 from livemig.rdzv.client import EtcdClient, decode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership
-from tests.e2e.conftest import REPO, livemig_run
+from tests.e2e.conftest import REPO, reference_of
 from tests.e2e.test_exact_state import STATEFUL
 
 needs_netns = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"),
@@ -82,7 +82,8 @@ def hosts():
         yield h
 
 
-def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = (), cut: bool = False) -> dict:
+def _node_loss(tmp_path, procs, hosts, references, per_node: int, args: tuple[str, ...] = (),
+               cut: bool = False) -> dict:  # fmt: skip
     """etcd on host 0, per_node ranks on each of hosts 1 and 2, per_node spares on standby
     host 3; every process of host 2 (agent, workers, coordinator candidate) SIGKILLed at
     step 10, or (cut) host 2's link taken down until its ranks were replaced, then healed.
@@ -90,9 +91,7 @@ def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = ()
     work = [*WORK, *args]
     world = 2 * per_node
     # the fault-free reference on one node, its buddies where the two-node job has them
-    ref = livemig_run(tmp_path, world, job="ref", script=STATEFUL, workload=work[1:],
-                      env={**SLEEP, "LIVEMIG_BUDDY_STRIDE": str(per_node)})  # fmt: skip
-    assert ref.rc == 0, ref.stderr
+    ref = reference_of(references, world, STATEFUL, work[1:], {"LIVEMIG_BUDDY_STRIDE": str(per_node)})
     etcd = _start_etcd(procs, hosts.wrap(0, []), hosts.addrs[0])
     job = "nodes"
     agent = ["--nproc-per-node", str(per_node)]
@@ -147,20 +146,20 @@ def _node_loss(tmp_path, procs, hosts, per_node: int, args: tuple[str, ...] = ()
 
 
 @needs_netns
-def test_a_whole_node_lost_is_replaced_from_a_standby_host_exactly(tmp_path, procs, hosts):
-    _node_loss(tmp_path, procs, hosts, 1)
+def test_a_whole_node_lost_is_replaced_from_a_standby_host_exactly(tmp_path, procs, hosts, references):
+    _node_loss(tmp_path, procs, hosts, references, 1)
 
 
 @needs_netns
-def test_a_worker_host_cut_off_is_replaced_and_stops_as_fenced_when_healed(tmp_path, procs, hosts):
-    _node_loss(tmp_path, procs, hosts, 1, cut=True)
+def test_a_worker_host_cut_off_is_replaced_and_stops_as_fenced_when_healed(tmp_path, procs, hosts, references):
+    _node_loss(tmp_path, procs, hosts, references, 1, cut=True)
 
 
 @needs_netns
-def test_a_node_of_two_zero1_ranks_with_local_state_lost_exactly(tmp_path, procs, hosts):
+def test_a_node_of_two_zero1_ranks_with_local_state_lost_exactly(tmp_path, procs, hosts, references):
     """Each rank's ZeRO-1 shard and local= state are mirrored on the rank one node further
     (rank + nproc_per_node), so losing a whole node keeps a copy of each."""
-    _node_loss(tmp_path, procs, hosts, 2, ("--sharding", "zero1"))
+    _node_loss(tmp_path, procs, hosts, references, 2, ("--sharding", "zero1"))
 
 
 def test_agents_that_do_not_fit_the_run_are_refused(tmp_path, procs):
@@ -211,15 +210,13 @@ def test_agents_that_do_not_fit_the_run_are_refused(tmp_path, procs):
 
 
 @needs_netns
-def test_the_node_of_the_leader_and_an_etcd_member_lost_exactly(tmp_path, procs, hosts):
+def test_the_node_of_the_leader_and_an_etcd_member_lost_exactly(tmp_path, procs, hosts, references):
     """A 3-member etcd (`livemig etcd`) on hosts 0, 1 and 2; two ranks on each of hosts 1
     and 2; spares on host 3. The host whose coordinator candidate leads is lost with its
     etcd member: quorum holds, the other node's candidate takes over, both lost ranks are
     replaced in one recovery, exact."""
     per_node, world = 2, 4
-    ref = livemig_run(tmp_path, world, job="ref", script=STATEFUL, workload=WORK[1:],
-                      env={**SLEEP, "LIVEMIG_BUDDY_STRIDE": str(per_node)})  # fmt: skip
-    assert ref.rc == 0, ref.stderr
+    ref = reference_of(references, world, STATEFUL, WORK[1:], {"LIVEMIG_BUDDY_STRIDE": str(per_node)})
     cluster = ",".join(f"e{k}=http://{hosts.addrs[k]}:2380" for k in range(3))
     for k in range(3):
         procs.spawn(hosts.wrap(k, [sys.executable, "-m", "livemig.cli", "etcd", "--name", f"e{k}", "--listen",

@@ -18,11 +18,8 @@ OUTAGE = f"etcd-stop:step=8:resume={3 * TTL}"
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run, ranks = _run(tmp_path_factory.mktemp("ref"), 2, args=ARGS, job="ref", steps=STEPS,
-                      env={"STATEFUL_STEP_SLEEP": "0.1"})  # fmt: skip
-    assert run.rc == 0 and run.report["steps_completed"] == STEPS, explain(run)
-    return run.report, ranks
+def reference(stateful_reference):
+    return stateful_reference(2, ARGS, STEPS)
 
 
 def _outage_run(tmp_path, faults):

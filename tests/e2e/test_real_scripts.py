@@ -12,13 +12,12 @@ are ~5 ms, so a fault lands on its step only through the fault gate. CI budget: 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
 import pytest
 
-from tests.e2e.conftest import REPO, explain, livemig_run
+from tests.e2e.conftest import REPO, explain, livemig_run, rank_files, reference_of
 
 PORT = os.path.join(REPO, "examples", "ddp_port.py")
 DIVERGE = os.path.join(REPO, "tests", "helpers", "diverge_proc.py")
@@ -27,31 +26,29 @@ AMP = ["--amp", "--inf-every", "3"]  # an overflow every 3rd step: one inside an
 CLIP = 0.5  # examples/ddp_port.py's default --clip
 
 
+def _work(args: tuple, step_ms: int, out: str) -> list[str]:
+    if "--amp" not in args:  # 2 ranks: a torch scheduler; 3 ranks (amp): the lr set by hand
+        args = ("--scheduler", *args)
+    return ["--steps", str(STEPS), "--step-ms", str(step_ms), *args, "--out", out]
+
+
 def _run(tmp_path, nproc, spares=0, faults=(), args=(), job="p", step_ms=5):
     """The step padding (sleep) changes no state: runs of any step_ms share a reference."""
     out = tmp_path / f"out-{job}"
     out.mkdir()
-    if "--amp" not in args:  # 2 ranks: a torch scheduler; 3 ranks (amp): the lr set by hand
-        args = ("--scheduler", *args)
-    work = ["--steps", str(STEPS), "--step-ms", str(step_ms), *args, "--out", str(out)]
-    run = livemig_run(tmp_path, nproc, spares=spares, faults=faults, script=PORT, job=job, workload=work)
-    ranks = {int(f.stem[4:]): json.loads(f.read_text()) for f in out.glob("rank*.json")}
-    return run, ranks
+    run = livemig_run(tmp_path, nproc, spares=spares, faults=faults, script=PORT, job=job,
+                      workload=_work(args, step_ms, str(out)))  # fmt: skip
+    return run, rank_files(out)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cache: dict = {}
-
+@pytest.fixture(scope="session")
+def reference(references):
     def get(nproc: int, args: tuple = ()):
-        if (nproc, args) not in cache:
-            run, ranks = _run(tmp_path_factory.mktemp("ref"), nproc, args=args, job="ref")
-            assert run.rc == 0 and run.report["steps_completed"] == STEPS, explain(run)
-            # the per-rank seed of the script: equal replicas only through the start-up sync
-            assert run.report["replicas_identical"], explain(run)
-            assert len(ranks) == nproc
-            cache[(nproc, args)] = (run.report, ranks)
-        return cache[(nproc, args)]
+        ref = reference_of(references, nproc, PORT, _work(args, 0, "{out}"))
+        # the per-rank seed of the script: equal replicas only through the start-up sync (checked by the cache)
+        ranks = rank_files(ref.out)
+        assert len(ranks) == nproc
+        return ref.report, ranks
 
     return get
 

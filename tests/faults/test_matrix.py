@@ -18,13 +18,8 @@ from datetime import timedelta
 import psutil
 import pytest
 
-from livemig.bench.faults_bench import MATRIX, MLP, WORKLOAD, references, run_case
+from livemig.bench.faults_bench import MATRIX, MLP, WORKLOAD, run_case
 from tests.helpers.logs import process_logs
-
-
-@pytest.fixture(scope="session")
-def reference():
-    return references()
 
 
 @pytest.fixture(autouse=True)
@@ -47,16 +42,16 @@ def _explain(row: dict) -> str:
 
 
 @pytest.mark.parametrize("case", MATRIX, ids=[c.name for c in MATRIX])
-def test_fault_case(case, reference):
+def test_fault_case(case, references):
     if case.slow and os.environ.get("LIVEMIG_FAULTS_QUICK"):
         pytest.skip("slow case (LIVEMIG_FAULTS_QUICK=1)")
     if case.needs_root and (os.geteuid() != 0 or not shutil.which("ip")):
         pytest.skip("needs root and iproute2 (network namespaces)")
-    row = run_case(case, reference)
+    row = run_case(case, references)
     assert row["ok"], _explain(row)
 
 
-def test_malformed_values_under_job_prefix_are_ignored(tmp_path, reference):
+def test_malformed_values_under_job_prefix_are_ignored(tmp_path, references):
     """Garbage written under the job's prefix is logged and ignored; the job finishes exactly."""
     import json
 
@@ -84,6 +79,6 @@ def test_malformed_values_under_job_prefix_are_ignored(tmp_path, reference):
             job.kill()
     assert job.returncode == 0, out
     rep = json.loads((tmp_path / "r.json").read_text())
-    assert rep["steps_completed"] == 40 and rep["state_digest"] == reference(2)
+    assert rep["steps_completed"] == 40 and rep["state_digest"] == references.get(2, MLP, WORKLOAD).digest
     coord = next(p for p in rep["processes"] if p["role"] == "coordinator")
     assert "ignoring a malformed value" in open(coord["log"]).read()

@@ -277,3 +277,24 @@ def test_a_lost_nodes_ranks_are_held_back_together():
     assert held_by_node({3: 0.0}, {2: 1, 3: 1}, 1.0, 1.5) == {2, 3}
     # a spare of a standby host (no node) is never held
     assert held_by_node({5: 0.0}, {5: None}, 0.1, 1.5) == set()
+
+
+def test_a_reference_is_shared_only_by_runs_with_the_same_settings(monkeypatch):
+    """The shared fault-free cache (livemig/bench/references.py): where files go does not
+    split it; any LIVEMIG_* setting, argument, world size or other env entry does."""
+    from livemig.bench.references import References
+
+    monkeypatch.delenv("LIVEMIG_BUDDY_STRIDE", raising=False)
+    base = References.key(2, "examples/mlp.py", ["--steps", "4"], {"LIVEMIG_LOG_LEVEL": "INFO"})
+    monkeypatch.setenv("LIVEMIG_STATE_DIR", "/somewhere/else")
+    assert References.key(2, "examples/mlp.py", ["--steps", "4"], {"LIVEMIG_LOG_LEVEL": "INFO"}) == base
+    assert References.key(2, "examples/mlp.py", ["--steps", "4"], {"LIVEMIG_LOG_LEVEL": "INFO",
+                                                                  "LIVEMIG_STATE_DIR": "/x"}) == base  # fmt: skip
+    others = [References.key(3, "examples/mlp.py", ["--steps", "4"], {"LIVEMIG_LOG_LEVEL": "INFO"}),
+              References.key(2, "examples/mlp.py", ["--steps", "5"], {"LIVEMIG_LOG_LEVEL": "INFO"}),
+              References.key(2, "examples/stateful.py", ["--steps", "4"], {"LIVEMIG_LOG_LEVEL": "INFO"}),
+              References.key(2, "examples/mlp.py", ["--steps", "4"], {"LIVEMIG_LOG_LEVEL": "INFO", "X": "1"}),
+              References.key(2, "examples/mlp.py", ["--steps", "4"], {"LIVEMIG_LOG_LEVEL": "DEBUG"})]  # fmt: skip
+    monkeypatch.setenv("LIVEMIG_BUDDY_STRIDE", "2")  # set in the caller's environment, not its env=
+    others.append(References.key(2, "examples/mlp.py", ["--steps", "4"], {"LIVEMIG_LOG_LEVEL": "INFO"}))
+    assert len({base, *others}) == len(others) + 1

@@ -18,7 +18,6 @@ on any host; a claimed spare is a member and is not stopped.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -31,9 +30,10 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 from livemig import logs
-from livemig.agent.children import fenced_too_long, kill_group, report_death
+from livemig.agent.children import Child
 from livemig.agent.jobs import resolve, state_dir
 from livemig.agent.nodes import default_host
+from livemig.agent.standby import StandbyAgent
 from livemig.config import (
     ENV_BUDDY_STRIDE,
     ENV_ETCD,
@@ -151,96 +151,17 @@ def cmd_start(a: argparse.Namespace) -> int:
         env[ENV_INCARNATION] = new_incarnation(Role.SPARE, host or None)
         argv = [sys.executable, a.script, *a.args]
         logs.say(f"spare {sid}: standby for job {a.job} (world size {world})")
-        children.append((subprocess.Popen(argv, env=env, start_new_session=True), env[ENV_INCARNATION],
-                         f"spare {sid}"))  # fmt: skip
-    return _supervise(children, client, keys)
-
-
-def _job_interrupted(client: EtcdClient, keys: JobKeys) -> str:
-    """The reason, if the job's run was interrupted (Ctrl-C of a `livemig run`): its spares,
-    claimed ones included, have nothing left to serve."""
-    try:
-        kv = client.get(keys.result, timedelta(seconds=1))
-    except EtcdUnavailableError:
-        return ""
-    res = decode(kv.value) if kv is not None else None
-    if isinstance(res, dict) and res.get("state") == "interrupted":
-        return str(res.get("reason") or "interrupted")
-    return ""
-
-
-def _supervise(children: list[tuple[subprocess.Popen, str, str]], client: EtcdClient, keys: JobKeys) -> int:
-    """Be the spares' agent (livemig/agent/children.py): kill one that is fenced and does not exit,
-    report a death at once, remove a fence key once its process is reaped, stop them all
-    when the job was interrupted. Returns the first non-zero exit code (as a shell reports
-    a signal: 128 + n), else 0."""
-    first_seen: dict[str, float] = {}
-    codes: dict[str, int] = {}
+        proc = subprocess.Popen(argv, env=env, start_new_session=True)
+        children.append(Child(f"spare {sid}", Role.SPARE, env[ENV_INCARNATION], proc, ""))
 
     def stop(*_: object) -> None:
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, stop)
-    polled = 0.0
+    old = signal.signal(signal.SIGTERM, stop)  # a SIGTERM stops the spares as Ctrl-C does
     try:
-        while len(codes) < len(children):
-            if time.monotonic() - polled >= 0.25:
-                polled = time.monotonic()
-                if why := _job_interrupted(client, keys):
-                    logs.say(f"livemig-spare: job {keys.job} ended ({why}): its spares exit")
-                    _stop_children(children)
-                    return 0
-            for proc, inc, name in children:
-                if inc in codes:
-                    continue
-                if proc.poll() is not None:
-                    codes[inc] = proc.returncode
-                    _reaped(client, keys, inc, name, proc.returncode)
-                    continue
-                try:
-                    if client.get(keys.fenced(inc)) is not None and fenced_too_long(first_seen, inc):
-                        kill_group(proc.pid, name)
-                except EtcdUnavailableError:
-                    pass  # an outage: the spares ride it through, and so do we
-            time.sleep(0.25)
-    except KeyboardInterrupt:
-        _stop_children(children)
-        return 130
+        return StandbyAgent(client, keys, children).run()  # agent/standby.py
     finally:
         signal.signal(signal.SIGTERM, old)
-    bad = [c for c in codes.values() if c != 0]
-    return (bad[0] if bad[0] >= 0 else 128 - bad[0]) if bad else 0
-
-
-def _stop_children(children: list[tuple[subprocess.Popen, str, str]], grace: float = 10.0) -> None:
-    for proc, _, _name in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGCONT)
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc, _, name in children:
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            kill_group(proc.pid, name)
-            proc.wait()
-
-
-def _reaped(client: EtcdClient, keys: JobKeys, inc: str, name: str, code: int) -> None:
-    """Report a spare that died and forget its fence key. A clean exit needs neither (and
-    the job's etcd may be gone with the job); otherwise etcd gets 10 s at most: its lease
-    tells the same a little later."""
-    if code == 0:
-        return
-    seen = time.time()
-    deadline = time.monotonic() + min(10.0, Timeouts.from_env().etcd_outage.total_seconds())
-    while True:
-        try:
-            report_death(client, keys, inc, name, code, seen)
-            client.delete(keys.fenced(inc))
-            return
-        except EtcdUnavailableError:
-            if time.monotonic() > deadline:
-                return
 
 
 def cmd_status(a: argparse.Namespace) -> int:

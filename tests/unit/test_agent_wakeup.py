@@ -1,17 +1,26 @@
 """The agent loop's sleep (agent/watch.py Wakeup): a child's exit and a poke end it at
-once; otherwise it lasts its tick. Real child processes, no fakes."""
+once; otherwise it lasts its tick. And the standby host's agent built on it
+(agent/standby.py). Real child processes and a real etcd, no fakes."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import pytest
 
+from livemig.agent.children import Child
+from livemig.agent.standby import StandbyAgent
 from livemig.agent.watch import Wakeup
+from livemig.config import Role
+from livemig.rdzv.client import EtcdClient, encode
+from livemig.rdzv.keys import JobKeys
 
 
 @dataclass
@@ -78,3 +87,75 @@ def test_without_events_the_wait_lasts_its_tick(kids, w):
     w.wait([k], 0.4)
     took = time.monotonic() - t0
     assert 0.35 <= took < 2.0 if w.exits_seen else took < 2.0
+
+
+# -- the standby host's agent (agent/standby.py): real etcd, real child processes --------------
+
+
+def _spare(name: str, code: str) -> Child:
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    return Child(name, Role.SPARE, f"inc-{name}", proc, "")
+
+
+def _run_agent(agent: StandbyAgent) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("rc", agent.run()), daemon=True)
+    t.start()
+    return t, out
+
+
+@pytest.fixture
+def job(etcd):
+    client = EtcdClient(etcd.endpoints, timedelta(seconds=4))
+    keys = JobKeys(f"standby-{time.monotonic_ns()}")
+    made: list[Child] = []
+    yield client, keys, made
+    for c in made:
+        if c.proc.poll() is None:
+            os.killpg(c.proc.pid, signal.SIGKILL)
+        c.proc.wait(timeout=10)
+    client.close()
+
+
+def test_a_standby_agent_reports_a_dead_spare_at_once_and_returns_its_code(job):
+    """Budget: ~2 s. A spare that dies is a suspect in etcd within a pass (a pidfd wakes the
+    agent), its fence key goes once reaped, and `livemig-spare start` exits with its code."""
+    client, keys, made = job
+    made += [_spare("a", "import time; time.sleep(0.5); raise SystemExit(3)"), _spare("b", "pass")]
+    client.put(keys.fenced("inc-a"), b"{}")
+    agent = StandbyAgent(client, keys, made)
+    t, out = _run_agent(agent)
+    t.join(timeout=15)
+    assert out.get("rc") == 3
+    sus = client.get(keys.suspect("inc-a"))
+    assert sus is not None and b"exit code 3" in sus.value
+    assert client.get(keys.suspect("inc-b")) is None  # a clean exit is no death
+    assert client.get(keys.fenced("inc-a")) is None
+
+
+def test_a_standby_agent_kills_a_fenced_spare_that_does_not_exit(job, monkeypatch):
+    """Budget: ~2 s. A spare that cannot see its fence is killed FENCED_KILL_S after the
+    fence key appears (the watch wakes the agent; its tick runs the clock)."""
+    monkeypatch.setenv("LIVEMIG_FENCED_KILL_S", "0.5")
+    client, keys, made = job
+    made.append(_spare("w", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"))
+    agent = StandbyAgent(client, keys, made)
+    t, out = _run_agent(agent)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    client.put(keys.fenced("inc-w"), b"{}")
+    t.join(timeout=15)
+    assert out.get("rc") == 128 + signal.SIGKILL and time.monotonic() - t0 < 3.0
+    assert client.get(keys.fenced("inc-w")) is None
+
+
+def test_a_standby_agent_stops_its_spares_when_the_job_was_interrupted(job):
+    """Budget: ~1 s. A `livemig run` interrupted (Ctrl-C) ends its standby hosts' spares too."""
+    client, keys, made = job
+    made.append(_spare("s", "import time; time.sleep(60)"))
+    agent = StandbyAgent(client, keys, made, grace_s=5)
+    t, out = _run_agent(agent)
+    time.sleep(0.3)
+    client.put(keys.result, encode({"state": "interrupted", "reason": "Ctrl-C"}))
+    t.join(timeout=15)
+    assert out.get("rc") == 0 and made[0].proc.poll() == -signal.SIGTERM

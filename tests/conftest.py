@@ -19,10 +19,22 @@ logging.getLogger("livemig").setLevel(logging.INFO)
 
 
 @pytest.fixture(scope="session")
-def references(tmp_path_factory) -> References:
+def references(tmp_path_factory, request) -> References:
     """The session's fault-free reference runs, one per key (livemig/bench/references.py):
-    every test and the faults matrix ask this one cache."""
-    return References(tmp_path_factory.mktemp("refs"))
+    every test and the faults matrix ask this one cache. Under pytest-xdist each worker
+    is a session of its own, so the store sits in the run's shared base directory (the
+    parent of the worker's), where its flocks make one run per key for all workers."""
+    if not hasattr(request.config, "workerinput"):  # not an xdist worker
+        return References(tmp_path_factory.mktemp("refs"))
+    return References(tmp_path_factory.getbasetemp().parent / "refs")
+
+
+@pytest.fixture(autouse=True)
+def _own_state_dir(tmp_path, monkeypatch) -> None:
+    """Every test's runs keep their job files and logs in the test's own directory, never
+    the machine's default: two tests at once (pytest-xdist) would otherwise see each
+    other's job of the same name as a live duplicate."""
+    monkeypatch.setenv("LIVEMIG_STATE_DIR", str(tmp_path / "livemig-state"))
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,20 @@ the caller's other `env` entries. Two callers that differ in any of those never 
 a run. A caller that needs the ranks' own output files writes `{out}` in an argument
 or an env value: each reference run gets its own directory there (the key holds the
 placeholder, not the directory), returned as `Reference.out`.
+
+The store is on disk under `root`, one directory per key (named by the key's hash),
+guarded by an flock: several processes that share `root` (pytest-xdist's workers, two
+benches) make one run per key between them, and the second finds the first's report.
+A failed run leaves nothing behind, so the next caller tries again.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -69,18 +77,39 @@ class References:
                 tuple(sorted(others.items())))  # fmt: skip
 
     def get(self, nproc: int, script: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> Reference:
-        """The reference of this key, run now if no earlier caller ran it. Raises
-        ReferenceFailed (with the run's output tail) if it did not complete."""
+        """The reference of this key, run now if no earlier caller (in this process or
+        another one sharing `root`) ran it. Raises ReferenceFailed (with the run's output
+        tail) if it did not complete."""
         key = self.key(nproc, script, args, env)
         with self._lock:  # one run per key, also for callers on several threads
             if key not in self._cache:
-                self._cache[key] = self._run(nproc, script, list(args), dict(env or {}))
+                self._cache[key] = self._stored(key, nproc, script, list(args), dict(env or {}))
             return self._cache[key]
 
-    def _run(self, nproc: int, script: str, args: list[str], env: dict[str, str]) -> Reference:
+    def _stored(self, key: tuple, nproc: int, script: str, args: list[str], env: dict[str, str]) -> Reference:
+        name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held while the run is made: the other callers wait for it
+            where = self.root / name
+            stored = where / "reference.json"
+            if stored.exists():
+                rec = json.loads(stored.read_text())
+                return Reference(rec["report"], Path(rec["out"]) if rec["out"] else None)
+            ref = self._run(where, name, nproc, script, args, env)
+            tmp = where / "reference.json.tmp"
+            tmp.write_text(json.dumps({"report": ref.report, "out": str(ref.out) if ref.out else None}))
+            os.replace(tmp, stored)
+            return ref
+        finally:
+            os.close(fd)  # closing the descriptor drops the lock
+
+    def _run(self, where: Path, name: str, nproc: int, script: str, args: list[str], env: dict[str, str]) -> Reference:
         self.runs += 1
-        where = self.root / f"ref{self.runs}-{nproc}"
-        where.mkdir(parents=True, exist_ok=True)
+        if where.exists():  # a run that failed before left its files: start clean
+            shutil.rmtree(where)
+        where.mkdir(parents=True)
         out = None
         if any(OUT in a for a in args) or any(OUT in v for v in env.values()):
             out = where / "out"
@@ -88,7 +117,7 @@ class References:
             args = [a.replace(OUT, str(out)) for a in args]
             env = {k: v.replace(OUT, str(out)) for k, v in env.items()}
         report = where / "report.json"
-        job = f"ref{self.runs}"
+        job = f"ref-{name[:8]}"
         cmd = [sys.executable, "-m", "livemig.cli", "run", "--nproc", str(nproc), "--job", job,
                "--report", str(report), "--lease-ttl", str(self.lease_ttl), script, *args]  # fmt: skip
         full_env = {**os.environ, ENV_STATE_DIR: str(where), **env}

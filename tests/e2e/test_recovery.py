@@ -14,7 +14,7 @@ from datetime import timedelta
 import psutil
 
 from livemig.coordinator.timeline import PHASES
-from tests.e2e.conftest import MLP, REPO, STEPS, explain, livemig_run
+from tests.e2e.conftest import MLP, REPO, STEPS, explain, livemig_run, reference_of
 
 
 def assert_exact(run, reference: str, recoveries: int) -> None:
@@ -43,6 +43,18 @@ def test_kill_between_steps(tmp_path, reference_digest):
     procs = {p["name"]: p for p in run.report["processes"]}
     assert procs["worker-1"]["exit_code"] == -signal.SIGKILL
     assert procs["spare-0"]["exit_code"] == 0
+
+
+def test_a_reference_run_is_made_once_for_every_process_sharing_the_store(references):
+    """Budget: ~0 s (the key is the one test_kill_between_steps asks for). The store is on
+    disk under an flock (livemig/bench/references.py): a second cache on the same root, as
+    another pytest-xdist worker or a bench has, finds the first's report without a run."""
+    from livemig.bench.references import References
+
+    first = reference_of(references, 2)
+    other = References(references.root)
+    again = reference_of(other, 2)
+    assert other.runs == 0 and again.report == first.report
 
 
 def test_kill_inside_collective(tmp_path, reference_digest):

@@ -18,7 +18,6 @@ import functools
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,12 +52,12 @@ from livemig.runtime.self_faults import SelfFaults
 from livemig.runtime.standby import Standby
 from livemig.runtime.step_state import Averaged, LocalBlob, Outgoing, Replay, Synced
 from livemig.runtime.zero1_step import Zero1Steps
-from livemig.sandbox.warmup import SandboxWarmup
+from livemig.sandbox.warmup import Sandbox
 
 log = logging.getLogger("livemig.api")
 
 
-class Engine(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup):
+class Engine(StepLoop, Zero1Steps, StatePull, Migration):
     """The member behind a `Context`: the step protocol (the runtime/ mixins, over the
     state set here) and its collaborators (self-faults, batches). MemberRuntime calls it
     back through runtime.member.Callbacks; the user sees only the Context facade."""
@@ -76,11 +75,9 @@ class Engine(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup)
         self.world_size = int(os.environ.get(ENV_WORLD_SIZE, "1"))
         self.spare_id = os.environ.get(ENV_SPARE_ID, "")
         self._joining: _Activate | None = None
-        self._started = time.monotonic()
-        self._standby_info: dict[str, float] = {}  # how the spare waited: bench warmup reads it
-        self._sandbox_pg: Any = None
+        self._standby = Standby(self)  # a spare's standby; every member's final record (runtime/standby.py)
+        self._sandbox = Sandbox(self)  # a spare's warm-up against a group of one (sandbox/warmup.py)
         self._batches = Batches(self)  # ctx.batches (runtime/batches.py)
-        self._warm_s: float | None = None
         self._no_grad_said = False  # ctx.step() with no backward: said once (loop._check_backward)
         self._reset_user_state()
         self._faults = SelfFaults(self)  # test faults and the fault plan's gate (runtime/self_faults.py)
@@ -158,6 +155,9 @@ class Engine(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup)
     def generation(self) -> int:
         return self.runtime.gen if self.runtime else 0
 
+    def write_final(self) -> None:  # a runtime.member.Callbacks entry: the record is the standby's
+        self._standby.write_final()
+
     # -- registration --------------------------------------------------------------------
     def register(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  sharding: str | None = None, mirror: bool | None = None,
@@ -211,7 +211,7 @@ class Engine(StepLoop, Zero1Steps, StatePull, Migration, Standby, SandboxWarmup)
         """True while a spare runs its sandboxed warm-up iterations (as rank 0 of a world
         of one; nothing survives them): guard side effects with
         `if not ctx.warming_up and ctx.rank == 0:`."""
-        return self._sandbox_pg is not None
+        return self._sandbox.active
 
     def batches(self, loader: Any) -> Iterator[Any]:
         """Iterate `loader` from the step the loop runs at: call next() on the result
@@ -296,8 +296,8 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                         ctx._reset_user_state()
                         ctx.rank, ctx._joining = act.rank, act
                     except _Requeue:
-                        ctx._requeue()
-                ctx._finish()
+                        ctx._standby.requeue()
+                ctx._standby.finish()
                 clean = True
                 fast_exit(ctx.role)
                 exit_past_abandoned_builds()

@@ -41,14 +41,14 @@ class StepLoop:
         if self.role == Role.WORKER:
             self._faults.gate.check_total(total)  # a fault plan's step the job never reaches: refused now
             self.runtime.register(self.rank, host_store=self.rank == 0)
-            self._register_signature()
+            self._standby.register_signature()
             self.runtime.follow(1, self)
             self._sync_start()
             self._gathered_gen = self.runtime.gen  # every rank holds rank 0's initial model
         elif self.role == Role.SPARE:
             if self._joining is None:
-                yield from self._shadow(total)  # sandboxed warm-up of the real loop body
-                self._standby()  # raises _Activate
+                yield from self._sandbox.shadow(total)  # sandboxed warm-up of the real loop body
+                self._standby.wait_for_claim()  # raises _Activate
             if self._joining.migration:
                 self._migrate_in()
                 start = self.committed + 1
@@ -121,7 +121,7 @@ class StepLoop:
         t = self._in_step("ctx.sync_gradients()")
         if self._synced is not None and self._synced.step == t:
             return
-        if self._sandbox_pg is not None or self.role == Role.LOCAL or self.runtime is None:
+        if self._sandbox.active or self.role == Role.LOCAL or self.runtime is None:
             self._synced = Synced(t, None)  # a world of one: the gradient is its own average
             return
         if self._replay is not None and self._replay.step == t:
@@ -188,8 +188,8 @@ class StepLoop:
         self._scaler = scaler
         self._check_backward(t)
         try:
-            if self._sandbox_pg is not None:
-                self._sandbox_step(t)
+            if self._sandbox.active:
+                self._sandbox.step(t)
                 return
             if self.role == Role.LOCAL or self.world_size == 1 and self.runtime is None:
                 self._commit(t, None)

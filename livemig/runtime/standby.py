@@ -2,7 +2,11 @@
 
 A warm spare registers under its spare key and waits for a claim; a claim
 unwinds the user's function (`_Activate`) so it is entered again with the
-assigned rank. An aborted migration puts it back to standby (`_requeue`).
+assigned rank. An aborted migration puts it back to standby (`requeue`).
+
+A collaborator of api.Engine (`engine._standby`): it owns what the standby
+measured (when the process or its last requeue started, the warm-up, how the
+spare waited); what it uses of the Engine is named in `StandbyHost`.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from livemig.comm.group import retire
 from livemig.config import ENV_RANK, Role, node_host, node_rank
@@ -32,36 +36,70 @@ def _result_exists(rt: Any) -> bool:
         return False
 
 
-class Standby:
-    """Mixed into api.Engine; relies on the attributes Engine.__init__ sets."""
+class StandbyHost(Protocol):
+    """What the standby and the final record use of their Engine."""
 
-    def _register_signature(self) -> None:
-        rt = self.runtime
+    runtime: Any
+    rank: int
+    incarnation: str
+    spare_id: str
+    role: Role
+    committed: int
+    reg: Any
+    _commits: list[list[float]]
+    _loaded_step: int | None
+    _joining: Any
+
+    @property
+    def _zero(self) -> Any: ...
+
+    def signature(self) -> list: ...
+
+    def state_digest(self) -> str: ...
+
+    def _reset_user_state(self) -> None: ...
+
+
+class Standby:
+    """A spare's standby, and every member's signature and final records (see the module doc)."""
+
+    def __init__(self, host: StandbyHost) -> None:
+        self._host = host
+        self.started = time.monotonic()  # the process, or its last requeue: the warm-up's start
+        self.warm_s: float | None = None  # start to warm
+        self.info: dict[str, float] = {}  # how the spare waited: the final record's, bench warmup reads it
+
+    def register_signature(self) -> None:
+        h = self._host
+        rt = h.runtime
         rt.put(
-            rt.keys.signature(self.rank),
-            {"incarnation": self.incarnation, "signature": self.signature()},
+            rt.keys.signature(h.rank),
+            {"incarnation": h.incarnation, "signature": h.signature()},
         )
 
-    def _standby(self) -> None:
-
+    def wait_for_claim(self) -> None:
+        """Register as warm and wait for a claim: raises _Activate (or _Stop when the job
+        ended or asked this spare to stop)."""
         import psutil
 
-        rt = self.runtime
+        h = self._host
+
+        rt = h.runtime
         verifiers()  # the hash speed that picks the pull's verifiers is measured now, not in a recovery
-        self._warm_s = time.monotonic() - self._started
+        self.warm_s = time.monotonic() - self.started
         info = {
-            "incarnation": self.incarnation, "host": node_host(), "pid": os.getpid(), "node": node_rank(),
-            "state": "warm", "signature": self.signature(), "warmup_s": self._warm_s, "warm_at": time.time(),
+            "incarnation": h.incarnation, "host": node_host(), "pid": os.getpid(), "node": node_rank(),
+            "state": "warm", "signature": h.signature(), "warmup_s": self.warm_s, "warm_at": time.time(),
             "peak_rss_mb": psutil.Process().memory_info().rss / 2**20,
         }  # fmt: skip
         budget = rt.timeouts.etcd_outage.total_seconds()  # warm during an outage: register once etcd is back
         keeper = rt.spare_keeper = through_outage(
-            lambda: rt.rdzv.register(rt.keys.spare(self.spare_id), info, self.incarnation, rt._on_lost),
+            lambda: rt.rdzv.register(rt.keys.spare(h.spare_id), info, h.incarnation, rt._on_lost),
             budget, "spare registration", rt.fenced.is_set)  # fmt: skip
         rt.start_server()
-        log.info("spare warm", extra={"spare": self.spare_id, "warmup_s": round(self._warm_s, 3)})
+        log.info("spare warm", extra={"spare": h.spare_id, "warmup_s": round(self.warm_s, 3)})
         t_warm = time.monotonic()
-        key = rt.keys.assignment(self.spare_id)
+        key = rt.keys.assignment(h.spare_id)
         ended = threading.Event()  # the job's result: a spare that was not needed exits at once
         result, rev = through_outage(lambda: rt.client.get_with_revision(rt.keys.result), budget, "the job's result")
         if result is not None:
@@ -77,71 +115,75 @@ class Standby:
                     rt.check_fenced()
                     if ended.is_set() or _result_exists(rt):
                         keeper.stop(revoke=True)
-                        log.info("the job ended: spare exits", extra={"spare": self.spare_id})
+                        log.info("the job ended: spare exits", extra={"spare": h.spare_id})
                         raise _Stop() from None
                 except EtcdUnavailableError:  # an outage: stay warm, the lease rides it through
                     time.sleep(0.5)
         finally:
             watch.cancel()
         a = decode(raw)
-        self._standby_info = {
-            "warmup_s": self._warm_s, "warm_rss_mb": info["peak_rss_mb"],
+        self.info = {
+            "warmup_s": self.warm_s, "warm_rss_mb": info["peak_rss_mb"],
             "claim_rss_mb": psutil.Process().memory_info().rss / 2**20, "waited_s": time.monotonic() - t_warm,
             "process_start": psutil.Process().create_time(), "claimed_at": time.time(),
         }  # fmt: skip
         if a.get("stop"):
             keeper.stop(revoke=True)
-            log.info("spare stopped on request", extra={"spare": self.spare_id})
+            log.info("spare stopped on request", extra={"spare": h.spare_id})
             raise _Stop()
         if a.get("refused"):
             keeper.stop(revoke=True)
-            raise ConfigError(f"spare {self.spare_id} refused by the job: {a['refused']}")
+            raise ConfigError(f"spare {h.spare_id} refused by the job: {a['refused']}")
         raise _Activate(int(a["generation"]), int(a["rank"]), bool(a.get("migration")))
 
-    def _requeue(self) -> None:
+    def requeue(self) -> None:
         """Back to standby after an aborted migration: drop the claim, warm up again."""
-        rt = self.runtime
-        log.info("migration aborted: back to standby", extra={"spare": self.spare_id})
+        h = self._host
+        rt = h.runtime
+        log.info("migration aborted: back to standby", extra={"spare": h.spare_id})
         if rt.spare_keeper is not None:
             rt.spare_keeper.stop(revoke=True)
             rt.spare_keeper = None
-        rt.client.delete(rt.keys.assignment(self.spare_id))
+        rt.client.delete(rt.keys.assignment(h.spare_id))
         if rt.keeper is not None:
             rt.keeper.stop(revoke=True)
             rt.keeper = None
         retire(rt.pg)
         rt.pg, rt.rank, rt.gen, rt._pre = None, None, 0, None
-        self._reset_user_state()
-        self._joining = None
-        self.rank = int(os.environ.get(ENV_RANK, "0"))
-        self._started = time.monotonic()
+        h._reset_user_state()
+        h._joining = None
+        h.rank = int(os.environ.get(ENV_RANK, "0"))
+        self.started = time.monotonic()
 
     def write_final(self) -> None:
-        rt = self.runtime
-        rec = {"incarnation": self.incarnation, "steps": self.committed + 1, "digest": self.state_digest(),
-               "digests": self.reg.digests(),
-               "commits": self._commits, "generation": rt.gen, "role": self.role,
-               "joined_at_step": self._loaded_step}  # fmt: skip
-        if self._standby_info:
-            rec["standby"] = self._standby_info
+        h = self._host
+        rt = h.runtime
+        rec = {"incarnation": h.incarnation, "steps": h.committed + 1, "digest": h.state_digest(),
+               "digests": h.reg.digests(),
+               "commits": h._commits, "generation": rt.gen, "role": h.role,
+               "joined_at_step": h._loaded_step}  # fmt: skip
+        if self.info:
+            rec["standby"] = self.info
         rec["peak_rss_mb"] = _peak_rss_mb()
-        if self._zero is not None:  # the report checks each mirror against its owner's shard
-            rec["shard_digest"] = digest(self._zero.own.tensors_for_digest())
-            if self._zero.mirror is not None:
-                rec["mirror_of"] = self._zero.mirror.shard
-                rec["mirror_digest"] = digest(self._zero.mirror.tensors_for_digest())
-        rt.put(rt.keys.final(self.rank), rec)
+        if h._zero is not None:  # the report checks each mirror against its owner's shard
+            rec["shard_digest"] = digest(h._zero.own.tensors_for_digest())
+            if h._zero.mirror is not None:
+                rec["mirror_of"] = h._zero.mirror.shard
+                rec["mirror_digest"] = digest(h._zero.mirror.tensors_for_digest())
+        rt.put(rt.keys.final(h.rank), rec)
 
-    def _finish(self) -> None:
-        if self.runtime is None:
+    def finish(self) -> None:
+        """The training function returned: the final record, then the job's end."""
+        h = self._host
+        if h.runtime is None:
             return
-        if self.role == Role.WORKER and self.runtime.keeper is None:  # never registered: ctx.steps() never ran
+        if h.role == Role.WORKER and h.runtime.keeper is None:  # never registered: ctx.steps() never ran
             raise ConfigError(
                 "the training function returned without running `for step in ctx.steps(n)`: a worker "
                 "trains inside that loop (is the loop there, and reached?)"
             )
         self.write_final()
-        self.runtime.wait_result(self)
+        h.runtime.wait_result(h)
 
 
 def _peak_rss_mb() -> float:

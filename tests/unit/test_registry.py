@@ -98,7 +98,7 @@ def test_warming_up_and_log_during_warm_up(monkeypatch):
     ctx = Context(eng)
     assert ctx.warming_up is False and ctx.role == "local" and ctx.rank == 0 and ctx.world_size == 1
     ctx.log(loss=1.0)
-    eng._sandbox_pg = object()  # as inside a spare's shadow iterations
+    eng._sandbox.pg = object()  # as inside a spare's shadow iterations
     assert ctx.warming_up is True
     ctx.log(loss=2.0)
     assert eng._last_metrics == {"loss": 1.0}

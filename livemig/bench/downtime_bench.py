@@ -22,7 +22,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from typing import Any
 
 from livemig.agent.launcher import RunConfig, run
 from livemig.faults import parse_fault
+from livemig.rdzv.embedded import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MLP = os.path.join(ROOT, "examples", "mlp.py")
@@ -41,9 +41,7 @@ DDP = os.path.join(ROOT, "examples", "ddp_baseline.py")
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # rdzv/embedded.py: outside the ephemeral range, so no connection takes it first
 
 
 def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],

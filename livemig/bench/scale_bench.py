@@ -28,7 +28,7 @@ from typing import Any
 from livemig.bench import proc_cpu_s
 from livemig.coordinator.timeline import read_events
 from livemig.rdzv.client import EtcdClient, encode
-from livemig.rdzv.embedded import EtcdCluster
+from livemig.rdzv.embedded import EtcdCluster, free_port
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import GenState, Membership
 
@@ -247,14 +247,11 @@ def group_build(world: int, timeout_s: float = 300.0) -> dict[str, Any]:
     """One real gloo group of `world` ranks on this machine: processes forked from one
     that imported torch (so no rank pays the import), connected to one TCPStore, started
     together once all are connected; an allreduce checks the group works."""
-    import socket
 
     import torch
     import torch.distributed as dist
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
+    port = free_port()
     to = timedelta(seconds=timeout_s)
     pids = []
     for r in range(world):

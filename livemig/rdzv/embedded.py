@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -57,8 +58,37 @@ def find_etcd_binary(explicit: str | None = None) -> str:
     raise EtcdBinaryNotFound(INSTALL_HINT)
 
 
+_PORTS = random.Random()  # seeded from the OS per process: two processes pick apart
+PORT_FLOOR = 10000  # below it: the ports services are configured on (etcd's 2379, ...)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port nothing listens on now, for a server started next (etcd) that binds it
+    itself. It is taken at random below the kernel's ephemeral range: a port the kernel
+    hands out (bind to 0, or the local end of each outgoing connection: gloo makes many)
+    could be given to someone else between our check and etcd's bind, which on a busy
+    machine (two test workers) left an etcd without its port. Random, not sequential, so
+    two processes choosing at once rarely meet; the bind check skips a port in use."""
+    lo, _ = _ephemeral_range()
+    if lo - PORT_FLOOR >= 1024:
+        for _ in range(64):
+            port = _PORTS.randrange(PORT_FLOOR, lo)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no room below the range (or all taken): the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -22,6 +22,39 @@ LINK_GATHER_S = 2.0  # how long link reports are gathered after the first (a pro
 MAX_REBUILDS = 2  # group rebuilds for one step whose collective failed naming nobody
 
 
+def compute_times(progress: dict[str, Any]) -> dict[int, float]:
+    """A rank's forward+backward time of each of its last few steps, from its progress
+    record (`compute_recent`; a record without it gives its latest step only)."""
+    out: dict[int, float] = {}
+    for pair in progress.get("compute_recent") or []:
+        if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int):
+            out[pair[0]] = _num(pair[1])
+    if isinstance(progress.get("step"), int) and "compute_s" in progress:
+        out[progress["step"]] = _num(progress["compute_s"])
+    return out
+
+
+def judge_steps(recent: dict[int, dict[int, float]], after: int, factor: float) -> list[tuple[int, int, float, Any]]:
+    """Each step after `after` that every rank has a time for (of two ranks or more), in
+    order, and for each rank: (step, rank, its time, the others' median if it was over
+    factor x that median, else None). One step at a time, with every rank's own time of
+    that step: comparing rank A's step s with rank B's step s-1 flagged a healthy rank on
+    a loaded machine, and the progress keys hold only each rank's latest record (written
+    latest-wins), so the records carry their last steps' times and no step goes unjudged
+    because a coordinator pass saw the ranks a step apart."""
+    if len(recent) < 2:
+        return []
+    common = set.intersection(*(set(v) for v in recent.values()))
+    out: list[tuple[int, int, float, Any]] = []
+    for step in sorted(x for x in common if x > after):
+        for r, times in recent.items():
+            others = sorted(t[step] for q, t in recent.items() if q != r)
+            med = others[len(others) // 2]
+            c = times[step]
+            out.append((step, r, c, med if med > 0 and c > factor * med else None))
+    return out
+
+
 def link_victims(reports: dict[int, list[int]]) -> tuple[list[int], int]:
     """The ranks a round of link reports (reporter -> the peers it cannot reach) replaces,
     and how many reports named them: every rank named most that did not report itself
@@ -49,6 +82,7 @@ class Checks:
         self._waits: dict[tuple[int, int, int], float] = {}  # (generation, rank, step) -> wait start here
         self._busy_seen: dict[tuple[int, int], float] = {}  # (generation, rank) -> last seen inside ctx.busy()
         self._straggler_gen, self._straggler_from = -1, 0  # the straggler hook's group and first judged step
+        self._straggler_judged = -1  # the last step it judged
         self._bugs_seen: set[str] = set()  # incarnations whose bug was recorded (--on-error replace:N)
         self._slow_seen: dict[int, dict[int, float]] = {}  # straggler hook: rank -> {step: compute_s}
         self._link_first: dict[int, float] = {}  # generation -> first link report seen
@@ -61,26 +95,20 @@ class Checks:
         if factor <= 0:
             return
         m = s.m
-        comp = {}
+        recent: dict[int, dict[int, float]] = {}
         for r in m.members:
             p = s.get(self.coord.keys.progress(r)) or {}
-            if "compute_s" in p:
-                comp[r] = (int(p["step"]), _num(p["compute_s"]))
-        # Judge one step at a time: the progress keys hold each rank's latest step, and
-        # comparing rank A's step s with rank B's step s-1 (or the first step, which pays
-        # for lazy allocation) flagged a healthy rank on a loaded machine.
-        latest = max((step for step, _ in comp.values()), default=-1)
+            recent[r] = compute_times(p)
+        latest = max((max(v, default=-1) for v in recent.values()), default=-1)
         if self._straggler_gen != m.generation:  # a new group: judge it afresh, after it settled
             self._straggler_gen, self._straggler_from = m.generation, latest + need
+            self._straggler_judged = -1
             self._slow_seen.clear()
-        comp = {r: v for r, v in comp.items() if v[0] == latest and latest >= max(1, self._straggler_from)}
-        if len(comp) < 2:
-            return
-        for r, (step, c) in comp.items():
-            others = sorted(x for q, (_, x) in comp.items() if q != r)
-            med = others[len(others) // 2]
+        after = max(self._straggler_judged, self._straggler_from - 1, 0)
+        for step, r, c, med in judge_steps(recent, after, factor):
+            self._straggler_judged = max(self._straggler_judged, step)
             seen = self._slow_seen.setdefault(r, {})
-            if med > 0 and c > factor * med:
+            if med is not None:
                 seen[step] = c
             else:
                 seen.clear()

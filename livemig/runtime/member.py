@@ -49,6 +49,7 @@ from livemig.rdzv.watch import PrefixWatch, wait_for
 from livemig.transfer.server import StateServer
 
 log = logging.getLogger("livemig.member")
+COMPUTE_KEPT = 8  # steps of compute times in each progress record: the coordinator may be this far behind
 
 
 def _urgent(item: dict) -> bool:
@@ -110,6 +111,7 @@ class MemberRuntime:
         self._progress_budget = progress_budget()  # a bad LIVEMIG_PROGRESS_BUDGET fails the member here
         self._last_item: dict | None = None  # the last progress record (a commit)
         self._step_times: list[float] = []  # seconds between the last commits
+        self._compute_recent: list[list[float]] = []  # [step, forward+backward s] of the last COMPUTE_KEPT steps
         self._waiting: tuple[int, float, bool] | None = None  # (step, since, reported) in a collective
         self._busy = False
         kv, rev = self.client.get_with_revision(self.keys.membership)
@@ -286,6 +288,9 @@ class MemberRuntime:
         if self._last_item is not None:
             self._step_times = [*self._step_times[-19:], now - self._last_item["time"]]
         item = {"step": step, "time": now, "incarnation": self.incarnation, **info}
+        if "compute_s" in info:  # the last steps' times: the straggler hook judges each step (coordinator/checks.py)
+            self._compute_recent = [*self._compute_recent[-(COMPUTE_KEPT - 1) :], [step, round(info["compute_s"], 6)]]
+            item["compute_recent"] = self._compute_recent
         self._last_item = item
         self._queue(item)
 

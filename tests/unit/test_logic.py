@@ -298,3 +298,20 @@ def test_a_reference_is_shared_only_by_runs_with_the_same_settings(monkeypatch):
     monkeypatch.setenv("LIVEMIG_BUDDY_STRIDE", "2")  # set in the caller's environment, not its env=
     others.append(References.key(2, "examples/mlp.py", ["--steps", "4"], {"LIVEMIG_LOG_LEVEL": "INFO"}))
     assert len({base, *others}) == len(others) + 1
+
+
+def test_the_straggler_hook_judges_every_step_all_ranks_have_once():
+    """coordinator/checks.py: the ranks' records carry their last steps' compute times, so
+    a pass that sees rank 0 at step 9 and rank 1 at step 7 still judges steps 6 and 7 (each
+    with both ranks' own times of that step), and a step is judged once."""
+    from livemig.coordinator.checks import compute_times, judge_steps
+
+    r0 = compute_times({"step": 9, "compute_s": 0.01, "compute_recent": [[s, 0.01] for s in range(2, 10)]})
+    r1 = compute_times({"step": 7, "compute_s": 0.05, "compute_recent": [[5, 0.01], [6, 0.05], [7, 0.05]]})
+    got = judge_steps({0: r0, 1: r1}, 5, 2.5)
+    assert [(s, r) for s, r, _, _ in got] == [(6, 0), (6, 1), (7, 0), (7, 1)]
+    assert [med for _, r, _, med in got if r == 1] == [0.01, 0.01] and all(med is None for _, r, _, med in got if r == 0)
+    assert judge_steps({0: r0, 1: r1}, 7, 2.5) == []  # nothing new in common
+    assert judge_steps({0: r0}, -1, 2.5) == []  # one rank has no median to compare with
+    # anyone with etcd access may write a progress record: what is not a [step, seconds] pair is skipped
+    assert compute_times({"step": "x", "compute_recent": [["a", 1], [3], "z", [4, "q"]]}) == {4: 0.0}

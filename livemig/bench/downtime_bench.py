@@ -40,10 +40,6 @@ MLP_ZERO1 = os.path.join(ROOT, "examples", "mlp_zero1.py")
 DDP = os.path.join(ROOT, "examples", "ddp_baseline.py")
 
 
-def _free_port() -> int:
-    return free_port()  # rdzv/embedded.py: outside the ephemeral range, so no connection takes it first
-
-
 def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
                 env: dict | None = None) -> dict[str, Any]:  # fmt: skip
     """fault: True = SIGKILL rank 1 after --fail-at; "migrate" = planned migration of rank 1 there."""
@@ -93,7 +89,7 @@ def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str]) -> dict[str
     out = tempfile.mkdtemp(prefix="livemig-ddp-")
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(a.workers),
             "--max-restarts", "3" if fault else "0", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", DDP, *workload, "--out-dir", out]  # fmt: skip
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", DDP, *workload, "--out-dir", out]  # fmt: skip
     if getattr(a, "sharding", "none") == "zero1":
         args.append("--zero1")
     if fault:

@@ -27,7 +27,8 @@ import tempfile
 import time
 from typing import Any
 
-from livemig.bench.downtime_bench import DDP, MLP, _commits, _free_port, add_workload_arguments, workload_args
+from livemig.bench.downtime_bench import DDP, MLP, _commits, add_workload_arguments, workload_args
+from livemig.rdzv.embedded import free_port
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,7 +73,7 @@ def run_livemig(a: argparse.Namespace, spares: int) -> dict[str, Any]:
 def run_torchrun(a: argparse.Namespace) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="livemig-startup-ddp-")
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(a.workers),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", DDP, *workload_args(a),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", DDP, *workload_args(a),
             "--out-dir", out]  # fmt: skip
     t0 = time.time()
     p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

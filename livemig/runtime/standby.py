@@ -5,8 +5,8 @@ unwinds the user's function (`_Activate`) so it is entered again with the
 assigned rank. An aborted migration puts it back to standby (`requeue`).
 
 A collaborator of api.Engine (`engine._standby`): it owns what the standby
-measured (when the process or its last requeue started, the warm-up, how the
-spare waited); what it uses of the Engine is named in `StandbyHost`.
+measured (when the process or its last requeue started, how the spare waited);
+what it uses of the Engine is named in `StandbyHost`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ class Standby:
     def __init__(self, host: StandbyHost) -> None:
         self._host = host
         self.started = time.monotonic()  # the process, or its last requeue: the warm-up's start
-        self.warm_s: float | None = None  # start to warm
         self.info: dict[str, float] = {}  # how the spare waited: the final record's, bench warmup reads it
 
     def register_signature(self) -> None:
@@ -83,13 +82,12 @@ class Standby:
         import psutil
 
         h = self._host
-
         rt = h.runtime
         verifiers()  # the hash speed that picks the pull's verifiers is measured now, not in a recovery
-        self.warm_s = time.monotonic() - self.started
+        warm_s = time.monotonic() - self.started
         info = {
             "incarnation": h.incarnation, "host": node_host(), "pid": os.getpid(), "node": node_rank(),
-            "state": "warm", "signature": h.signature(), "warmup_s": self.warm_s, "warm_at": time.time(),
+            "state": "warm", "signature": h.signature(), "warmup_s": warm_s, "warm_at": time.time(),
             "peak_rss_mb": psutil.Process().memory_info().rss / 2**20,
         }  # fmt: skip
         budget = rt.timeouts.etcd_outage.total_seconds()  # warm during an outage: register once etcd is back
@@ -97,7 +95,7 @@ class Standby:
             lambda: rt.rdzv.register(rt.keys.spare(h.spare_id), info, h.incarnation, rt._on_lost),
             budget, "spare registration", rt.fenced.is_set)  # fmt: skip
         rt.start_server()
-        log.info("spare warm", extra={"spare": h.spare_id, "warmup_s": round(self.warm_s, 3)})
+        log.info("spare warm", extra={"spare": h.spare_id, "warmup_s": round(warm_s, 3)})
         t_warm = time.monotonic()
         key = rt.keys.assignment(h.spare_id)
         ended = threading.Event()  # the job's result: a spare that was not needed exits at once
@@ -123,7 +121,7 @@ class Standby:
             watch.cancel()
         a = decode(raw)
         self.info = {
-            "warmup_s": self.warm_s, "warm_rss_mb": info["peak_rss_mb"],
+            "warmup_s": warm_s, "warm_rss_mb": info["peak_rss_mb"],
             "claim_rss_mb": psutil.Process().memory_info().rss / 2**20, "waited_s": time.monotonic() - t_warm,
             "process_start": psutil.Process().create_time(), "claimed_at": time.time(),
         }  # fmt: skip

@@ -40,6 +40,7 @@ from livemig.config import (
     node_host,
     node_rank,
     progress_budget,
+    straggler_settings,
 )
 from livemig.errors import ConfigError, EtcdUnavailableError, FencedError, RecoveryError
 from livemig.rdzv.client import EtcdClient, conform, encode, through_outage
@@ -111,7 +112,9 @@ class MemberRuntime:
         self._progress_budget = progress_budget()  # a bad LIVEMIG_PROGRESS_BUDGET fails the member here
         self._last_item: dict | None = None  # the last progress record (a commit)
         self._step_times: list[float] = []  # seconds between the last commits
-        self._compute_recent: list[list[float]] = []  # [step, forward+backward s] of the last COMPUTE_KEPT steps
+        # [step, forward+backward s] of the last COMPUTE_KEPT steps, only for a straggler hook that is on: it
+        # would near double every progress write of a job that has none (a bad setting fails here, as above)
+        self._compute_recent: list[list[float]] | None = [] if straggler_settings()[0] > 0 else None
         self._waiting: tuple[int, float, bool] | None = None  # (step, since, reported) in a collective
         self._busy = False
         kv, rev = self.client.get_with_revision(self.keys.membership)
@@ -288,7 +291,7 @@ class MemberRuntime:
         if self._last_item is not None:
             self._step_times = [*self._step_times[-19:], now - self._last_item["time"]]
         item = {"step": step, "time": now, "incarnation": self.incarnation, **info}
-        if "compute_s" in info:  # the last steps' times: the straggler hook judges each step (coordinator/checks.py)
+        if self._compute_recent is not None and "compute_s" in info:  # the straggler hook judges each step
             self._compute_recent = [*self._compute_recent[-(COMPUTE_KEPT - 1) :], [step, round(info["compute_s"], 6)]]
             item["compute_recent"] = self._compute_recent
         self._last_item = item

@@ -1,10 +1,11 @@
 """The run report (`--report FILE`): one format read by the README demo,
 tests and benchmarks.
 
-Downtime of a recovery = first group-wide commit after the fault minus the
-last group-wide commit before it, minus one median step (the step that
-would have run anyway). A step is committed group-wide when its last rank
-commits it.
+Downtime of a recovery = first group-wide commit after the recovery's new
+generation committed, minus the last group-wide commit before that (a step
+the survivors finish after the fault is work done, not lost), minus one
+median step (the step that would have run anyway). A step is committed
+group-wide when its last rank commits it.
 """
 
 from __future__ import annotations
@@ -277,7 +278,12 @@ def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step
 
 def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float) -> dict:
     t = cur["t"]
-    before = [c for _, c in commits if c <= t["fault"]]
+    # The group's progress before the recovery: every step committed group-wide before the new
+    # generation committed. A kill lands after the killed rank commits a step; the survivors may
+    # commit that step a few ms later, after the fault. Counting only commits before the fault
+    # then charged one whole extra step to the downtime in about half the demo runs (0.35 s
+    # instead of 0.21 s: the report read bimodal by exactly one step).
+    before = [c for _, c in commits if c <= t["commit"]]
     after = [c for _, c in commits if c > t["commit"]]
     last_before = before[-1] if before else t["fault"]
     first_after = after[0] if after else t["commit"]

@@ -10,9 +10,10 @@ One invocation runs every approach on the same workload, interleaved
   checkpointing every K steps and resuming from the latest; same SIGKILL.
 
 Lost time = wall minus the fault-free twin's wall (fault_free for livemig,
-plain_ddp for restart). Downtime = first step committed after the fault that
-was not committed before it, minus the last commit before the fault, minus
-one median step (the same definition as the run report).
+plain_ddp for restart). Downtime = first step committed after the recovery that
+was not committed before it, minus the last commit before it, minus one
+median step (the run report's definition; restart's rows are per rank, so
+its last commit before the kill is the killed rank's own).
 """
 
 from __future__ import annotations

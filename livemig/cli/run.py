@@ -38,7 +38,7 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
                   f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed", f"  phases (s): {phases}"]  # fmt: skip
     if rep["recoveries"]:
         lines.append(
-            "  (downtime = first group-wide commit after the fault - last one before it - one median "
+            "  (downtime = first group-wide commit after the recovery - last one before it - one median "
             "step; the phases time the fault to that commit, so they also hold the step's own work)"
         )
         if rep.get("spares_left") == 0:

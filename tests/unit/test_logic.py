@@ -57,13 +57,18 @@ def test_downtime_and_phases():
         {"phase": "commit", "time": 101.6, "generation": 2},
     ]
     (r,) = recoveries(ev, commits, 0.1)
-    # last commit before the fault: step 9 at 100.9; first after: step 10 at 104.0
+    # last commit before the recovery: step 9 at 100.9; first after: step 10 at 104.0
     assert r["downtime_s"] == pytest.approx(104.0 - 100.9 - 0.1)
     assert r["phases"]["detect"] == pytest.approx(0.05)
     assert r["phases"]["stream"] == pytest.approx(0.2)
     assert r["phases"]["build"] == pytest.approx(0.42 - 0.2)
     assert r["phases"]["resume"] == pytest.approx(104.0 - 101.6)
     assert r["bytes_streamed"] == 100 and r["rank"] == 1
+    # The survivors commit the step in flight after the fault (the killed rank had committed it):
+    # that step was done, not lost, so the downtime starts at its commit.
+    late = [(s, t) for s, t in commits if s != 9] + [(9, 101.02)]
+    (r,) = recoveries(ev, sorted(late), 0.1)
+    assert r["downtime_s"] == pytest.approx(104.0 - 101.02 - 0.1)
 
 
 def test_timeouts_from_env(monkeypatch):

@@ -50,14 +50,14 @@ from livemig.runtime.pull import StatePull
 from livemig.runtime.registry import Registry
 from livemig.runtime.self_faults import SelfFaults
 from livemig.runtime.standby import Standby
-from livemig.runtime.step_state import Averaged, LocalBlob, Outgoing, Replay, Synced
+from livemig.runtime.step_state import StepState
 from livemig.runtime.zero1_step import Zero1Steps
 from livemig.sandbox.warmup import Sandbox
 
 log = logging.getLogger("livemig.api")
 
 
-class Engine(StepLoop, Zero1Steps, StatePull, Migration):
+class Engine(StepLoop, Zero1Steps, StatePull):
     """The member behind a `Context`: the step protocol (the runtime/ mixins, over the
     state set here) and its collaborators (self-faults, batches). MemberRuntime calls it
     back through runtime.member.Callbacks; the user sees only the Context facade."""
@@ -95,25 +95,13 @@ class Engine(StepLoop, Zero1Steps, StatePull, Migration):
         self._gathered_gen: int | None = None  # zero1: generation whose group last gathered the parameters
         self.committed = -1  # last step whose optimizer update is applied here
         self._current: int | None = None  # step being run (between yield and ctx.step())
-        self._avg: Averaged | None = None  # averaged gradient of the last commit
-        self._commits: list[list[float]] = []
-        self._commit_gen, self._gen_steps = -1, []  # generation changes seen by the commits (_trim_commits)
+        self._st = StepState()  # the step protocol's records between steps (runtime/step_state.py)
         self._last_metrics: dict[str, float] = {}
         self._total = 0
         self._loaded_step: int | None = None
         self._stream_info: dict[str, Any] = {}
-        self._out = Outgoing()  # a leaving worker's side of a planned migration
+        self._migration = Migration(self)  # planned migration, both sides (runtime/migration.py)
         self._step_t0 = 0.0
-        # The boundary rule (docs/architecture.md): snapshots of step boundaries, newest last.
-        self._boundaries: dict[int, Any] = {}  # step -> packed extras + hyperparameters after step
-        self._mirrored: dict[int, Any] = {}  # boundary step -> left neighbour's packed local state
-        self._local_blob: LocalBlob | None = None  # this rank's packed local state of the last boundary
-        self._before: dict[int, list[torch.Tensor]] = {}  # step -> parameters before its update
-        self._replay: Replay | None = None  # a spare's replay of step resume-1 (runtime/loop.py)
-        self._uses_sync = False  # the loop body called ctx.sync_gradients(): a replay needs the average
-        self._user_synced: int | None = None  # the last step whose body called ctx.sync_gradients()
-        self._synced: Synced | None = None  # what the step's average left for the commit
-        self._fetched: Averaged | None = None  # a step's average a recovery fetched from a peer
         self._scaler: Any = None  # the GradScaler of the ctx.step() in progress
         self._grad_views = os.environ.get(ENV_GRAD_VIEWS, "1") != "0"  # runtime/loop.py, _views_safe
 

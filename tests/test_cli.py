@@ -134,7 +134,7 @@ def test_the_summary_is_one_write(monkeypatch):
     assert len(rec.writes) == 1
     lines = rec.writes[0].splitlines()
     assert lines[0] == "livemig: job j done; 30 steps in 10.0s, median step 71 ms"
-    assert lines[3].startswith("  (downtime = first group-wide commit after the fault")
+    assert lines[3].startswith("  (downtime = first group-wide commit after the recovery")
     assert rec.writes[0].endswith("\n") and len(lines) == 6 and lines[-1].startswith("bit-identical: yes")
 
 

@@ -50,7 +50,7 @@ class StepLoop:
                 yield from self._sandbox.shadow(total)  # sandboxed warm-up of the real loop body
                 self._standby.wait_for_claim()  # raises _Activate
             if self._joining.migration:
-                self._migrate_in()
+                self._migration.migrate_in()
                 start = self.committed + 1
                 self._at_boundary(self.committed)  # the leaving worker's, handed over at the switch
             else:
@@ -58,14 +58,14 @@ class StepLoop:
                 start = self.committed + 1
                 if m.state == GenState.DONE:
                     start = total
-                elif self._replay is not None:
+                elif self._st.replay is not None:
                     yield from self._replay_step()
         if self.role != Role.SPARE:
             self._at_boundary(-1)  # the state every rank starts from
         for step in range(start, total):
             self._current = step
             self._zero_regather()
-            self._migration_tick()
+            self._migration.tick()
             seed_step(step_seed(self.seed, step, self.rank))
             if self._reducer is not None:
                 self._reducer.arm(self.runtime.pg)
@@ -77,8 +77,8 @@ class StepLoop:
             self._at_boundary(step)
             self._faults.at_boundary(step)
         self._current = None
-        if self._out.leaving is not None:  # the switch was voted at the last step
-            self._leave(self._out.leaving)
+        if self._migration.leaving is not None:  # the switch was voted at the last step
+            self._migration.leave(self._migration.leaving)
         self.after_switch()
 
     def _sync_start(self) -> None:
@@ -100,8 +100,8 @@ class StepLoop:
         gradient (a peer's, fetched, or one redone in the new group), so the user's
         code between sync_gradients() and ctx.step() runs exactly once per step."""
         t = self._in_step("ctx.sync_gradients()")
-        self._uses_sync = True
-        self._user_synced = t  # .grad may change before ctx.step(): a migrating spare gets what was applied
+        self._st.uses_sync = True
+        self._st.user_synced = t  # .grad may change before ctx.step(): a migrating spare gets what was applied
         self._check_backward(t)
         self._sync_gradients(views=False)  # user code may change .grad: it gets a copy
 
@@ -119,18 +119,18 @@ class StepLoop:
 
     def _sync_gradients(self, views: bool) -> None:
         t = self._in_step("ctx.sync_gradients()")
-        if self._synced is not None and self._synced.step == t:
+        if self._st.synced is not None and self._st.synced.step == t:
             return
         if self._sandbox.active or self.role == Role.LOCAL or self.runtime is None:
-            self._synced = Synced(t, None)  # a world of one: the gradient is its own average
+            self._st.synced = Synced(t, None)  # a world of one: the gradient is its own average
             return
-        if self._replay is not None and self._replay.step == t:
-            avg = self._replay.avg
+        if self._st.replay is not None and self._st.replay.step == t:
+            avg = self._st.replay.avg
             if avg is None:
                 raise RecoveryError(f"the spare replaying step {t} holds no averaged gradient of it")
             self._ensure_grads()
             self._reducer.write_back(avg)
-            self._synced = Synced(t, avg)
+            self._st.synced = Synced(t, avg)
             return
         if self._zero is not None:
             raise ConfigError(
@@ -145,7 +145,7 @@ class StepLoop:
         while True:
             self.runtime.check_fenced()
             self.runtime.enter_collective(t)  # the coordinator's hang detection reads how long we wait
-            ctl = torch.tensor([self._vote()])  # planned migration: all 1.0 = switch after this step
+            ctl = torch.tensor([self._migration.vote()])  # planned migration: all 1.0 = switch after this step
             try:
                 self._keep_before(t)
                 self._mirror_local(t)  # before the vote: nobody commits t unless our mirror holds it
@@ -160,15 +160,15 @@ class StepLoop:
             except CollectiveAborted as exc:
                 first = False
                 self._join_recovery(t, exc)
-                if self._fetched is not None and self._fetched.step == t:  # a peer completed it: we have it
-                    self._synced = Synced(t, self._fetched.flats, False, compute_s)
-                    self._fetched = None
+                if self._st.fetched is not None and self._st.fetched.step == t:  # a peer completed it: we have it
+                    self._st.synced = Synced(t, self._st.fetched.flats, False, compute_s)
+                    self._st.fetched = None
                     return
                 continue
             # No copy needed for the kept average: the reducer double-buffers, so these
-            # buffers are reused only after the next step's commit replaced self._avg.
+            # buffers are reused only after the next step's commit replaced self._st.avg.
             red.write_back(flats, views=views)
-            self._synced = Synced(t, flats, float(ctl[0]) == 1.0, compute_s)
+            self._st.synced = Synced(t, flats, float(ctl[0]) == 1.0, compute_s)
             self.runtime.leave_collective()
             return
 
@@ -194,7 +194,7 @@ class StepLoop:
             if self.role == Role.LOCAL or self.world_size == 1 and self.runtime is None:
                 self._commit(t, None)
                 return
-            if self._replay is not None and self._replay.step == t:
+            if self._st.replay is not None and self._st.replay.step == t:
                 self._finish_replay(t)
                 return
             if self._zero is not None:
@@ -205,7 +205,7 @@ class StepLoop:
                 return
             views = self._views_safe()
             self._sync_gradients(views=views)  # a no-op if the user synced already
-            synced = self._synced
+            synced = self._st.synced
             assert synced is not None
             flats, switch, compute_s = synced.flats, synced.switch, synced.compute_s
             # A leaving worker serves each step's update to the spare catching up. The average
@@ -213,14 +213,14 @@ class StepLoop:
             # before our optimizer step so the spare applies it meanwhile; otherwise (clipping,
             # a GradScaler's unscale and skip, any code between sync_gradients() and step())
             # the gradients the optimizer really stepped with, captured at its step.
-            raw = views and self._user_synced != t
-            applied = [] if self._serving_migration(t) and not raw else None
+            raw = views and self._st.user_synced != t
+            applied = [] if self._migration.serving(t) and not raw else None
             if applied is None:
-                self._serve_avg(t, flats, switch)
+                self._migration.serve_avg(t, flats, switch)
             self._commit(t, flats, compute_s=compute_s, applied=applied)
             if applied is not None:
-                self._serve_applied(t, applied, switch)
-            self._after_commit(t, switch)
+                self._migration.serve_applied(t, applied, switch)
+            self._migration.after_commit(t, switch)
             self._faults.at(t, "after_step")
         finally:
             self._scaler = None
@@ -266,7 +266,7 @@ class StepLoop:
         """No gradient on any parameter at the user's own step means no backward ran: the
         step trains nothing, which is said once. Called by ctx.sync_gradients() and
         ctx.step(), the two verbs a step ends with (a replayed step holds the average)."""
-        if self._no_grad_said or (self._replay is not None and self._replay.step == step):
+        if self._no_grad_said or (self._st.replay is not None and self._st.replay.step == step):
             return
         if not self._params or any(p.grad is not None for p in self._params):
             return
@@ -306,10 +306,10 @@ class StepLoop:
         else:
             self.reg.step_optimizer(self._scaler, applied)
         self.committed = t
-        self._avg = Averaged(t, avg) if avg is not None else None
+        self._st.avg = Averaged(t, avg) if avg is not None else None
         if replay:  # a migrating spare replaying the group's steps: not a commit of the job's
             return
-        self._commits.append([t, time.time()])
+        self._st.commits.append([t, time.time()])
         self._trim_commits()
         if self.runtime is not None:
             self.runtime.progress(t, generation=self.runtime.gen, **self._last_metrics, **info)
@@ -319,14 +319,15 @@ class StepLoop:
         steps of commit times): the last COMMITS_KEPT commits and those within a few steps
         of each generation change, which is all the report reads."""
         gen = self.runtime.gen if self.runtime is not None else 0
-        if gen != self._commit_gen:
-            self._commit_gen = gen
-            self._gen_steps.append(self._commits[-1][0])
-        if len(self._commits) <= 2 * COMMITS_KEPT:
+        if gen != self._st.commit_gen:
+            self._st.commit_gen = gen
+            self._st.gen_steps.append(self._st.commits[-1][0])
+        if len(self._st.commits) <= 2 * COMMITS_KEPT:
             return
-        last = self._commits[-1][0]
-        self._commits = [c for c in self._commits
-                         if c[0] > last - COMMITS_KEPT or any(abs(c[0] - g) <= 5 for g in self._gen_steps)]  # fmt: skip
+        st = self._st
+        last = st.commits[-1][0]
+        st.commits = [c for c in st.commits
+                      if c[0] > last - COMMITS_KEPT or any(abs(c[0] - g) <= 5 for g in st.gen_steps)]  # fmt: skip
 
     # -- the boundary rule (docs/architecture.md) -------------------------------------------
     @property
@@ -353,23 +354,23 @@ class StepLoop:
                     self._join_recovery(None, exc)
         if not self._replays:
             return
-        self._boundaries[step] = self.reg.pack_boundary()
-        self._boundaries.pop(step - 2, None)
+        self._st.boundaries[step] = self.reg.pack_boundary()
+        self._st.boundaries.pop(step - 2, None)
         if self.reg.has_local:
-            self._local_blob = LocalBlob(step, self.reg.pack_local())
+            self._st.local_blob = LocalBlob(step, self.reg.pack_local())
 
     def _keep_before(self, t: int) -> None:
         """The parameters before step t's update, the newest two: a spare replaying
         step t runs its forward on exactly these."""
-        if not self._replays or t in self._before:
+        if not self._replays or t in self._st.before:
             return
-        old = self._before.pop(t - 2, None)
+        old = self._st.before.pop(t - 2, None)
         if old is None or len(old) != len(self._params):
             old = [torch.empty_like(p) for p in self._params]
         with torch.no_grad():
             for dst, p in zip(old, self._params, strict=True):
                 dst.copy_(p)
-        self._before[t] = old
+        self._st.before[t] = old
 
     def _mirror_local(self, t: int) -> None:
         """Send this rank's local state (buffers, local=) of the boundary before step t
@@ -378,12 +379,12 @@ class StepLoop:
         knows that the mirror holds every rank's boundary t-1."""
         if not self.reg.has_local or self.world_size < 2:
             return
-        if self._local_blob is None or self._local_blob.step != t - 1:
+        if self._st.local_blob is None or self._st.local_blob.step != t - 1:
             raise RecoveryError(f"rank {self.rank} has no local-state snapshot of boundary {t - 1}")
-        got = ring_exchange(self.runtime.pg, self._local_blob.blob, self.rank, self.world_size,
+        got = ring_exchange(self.runtime.pg, self._st.local_blob.blob, self.rank, self.world_size,
                             self.timeouts.collective, self.runtime.moved_on)  # fmt: skip
-        self._mirrored[t - 1] = got
-        self._mirrored.pop(t - 3, None)
+        self._st.mirrored[t - 1] = got
+        self._st.mirrored.pop(t - 3, None)
 
     def _replay_step(self) -> Iterator[int]:
         """A spare that took rank r at resume step s runs the user's body of step s-1
@@ -394,7 +395,7 @@ class StepLoop:
         after ctx.step() (a scheduler stepped once, a metric updated with this
         step's loss) then reach boundary s-1 exactly as r's own would have; at
         ctx.step() the parameters after the update are put back."""
-        rep = self._replay
+        rep = self._st.replay
         assert rep is not None
         t = rep.step
         self._zero_regather()  # the group's first collective after a switch, on every member
@@ -416,7 +417,7 @@ class StepLoop:
         self._at_boundary(t)
 
     def _finish_replay(self, t: int) -> None:
-        rep, self._replay = self._replay, None
+        rep, self._st.replay = self._st.replay, None
         assert rep is not None and rep.after is not None
         if self._scaler is not None:  # changed only by commits: take the source's, as of step t
             self._scaler.load_state_dict(rep.extra[self.reg.extra_name_of(self._scaler)])

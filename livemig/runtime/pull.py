@@ -37,10 +37,10 @@ class StatePull:
     def mirrored_steps(self) -> list[int]:
         """Boundaries of the left neighbour's local state held here (the coordinator checks
         that a lost rank's replay can find its boundary)."""
-        return sorted(self._mirrored)
+        return sorted(self._st.mirrored)
 
     def avg_step(self) -> int | None:
-        return self._avg.step if self._avg else None
+        return self._st.avg.step if self._st.avg else None
 
     def catch_up(self, m: Membership) -> dict[str, Any] | None:
         """Reach the agreed boundary (resume_step) of generation m."""
@@ -54,8 +54,8 @@ class StatePull:
         if self.committed == target - 1 and self._current == target:
             if self._zero is None:
                 self._fetch_avg(m, target)
-            elif self._avg is not None and self._avg.step == target:
-                self._commit(target, self._avg.flats)  # a peer passed the barrier: finish the step alone
+            elif self._st.avg is not None and self._st.avg.step == target:
+                self._commit(target, self._st.avg.flats)  # a peer passed the barrier: finish the step alone
                 log.info("finished a step a peer committed, from the slices held here", extra={"step": target})
             else:
                 raise RecoveryError(f"rank {self.rank} does not hold the gradient slices of step {target}")
@@ -68,16 +68,15 @@ class StatePull:
         srv = self.runtime.server
         if srv is None or m.resume_step is None or self.committed_step() != m.resume_step - 1:
             return
-        # Parameters and optimizer as of our last commit; the replicated state user code
-        # changes outside it as of the boundary before (the spare replays one step).
         # Parameters and optimizer as of our last commit; for the spare's replay of that
         # step (runtime/loop.py), the parameters before it and the boundary before it.
-        replay = {"boundary": self._boundaries.get(self.committed - 1), "before": self._before.get(self.committed),
-                  "uses_sync": self._uses_sync} if self._replays else {}  # fmt: skip
+        st = self._st
+        replay = {"boundary": st.boundaries.get(self.committed - 1), "before": st.before.get(self.committed),
+                  "uses_sync": st.uses_sync} if self._replays else {}  # fmt: skip
         srv.publish(m.generation, items.STATE, lambda: (self.committed + 1, {**self.state_obj(), **replay}))
         left = (self.rank - buddy_stride(self.world_size)) % self.world_size
-        if self._mirrored.get(self.committed - 1) is not None:  # the left neighbour's local state
-            blob = self._mirrored[self.committed - 1]
+        if self._st.mirrored.get(self.committed - 1) is not None:  # the left neighbour's local state
+            blob = self._st.mirrored[self.committed - 1]
             srv.publish(m.generation, items.local(left), lambda: (self.committed + 1, {"blob": blob}))
         key = self.runtime.keys.inject_corrupt(self.rank)
         if self.runtime.client.get(key) is not None:  # fault injection (`livemig inject corrupt`)
@@ -88,8 +87,8 @@ class StatePull:
             for sh in (self._zero.own, self._zero.mirror):
                 if sh is not None:
                     srv.publish(m.generation, items.zshard(sh.shard), lambda sh=sh: (self.committed + 1, sh.state()))
-        elif self._avg is not None and self._avg.step == self.committed:
-            avg = self._avg
+        elif self._st.avg is not None and self._st.avg.step == self.committed:
+            avg = self._st.avg
             srv.publish(m.generation, items.AVG, lambda: (avg.step, {"flat": avg.flats}))
 
     def _sources(self, m: Membership, ranks: list[int] | None = None) -> list[str]:
@@ -132,7 +131,7 @@ class StatePull:
         log.info("fetched the averaged gradient of a step a peer completed", extra={"step": t})
         # ctx.sync_gradients()/step() take it from here: the user's code between the two
         # still runs once, and the commit is the usual one.
-        self._fetched = Averaged(t, got.state["flat"])
+        self._st.fetched = Averaged(t, got.state["flat"])
 
     def _into_model(self) -> Callable[[int, dict], torch.Tensor | None]:
         """A transfer destination for a state object: its first tensors, the model's,
@@ -186,7 +185,7 @@ class StatePull:
                     raise RecoveryError(f"source holds the average of step {part.step}, need {self.committed}")
                 avg = part.state["flat"]
                 nbytes += part.nbytes
-            self._replay = Replay(self.committed, unpack(st["boundary"]), local, st["before"], avg, st["extra"])
+            self._st.replay = Replay(self.committed, unpack(st["boundary"]), local, st["before"], avg, st["extra"])
         self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
         log.info("state loaded", extra={"resume_step": got.step, "bytes": got.nbytes,
                                         "seconds": round(got.seconds, 4)})  # fmt: skip

@@ -23,6 +23,7 @@ from livemig.errors import ConfigError, EtcdUnavailableError
 from livemig.rdzv.client import decode, through_outage
 from livemig.rdzv.watch import PrefixWatch, wait_for
 from livemig.runtime.control import _Activate, _Stop
+from livemig.runtime.step_state import StepState
 from livemig.state import digest
 from livemig.transfer.channel import verifiers
 
@@ -46,7 +47,7 @@ class StandbyHost(Protocol):
     role: Role
     committed: int
     reg: Any
-    _commits: list[list[float]]
+    _st: StepState
     _loaded_step: int | None
     _joining: Any
 
@@ -158,7 +159,7 @@ class Standby:
         rt = h.runtime
         rec = {"incarnation": h.incarnation, "steps": h.committed + 1, "digest": h.state_digest(),
                "digests": h.reg.digests(),
-               "commits": h._commits, "generation": rt.gen, "role": h.role,
+               "commits": h._st.commits, "generation": rt.gen, "role": h.role,
                "joined_at_step": h._loaded_step}  # fmt: skip
         if self.info:
             rec["standby"] = self.info

@@ -6,7 +6,7 @@ says which part wrote it and which reads it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -72,3 +72,24 @@ class Outgoing:
     def serves(self, t: int) -> bool:
         """Does this worker serve step t's update to the catching-up spare?"""
         return self.gen is not None and self.step is not None and t >= self.step
+
+
+@dataclass
+class StepState:
+    """What the step protocol (runtime/loop.py, zero1_step.py, pull.py) keeps between steps,
+    owned by the Engine and made anew when the user's function is entered again. The
+    boundary rule (docs/architecture.md): snapshots of step boundaries, newest last."""
+
+    avg: Averaged | None = None  # averaged gradient of the last commit
+    commits: list[list[float]] = field(default_factory=list)  # [step, wall time] of this rank's commits
+    commit_gen: int = -1  # generation changes seen by the commits (loop._trim_commits)
+    gen_steps: list[int] = field(default_factory=list)
+    boundaries: dict[int, Any] = field(default_factory=dict)  # step -> packed extras + hyperparameters after step
+    mirrored: dict[int, Any] = field(default_factory=dict)  # boundary step -> left neighbour's packed local state
+    local_blob: LocalBlob | None = None  # this rank's packed local state of the last boundary
+    before: dict[int, list] = field(default_factory=dict)  # step -> parameters before its update
+    replay: Replay | None = None  # a spare's replay of step resume-1 (runtime/loop.py)
+    uses_sync: bool = False  # the loop body called ctx.sync_gradients(): a replay needs the average
+    user_synced: int | None = None  # the last step whose body called ctx.sync_gradients()
+    synced: Synced | None = None  # what the step's average left for the commit
+    fetched: Averaged | None = None  # a step's average a recovery fetched from a peer

@@ -43,7 +43,7 @@ class Zero1Steps:
                 else:
                     reduced = red.reduce(rt.pg, red.flatten(self.world_size), timeout, rt.moved_on)
                 own, mirror = z.slices(rt.pg, reduced, timeout, rt.moved_on)
-                self._avg = Averaged(t, [own, mirror])  # held: enough to finish step t alone
+                self._st.avg = Averaged(t, [own, mirror])  # held: enough to finish step t alone
                 self._mirror_local(t)  # before the barrier: whoever passes it knows the mirror holds t
                 z.barrier(rt.pg, timeout, rt.moved_on)
                 self._faults.at_commit_point(t, "barrier result")

@@ -18,6 +18,7 @@ from livemig.config import Timeouts
 from livemig.data import step_seed
 from livemig.errors import ConfigError
 from livemig.runtime.registry import Registry
+from livemig.runtime.step_state import StepState
 
 log = logging.getLogger("livemig.sandbox.warmup")
 
@@ -33,8 +34,7 @@ class SandboxHost(Protocol):
     reg: Registry
     committed: int
     _current: int | None
-    _commits: list[list[float]]
-    _avg: Any
+    _st: StepState
     _reducer: Any
     _scaler: Any
 
@@ -80,8 +80,8 @@ class Sandbox:
                     raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
         finally:
             self.pg = None
-            h._current, h.committed, h._commits = None, -1, []
-            h._avg = None
+            h._current, h.committed, h._st.commits = None, -1, []
+            h._st.avg = None
 
     def step(self, t: int) -> None:
         """ctx.step() of a shadow iteration: the update of a world of one."""

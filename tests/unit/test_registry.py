@@ -111,15 +111,16 @@ def test_final_record_commit_times_stay_bounded():
 
     from livemig.rdzv.client import encode
     from livemig.runtime.loop import COMMITS_KEPT, StepLoop
+    from livemig.runtime.step_state import StepState
 
     rt = SimpleNamespace(gen=1)
-    f = SimpleNamespace(runtime=rt, _commits=[], _commit_gen=-1, _gen_steps=[])
+    f = SimpleNamespace(runtime=rt, _st=StepState())
     for t in range(100_000):
         if t in (40_000, 70_000):
             rt.gen += 1
-        f._commits.append([t, t * 0.1])
+        f._st.commits.append([t, t * 0.1])
         StepLoop._trim_commits(f)
-    steps = [c[0] for c in f._commits]
+    steps = [c[0] for c in f._st.commits]
     assert len(steps) <= 2 * COMMITS_KEPT + 33 and steps[-1] == 99_999
     assert {39_999, 40_000, 40_001, 70_000, 70_001}.issubset(steps)
-    assert len(encode({"commits": f._commits})) < 20_000
+    assert len(encode({"commits": f._st.commits})) < 20_000

@@ -156,6 +156,9 @@ ENV_NODE_RANK = "LIVEMIG_NODE_RANK"  # the node rank of the agent that started t
 ENV_BUDDY_STRIDE = "LIVEMIG_BUDDY_STRIDE"  # a rank's mirror (local state, ZeRO-1 shard) is rank + this
 ENV_BACKEND = "LIVEMIG_BACKEND"  # "gloo" (default) or "nccl"
 ENV_ZERO1_MIRROR = "LIVEMIG_ZERO1_MIRROR"  # "0": no mirror of ZeRO-1 shards (benchmarks; a lost shard is fatal)
+# "1": members add to their progress records what the agent's --metrics-port reads (the first
+# commit of their group and the last before it, the median step); set by the agent, off by default
+ENV_METRICS = "LIVEMIG_METRICS"
 ENV_STRAGGLER_FACTOR = "LIVEMIG_STRAGGLER_FACTOR"  # > 0 turns the straggler hook on (e.g. 1.5)
 ENV_STRAGGLER_STEPS = "LIVEMIG_STRAGGLER_STEPS"  # consecutive slow steps before a migration (default 20)
 # Seconds a rank may hold the others waiting in a collective before it is replaced as hung
@@ -250,6 +253,11 @@ def make_interruptible() -> None:
         return
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def metrics_on() -> bool:
+    """Do the members publish the figures of the agent's metrics endpoint (ENV_METRICS)?"""
+    return os.environ.get(ENV_METRICS, "") == "1"
 
 
 def straggler_settings() -> tuple[float, int]:

@@ -20,6 +20,7 @@ from typing import Any
 from livemig import logs
 from livemig.agent import report
 from livemig.agent.children import Child
+from livemig.agent.events import EventLog
 from livemig.agent.fault_driver import FaultDriver
 from livemig.agent.jobs import (
     claim_job_file,
@@ -40,6 +41,7 @@ from livemig.config import (
     ENV_INCARNATION,
     ENV_JOB,
     ENV_JOIN_TIMEOUT,
+    ENV_METRICS,
     ENV_NODE_RANK,
     ENV_ON_ERROR,
     ENV_PARENT_PID,
@@ -90,6 +92,8 @@ class RunConfig:
     node_rank: int | None = None  # None: the first free node rank (auto)
     host: str | None = None  # address other hosts reach this node at (default: nodes.default_host)
     buddy_stride: int = 0  # mirror rank-local state on rank + this (default: nproc_per_node with nnodes > 1)
+    metrics_port: int | None = None  # --metrics-port: serve the job's Prometheus metrics (agent/metrics.py)
+    events: str | None = None  # --events FILE: the job's events as JSON lines (agent/events.py)
     # how long to wait for every node of the run to join, s
     join_timeout: float = field(default_factory=lambda: float(os.environ.get(ENV_JOIN_TIMEOUT, "") or 300))
 
@@ -108,6 +112,8 @@ class RunConfig:
             raise ConfigError(f"--node-rank {self.node_rank} is not in 0..{self.nnodes - 1}")
         if self.spares < 0 or self.coordinators < 1:
             raise ConfigError("--spares must be >= 0 and --coordinators >= 1")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"--metrics-port {self.metrics_port}: expected a TCP port, 0-65535")
         on_error_policy(self.on_error or None)  # a bad value is refused before anything starts
         if not os.path.isfile(self.script):
             raise ConfigError(f"training script {self.script!r} not found")
@@ -151,6 +157,11 @@ class Launcher:
         # collaborators, each owning its state: the fault plan's, the children's watch
         self.faults = FaultDriver(self, cfg.faults, self._wake.poke)
         self.watch = ChildWatch(self)
+        self.metrics: Any = None  # the metrics endpoint (--metrics-port), once etcd answers
+        self.metrics_port: int | None = None  # the port it listens on (--metrics-port 0: any free one)
+        self.events: EventLog | None = None
+        if cfg.events or logging.getLogger("livemig.events").isEnabledFor(logging.INFO):
+            self.events = EventLog(cfg.events, cfg.job, self.keys)
 
     def say(self, msg: str) -> None:
         if not self.cfg.quiet:
@@ -166,6 +177,8 @@ class Launcher:
             full[ENV_ON_ERROR] = self.cfg.on_error
         full.update(EtcdSecurity().to_env_clear())
         full.update(self.security.to_env())
+        if self.cfg.metrics_port is not None:  # the members add the figures the endpoint reads
+            full[ENV_METRICS] = "1"
         if self.tmpdir:  # what the child leaves in its temporary directory goes with the run
             full["TMPDIR"] = self.tmpdir
         full.update({ENV_ETCD: self.etcd, ENV_JOB: self.cfg.job, ENV_INCARNATION: inc,
@@ -226,6 +239,13 @@ class Launcher:
         if self.cluster is not None:
             self.cluster.wait_started()
         self.client = EtcdClient(self.etcd, cfg.timeouts.etcd, self.security)
+        if cfg.metrics_port is not None:
+            from livemig.agent.metrics import JobMetrics, MetricsServer
+
+            collector = JobMetrics(self.keys, lambda: self._by_key, self.client, launched_at=self._t0)
+            self.metrics = MetricsServer(collector, cfg.metrics_port)
+            self.metrics_port = self.metrics.port
+            self.say(f"livemig: metrics of job {cfg.job} on http://{host}:{self.metrics_port}/metrics")
         self._join(host, fresh=early)
         claim_job_file(cfg.job, self.etcd, security=self.security)
         if not early:
@@ -308,6 +328,8 @@ class Launcher:
         try:
             result = self._watch_job(deadline, wake, on_change)
         finally:  # also on Ctrl-C: a watch left running would warn once its etcd stops
+            if self.events is not None and self._by_key:
+                self.events.emit(self._by_key)  # the job's last events (its end)
             if self._mirror is not None:
                 self._mirror.cancel()
                 self._mirror = None
@@ -348,6 +370,8 @@ class Launcher:
             self.watch.forget_fenced(by_key)
             self.faults.inject_requests(by_key)
             self.watch.progress(by_key)
+            if self.events is not None:
+                self.events.emit(by_key)
             res = by_key.get(self.keys.result)
             if res is not None and result is None:
                 result = conform(res.value, {"state": (str,)})  # not a result record: not the end
@@ -457,6 +481,11 @@ class Launcher:
             except (ProcessLookupError, PermissionError):
                 pass
         log.info("children stopped", extra={"s": round(time.monotonic() - t0, 3)})
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
+        if self.events is not None:
+            self.events.close()
         if self.node_keeper is not None:
             self.node_keeper.stop(revoke=True)
         if self.client is not None:

@@ -87,6 +87,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--report", help="write the run report (JSON) here")
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics of the job on this port (0: any free "
+        "one; needs pip install 'livemig[metrics]'; default off; docs/operations.md, Metrics)",
+    )
+    p.add_argument("--events", help="append the job's events here, one JSON line each (docs/operations.md, Events)")
+    p.add_argument(
         "--verify",
         action="store_true",
         help="also run the job without faults or spares and compare final state digests",
@@ -132,7 +139,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                     coordinators=a.coordinators, job=a.job, etcd=a.etcd, etcd_bin=a.etcd_bin,
                     etcd_members=a.etcd_members,
                     faults=[parse_fault(f) for f in a.fault], report=a.report, timeouts=t,
-                    log_every=a.log_every, max_wall=a.max_wall, on_error=a.on_error)  # fmt: skip
+                    log_every=a.log_every, max_wall=a.max_wall, on_error=a.on_error,
+                    metrics_port=a.metrics_port, events=a.events)  # fmt: skip
     reference = None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cfg.nproc_per_node + cfg.spares > OVERSUBSCRIBE * cores:

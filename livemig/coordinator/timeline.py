@@ -58,6 +58,15 @@ def read_events(client: EtcdClient, keys: JobKeys) -> list[dict[str, Any]]:
     return sorted([e for e in events if e is not None], key=lambda e: e["time"])
 
 
+def events_of(by_key: dict[str, Any], keys: JobKeys) -> list[dict[str, Any]]:
+    """read_events over a snapshot of the job's keys (an agent's watch-fed mirror): no read of etcd."""
+    archive = by_key.get(keys.timeline_archive)
+    old = (conform(archive.value, {"events": (list,)}) or {}).get("events", []) if archive else []
+    new = [kv.value for k, kv in by_key.items() if k.startswith(keys.timeline_prefix)]
+    events = [conform(e, EVENT_NEED, EVENT_MAY) for e in [*old, *new]]
+    return sorted([e for e in events if e is not None], key=lambda e: e["time"])
+
+
 def fold(archive: dict[str, Any] | None, events: list[dict[str, Any]]) -> dict[str, Any]:
     """The archive with `events` added, the oldest dropped past ARCHIVE_EVENTS (counted)."""
     old = list((archive or {}).get("events", []))

@@ -12,6 +12,7 @@ is what they must do after any lost race anyway.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -159,6 +160,39 @@ def _txn_revision(resps: list) -> int:
     return 0
 
 
+class CallStats:
+    """Latency and failures of a client's calls, for its process's metrics endpoint
+    (agent/metrics.py): a clock read and a bucket search per call, counted always."""
+
+    BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(self.BUCKETS) + 1)
+        self.total_s = 0.0
+        self.errors = 0  # attempts that failed (retried or not)
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        i = bisect.bisect_left(self.BUCKETS, seconds)
+        with self._lock:
+            self.counts[i] += 1
+            self.total_s += seconds
+
+    def failed(self) -> None:
+        with self._lock:
+            self.errors += 1
+
+    def histogram(self) -> tuple[list[tuple[str, float]], float]:
+        """Cumulative Prometheus buckets and the sum."""
+        with self._lock:
+            counts, total = list(self.counts), self.total_s
+        out, acc = [], 0
+        for b, c in zip([*map(str, self.BUCKETS), "+Inf"], counts, strict=True):
+            acc += c
+            out.append((b, float(acc)))
+        return out, total
+
+
 class EtcdClient:
     """One client per process (gRPC is not fork-safe: spawn, never fork).
 
@@ -223,6 +257,7 @@ class EtcdClient:
         self.writes = 0
         self.write_revision = 0
         self.unknown_writes = 0
+        self.stats = CallStats()
 
     @property
     def raw(self) -> pyetcd.MultiEndpointEtcd3Client:
@@ -246,12 +281,14 @@ class EtcdClient:
         limit = (timeout or self.timeout).total_seconds()
         deadline = time.monotonic() + limit
         last: Exception | None = None
+        t0 = time.monotonic()
         while True:
             try:
                 if self._password is not None and self._token is None:
                     self._authenticate()
                 out = fn()
                 self.last_success = time.monotonic()
+                self.stats.observe(self.last_success - t0)
                 return out
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
@@ -276,10 +313,12 @@ class EtcdClient:
                 else:
                     last = exc
                     self.last_failure = time.monotonic()
+                    self.stats.failed()
                     self.mark_failed()
             except _RETRYABLE as exc:
                 last = exc
                 self.last_failure = time.monotonic()
+                self.stats.failed()
                 self.mark_failed()
             if time.monotonic() + 0.05 >= deadline:
                 break

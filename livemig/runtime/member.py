@@ -37,6 +37,7 @@ from livemig.config import (
     ENV_JOB,
     ENV_PROBE_TIMEOUT,
     Timeouts,
+    metrics_on,
     node_host,
     node_rank,
     progress_budget,
@@ -115,6 +116,10 @@ class MemberRuntime:
         # [step, forward+backward s] of the last COMPUTE_KEPT steps, only for a straggler hook that is on: it
         # would near double every progress write of a job that has none (a bad setting fails here, as above)
         self._compute_recent: list[list[float]] | None = [] if straggler_settings()[0] > 0 else None
+        # the metrics endpoint's figures (agent/metrics.py), only when it is on: [generation, the last
+        # commit before this group as [step, time] or None, this group's first commit]
+        self._metrics = metrics_on()
+        self._around: list | None = None
         self._waiting: tuple[int, float, bool] | None = None  # (step, since, reported) in a collective
         self._busy = False
         kv, rev = self.client.get_with_revision(self.keys.membership)
@@ -294,6 +299,13 @@ class MemberRuntime:
         if self._compute_recent is not None and "compute_s" in info:  # the straggler hook judges each step
             self._compute_recent = [*self._compute_recent[-(COMPUTE_KEPT - 1) :], [step, round(info["compute_s"], 6)]]
             item["compute_recent"] = self._compute_recent
+        if self._metrics:
+            if self._around is None or self._around[0] != self.gen:
+                prev = self._last_item
+                self._around = [self.gen, [prev["step"], prev["time"]] if prev else None, [step, now]]
+            item["around"] = self._around
+            if self._step_times:
+                item["step_s"] = round(sorted(self._step_times)[len(self._step_times) // 2], 6)
         self._last_item = item
         self._queue(item)
 

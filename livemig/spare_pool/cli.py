@@ -40,6 +40,7 @@ from livemig.config import (
     ENV_HOST,
     ENV_INCARNATION,
     ENV_JOB,
+    ENV_METRICS,
     ENV_PARENT_PID,
     ENV_ROLE,
     ENV_SPARE_ID,
@@ -146,6 +147,8 @@ def cmd_start(a: argparse.Namespace) -> int:
         if host:
             env[ENV_HOST] = host
         env[ENV_PARENT_PID] = str(os.getpid())  # its own session (a kill reaches its group only): exits with us
+        if a.metrics_port is not None or run.get("metrics"):  # a claimed spare is a member: its figures
+            env[ENV_METRICS] = "1"
         if stride > 1:  # the job's buddies are on the next node: mirror as its members do
             env[ENV_BUDDY_STRIDE] = str(stride)
         env[ENV_INCARNATION] = new_incarnation(Role.SPARE, host or None)
@@ -157,11 +160,25 @@ def cmd_start(a: argparse.Namespace) -> int:
     def stop(*_: object) -> None:
         raise KeyboardInterrupt
 
+    server = None
+    if a.metrics_port is not None:  # the whole job's figures, read from etcd at each scrape
+        from livemig.agent.metrics import JobMetrics, MetricsServer
+
+        def snapshot() -> dict:
+            kvs, _ = client.get_prefix(keys.prefix)
+            return {kv.key: kv for kv in kvs}
+
+        created = run.get("created")
+        launched = float(created) if isinstance(created, int | float) else None
+        server = MetricsServer(JobMetrics(keys, snapshot, client, launched_at=launched), a.metrics_port)
+        logs.say(f"livemig-spare: metrics of job {a.job} on port {server.port}")
     old = signal.signal(signal.SIGTERM, stop)  # a SIGTERM stops the spares as Ctrl-C does
     try:
         return StandbyAgent(client, keys, children).run()  # agent/standby.py
     finally:
         signal.signal(signal.SIGTERM, old)
+        if server is not None:
+            server.stop()
 
 
 def cmd_status(a: argparse.Namespace) -> int:
@@ -225,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--detach", action="store_true",
                    help="run in the background (the spares with their agent), log to a file")  # fmt: skip
     s.add_argument("--count", type=int, default=1, help="spares to run on this host (default 1)")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve the job's Prometheus metrics on this port (default off; docs/operations.md, Metrics)",
+    )
     s.add_argument("--host", help="address other hosts reach this one at (default $LIVEMIG_HOST, else the local "
                                   "address of the route to etcd)")  # fmt: skip
     s.add_argument("script")

@@ -321,3 +321,22 @@ def test_the_straggler_hook_judges_every_step_all_ranks_have_once():
     assert judge_steps({0: r0}, -1, 2.5) == []  # one rank has no median to compare with
     # anyone with etcd access may write a progress record: what is not a [step, seconds] pair is skipped
     assert compute_times({"step": "x", "compute_recent": [["a", 1], [3], "z", [4, "q"]]}) == {4: 0.0}
+
+
+def test_every_metric_is_documented_and_group_commits_need_every_rank():
+    """docs/operations.md lists each family the endpoint serves; a generation's downtime is
+    measured only once every rank committed in its group, and hostile records are skipped."""
+    import os
+
+    from livemig.agent.metrics import METRICS, bucketed, group_commits
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "operations.md")).read()
+    for name, (kind, _, _) in METRICS.items():
+        assert f"`{name}{'_total' if kind == 'counter' else ''}`" in doc, name
+    recs = {0: {"around": [2, [20, 100.0], [21, 100.4]]}, 1: {"around": [2, None, [21, 100.5]]}}
+    assert group_commits(recs, 2) == {2: [(20, 100.0), (21, 100.5)]}
+    assert group_commits({0: recs[0]}, 2) == {}  # rank 1 has not committed in generation 2 yet
+    hostile = {0: {"around": "x"}, 1: {"around": [2, "a", ["b", 1]]}, 2: {"around": [None, None, None]}}
+    assert group_commits(hostile, 3) == {}
+    buckets, total = bucketed([0.2, 3.0])
+    assert dict(buckets)["0.25"] == 1.0 and dict(buckets)["+Inf"] == 2.0 and total == 3.2

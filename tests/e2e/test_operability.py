@@ -1,0 +1,98 @@
+"""What an operator reads from a running job: the Prometheus endpoint (--metrics-port) and the
+events file (--events). CI budget: one ~15 s run (the fault-free reference is shared with
+test_outage.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+from livemig.agent.metrics import METRICS
+from livemig.rdzv.embedded import free_port
+from tests.e2e.conftest import REPO, RUN_ENV, STATEFUL
+
+STEPS = 100
+ARGS = ("--model", "cnn")  # test_outage.py's reference
+FIELDS = {"schema", "job", "event", "time", "generation", "rank", "host", "incarnation"}
+
+
+def scrape(port: int) -> dict[str, float] | None:
+    """The page as {sample name with labels: value}, parsed by prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        assert fam.name in METRICS, fam.name  # every family on the page is a documented one
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "le")
+            if "le" not in s.labels:
+                out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def test_metrics_and_events_of_a_recovery_mid_run(tmp_path, stateful_reference):
+    ref_report, _ = stateful_reference(2, ARGS, STEPS)
+    port, events, report = free_port(), tmp_path / "events.jsonl", tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "livemig.cli", "run", "--nproc", "2", "--spares", "1", "--job", "ops",
+           "--report", str(report), "--lease-ttl", "2", "--metrics-port", str(port), "--events", str(events),
+           "--fault", "kill:rank=1:step=20", STATEFUL, "--steps", str(STEPS), *ARGS]  # fmt: skip
+    env = {**os.environ, "LIVEMIG_STATE_DIR": str(tmp_path), **RUN_ENV, "STATEFUL_STEP_SLEEP": "0.05"}
+    p = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # fmt: skip
+    pages: list[dict[str, float]] = []
+    try:
+        deadline = time.monotonic() + 180
+        while p.poll() is None and time.monotonic() < deadline:
+            page = scrape(port)
+            if page is not None:
+                pages.append(page)
+            time.sleep(0.1)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()
+    rep = json.loads(report.read_text())
+    assert p.returncode == 0, out[-2000:] + err[-3000:]
+    # metrics on changes nothing of the model: the same state as the fault-free run
+    assert rep["state_digest"] == ref_report["state_digest"] and rep["steps_completed"] == STEPS, out
+
+    done = "livemig_recoveries_total{kind=failure,outcome=done}"
+    before = [pg for pg in pages if pg.get("livemig_generation{}") == 1.0 and pg.get("livemig_steps_committed_total{}")]
+    measured = "livemig_downtime_seconds_count{kind=failure}"
+    after = [pg for pg in pages if pg.get(measured) == 1.0 and pg["livemig_steps_committed_total{}"] < STEPS]
+    assert before and after, (len(pages), pages[-1:] if pages else None)
+    b, a = before[-1], after[0]
+    assert b.get(done, 0.0) == 0.0 and b["livemig_downtime_seconds_count{kind=failure}"] == 0.0, b
+    assert sum(v for k, v in b.items() if k.startswith("livemig_spares_warm{")) == 1.0, b  # the warm spare
+    assert sum(v for k, v in b.items() if k.startswith("livemig_members{")) == 2.0, b
+    # the recovery counter and the downtime histogram moved once the new group committed, before the result
+    assert a["livemig_generation{}"] == 2.0 and a[done] == 1.0, a
+    (r,) = rep["recoveries"]
+    assert abs(a["livemig_downtime_seconds_sum{kind=failure}"] - r["downtime_s"]) < 0.05, (a, r)
+    assert a["livemig_fenced_total{}"] == 1.0 and a["livemig_bytes_streamed_total{kind=failure}"] > 0, a
+    assert 0 < a["livemig_goodput_ratio{}"] <= 1 and a["livemig_step_seconds{}"] > 0, a
+    assert a["livemig_etcd_request_seconds_count{}"] > 0, a
+
+    lines = [json.loads(x) for x in events.read_text().splitlines()]
+    assert all(FIELDS <= set(ev) and ev["job"] == "ops" for ev in lines), lines
+    assert [ev["time"] for ev in lines] == sorted(ev["time"] for ev in lines)
+    phases = [ev["event"] for ev in lines if ev["generation"] == 2]
+    order = ["detect", "fence", "agree", "claim", "stream", "build", "commit"]
+    assert [x for x in phases if x in order] == order, phases
+    detect = next(ev for ev in lines if ev["event"] == "detect")
+    assert detect["rank"] == 1 and re.match(r"worker-", detect["incarnation"] or ""), detect  # the lost worker
+    claim = next(ev for ev in lines if ev["event"] == "claim")
+    assert (claim["incarnation"] or "").startswith("spare-"), claim  # the spare that took rank 1
+    assert lines[-1]["event"] == "job_state" and lines[-1]["state"] == "done", lines[-1]
+    assert any(ev["event"] == "spare_registered" for ev in lines), lines

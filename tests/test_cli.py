@@ -68,6 +68,68 @@ def test_status_reads_job_keys(etcd):
     assert "generation 1" in r.stdout
 
 
+def test_status_watch_refreshes_in_place_on_a_terminal_and_stops_on_ctrl_c(etcd):
+    """--watch under a pseudo-terminal redraws in place until Ctrl-C (exit 0 within 1 s);
+    without a terminal it prints one block per refresh and ends with the job."""
+    import pty
+    import select
+    import signal
+
+    from livemig.rdzv.client import EtcdClient, encode
+    from livemig.rdzv.keys import JobKeys
+    from livemig.rdzv.membership import Member, Membership, Rendezvous
+
+    client = EtcdClient(etcd.endpoints)
+    Rendezvous(client, "watchjob").commit_change(
+        0, Membership(world_size=1, state="committed", members={0: Member(0, "worker-h-1-x", "h", 1)})
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "livemig.cli",
+        "status",
+        "--job",
+        "watchjob",
+        "--etcd",
+        etcd.endpoints,
+        "--watch",
+        "0.2",
+    ]
+    master, slave = pty.openpty()
+    p = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=subprocess.PIPE, start_new_session=True)
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + 30
+    try:
+        while out.count(b"\x1b[H\x1b[2J") < 3 and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                out += os.read(master, 65536)
+        assert out.count(b"\x1b[H\x1b[2J") >= 3 and b"generation 1" in out, out[-500:]
+        p.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        rc = p.wait(timeout=10)
+        assert rc == 0 and time.monotonic() - t0 < 1.0, (rc, p.stderr.read())
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stderr.close()
+        os.close(master)
+    # no terminal: a block per refresh, and the watch ends with the job (its result)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)
+        client.put(JobKeys("watchjob").result, encode({"state": "done", "time": time.time()}))
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err
+    assert "\x1b[" not in out and out.count("job watchjob  generation 1") >= 3, out
+    assert out.rstrip().endswith("Ctrl-C to stop)") and "result: {" in out, out[-300:]
+    client.close()
+
+
 def test_status_of_a_job_that_is_not_there_says_so(etcd):
     r = run_cli("status", "--job", "typo", "--etcd", etcd.endpoints)
     assert r.returncode == 2

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from typing import Any
@@ -42,8 +43,9 @@ DDP = os.path.join(ROOT, "examples", "ddp_baseline.py")
 
 
 def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
-                env: dict | None = None) -> dict[str, Any]:  # fmt: skip
-    """fault: True = SIGKILL rank 1 after --fail-at; "migrate" = planned migration of rank 1 there."""
+                env: dict | None = None, metrics: bool = False) -> dict[str, Any]:  # fmt: skip
+    """fault: True = SIGKILL rank 1 after --fail-at; "migrate" = planned migration of rank 1 there.
+    metrics: serve --metrics-port and scrape it once a second (15x Prometheus' usual rate)."""
     zero1 = getattr(a, "sharding", "none") == "zero1"
     old = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})  # the launcher passes its environment on to the workers
@@ -53,10 +55,17 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
         job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True, max_wall=a.run_timeout,
         faults=[parse_fault(f"{'migrate' if fault == 'migrate' else 'kill'}:rank=1:step={a.fail_at}")] if fault else [],
     )  # fmt: skip
+    stop = threading.Event()
+    if metrics:
+        from livemig.rdzv.embedded import free_port
+
+        cfg.metrics_port = free_port()
+        threading.Thread(target=_scrape_every, args=(cfg.metrics_port, 1.0, stop), daemon=True).start()
     t0 = time.monotonic()
     try:
         rep = run(cfg)
     finally:
+        stop.set()
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -295,7 +304,20 @@ def add_overhead_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, steps=60)
     p.add_argument("--sharding", choices=("none", "zero1"), default="none",
                    help="zero1: also time ZeRO-1 without its mirror, and DDP with ZeroRedundancyOptimizer")  # fmt: skip
+    p.add_argument("--metrics", action="store_true",
+                   help="also time livemig with --metrics-port on, scraped once a second")  # fmt: skip
     p.add_argument("--json")
+
+
+def _scrape_every(port: int, period: float, stop: threading.Event) -> None:
+    import urllib.request
+
+    while not stop.wait(period):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                r.read()
+        except OSError:
+            pass  # not up yet, or gone
 
 
 def _row(name: str, xs: list[float]) -> str:
@@ -316,6 +338,8 @@ def run_overhead(a: argparse.Namespace) -> int:
     plain = argparse.Namespace(**{**vars(a), "sharding": "none"})
     runs: dict[str, Any] = {"livemig": lambda: run_livemig(plain, False, workload),
                             "plain DDP": lambda: run_ddp(plain, False, workload)}  # fmt: skip
+    if a.metrics:
+        runs["livemig, metrics on"] = lambda: run_livemig(plain, False, workload, metrics=True)
     if zero1:
         runs["livemig zero1 + mirror"] = lambda: run_livemig(a, False, workload)
         runs["livemig zero1, no mirror"] = lambda: run_livemig(a, False, workload, {"LIVEMIG_ZERO1_MIRROR": "0"})
@@ -335,6 +359,8 @@ def run_overhead(a: argparse.Namespace) -> int:
         print(_row(name, xs))
     out: dict[str, Any] = {"step_s": times, "ratios": {}}
     pairs = [("livemig / DDP", "livemig", "plain DDP")]
+    if a.metrics:
+        pairs.append(("metrics on / off", "livemig, metrics on", "livemig"))
     if zero1:
         pairs += [("zero1+mirror / zero1", "livemig zero1 + mirror", "livemig zero1, no mirror"),
                   ("zero1+mirror / DDP", "livemig zero1 + mirror", "plain DDP"),

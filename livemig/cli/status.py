@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -34,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("status", help="show a job's generation, members, spares and leader")
     s.add_argument("--job", required=True)
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--watch", type=float, nargs="?", const=1.0, metavar="SECONDS",
+                   help="refresh every SECONDS (default 1) until the job ends or Ctrl-C: in place on a "
+                        "terminal, else one block (with --json one line) per refresh")  # fmt: skip
     add_etcd_arguments(s)
     s.set_defaults(fn=cmd_status)
 
@@ -42,12 +46,41 @@ def cmd_status(a: argparse.Namespace) -> int:
     from livemig.agent.jobs import connect
 
     job = validate_job_name(a.job)
+    if a.watch is not None and not 0.05 <= a.watch <= 3600:
+        raise ConfigError(f"--watch {a.watch}: expected seconds between 0.05 and 3600")
     client = connect(job, a.etcd, timedelta(seconds=a.etcd_timeout))
     try:
-        print(render(collect(client, job), a.json))
+        if a.watch is None:
+            print(render(collect(client, job), a.json))
+            return 0
+        return watch(client, job, a.watch, a.json)
     finally:
         client.close()
-    return 0
+
+
+def watch(client: EtcdClient, job: str, every: float, as_json: bool) -> int:
+    """Refresh until the job has a result or Ctrl-C (exit 0 either way, at once: the
+    sleep is the only wait besides one bounded etcd read)."""
+    tty = sys.stdout.isatty()
+    try:
+        while True:
+            info = collect(client, job)
+            if as_json:
+                text = json.dumps(_jsonable(info), sort_keys=True, default=repr)
+            else:
+                text = render(info, False)
+                stamp = time.strftime("%H:%M:%S", time.localtime(info["read_at"]))
+                text = f"{text}\n(every {every:g} s, {stamp}; Ctrl-C to stop)"
+            if tty and not as_json:
+                sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")  # home, clear: in place
+            else:
+                sys.stdout.write(text + ("\n" if as_json else "\n\n"))
+            sys.stdout.flush()
+            if info["result"]:
+                return 0
+            time.sleep(every)
+    except KeyboardInterrupt:
+        return 0
 
 
 def collect(client: EtcdClient, job: str) -> dict[str, Any]:
@@ -120,8 +153,24 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
         "result": conform(result.value, {}) if result else None,
         "migration": {k: m.migration.get(k) for k in ("rank", "phase", "reason", "spare")} if m.migration else None,
         "last_migration": conform(mig_res.value, {}) if mig_res else None,
+        "last_recovery": _last_recovery(by_key, keys),
         "read_at": time.time(),
     }
+
+
+def _last_recovery(by_key: dict, keys: JobKeys) -> dict[str, Any] | None:
+    """The last failure's recovery from the timeline: rank, generation and the phases up
+    to its commit (the run report adds the resume and the downtime, from commit times)."""
+    from livemig.agent.report import recoveries
+    from livemig.coordinator.timeline import events_of
+
+    recs = recoveries(events_of(by_key, keys), [], 0.0)
+    if not recs:
+        return None
+    r = recs[-1]
+    phases = {k: v for k, v in r["phases"].items() if k != "resume"}
+    return {"rank": r["rank"], "generation": r["generation"], "spares": r["spares"], "phases": phases,
+            "bytes_streamed": r["bytes_streamed"]}  # fmt: skip
 
 
 def _jsonable(v: Any) -> Any:
@@ -149,6 +198,11 @@ def render(info: dict[str, Any], as_json: bool) -> str:
     if last:
         lines.append(f"last migration: rank {last.get('rank')} {last.get('state')}"
                      + (f" ({last['reason']})" if last.get("reason") else ""))  # fmt: skip
+    rec = info.get("last_recovery")
+    if rec:
+        ph = "  ".join(f"{k} {v:.3f}" for k, v in rec["phases"].items())
+        onto = f" onto {', '.join(rec['spares'])}" if rec["spares"] else ""
+        lines.append(f"last recovery: rank {rec['rank']}{onto} (generation {rec['generation']}): {ph} s")
     lines.append(f"{'RANK':>4}  {'STATE':<9} {'STEP':>6}  {'HOST':<16} {'PID':>7}  INCARNATION")
     for m in info["members"]:
         step = "-" if m["step"] is None else str(m["step"])

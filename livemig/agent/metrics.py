@@ -63,8 +63,10 @@ _NUM = (int, float)
 
 def group_commits(records: dict[int, dict], world_size: int) -> dict[int, list[tuple[int, float]]]:
     """generation -> its group-wide [(step, time)] around its start, from the members'
-    `around` fields: the first commit of the group (the last rank's) and the last commit
-    before it (the last of the ranks that had one), once every rank reported the group."""
+    `around` fields, once every rank reported the group: the first step every rank committed
+    in it and the step before, each at its last rank's commit. A survivor may finish the
+    step in flight inside the new group (its first step there is one earlier than the
+    spare's): that step is the one before, not the group's first."""
     by_gen: dict[int, list[list]] = {}
     for rec in records.values():
         a = rec.get("around")
@@ -75,13 +77,13 @@ def group_commits(records: dict[int, dict], world_size: int) -> dict[int, list[t
         if len(arounds) < world_size:
             continue  # a rank has not committed in this group yet: no figure yet
         firsts = [a[2] for a in arounds if _pair(a[2])]
-        lasts = [a[1] for a in arounds if _pair(a[1])]
         if len(firsts) < world_size:
             continue
-        pts = [(int(max(f[0] for f in firsts)), max(float(f[1]) for f in firsts))]
-        if lasts:
-            pts.insert(0, (int(max(x[0] for x in lasts)), max(float(x[1]) for x in lasts)))
-        out[g] = pts
+        at: dict[int, float] = {}
+        for pair in [*firsts, *(a[1] for a in arounds if _pair(a[1]))]:
+            at[int(pair[0])] = max(at.get(int(pair[0]), 0.0), float(pair[1]))
+        first = int(max(f[0] for f in firsts))
+        out[g] = [(s, at[s]) for s in (first - 1, first) if s in at]
     return out
 
 

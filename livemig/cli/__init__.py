@@ -89,9 +89,15 @@ def _etcd_parser(sub: argparse._SubParsersAction) -> None:
     add_parser(sub)
 
 
+def _report_parser(sub: argparse._SubParsersAction) -> None:
+    from livemig.cli.report import add_parser
+
+    add_parser(sub)
+
+
 # Commands defined in other modules (keeps this file small).
 _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_run_parser, _inject_parser, _migrate_parser,
-                                                                       _etcd_parser]  # fmt: skip
+                                                                       _etcd_parser, _report_parser]  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -336,6 +336,9 @@ def test_every_metric_is_documented_and_group_commits_need_every_rank():
     recs = {0: {"around": [2, [20, 100.0], [21, 100.4]]}, 1: {"around": [2, None, [21, 100.5]]}}
     assert group_commits(recs, 2) == {2: [(20, 100.0), (21, 100.5)]}
     assert group_commits({0: recs[0]}, 2) == {}  # rank 1 has not committed in generation 2 yet
+    # a survivor finished the step in flight inside the new group: that step is the one before
+    late = {0: {"around": [2, [19, 99.9], [20, 100.2]]}, 1: {"around": [2, None, [21, 100.5]]}}
+    assert group_commits(late, 2) == {2: [(20, 100.2), (21, 100.5)]}
     hostile = {0: {"around": "x"}, 1: {"around": [2, "a", ["b", 1]]}, 2: {"around": [None, None, None]}}
     assert group_commits(hostile, 3) == {}
     buckets, total = bucketed([0.2, 3.0])

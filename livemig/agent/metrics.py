@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from livemig.agent.report import migrations, recoveries
+from livemig.agent.report import KINDS, migrations, recoveries
 from livemig.coordinator.timeline import PHASES, events_of
 from livemig.rdzv.client import KV, EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
@@ -31,9 +31,6 @@ from livemig.rdzv.membership import Membership
 
 log = logging.getLogger("livemig.agent.metrics")
 
-# Recovery kinds: one set for reports, events and metric labels. The checkpoint path adds
-# "restart", shrink adds "shrink" and "grow".
-KINDS = ("failure", "migration")
 
 # Seconds: a recovery is ~0.2 s, a slow one a few s, a cold path minutes.
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -183,7 +180,7 @@ class JobMetrics:
             "livemig_recovery_phase_seconds": [(lbl, v) for lbl, v in sorted(phases.items())],
             "livemig_lost_seconds": [((k,), sum(v)) for k, v in downtime.items()],
             "livemig_bytes_streamed": [((k,), v) for k, v in streamed.items()],
-            "livemig_fenced": [((), sum(1 for e in events if e["phase"] == "fence"))],
+            "livemig_fenced": [((), sum(len(e.get("fenced") or [None]) for e in events if e["phase"] == "fence"))],
             "livemig_steps_committed": [((), steps)],
             "livemig_step_seconds": [((), median)] if median else [],
             "livemig_goodput_ratio": [((), goodput)] if goodput is not None else [],

@@ -20,6 +20,9 @@ from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership
 
 _NUM = (int, float)
+# Recovery kinds: one set for the report's recoveries and migrations, the events and the metrics'
+# `kind` label (docs/operations.md). The checkpoint path adds "restart", shrink "shrink" and "grow".
+KINDS = ("failure", "migration")
 COMMIT_TIMES = 200  # group-wide commits listed in the report (runtime/loop.py COMMITS_KEPT per member)
 # A final record as the report reads it (conform(): anything else under final/ is skipped).
 FINAL_NEED = {"steps": (int,), "digest": (str,)}
@@ -218,7 +221,7 @@ def migrations(events: list[dict], commits: list[tuple[int, float]], median_step
     for ev in events:
         g = ev.get("generation")
         if ev["phase"] == "request":
-            by_gen[g] = {"kind": "migration", "rank": ev.get("rank"), "reason": ev.get("reason", ""),
+            by_gen[g] = {"kind": KINDS[1], "rank": ev.get("rank"), "reason": ev.get("reason", ""),
                          "generation": g, "t": {"request": ev["time"]}, "bytes_streamed": 0}  # fmt: skip
         elif g in by_gen:
             cur = by_gen[g]
@@ -259,7 +262,7 @@ def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step
             last_fault = ev["time"]
         elif ph == "detect" and cur is None:
             fault_t = last_fault if last_fault is not None and last_fault <= ev["time"] else ev["time"]
-            cur = {"kind": "failure", "rank": (ev.get("ranks") or [None])[0], "t": {"fault": fault_t,
+            cur = {"kind": KINDS[0], "rank": (ev.get("ranks") or [None])[0], "t": {"fault": fault_t,
                    "detect": ev["time"]}, "bytes_streamed": 0, "stream_s": 0.0}  # fmt: skip
             last_fault = None
         elif cur is not None and ph in PHASES:

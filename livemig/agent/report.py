@@ -28,7 +28,7 @@ COMMIT_TIMES = 200  # group-wide commits listed in the report (runtime/loop.py C
 FINAL_NEED = {"steps": (int,), "digest": (str,)}
 FINAL_MAY = {"digests": (dict,), "shard_digest": (str,), "mirror_digest": (str,), "mirror_of": (int,),
              "commits": (list,), "role": (str,), "joined_at_step": (int,), "standby": (dict,),
-             "peak_rss_mb": _NUM}  # fmt: skip
+             "peak_rss_mb": _NUM, "inherited_to": (int,)}  # fmt: skip
 
 
 def read_finals(client: EtcdClient, keys: JobKeys) -> dict[str, dict]:
@@ -90,7 +90,8 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
             r: {
                 "role": f.get("role"),
                 "joined_at_step": f.get("joined_at_step"),
-                "first_commit": (_group_commits({r: f}) or [None])[0],
+                # this process's own first commit (a migrated-in spare's record starts with the leaving worker's)
+                "first_commit": next((c for c in _group_commits({r: f}) if c[0] > f.get("inherited_to", -1)), None),
                 **({"standby": f["standby"]} if "standby" in f else {}),
                 **({"peak_rss_mb": f["peak_rss_mb"]} if "peak_rss_mb" in f else {}),
             }

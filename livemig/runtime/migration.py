@@ -179,7 +179,11 @@ class Migration:
         set), serve until the spare switched, then exit."""
         rt, t = self.e.runtime, self.e.committed
         self.out.leaving = None
-        tail = {"local": self.e.reg.pack_local(), "boundary": self.e.reg.pack_boundary()}
+        # and this rank's commit times so far: the spare's final record replaces ours, and the run
+        # report reads every recovery's downtime from them (an earlier one's would be lost)
+        st = self.e._st
+        tail = {"local": self.e.reg.pack_local(), "boundary": self.e.reg.pack_boundary(),
+                "commits": [list(c) for c in st.commits], "gen_steps": list(st.gen_steps)}  # fmt: skip
         rt.server.publish(g, items.tail(t), lambda: (t, tail))
         m = rt.wait_membership(lambda x: x.generation != g or x.state != GenState.MIGRATING,
                                "the spare to take over this rank")  # fmt: skip
@@ -188,6 +192,16 @@ class Migration:
             raise _Released()
         # The migration failed during its switch: recovery decides whether we stay.
         self.e._join_recovery(self.e.committed, RuntimeError("migration failed during the switch"))
+
+    def _inherit_commits(self, tail: dict) -> None:
+        """The leaving worker's commit times become the start of ours (the final record is the rank's)."""
+        st = self.e._st
+        num = (int, float)
+        old = [list(c) for c in tail.get("commits") or [] if isinstance(c, list) and len(c) == 2
+               and all(isinstance(x, num) for x in c)]  # fmt: skip
+        st.commits = [*old, *st.commits]
+        st.inherited_to = max((int(c[0]) for c in old), default=-1)
+        st.gen_steps = [*(s for s in tail.get("gen_steps") or [] if isinstance(s, int)), *st.gen_steps]
 
     def migrate_in(self) -> None:
         """A spare claimed for a planned migration: load the leaving worker's snapshot,
@@ -255,6 +269,7 @@ class Migration:
                 tail = fetch(items.tail(t)).state
                 self.e.reg.load_local(unpack(tail["local"]))  # buffers and local= at the switch boundary
                 self.e.reg.load_boundary(unpack(tail["boundary"]))  # extras, hyperparameters
+                self._inherit_commits(tail)
                 break
             rt.put(rt.keys.catchup(g), {**rec, "applied": t, "time": time.time()})
         while rt.prebuilt(g) is None:  # the group is built once every member joined it

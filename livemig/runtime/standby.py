@@ -163,6 +163,8 @@ class Standby:
                "joined_at_step": h._loaded_step}  # fmt: skip
         if self.info:
             rec["standby"] = self.info
+        if h._st.inherited_to >= 0:  # commits up to this step are the leaving worker's (planned migration)
+            rec["inherited_to"] = h._st.inherited_to
         rec["peak_rss_mb"] = _peak_rss_mb()
         if h._zero is not None:  # the report checks each mirror against its owner's shard
             rec["shard_digest"] = digest(h._zero.own.tensors_for_digest())

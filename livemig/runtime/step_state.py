@@ -93,3 +93,4 @@ class StepState:
     user_synced: int | None = None  # the last step whose body called ctx.sync_gradients()
     synced: Synced | None = None  # what the step's average left for the commit
     fetched: Averaged | None = None  # a step's average a recovery fetched from a peer
+    inherited_to: int = -1  # a migrated-in spare: the last of the leaving worker's commits in `commits`

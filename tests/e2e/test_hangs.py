@@ -42,7 +42,8 @@ def test_a_busy_rank_is_not_hung(tmp_path):
 def test_livemig_spare_kills_its_fenced_spare(tmp_path, procs):
     """On a standby host `livemig-spare start` is the spare's agent: a spare that is
     fenced and does not exit (here: fenced while warm, so nothing tells it) is killed
-    LIVEMIG_FENCED_KILL_S after the fence, and its fence key removed once reaped."""
+    LIVEMIG_FENCED_KILL_S after the fence, and its fence key removed once reaped. Its
+    --metrics-port answers for the whole job meanwhile."""
     import subprocess
     import sys
     import time
@@ -59,8 +60,12 @@ def test_livemig_spare_kills_its_fenced_spare(tmp_path, procs):
     )  # fmt: skip
     procs.procs.append(job)
     assert "livemig: job agent" in job.stdout.readline()
+    from livemig.rdzv.embedded import free_port
+
+    port = free_port()  # and the standby host's metrics endpoint, which answers for the whole job
     spare = procs.spawn([sys.executable, "-m", "livemig.spare_pool.cli", "start", "--job", "agent", "--id", "s1",
-                         mlp, "--steps", "2000", "--layers", "2", "--batch", "32"], env=env)  # fmt: skip
+                         "--metrics-port", str(port), mlp, "--steps", "2000", "--layers", "2", "--batch", "32"],
+                        env=env)  # fmt: skip
     client = _etcd_of("agent", tmp_path)
     keys = JobKeys("agent")
     deadline = time.time() + 90
@@ -69,6 +74,12 @@ def test_livemig_spare_kills_its_fenced_spare(tmp_path, procs):
     kv = client.get(keys.spare("s1"))
     assert kv is not None, "the spare never registered warm"
     inc = decode(kv.value)["incarnation"]
+    from tests.e2e.test_operability import scrape
+
+    page = scrape(port)
+    assert page is not None and page["livemig_world_size{}"] == 2.0, page
+    assert sum(v for k, v in page.items() if k.startswith("livemig_spares_warm{")) == 1.0, page
+    assert sum(v for k, v in page.items() if k.startswith("livemig_members{")) == 2.0, page
     client.put(keys.fenced(inc), b"fenced by the test")
     t0 = time.monotonic()
     spare.wait(timeout=30)

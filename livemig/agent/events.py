@@ -37,9 +37,18 @@ class EventLog:
         self._spares: set[str] = set()
         self._tables: dict[int, Membership] = {}  # generation -> the last table of it seen
         self._ended = False
+        self._mark = -1  # the newest mod revision of the keys events come from, at the last emit
 
     def emit(self, by_key: dict[str, KV]) -> int:
-        """Write the events not written yet; returns how many."""
+        """Write the events not written yet; returns how many. Nothing is decoded when none of
+        the keys events come from changed since the last call (the agent calls it every tick)."""
+        k = self.keys
+        mark = max((kv.mod_revision for key, kv in by_key.items() if key.startswith(k.timeline_prefix)
+                    or key.startswith(k.spares_prefix) or key in (k.result, k.timeline_archive, k.membership)),
+                   default=0)  # fmt: skip
+        if mark == self._mark:
+            return 0
+        self._mark = mark
         raw = by_key.get(self.keys.membership)
         m = Membership.from_bytes(raw.value if raw else None)
         self._tables[m.generation] = m

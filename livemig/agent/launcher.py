@@ -159,6 +159,7 @@ class Launcher:
         self.watch = ChildWatch(self)
         self.metrics: Any = None  # the metrics endpoint (--metrics-port), once etcd answers
         self.metrics_port: int | None = None  # the port it listens on (--metrics-port 0: any free one)
+        self._metrics_env = cfg.metrics_port is not None  # members publish the figures (LIVEMIG_METRICS)
         self.events: EventLog | None = None
         if cfg.events or logging.getLogger("livemig.events").isEnabledFor(logging.INFO):
             self.events = EventLog(cfg.events, cfg.job, self.keys)
@@ -177,7 +178,7 @@ class Launcher:
             full[ENV_ON_ERROR] = self.cfg.on_error
         full.update(EtcdSecurity().to_env_clear())
         full.update(self.security.to_env())
-        if self.cfg.metrics_port is not None:  # the members add the figures the endpoint reads
+        if self._metrics_env:  # the members add the figures the endpoint reads
             full[ENV_METRICS] = "1"
         if self.tmpdir:  # what the child leaves in its temporary directory goes with the run
             full["TMPDIR"] = self.tmpdir
@@ -297,6 +298,10 @@ class Launcher:
         self.node_keeper, self.run_id, self.node_rank = attach_node(
             self.client, self.keys, self.cfg, host, lambda: {c.incarnation for c in self.children}, self.say, fresh
         )
+        if self.cfg.nnodes > 1 and not self._metrics_env:  # the run's first agent serves metrics: so do
+            kv = self.client.get(self.keys.run)  # this node's members publish the figures it reads
+            rec = conform(kv.value, {}, {"metrics": (bool,)}) if kv else None
+            self._metrics_env = bool((rec or {}).get("metrics"))
 
     def _spawn_spares(self) -> None:
         cfg = self.cfg

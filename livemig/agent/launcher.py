@@ -32,6 +32,7 @@ from livemig.agent.jobs import (
 )
 from livemig.agent.nodes import default_host
 from livemig.agent.watch import FINE_TICK_S, IDLE_TICK_S, PROBE_S, ChildWatch, Wakeup
+from livemig.agent.zygote import forkable
 from livemig.config import (
     ENV_BUDDY_STRIDE,
     ENV_ETCD,
@@ -45,6 +46,7 @@ from livemig.config import (
     ENV_NODE_RANK,
     ENV_ON_ERROR,
     ENV_PARENT_PID,
+    ENV_PREFORK,
     ENV_RANK,
     ENV_ROLE,
     ENV_SELF_FAULT,
@@ -160,6 +162,7 @@ class Launcher:
         self.metrics: Any = None  # the metrics endpoint (--metrics-port), once etcd answers
         self.metrics_port: int | None = None  # the port it listens on (--metrics-port 0: any free one)
         self._metrics_env = cfg.metrics_port is not None  # members publish the figures (LIVEMIG_METRICS)
+        self.zygote: Any = None  # the pre-imported parent of workers and spares (start; agent/zygote.py)
         self.events: EventLog | None = None
         if cfg.events or logging.getLogger("livemig.events").isEnabledFor(logging.INFO):
             self.events = EventLog(cfg.events, cfg.job, self.keys)
@@ -189,9 +192,16 @@ class Launcher:
             if self.faults.gate is not None:
                 full[ENV_FAULT_GATE] = self.faults.gate.path
         path = os.path.join(self.logdir, f"{name}.log")
-        with open(path, "ab") as logf:
-            proc = subprocess.Popen(argv, env=full, stdout=logf, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        proc: Any = None
+        if self.zygote is not None and role in (Role.WORKER, Role.SPARE) and forkable(argv) and self.zygote.usable():
+            try:
+                proc = self.zygote.spawn(argv, full, path)
+            except OSError as exc:
+                log.warning("prefork failed: spawning instead", extra={"child": name, "why": str(exc)})
+        if proc is None:
+            with open(path, "ab") as logf:
+                proc = subprocess.Popen(argv, env=full, stdout=logf, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
         child = Child(name, role, inc, proc, path, rank=rank)
         self.children.append(child)
         return child
@@ -205,6 +215,11 @@ class Launcher:
         # the children's TMPDIR (forkserver sockets, torch's caches), removed at stop: short,
         # under the caller's TMPDIR, as Unix socket paths inside it must stay under 108 bytes
         self.tmpdir = tempfile.mkdtemp(prefix=f"livemig-{cfg.job[:24]}-")
+        if os.environ.get(ENV_PREFORK, "1") != "0":  # torch imported once, while etcd starts (agent/zygote.py)
+            from livemig.agent.zygote import Zygote
+
+            self.zygote = Zygote({**os.environ, "TMPDIR": self.tmpdir}, self._wake.poke,
+                                 os.path.join(self.logdir, "zygote.log"))  # fmt: skip
         part_rank = None
         if cfg.etcd:  # a fault that needs the embedded etcd was refused with the plan (RunConfig)
             self.etcd = cfg.etcd
@@ -489,6 +504,9 @@ class Launcher:
         if self.metrics is not None:
             self.metrics.stop()
             self.metrics = None
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
         if self.events is not None:
             self.events.close()
         if self.node_keeper is not None:

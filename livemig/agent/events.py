@@ -30,8 +30,8 @@ LOST_PHASES = ("detect", "fence")
 class EventLog:
     """Writes each event once, in time order, as the agent's watch brings it."""
 
-    def __init__(self, path: str | None, job: str, keys: JobKeys, node: int | None = None) -> None:
-        self.job, self.keys, self.node = job, keys, node
+    def __init__(self, path: str | None, job: str, keys: JobKeys) -> None:
+        self.job, self.keys = job, keys
         self._out: IO[str] | None = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115 - the run's
         self._seen: set[tuple] = set()
         self._spares: set[str] = set()

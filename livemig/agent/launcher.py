@@ -160,7 +160,6 @@ class Launcher:
         self.faults = FaultDriver(self, cfg.faults, self._wake.poke)
         self.watch = ChildWatch(self)
         self.metrics: Any = None  # the metrics endpoint (--metrics-port), once etcd answers
-        self.metrics_port: int | None = None  # the port it listens on (--metrics-port 0: any free one)
         self._metrics_env = cfg.metrics_port is not None  # members publish the figures (LIVEMIG_METRICS)
         self.zygote: Any = None  # the pre-imported parent of workers and spares (start; agent/zygote.py)
         self.events: EventLog | None = None
@@ -259,9 +258,8 @@ class Launcher:
             from livemig.agent.metrics import JobMetrics, MetricsServer
 
             collector = JobMetrics(self.keys, lambda: self._by_key, self.client, launched_at=self._t0)
-            self.metrics = MetricsServer(collector, cfg.metrics_port)
-            self.metrics_port = self.metrics.port
-            self.say(f"livemig: metrics of job {cfg.job} on http://{host}:{self.metrics_port}/metrics")
+            self.metrics = MetricsServer(collector, cfg.metrics_port)  # its .port: the one --metrics-port 0 got
+            self.say(f"livemig: metrics of job {cfg.job} on http://{host}:{self.metrics.port}/metrics")
         self._join(host, fresh=early)
         claim_job_file(cfg.job, self.etcd, security=self.security)
         if not early:

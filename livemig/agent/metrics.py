@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from livemig.agent.report import KINDS, migrations, recoveries
 from livemig.coordinator.timeline import PHASES, events_of
+from livemig.errors import ConfigError
 from livemig.rdzv.client import KV, EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership
@@ -123,16 +125,14 @@ class JobMetrics:
         raw = by_key.get(keys.membership)
         m = Membership.from_bytes(raw.value if raw else None)
         world = m.world_size
-        members: dict[str, int] = {}
-        for mem in m.members.values():
-            members[mem.host or "unknown"] = members.get(mem.host or "unknown", 0) + 1
-        spares: dict[str, int] = {}
+        members = Counter(mem.host or "unknown" for mem in m.members.values())
+        spares: Counter[str] = Counter()
         records: dict[int, dict] = {}
         for k, kv in by_key.items():
             if k.startswith(keys.spares_prefix):
                 rec = conform(kv.value, {"state": (str,)}, {"host": (str,)})
                 if rec is not None and rec["state"] == "warm":
-                    spares[rec.get("host", "unknown")] = spares.get(rec.get("host", "unknown"), 0) + 1
+                    spares[rec.get("host", "unknown")] += 1
             elif k.startswith(keys.progress_prefix) and k[len(keys.progress_prefix) :].isdigit():
                 rec = conform(kv.value, {"step": (int,), "time": _NUM}, {"around": (list,), "step_s": _NUM})
                 if rec is not None:
@@ -230,16 +230,12 @@ class MetricsServer:
         try:
             from prometheus_client import CollectorRegistry, start_http_server
         except ImportError as exc:
-            from livemig.errors import ConfigError
-
             raise ConfigError("--metrics-port needs prometheus_client: pip install 'livemig[metrics]'") from exc
         registry = CollectorRegistry(auto_describe=False)
         registry.register(collector)
         try:
             self._server, self._thread = start_http_server(port, addr, registry=registry)
         except OSError as exc:
-            from livemig.errors import ConfigError
-
             raise ConfigError(f"--metrics-port {port}: cannot listen ({exc.strerror}); pick a free port") from exc
         self.port = self._server.server_address[1]
         log.info("metrics served", extra={"port": self.port, "addr": addr})

@@ -52,18 +52,19 @@ EVENT_MAY = {"generation": (int,), "ranks": (list,), "bytes": (int, float), "sec
 
 def read_events(client: EtcdClient, keys: JobKeys) -> list[dict[str, Any]]:
     kvs, _ = client.get_prefix(keys.timeline_prefix)
-    archive = client.get(keys.timeline_archive)
-    old = (conform(archive.value, {"events": (list,)}) or {}).get("events", []) if archive else []
-    events = [conform(e, EVENT_NEED, EVENT_MAY) for e in [*old, *(kv.value for kv in kvs)]]
-    return sorted([e for e in events if e is not None], key=lambda e: e["time"])
+    return _decoded(client.get(keys.timeline_archive), [kv.value for kv in kvs])
 
 
 def events_of(by_key: dict[str, Any], keys: JobKeys) -> list[dict[str, Any]]:
     """read_events over a snapshot of the job's keys (an agent's watch-fed mirror): no read of etcd."""
-    archive = by_key.get(keys.timeline_archive)
-    old = (conform(archive.value, {"events": (list,)}) or {}).get("events", []) if archive else []
     new = [kv.value for k, kv in by_key.items() if k.startswith(keys.timeline_prefix)]
-    events = [conform(e, EVENT_NEED, EVENT_MAY) for e in [*old, *new]]
+    return _decoded(by_key.get(keys.timeline_archive), new)
+
+
+def _decoded(archive: Any, values: list) -> list[dict[str, Any]]:
+    """The archived events and the live ones, each as a reader relies on it, in time order."""
+    old = (conform(archive.value, {"events": (list,)}) or {}).get("events", []) if archive else []
+    events = [conform(e, EVENT_NEED, EVENT_MAY) for e in [*old, *values]]
     return sorted([e for e in events if e is not None], key=lambda e: e["time"])
 
 

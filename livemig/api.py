@@ -43,6 +43,7 @@ from livemig.errors import ConfigError, FencedError, LivemigError
 from livemig.rdzv.membership import new_incarnation
 from livemig.runtime.batches import Batches
 from livemig.runtime.bugs import exit_on_bug
+from livemig.runtime.checkpoint import Checkpointer
 from livemig.runtime.control import _Activate, _Released, _Requeue, _Stop
 from livemig.runtime.loop import StepLoop
 from livemig.runtime.migration import Migration
@@ -81,6 +82,7 @@ class Engine(StepLoop, Zero1Steps, StatePull):
         self._no_grad_said = False  # ctx.step() with no backward: said once (loop._check_backward)
         self._reset_user_state()
         self._faults = SelfFaults(self)  # test faults and the fault plan's gate (runtime/self_faults.py)
+        self._ckpt = Checkpointer(self)  # background checkpoints, --resume-from (runtime/checkpoint.py)
         if self.role != Role.LOCAL:
             from livemig.runtime.member import MemberRuntime
 
@@ -281,8 +283,11 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                     except _Activate as act:
                         log.info("claimed", extra={"rank": act.rank, "generation": act.generation,
                                                    "migration": act.migration})  # fmt: skip
+                        commits = (ctx._st.commits, ctx._st.gen_steps) if act.restart else None
                         ctx._reset_user_state()
                         ctx.rank, ctx._joining = act.rank, act
+                        if commits is not None:  # a survivor of a cold restart: its commits stay its own
+                            ctx._st.commits, ctx._st.gen_steps = commits
                     except _Requeue:
                         ctx._standby.requeue()
                 ctx._standby.finish()

@@ -37,6 +37,9 @@ the outage).
   collective completed but before its optimizer step / (ZeRO-1) with its
   shard updated and the parameter all-gather in flight / as ctx.step() returns,
   before the user's code after it (a scheduler step) runs;
+- checkpoint (kill only): the worker kills itself in its checkpoint writer, once
+  its part of boundary S (a checkpointed step) is staged and written, before
+  it is durable: that checkpoint never completes;
 - fence / agree / claim / stream / build / commit: the first recovery after
   step S reaches that phase (stream = right after the claim, when the spare
   starts pulling; build = when the first member reports its group built;
@@ -55,7 +58,7 @@ from livemig.errors import ConfigError
 RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition", "link", "migrate", "wedge", "break")
 UNRANKED = ("etcd-kill", "etcd-stop", "coordinator-kill", "spare-kill", "spare-hang")
 KINDS = RANKED + UNRANKED
-IN_PROCESS_DURING = ("allreduce", "before_commit", "gather", "after_step")
+IN_PROCESS_DURING = ("allreduce", "before_commit", "gather", "after_step", "checkpoint")
 WEDGE_DURING = ("compute", "before_commit")
 PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit", "snapshot", "catchup")
 USAGE = "KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I][:after=SECONDS]"

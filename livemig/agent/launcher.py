@@ -33,6 +33,7 @@ from livemig.agent.jobs import (
 from livemig.agent.nodes import default_host
 from livemig.agent.watch import FINE_TICK_S, IDLE_TICK_S, PROBE_S, ChildWatch, Wakeup
 from livemig.agent.zygote import forkable
+from livemig.checkpoints import ENV_RESUME
 from livemig.config import (
     ENV_BUDDY_STRIDE,
     ENV_ETCD,
@@ -42,6 +43,7 @@ from livemig.config import (
     ENV_INCARNATION,
     ENV_JOB,
     ENV_JOIN_TIMEOUT,
+    ENV_MAX_RESTARTS,
     ENV_METRICS,
     ENV_NODE_RANK,
     ENV_ON_ERROR,
@@ -96,6 +98,9 @@ class RunConfig:
     buddy_stride: int = 0  # mirror rank-local state on rank + this (default: nproc_per_node with nnodes > 1)
     metrics_port: int | None = None  # --metrics-port: serve the job's Prometheus metrics (agent/metrics.py)
     events: str | None = None  # --events FILE: the job's events as JSON lines (agent/events.py)
+    checkpoint: Any = None  # checkpoints.Settings: --checkpoint-dir/--checkpoint-every/--checkpoint-keep
+    resume_from: str | None = None  # --resume-from DIR: start from the newest complete checkpoint in DIR
+    max_restarts: int | None = None  # --max-restarts: cold restarts from a checkpoint (default 3)
     # how long to wait for every node of the run to join, s
     join_timeout: float = field(default_factory=lambda: float(os.environ.get(ENV_JOIN_TIMEOUT, "") or 300))
 
@@ -162,6 +167,9 @@ class Launcher:
         self.metrics: Any = None  # the metrics endpoint (--metrics-port), once etcd answers
         self._metrics_env = cfg.metrics_port is not None  # members publish the figures (LIVEMIG_METRICS)
         self.zygote: Any = None  # the pre-imported parent of workers and spares (start; agent/zygote.py)
+        self._fresh_seen: set[str] = set()  # the cold path's requests this agent answered
+        self._fresh_count = 0
+        self.resume = ""  # the checkpoint step directory the workers load (--resume-from; start)
         self.events: EventLog | None = None
         if cfg.events or logging.getLogger("livemig.events").isEnabledFor(logging.INFO):
             self.events = EventLog(cfg.events, cfg.job, self.keys)
@@ -182,6 +190,10 @@ class Launcher:
         full.update(self.security.to_env())
         if self._metrics_env:  # the members add the figures the endpoint reads
             full[ENV_METRICS] = "1"
+        if self.cfg.checkpoint is not None:  # a spare that takes a rank writes its part too; the
+            full.update(self.cfg.checkpoint.to_env())  # coordinator restarts from them (coordinator/cold.py)
+        if role == Role.COORDINATOR and self.cfg.max_restarts is not None:
+            full[ENV_MAX_RESTARTS] = str(self.cfg.max_restarts)
         if self.tmpdir:  # what the child leaves in its temporary directory goes with the run
             full["TMPDIR"] = self.tmpdir
         full.update({ENV_ETCD: self.etcd, ENV_JOB: self.cfg.job, ENV_INCARNATION: inc,
@@ -209,6 +221,7 @@ class Launcher:
         cfg = self.cfg
         if not cfg.etcd:  # on an external etcd the run's own keys refuse a second run (nodes.attach_node)
             refuse_duplicate(cfg.job)
+        self.resume = self._resume_path()  # before any process starts: a bad directory is one line
         os.makedirs(self.logdir, exist_ok=True)
         prune_runs(os.path.dirname(self.logdir))  # the newest LIVEMIG_KEEP_RUNS (20) run logs stay
         # the children's TMPDIR (forkserver sockets, torch's caches), removed at stop: short,
@@ -290,8 +303,11 @@ class Launcher:
                 by_rank[f.rank] = f.self_spec()
         base = [sys.executable, cfg.script, *cfg.args]
         first = self.node_rank * cfg.nproc_per_node
+        resume = self.resume
         for r in range(first, first + cfg.nproc_per_node):
             env = {ENV_ROLE: Role.WORKER, ENV_RANK: str(r), ENV_WORLD_SIZE: str(cfg.nproc)}
+            if resume:
+                env[ENV_RESUME] = resume
             if r in by_rank:
                 env[ENV_SELF_FAULT] = by_rank[r]
             argv = base
@@ -302,6 +318,22 @@ class Launcher:
             else:
                 env.update(self.net_env)
             self._spawn(f"worker-{r}", Role.WORKER, argv, env, rank=r)
+
+    def _resume_path(self) -> str:
+        """--resume-from DIR: the newest complete, intact checkpoint there (each one that is
+        not is skipped with a line naming it), chosen once so every worker loads the same."""
+        if not self.cfg.resume_from:
+            return ""
+        from livemig.checkpoints import choose, step_dir
+
+        got = choose(self.cfg.resume_from)
+        if got is None:
+            raise ConfigError(f"--resume-from {self.cfg.resume_from}: no complete checkpoint there "
+                              "(written by --checkpoint-dir with --checkpoint-every)")  # fmt: skip
+        step, man = got
+        self.say(f"livemig: resuming from {step_dir(self.cfg.resume_from, step)} (the boundary of step {step}, "
+                 f"{man['world']} rank(s))")  # fmt: skip
+        return step_dir(os.path.abspath(self.cfg.resume_from), step)
 
     def _join(self, host: str, fresh: bool = False) -> None:
         """Create or join the job's run and take a node rank (nodes.attach_node)."""
@@ -326,6 +358,27 @@ class Launcher:
                         {ENV_ROLE: Role.SPARE, ENV_SPARE_ID: f"{pre}spare-{i}", ENV_WORLD_SIZE: str(cfg.nproc),
                          **self.net_env, **cold})  # fmt: skip
         self._spares_started = True
+
+    def _fresh_requests(self, by_key: dict[str, Any]) -> None:
+        """The coordinator asks for a fresh process for each lost rank it has no spare for
+        (coordinator.py, _fresh): this agent starts one for each of those ranks it launched, a
+        spare without warm-up iterations, which the coordinator claims for the rank."""
+        pre, first = self.keys.recoveries_prefix, self.node_rank * self.cfg.nproc_per_node
+        for key, kv in by_key.items():
+            if not (key.startswith(pre) and key.endswith("/cold")) or key in self._fresh_seen:
+                continue
+            self._fresh_seen.add(key)
+            rec = conform(kv.value, {}, {"ranks": (list,)}) or {}
+            last = first + self.cfg.nproc_per_node
+            mine = [r for r in rec.get("ranks", []) if isinstance(r, int) and first <= r < last]
+            for r in mine:
+                self._fresh_count += 1
+                name = f"fresh-{self._fresh_count}"
+                pre_id = f"n{self.node_rank}-" if self.cfg.nnodes > 1 else ""
+                log.warning("starting a fresh process for a lost rank", extra={"rank": r, "child": name})
+                self._spawn(name, Role.SPARE, [sys.executable, self.cfg.script, *self.cfg.args],
+                            {ENV_ROLE: Role.SPARE, ENV_SPARE_ID: f"{pre_id}{name}", ENV_SHADOW_STEPS: "0",
+                             ENV_WORLD_SIZE: str(self.cfg.nproc), **self.net_env})  # fmt: skip
 
     # -- the agent loop ----------------------------------------------------------------------
     def supervise(self) -> dict[str, Any]:
@@ -387,6 +440,7 @@ class Launcher:
             self.watch.kill_fenced(by_key)
             self.watch.forget_fenced(by_key)
             self.faults.inject_requests(by_key)
+            self._fresh_requests(by_key)
             self.watch.progress(by_key)
             if self.events is not None:
                 self.events.emit(by_key)

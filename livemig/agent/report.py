@@ -21,14 +21,15 @@ from livemig.rdzv.membership import Membership
 
 _NUM = (int, float)
 # Recovery kinds: one set for the report's recoveries and migrations, the events and the metrics'
-# `kind` label (docs/operations.md). The checkpoint path adds "restart", shrink "shrink" and "grow".
-KINDS = ("failure", "migration")
+# `kind` label (docs/operations.md): "restart" is the cold path (a restart from a checkpoint,
+# coordinator/cold.py); shrink will add "shrink" and "grow".
+KINDS = ("failure", "migration", "restart")
 COMMIT_TIMES = 200  # group-wide commits listed in the report (runtime/loop.py COMMITS_KEPT per member)
 # A final record as the report reads it (conform(): anything else under final/ is skipped).
 FINAL_NEED = {"steps": (int,), "digest": (str,)}
 FINAL_MAY = {"digests": (dict,), "shard_digest": (str,), "mirror_digest": (str,), "mirror_of": (int,),
              "commits": (list,), "role": (str,), "joined_at_step": (int,), "standby": (dict,),
-             "peak_rss_mb": _NUM, "inherited_to": (int,)}  # fmt: skip
+             "peak_rss_mb": _NUM, "inherited_to": (int,), "checkpoints": (dict,)}  # fmt: skip
 
 
 def read_finals(client: EtcdClient, keys: JobKeys) -> dict[str, dict]:
@@ -86,6 +87,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
         and len(replicated) == world_size
         and (not shards or shards["mirrors_exact"]),
         **({"zero1": shards} if shards else {}),
+        **({"checkpoints": checkpoints_of(finals)} if any("checkpoints" in f for f in finals.values()) else {}),
         "members": {
             r: {
                 "role": f.get("role"),
@@ -113,6 +115,26 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
         "nodes": nodes_of(table),
         **({"etcd_outages": [_outage(a, b, commits) for a, b in outages]} if outages else {}),
     }
+
+
+def checkpoints_of(finals: dict[int, dict]) -> dict[str, Any]:
+    """The run's checkpoints from every rank's records (runtime/checkpoint.py): those every
+    rank wrote, the failed writes (a checkpoint failure is not a job failure: it is counted
+    here), the time the training thread spent staging and waiting, and the step resumed from."""
+    recs = {r: f["checkpoints"] for r, f in finals.items() if isinstance(f.get("checkpoints"), dict)}
+    per_step: dict[int, list[bool]] = {}
+    staged, waited = [], []
+    for rec in recs.values():
+        for row in rec.get("records") or []:
+            if isinstance(row, list) and len(row) >= 5 and isinstance(row[0], int):
+                per_step.setdefault(row[0], []).append(row[4] is True)
+                staged.append(float(row[2] or 0))
+                waited.append(float(row[5] or 0) if len(row) > 5 else 0.0)
+    complete = sorted(s for s, oks in per_step.items() if len(oks) == len(recs) and all(oks))
+    resumed = {rec.get("resumed") for rec in recs.values()} - {None}
+    return {"steps": complete, "failed": sum(int(rec.get("failed") or 0) for rec in recs.values()),
+            "stage_s_max": round(max(staged, default=0.0), 4), "wait_s_total": round(sum(waited), 4),
+            "resumed_from": min(resumed) if resumed else None}  # fmt: skip
 
 
 def committed_steps(client: EtcdClient, keys: JobKeys, world_size: int) -> int:
@@ -266,6 +288,12 @@ def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step
             cur = {"kind": KINDS[0], "rank": (ev.get("ranks") or [None])[0], "t": {"fault": fault_t,
                    "detect": ev["time"]}, "bytes_streamed": 0, "stream_s": 0.0}  # fmt: skip
             last_fault = None
+        elif cur is not None and ph == "restart":  # the cold path took this failure
+            cur["kind"] = KINDS[2]
+            cur["restart"] = {"from_step": ev.get("step"), "steps_redone": ev.get("redone"),
+                              "checkpoint": ev.get("path"), "reason": ev.get("reason", "")}  # fmt: skip
+        elif cur is not None and ph == "fresh":  # the agents started fresh processes for the lost ranks
+            cur["fresh"] = ev.get("ranks") or []
         elif cur is not None and ph in PHASES:
             if ph == "stream":
                 cur["bytes_streamed"] += ev.get("bytes", 0)
@@ -302,7 +330,7 @@ def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float) -> 
         phases["stream"] = min(cur["stream_s"], phases["build"])
         phases["build"] -= phases["stream"]
     phases = {k: round(phases.get(k, 0.0), 4) for k in PHASES}
-    return {
+    out = {
         "kind": cur["kind"],
         "rank": cur["rank"],
         "generation": cur.get("generation"),
@@ -311,3 +339,10 @@ def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float) -> 
         "bytes_streamed": cur["bytes_streamed"],
         "spares": cur.get("spares", []),  # the spare(s) that took the lost rank(s)
     }
+    if cur.get("fresh"):
+        out["fresh_processes"] = cur["fresh"]  # no spare: the agents started these ranks afresh
+    if "restart" in cur:  # the steps after the checkpoint are trained again: lost time too
+        rs = cur["restart"]
+        redone = rs.get("steps_redone") or 0
+        out.update(rs, lost_s=round(out["downtime_s"] + redone * median_step, 4))
+    return out

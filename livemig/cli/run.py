@@ -34,8 +34,12 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
         phases = "  ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
         what = f"recovery of rank {r['rank']}" if r["rank"] is not None else "rebuild of the group"
         onto = f" onto spare {', '.join(r['spares'])}" if r.get("spares") else ""
-        lines += [f"{what}{onto} (generation {r['generation']}): downtime {r['downtime_s']:.2f} s; "
-                  f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed", f"  phases (s): {phases}"]  # fmt: skip
+        how = f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed"
+        if r["kind"] == "restart":
+            how = (f"cold restart from the checkpoint of step {r['from_step']}, {r['steps_redone']} step(s) "
+                   f"redone ({r['lost_s']:.2f} s lost in all)")  # fmt: skip
+        lines += [f"{what}{onto} (generation {r['generation']}): downtime {r['downtime_s']:.2f} s; {how}",
+                  f"  phases (s): {phases}"]  # fmt: skip
     if rep["recoveries"]:
         lines.append(
             "  (downtime = first group-wide commit after the recovery - last one before it - one median "
@@ -92,6 +96,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="serve Prometheus metrics of the job on this port (0: any free "
         "one; needs pip install 'livemig[metrics]'; default off; docs/operations.md, Metrics)",
     )
+    p.add_argument(
+        "--checkpoint-dir",
+        help="write checkpoints of every rank's state here in the background "
+        "(torch.distributed.checkpoint; docs/operations.md, Checkpoints)",
+    )
+    p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (needs --checkpoint-dir)")
+    p.add_argument("--checkpoint-keep", type=int, default=2, help="complete checkpoints kept (default 2)")
+    p.add_argument("--max-restarts", type=int, default=None,
+                   help="cold restarts from the newest checkpoint when live recovery cannot serve a "
+                        "failure (default 3; needs --checkpoint-dir)")  # fmt: skip
+    p.add_argument("--resume-from", metavar="DIR",
+                   help="start from the newest complete checkpoint in DIR (same script; skipped "
+                        "damaged ones are named)")  # fmt: skip
     p.add_argument("--events", help="append the job's events here, one JSON line each (docs/operations.md, Events)")
     p.add_argument(
         "--verify",
@@ -113,6 +130,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_run)
+
+
+def checkpoint_settings(a: argparse.Namespace) -> Any:
+    """--checkpoint-dir/-every/-keep as checkpoints.Settings (None: no checkpoints); refused
+    with one line where the directory cannot be one."""
+    from livemig.checkpoints import Settings
+
+    if a.checkpoint_dir is None:
+        if a.checkpoint_every is not None:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR, where the checkpoints go")
+        return None
+    if not a.checkpoint_every or a.checkpoint_every < 1:
+        raise ConfigError("--checkpoint-dir needs --checkpoint-every N (steps, 1 or more)")
+    if a.max_restarts is not None and a.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {a.max_restarts}: expected 0 or more")
+    if a.checkpoint_keep < 1:
+        raise ConfigError(f"--checkpoint-keep {a.checkpoint_keep}: keep 1 or more")
+    return Settings(os.path.abspath(a.checkpoint_dir), a.checkpoint_every, a.checkpoint_keep)
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -140,7 +175,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                     etcd_members=a.etcd_members,
                     faults=[parse_fault(f) for f in a.fault], report=a.report, timeouts=t,
                     log_every=a.log_every, max_wall=a.max_wall, on_error=a.on_error,
-                    metrics_port=a.metrics_port, events=a.events)  # fmt: skip
+                    metrics_port=a.metrics_port, events=a.events, checkpoint=checkpoint_settings(a),
+                    resume_from=a.resume_from, max_restarts=a.max_restarts)  # fmt: skip
     reference = None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cfg.nproc_per_node + cfg.spares > OVERSUBSCRIBE * cores:

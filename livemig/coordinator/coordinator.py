@@ -35,6 +35,7 @@ from livemig.config import (
     stride_of,
 )
 from livemig.coordinator.checks import Checks
+from livemig.coordinator.cold import ColdPath
 from livemig.coordinator.migration import Migrations
 from livemig.coordinator.prune import stale_ops
 from livemig.coordinator.sharding import first_mismatch, has_local_state, lost_local_state, lost_shards, sharding_of
@@ -93,6 +94,7 @@ class Coordinator:
         self._stop = threading.Event()
         self._since: dict[tuple[int, str], float] = {}  # when we first saw (generation, state)
         self.migrations = Migrations(self)  # planned migration: no state of its own
+        self.cold = ColdPath()  # the cold path: a restart from a checkpoint (coordinator/cold.py)
         self.checks = Checks(self)  # hangs, links, bugs, extras, stragglers: what they remember is theirs
         self.outage_grace_s = outage_grace_s(self.timeouts)
         self._lease_dead: dict[tuple[int, str], float] = {}  # (generation, incarnation) -> lease first seen gone
@@ -354,6 +356,7 @@ class Coordinator:
         members = {r: mem for r, mem in s.registered(table).items() if r not in dead}
         new = Membership(state=GenState.RECOVERING, world_size=m.world_size, members=members,
                          kind="failure", failed_rank=dead[0] if dead else None, leader=self.id,
+                         restarts=m.restarts,
                          reason=reason or f"rank(s) {dead} failed in generation {m.generation}")  # fmt: skip
         t = self.client.txn_ops
         g = m.generation + 1
@@ -418,7 +421,7 @@ class Coordinator:
         holding = {r: reports[str(r)]["committed"] for r in m.members
                    if reports[str(r)]["committed"] is not None}  # fmt: skip
         if not holding:
-            return self._fail(m, "no surviving member holds the training state; restart from a checkpoint")
+            return self._cold(s, "no surviving member holds the training state", since)
         resume = max(holding.values()) + 1
         behind = [r for r, c in holding.items() if c < resume - 2]
         if behind:
@@ -428,7 +431,7 @@ class Coordinator:
         if mode == "zero1":  # every shard needs a live holder; a rank behind finishes from its own slices
             lost = lost_shards(m.world_size, mirrored, set(holding), self._stride(s))
             if lost:
-                return self._fail(m, "; ".join(lost) + ": restart from a checkpoint")
+                return self._cold(s, "; ".join(lost), since)
             short = [r for r, c in holding.items()
                      if c == resume - 2 and reports[str(r)].get("avg_step") != resume - 1]  # fmt: skip
             if short:
@@ -438,7 +441,7 @@ class Coordinator:
         if has_local_state(sig) and m.world_size > 1 and resume >= 1:  # the replay starts at boundary resume-2
             lost = lost_local_state(m.world_size, vacant, reports, resume - 2, self._stride(s))
             if lost:
-                return self._fail(m, "; ".join(lost) + ": restart from a checkpoint")
+                return self._cold(s, "; ".join(lost), since)
         # A source must hold the average of step resume-1 for members one step behind.
         if (
             mode != "zero1"
@@ -484,15 +487,70 @@ class Coordinator:
 
     def _claim(self, s: Snapshot, vacant: list[int], resume: int, sources: list[int], since: float) -> None:
         m = s.m
-        t = self.client.txn_ops
         picks = self._pick_spares(s, len(vacant))
         if len(picks) < len(vacant):
             waited = time.monotonic() - since
-            if waited > self.timeouts.spare_wait.total_seconds():
-                self._fail(m, f"no warm spare for rank(s) {vacant[len(picks):]} within "
-                              f"{self.timeouts.spare_wait.total_seconds():.0f}s: start one with "
-                              f"`livemig-spare start --job {self.job} SCRIPT` (LIVEMIG_SPARE_WAIT)")  # fmt: skip
+            missing = vacant[len(picks) :]
+            wait_s = self.timeouts.spare_wait.total_seconds()
+            if self.cold.dir and (not self._any_spare(s) or waited > wait_s):
+                # No spare is coming: the agents start a fresh process for each lost rank, which
+                # joins as a spare would (state streamed from the survivors, nothing redone).
+                return self._fresh(s, missing, since, f"no spare for rank(s) {missing}")
+            if waited > wait_s:
+                self._fail(m, f"no warm spare for rank(s) {missing} within {wait_s:.0f}s: start one with "
+                              f"`livemig-spare start --job {self.job} SCRIPT` (LIVEMIG_SPARE_WAIT), or run "
+                              "with --checkpoint-dir to have the agents start fresh processes")  # fmt: skip
             return
+        self._claim_for(s, vacant, picks, resume, sources)
+
+    def _any_spare(self, s: Snapshot) -> bool:
+        return any(k.startswith(self.keys.spares_prefix) for k in s.kv)
+
+    def _fresh(self, s: Snapshot, ranks: list[int], since: float, why: str) -> None:
+        """Ask the agents, once per generation, for a fresh process for each of `ranks` (each
+        agent starts those of the ranks it launched; they register as spares); fail the job
+        with one line if they are not warm within the recovery timeout."""
+        m = s.m
+        key = self.keys.cold_request(m.generation)
+        if s.get(key) is None:
+            t = self.client.txn_ops
+            ops = [
+                t.put(key, encode({"ranks": ranks, "time": time.time()})),
+                self.timeline.op(m.generation, "fresh", ranks=ranks, reason=why),
+            ]
+            self.client.txn(self._guard(), ops)
+            log.warning("asking the agents for fresh processes", extra={"generation": m.generation, "ranks": ranks})
+        elif time.monotonic() - since > self.timeouts.recovery.total_seconds():
+            limit = self.timeouts.recovery.total_seconds()
+            self._fail(m, f"{why}; no fresh process for rank(s) {ranks} was warm within {limit:.0f}s "
+                          "(is the agent of their node alive?)")  # fmt: skip
+
+    def _cold(self, s: Snapshot, why: str, since: float) -> None:
+        """The cold path (docs/reliability.md): live recovery cannot serve this failure (the
+        state it needs died with the lost ranks), so the job restarts from its newest complete
+        checkpoint at the same world size: survivors load it in place, each lost rank is taken
+        by a warm spare or a fresh process from its node's agent. Only with no checkpoint, or
+        --max-restarts spent, does the job fail, saying why."""
+        m = s.m
+        reports = s.under(self.keys.recovery_prefix(m.generation) + "report/")
+        done = [x.get("committed") for x in reports.values() if isinstance(x.get("committed"), int)]
+        plan = self.cold.plan(m, why, max(done, default=None))
+        if isinstance(plan, str):
+            return self._fail(m, plan)
+        vacant = [r for r in range(m.world_size) if r not in m.members]
+        picks = self._pick_spares(s, len(vacant))
+        if len(picks) < len(vacant):
+            return self._fresh(s, vacant[len(picks) :], since, why)
+        if not self._since.get((m.generation, "cold")):
+            self._since[(m.generation, "cold")] = time.monotonic()
+            log.warning("cold path: restarting from a checkpoint",
+                        extra={"generation": m.generation, "why": why, "step": plan["step"]})  # fmt: skip
+        self._claim_for(s, vacant, picks, plan["step"] + 1, [], restart={**plan, "reason": why})
+
+    def _claim_for(self, s: Snapshot, vacant: list[int], picks: list, resume: int, sources: list[int],
+                   restart: dict | None = None) -> None:  # fmt: skip
+        m = s.m
+        t = self.client.txn_ops
         members = dict(m.members)
         compare = [self.rdzv.gen_is(m.generation), *self._guard()]
         ops = []
@@ -506,6 +564,11 @@ class Coordinator:
         new = replace(m, state=GenState.BUILDING, members=members, resume_step=resume,
                       sources=sources, store=self.stores.for_generation(s, members), updated=time.time(),
                       nonce=secrets.token_hex(8))  # fmt: skip
+        if restart is not None:
+            new = replace(new, kind="restart", restart=restart, restarts=m.restarts + 1)
+            ops.append(self.timeline.op(m.generation, "restart", path=restart["path"], step=restart["step"],
+                                        redone=restart.get("redone"), count=m.restarts + 1,
+                                        reason=restart.get("reason", "")))  # fmt: skip
         ops.append(self.timeline.op(m.generation, "claim", spares=[p[0] for p in picks], ranks=vacant))
         ok, _ = self.client.txn(compare, [t.put(self.keys.membership, new.to_bytes()), *ops])
         if ok:

@@ -115,6 +115,10 @@ class JobKeys:
         """A member's last committed step, sent when it enters `generation`."""
         return f"{self.recovery_prefix(generation)}report/{rank}"
 
+    def cold_request(self, generation: int) -> str:
+        """The cold path asks the agents for fresh processes for the lost ranks of `generation`."""
+        return f"{self.recovery_prefix(generation)}cold"
+
     def ready(self, generation: int, rank: int) -> str:
         """Phase 1 done: the member built the process group of `generation`."""
         return f"{self.recovery_prefix(generation)}ready/{rank}"

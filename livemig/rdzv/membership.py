@@ -145,6 +145,9 @@ class Membership:
     # planned migration: rank, from_gen, leaving (incarnation), leaving_member, addr, phase, ...
     migration: dict = field(default_factory=dict)
     continues: int = 0  # an aborted migration's generation: members keep the group of this one
+    # the cold path (kind "restart"): {"path": the checkpoint's step directory, "step": its boundary}
+    restart: dict = field(default_factory=dict)
+    restarts: int = 0  # cold restarts so far (--max-restarts), carried from generation to generation
 
     @property
     def group_gen(self) -> int:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 
 class _Activate(BaseException):
-    """Unwinds the user's function in a spare once it is claimed."""
+    """Unwinds the user's function in a spare once it is claimed, and in every survivor of
+    a cold restart (restart=True: it is entered again to load the checkpoint in place)."""
 
-    def __init__(self, generation: int, rank: int, migration: bool = False) -> None:
-        self.generation, self.rank, self.migration = generation, rank, migration
+    def __init__(self, generation: int, rank: int, migration: bool = False, restart: bool = False) -> None:
+        self.generation, self.rank, self.migration, self.restart = generation, rank, migration, restart
 
 
 class _Stop(BaseException):

@@ -38,13 +38,20 @@ class StepLoop:
             raise ConfigError("call ctx.register(model=..., optimizer=...) before ctx.steps()")
         self._total = total
         start = 0
-        if self.role == Role.WORKER:
+        if self._joining is not None and self._joining.restart:  # the cold path: loaded in place (pull.py)
+            m = self.runtime.follow(self._joining.generation, self)
+            start = total if m.state == GenState.DONE else self.committed + 1
+        elif self.role == Role.WORKER:
             self._faults.gate.check_total(total)  # a fault plan's step the job never reaches: refused now
             self.runtime.register(self.rank, host_store=self.rank == 0)
             self._standby.register_signature()
             self.runtime.follow(1, self)
-            self._sync_start()
-            self._gathered_gen = self.runtime.gen  # every rank holds rank 0's initial model
+            resumed = self._ckpt.resume()  # --resume-from: this rank's part of the chosen checkpoint
+            if resumed is None:
+                self._sync_start()  # never after a load: the replicas hold the job's state already
+            else:
+                self.committed, start = resumed, resumed + 1
+            self._gathered_gen = self.runtime.gen  # every rank holds rank 0's initial model (or the loaded one)
         elif self.role == Role.SPARE:
             if self._joining is None:
                 yield from self._sandbox.shadow(total)  # sandboxed warm-up of the real loop body
@@ -60,8 +67,8 @@ class StepLoop:
                     start = total
                 elif self._st.replay is not None:
                     yield from self._replay_step()
-        if self.role != Role.SPARE:
-            self._at_boundary(-1)  # the state every rank starts from
+        if self.role != Role.SPARE and self._joining is None:
+            self._at_boundary(start - 1)  # the state every rank starts from
         for step in range(start, total):
             self._current = step
             self._zero_regather()
@@ -75,6 +82,7 @@ class StepLoop:
             if self.committed != step:
                 raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
             self._at_boundary(step)
+            self._ckpt.at_boundary(step)  # staged here, written in the background
             self._faults.at_boundary(step)
         self._current = None
         if self._migration.leaving is not None:  # the switch was voted at the last step

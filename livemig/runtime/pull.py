@@ -18,6 +18,7 @@ from livemig.comm.group import CollectiveAborted
 from livemig.config import Role, buddy_stride
 from livemig.errors import RecoveryError, TransferError
 from livemig.rdzv.membership import Membership
+from livemig.runtime.control import _Activate
 from livemig.runtime.step_state import Averaged, Replay
 from livemig.state import unpack
 from livemig.transfer import items
@@ -44,6 +45,8 @@ class StatePull:
 
     def catch_up(self, m: Membership) -> dict[str, Any] | None:
         """Reach the agreed boundary (resume_step) of generation m."""
+        if m.restart:
+            return self._restart_from(m)
         if m.resume_step is None:
             return None
         target = m.resume_step - 1  # last step that must be committed here
@@ -73,6 +76,8 @@ class StatePull:
         st = self._st
         replay = {"boundary": st.boundaries.get(self.committed - 1), "before": st.before.get(self.committed),
                   "uses_sync": st.uses_sync} if self._replays else {}  # fmt: skip
+        if self._replays and self._ckpt.resumed == self.committed:  # no step ran since the load: nothing to
+            replay["resumed"] = self._ckpt.resume_path  # replay, the spare loads its rank's part of it
         srv.publish(m.generation, items.STATE, lambda: (self.committed + 1, {**self.state_obj(), **replay}))
         left = (self.rank - buddy_stride(self.world_size)) % self.world_size
         if self._st.mirrored.get(self.committed - 1) is not None:  # the left neighbour's local state
@@ -145,6 +150,29 @@ class StatePull:
 
         return alloc
 
+    def _restart_from(self, m: Membership) -> dict[str, Any]:
+        """The cold path (coordinator/cold.py): every member of m loads the checkpoint at
+        m.restart, the survivors in place. A member inside the user's loop is unwound first
+        and enters the function again (as a claimed spare does), so the code before the loop
+        and the loop itself start from the checkpoint's boundary; this runs again then."""
+        if self._joining is None or self._joining.generation != m.generation:
+            raise _Activate(m.generation, self.rank, restart=True)
+        if self._ckpt.resumed is not None and self._ckpt.resume_path == m.restart["path"] and \
+                self.committed == self._ckpt.resumed:  # fmt: skip
+            return self._stream_info
+        from livemig.runtime.checkpoint import load
+
+        t0 = time.monotonic()
+        step = load(self, m.restart["path"])
+        self.committed = step
+        if self.role == Role.SPARE:
+            self._loaded_step = step + 1
+        self._ckpt.resumed, self._ckpt.resume_path = step, m.restart["path"]
+        self._at_boundary(step)  # what a later recovery needs of this boundary
+        self._stream_info = {"stream_s": time.monotonic() - t0, "bytes": 0, "source": f"checkpoint {m.restart['path']}"}
+        log.info("restarted from a checkpoint", extra={"step": step, "generation": m.generation})
+        return self._stream_info
+
     def _pull_state(self, m: Membership) -> dict[str, Any]:
         t0 = time.monotonic()
         addr, got = self._pull_any(m, items.STATE, self._into_model())
@@ -164,7 +192,14 @@ class StatePull:
                 addr += f",{where}"
         self.committed = got.step - 1
         self._loaded_step = got.step
-        if self.committed >= 0 and self._replays:  # replay step resume-1 (runtime/loop.py, _replay_step)
+        if self.committed >= 0 and self._replays and got.state.get("resumed"):
+            # The job resumed from a checkpoint of this very boundary and no step ran since:
+            # rank r's own state of it is its part there (runtime/checkpoint.py), no replay.
+            from livemig.runtime.checkpoint import load
+
+            load(self, got.state["resumed"])
+            self._at_boundary(self.committed)
+        elif self.committed >= 0 and self._replays:  # replay step resume-1 (runtime/loop.py, _replay_step)
             st = got.state
             if st.get("boundary") is None or st.get("before") is None:
                 raise RecoveryError(f"the source holds no snapshot of the boundary before step {self.committed}")

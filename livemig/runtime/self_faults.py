@@ -56,6 +56,13 @@ class SelfFaults:
             # Die while our collective is in flight: peers may or may not complete it.
             threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
+    def during_checkpoint(self, step: int) -> None:
+        """`kill:rank=R:step=S:during=checkpoint`: rank R dies in its checkpoint writer once
+        the part of boundary S is staged and written, before it is durable (no marker)."""
+        if self._due("selfkill", step, "checkpoint"):
+            log.warning("test fault: killed while writing a checkpoint", extra={"step": step})
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def at_commit_point(self, t: int, what: str) -> None:
         """The test faults of the commit point: a kill after the collective, or its result dropped."""
         self.at(t, "before_commit")

@@ -50,6 +50,7 @@ class StandbyHost(Protocol):
     _st: StepState
     _loaded_step: int | None
     _joining: Any
+    _ckpt: Any
 
     @property
     def _zero(self) -> Any: ...
@@ -166,6 +167,8 @@ class Standby:
         if h._st.inherited_to >= 0:  # commits up to this step are the leaving worker's (planned migration)
             rec["inherited_to"] = h._st.inherited_to
         rec["peak_rss_mb"] = _peak_rss_mb()
+        if h._ckpt.settings is not None or h._ckpt.resumed is not None:
+            rec["checkpoints"] = h._ckpt.final()
         if h._zero is not None:  # the report checks each mirror against its owner's shard
             rec["shard_digest"] = digest(h._zero.own.tensors_for_digest())
             if h._zero.mirror is not None:
@@ -183,6 +186,7 @@ class Standby:
                 "the training function returned without running `for step in ctx.steps(n)`: a worker "
                 "trains inside that loop (is the loop there, and reached?)"
             )
+        h._ckpt.wait()  # a part half-written when the process ends would never complete
         self.write_final()
         h.runtime.wait_result(h)
 

@@ -103,7 +103,7 @@ FLOORS = [
     {"runtime", "sandbox"},
     {"comm", "transfer"},
     {"rdzv"},
-    {"fault_gate", "faults", "state", "data"},
+    {"fault_gate", "faults", "state", "data", "checkpoints"},
     {"config", "logs", "errors"},
 ]
 

@@ -1,0 +1,301 @@
+"""Checkpoints in the background, and loading one: what live recovery cannot cover.
+
+A collaborator of api.Engine (`engine._ckpt`). At a checkpointed step's boundary (the
+state when ctx.steps() yields the next step, docs/architecture.md "The boundary rule")
+the training thread stages this rank's part to fresh CPU memory, one copy per tensor,
+and a writer thread saves it with torch.distributed.checkpoint (DCP) into a directory
+of its own (livemig/checkpoints.py has the layout), fsyncs it, writes its marker and
+publishes the checkpoint once every rank's marker is there. Training goes on meanwhile;
+a write that fails is logged once and counted, never a failure of the job.
+
+What each rank writes, so that nothing is written twice (DCP's own deduplication of
+replicated tensors needs its collectives, which would run on the training group):
+
+    rank 0:  "model" (its whole state_dict: parameters and its buffers), "state.optimizer"
+             (plain path), "state.boundary" (extras, param-group hyperparameters)
+    rank r:  "model" (its buffers), "state.local" (local=), "state.shard" (ZeRO-1: its own shard)
+    every:   "meta" (msgpack bytes: the skeletons of the flattened sections, the step, the signature)
+
+Non-tensor state is never pickled by livemig: sections are flattened (livemig/state.py)
+into tensors and a msgpack skeleton, which DCP stores as a uint8 tensor. DCP's own
+`.metadata` file is a pickle: a part's files are checked against their BLAKE3 before it is
+read (livemig/checkpoints.verify), so only bytes this job wrote reach it. Rank 0's part is
+a plain DCP checkpoint of the model: `dcp.load({"model": model.state_dict()},
+checkpoint_id=".../rank_00000")` loads it without livemig (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Protocol
+
+import msgpack
+import torch
+
+from livemig import checkpoints as layout
+from livemig.config import buddy_stride
+from livemig.errors import ConfigError
+from livemig.state import flatten, unflatten
+
+log = logging.getLogger("livemig.runtime.checkpoint")
+
+
+class CheckpointHost(Protocol):
+    """What the checkpointer uses of its Engine."""
+
+    rank: int
+    world_size: int
+    reg: Any
+    runtime: Any
+    _faults: Any
+
+    def signature(self) -> list: ...
+
+
+def signature_hash(sig: list) -> str:
+    return hashlib.sha256(msgpack.packb(sig, use_bin_type=True, default=str)).hexdigest()[:32]
+
+
+def _stage(t: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+    """A copy of `t` in CPU memory (a previous checkpoint's buffer reused when it fits)."""
+    t = t.detach()
+    if into is not None and into.shape == t.shape and into.dtype == t.dtype:
+        return into.copy_(t)
+    return t.to("cpu", copy=True)
+
+
+class Checkpointer:
+    """This rank's checkpoints: staged at a boundary, written by a thread, one at a time."""
+
+    def __init__(self, host: CheckpointHost) -> None:
+        self._host = host
+        self.settings = layout.Settings.from_env()
+        self.resume_path = os.environ.get(layout.ENV_RESUME, "")
+        self.resumed: int | None = None  # the step whose checkpoint this process loaded
+        # [step, staged_at, staged_s, written_s, ok, waited_s]: the final record's (bench checkpoint reads it)
+        self.records: list[list] = []
+        self.failed = 0
+        self.timeout = float(os.environ.get(layout.ENV_WRITE_TIMEOUT, "") or 600)
+        self._said_wait = False
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._idle = threading.Event()  # no write in flight
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+        self._staged: dict[str, torch.Tensor] = {}
+        fail = os.environ.get(layout.ENV_FAIL_WRITE, "")
+        self._fail_at = tuple(int(x) for x in fail.split(":")) if fail else None
+
+    # -- writing ------------------------------------------------------------------------
+    def at_boundary(self, step: int) -> None:
+        """Called by the step loop at each boundary of the user's own steps."""
+        s = self.settings
+        if s is None or not s.due(step) or step == self.resumed:
+            return
+        waited = 0.0
+        if not self._idle.is_set():  # every rank writes every checkpoint: the previous write ends first
+            w0 = time.monotonic()
+            self.wait(self.timeout)
+            waited = time.monotonic() - w0
+            if not self._idle.is_set():
+                self._failed(step, time.time(), 0.0, TimeoutError(
+                    f"the previous checkpoint's write is still running after {self.timeout:g} s"))  # fmt: skip
+                return
+            if not self._said_wait:
+                self._said_wait = True
+                log.warning("a checkpoint waited for the previous one's write: writes take longer than "
+                            "--checkpoint-every steps (raise it)",
+                            extra={"step": step, "waited_s": round(waited, 3)})  # fmt: skip
+        t0 = time.monotonic()
+        try:
+            sd = self._state_dict(step)
+        except Exception as exc:  # what cannot be staged is said, and training goes on
+            self._failed(step, time.time(), 0.0, exc)
+            return
+        rec = [step, time.time(), round(time.monotonic() - t0, 6), None, None, round(waited, 6)]
+        self.records.append(rec)
+        del self.records[:-200]
+        self._idle.clear()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._writer, name="livemig-checkpoint", daemon=True)
+            self._thread.start()
+        self._queue.put((step, sd, rec))
+
+    def _state_dict(self, step: int) -> dict[str, Any]:
+        h = self._host
+        reg = h.reg
+        model_sd = reg.model.state_dict() if reg.model is not None else {}
+        keep = list(model_sd) if h.rank == 0 else list(reg.buffer_names)
+        sections: dict[str, Any] = {"local": {k: v.state_dict() for k, v in reg.local.items()}}
+        if h.rank == 0:
+            if reg.optimizer is not None and reg.zero is None:
+                sections["optimizer"] = reg.optimizer.state_dict()
+            sections["boundary"] = {"extra": {k: v.state_dict() for k, v in reg.extra.items()},
+                                    "hparams": reg.hparams()}  # fmt: skip
+        if reg.zero is not None:
+            sections["shard"] = reg.zero.own.state()
+        skeletons: dict[str, Any] = {}
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        old = self._staged
+        staged: dict[str, torch.Tensor] = {}
+        model: dict[str, torch.Tensor] = {}
+        others: dict[str, Any] = {}
+        for k in keep:
+            v = model_sd[k]
+            if isinstance(v, torch.Tensor):
+                key = f"model.{k}"
+                model[k] = staged[key] = _stage(v, old.get(key))
+            else:
+                others[k] = v
+        for name, obj in sections.items():
+            tensors: list[torch.Tensor] = []
+            skeletons[name] = flatten(obj, tensors, name)
+            state[name] = {}
+            for i, t in enumerate(tensors):
+                key = f"state.{name}.{i}"
+                state[name][str(i)] = staged[key] = _stage(t, old.get(key))
+        self._staged = staged
+        meta = {"format": layout.FORMAT, "step": step, "rank": h.rank, "world": h.world_size,
+                "signature": signature_hash(h.signature()), "skeletons": skeletons,
+                "model_other": flatten(others, [], "model")}  # fmt: skip
+        blob = msgpack.packb(meta, use_bin_type=True)
+        return {"model": model, "state": state, "meta": torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
+
+    def _writer(self) -> None:
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+
+        h = self._host
+        while True:
+            step, sd, rec = self._queue.get()
+            t0 = time.monotonic()
+            s = self.settings
+            assert s is not None
+            try:
+                part = layout.part_dir(s.dir, step, h.rank)
+                os.makedirs(part, exist_ok=True)
+                writer = dcp.FileSystemWriter(part, single_file_per_rank=True, sync_files=True)
+                dcp.save(sd, storage_writer=writer, no_dist=True)
+                if self._fail_at == (h.rank, step):
+                    raise OSError(f"test hook {layout.ENV_FAIL_WRITE}: the write of step {step} fails")
+                h._faults.during_checkpoint(step)  # the plan's kill:...:during=checkpoint lands here
+                layout.fsync_dir(part)
+                layout.mark_done(s.dir, step, h.rank, {"world": h.world_size})
+                meta = {"signature": signature_hash(h.signature()), "job": os.environ.get("LIVEMIG_JOB", "")}
+                if layout.publish_if_complete(s.dir, step, h.world_size, meta, s.keep):
+                    log.info("checkpoint complete", extra={"step": step, "dir": layout.step_dir(s.dir, step)})
+                rec[3], rec[4] = round(time.monotonic() - t0, 6), True
+            except Exception as exc:
+                rec[3], rec[4] = round(time.monotonic() - t0, 6), False
+                self._failed(step, rec[1], rec[2], exc, counted=True)
+            finally:
+                self._idle.set()
+
+    def _failed(self, step: int, at: float, staged_s: float, exc: BaseException, counted: bool = False) -> None:
+        self.failed += 1
+        if not counted:
+            self.records.append([step, at, staged_s, None, False, 0.0])
+        log.warning(f"checkpoint of step {step} failed on rank {self._host.rank}: {exc}; training goes on "
+                    "(the previous checkpoint stays the newest)",
+                    extra={"step": step, "failed": self.failed})  # fmt: skip
+
+    def wait(self, timeout: float | None = None) -> None:
+        """The last write finished (or `timeout` passed): a process that ends with a write in
+        flight would leave its part half-written."""
+        self._idle.wait(self.timeout if timeout is None else timeout)
+
+    def final(self) -> dict[str, Any]:
+        """The final record's entry (the run report counts failed checkpoints)."""
+        return {"records": self.records, "failed": self.failed, "resumed": self.resumed}
+
+    # -- loading ------------------------------------------------------------------------
+    def resume(self) -> int | None:
+        """Load this rank's state from the checkpoint `livemig run --resume-from` chose
+        (LIVEMIG_RESUME_PATH); the step it holds, or None when there is none."""
+        if not self.resume_path:
+            return None
+        step = load(self._host, self.resume_path)
+        self.resumed = step
+        return step
+
+
+def _read_part(part: str, want_model: dict[str, torch.Tensor], sections: list[str]) -> tuple[dict, dict]:
+    """Load `want_model` in place from the part at `part`, and the named sections (allocated
+    from the part's metadata); (meta, {section: object})."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(part)
+    md = reader.read_metadata().state_dict_metadata
+    meta_md = md.get("meta")
+    if not isinstance(meta_md, TensorStorageMetadata):
+        raise ConfigError(f"{part} is not a livemig checkpoint part (no meta entry)")
+    sd: dict[str, Any] = {"meta": torch.empty(meta_md.size, dtype=torch.uint8), "state": {}}
+    if want_model:
+        sd["model"] = want_model
+    for name in sections:
+        prefix = f"state.{name}."
+        keys = [k for k in md if k.startswith(prefix)]
+        sd["state"][name] = {}
+        for k in keys:
+            m = md[k]
+            assert isinstance(m, TensorStorageMetadata)
+            sd["state"][name][k[len(prefix) :]] = torch.empty(m.size, dtype=m.properties.dtype)
+    if not sd["state"]:
+        del sd["state"]
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    meta = msgpack.unpackb(sd["meta"].numpy().tobytes(), raw=False, strict_map_key=False)
+    out = {}
+    for name in sections:
+        tens = sd.get("state", {}).get(name, {})
+        out[name] = unflatten(meta["skeletons"][name], [tens[str(i)] for i in range(len(tens))])
+    return meta, out
+
+
+def load(h: CheckpointHost, step_root: str) -> int:
+    """This rank's boundary state from a complete checkpoint: the replicated state from rank
+    0's part (any world size), rank-local state and the ZeRO-1 shards from the parts of the
+    same ranks (the same world size, else refused with one line naming them)."""
+    reg = h.reg
+    root, name = os.path.split(step_root.rstrip("/"))
+    step = int(name.removeprefix("step_"))
+    man = layout.read_manifest(root, step)
+    world = int(man["world"])
+    if man.get("signature") not in (None, signature_hash(h.signature())):
+        raise ConfigError(f"checkpoint {step_root} was written by a script whose registered state differs "
+                          "(another model or optimizer): resume it with the script that wrote it")  # fmt: skip
+    if world != h.world_size and (reg.has_local or reg.zero is not None):
+        what = "ZeRO-1 optimizer shards" if reg.zero is not None else "rank-local state (model buffers, local=)"
+        raise ConfigError(f"checkpoint {step_root} holds {what} of {world} ranks; this run has {h.world_size}: "
+                          f"resume it with --nproc {world} (resharding that state is not built yet)")  # fmt: skip
+    model_sd = reg.model.state_dict() if reg.model is not None else {}
+    buffers = set(reg.buffer_names)
+    params = {k: v for k, v in model_sd.items() if k not in buffers and isinstance(v, torch.Tensor)}
+    own_buffers = {k: v for k, v in model_sd.items() if k in buffers and isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        zero = [params | (own_buffers if h.rank == 0 or world != h.world_size else {})]
+        sections = ["boundary"] + (["optimizer"] if reg.optimizer is not None and reg.zero is None else [])
+        _, got = _read_part(layout.part_dir(root, step, 0), zero[0], sections)
+        if reg.optimizer is not None and reg.zero is None:
+            reg.optimizer.load_state_dict(got["optimizer"])
+        reg.load_boundary(got["boundary"])
+        if world == h.world_size:
+            own = ["local"] + (["shard"] if reg.zero is not None else [])
+            _, mine = _read_part(layout.part_dir(root, step, h.rank), own_buffers if h.rank else {}, own)
+            for k, v in reg.local.items():
+                v.load_state_dict(mine["local"][k])
+            if reg.zero is not None:
+                reg.zero.own.load(mine["shard"])
+                if reg.zero.mirror is not None:
+                    src = (h.rank - buddy_stride(world)) % world
+                    _, theirs = _read_part(layout.part_dir(root, step, src), {}, ["shard"])
+                    reg.zero.mirror.load(theirs["shard"])
+    log.info("state loaded from a checkpoint", extra={"step": step, "dir": step_root, "rank": h.rank})
+    return step

@@ -1,0 +1,123 @@
+"""Checkpoints and the cold path end to end: real launcher, etcd, workers, gloo, DCP files.
+
+- ZeRO-1 over 3 ranks: rank 1 dies inside its checkpoint write of step 9 (so that checkpoint
+  never completes) and no spare exists: its agent starts a fresh process, which joins with the
+  live state; then ranks 1 and 2 die together at step 13 (a shard and its mirror): live
+  recovery cannot serve it, the job restarts from step 4's checkpoint (the newest complete)
+  and ends bit-identical to the fault-free run; with --max-restarts 0 it fails with its line.
+- A DDP-style loop (per-rank seed, BatchNorm buffers, a scheduler, a prefetched batch under
+  local=, clipping): resumed with --resume-from from a checkpoint in the middle, skipping a
+  corrupt newer one with a line naming it, it ends equal rank by rank to a run that never
+  stopped; rank 0's part loads into a plain model with torch.distributed.checkpoint alone.
+- A checkpoint directory below a regular file, and a write failing mid-checkpoint: the job
+  completes and the report counts the failures.
+
+CI budget: ~1.5 min.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+from tests.e2e.conftest import MLP_ZERO1, STEPS, explain, livemig_run, rank_files, reference_of
+from tests.e2e.test_real_scripts import PORT, _work, assert_same_run
+
+
+def _ckpt(d, every: int, keep: int = 2) -> tuple[str, ...]:
+    return ("--checkpoint-dir", str(d), "--checkpoint-every", str(every), "--checkpoint-keep", str(keep))
+
+
+def _steps(d) -> list[str]:
+    return sorted(n for n in os.listdir(d) if n.startswith("step_"))
+
+
+def test_zero1_shard_and_mirror_lost_restarts_from_the_last_complete_checkpoint(tmp_path, reference_digest):
+    ref = reference_digest(3, MLP_ZERO1)
+    d = tmp_path / "ck"
+    faults = ("kill:rank=1:step=9:during=checkpoint", "kill:rank=1:step=13", "kill:rank=2:step=13")
+    run = livemig_run(tmp_path, 3, faults=faults, script=MLP_ZERO1, extra=_ckpt(d, 5, keep=10))
+    rep = run.report
+    assert run.rc == 0 and rep["result"]["state"] == "done", explain(run)
+    assert rep["steps_completed"] == STEPS and rep["replicas_identical"], explain(run)
+    assert rep["state_digest"] == ref, "final state differs from the fault-free run\n" + explain(run)
+    assert rep["zero1"]["mirrors_exact"], rep["zero1"]
+    kinds = [(r["kind"], r.get("fresh_processes")) for r in rep["recoveries"]]
+    assert kinds == [("failure", [1]), ("restart", [1, 2])], explain(run)
+    cold = rep["recoveries"][1]
+    # step 9's checkpoint lacks rank 1's part (killed before it was durable): never loaded
+    assert cold["from_step"] == 4 and cold["steps_redone"] == 9, cold
+    assert (d / "latest").read_text() == "step_0000000019"  # 9 was written again after the restart
+    # the boundaries every final member wrote (ranks 1 and 2 are processes started at the restart)
+    assert rep["checkpoints"]["steps"] == [14, 19] and rep["checkpoints"]["failed"] == 0, rep["checkpoints"]
+
+    run = livemig_run(tmp_path, 3, faults=faults[1:], script=MLP_ZERO1, job="z0",
+                      extra=(*_ckpt(tmp_path / "ck0", 5), "--max-restarts", "0"))  # fmt: skip
+    assert run.rc != 0 and run.report["result"]["state"] == "failed", explain(run)
+    reason = run.report["result"]["reason"]
+    assert "optimizer shard" in reason and "--max-restarts 0 allows are spent" in reason, reason
+
+
+def _port_module():
+    spec = importlib.util.spec_from_file_location("ddp_port", PORT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_resume_a_ddp_port_from_a_middle_checkpoint_skipping_a_corrupt_one(tmp_path, references):
+    got = reference_of(references, 2, PORT, _work((), 0, "{out}"))  # shared with test_real_scripts
+    ref = (got.report, rank_files(got.out))
+    d = tmp_path / "ck"
+    full_out = tmp_path / "out-full"
+    full_out.mkdir()
+    full = livemig_run(tmp_path, 2, script=PORT, job="full", workload=_work((), 0, str(full_out)),
+                       extra=_ckpt(d, 10, keep=4))  # fmt: skip
+    assert_same_run(full, rank_files(full_out), ref)  # checkpoints change nothing
+    assert _steps(d) == [f"step_{s:010d}" for s in (9, 19, 29, 39)], explain(full)
+    assert (d / "latest").read_text() == "step_0000000039"
+
+    # Interoperability: rank 0's part is a plain DCP checkpoint of the model.
+    import torch.distributed.checkpoint as dcp
+
+    port = _port_module()
+    net = port.Net()
+    sd = net.state_dict()
+    dcp.load({"model": sd}, checkpoint_id=str(d / "step_0000000039" / "rank_00000"))
+    net.load_state_dict(sd)
+    assert port.typed(net.state_dict()) == rank_files(full_out)[0]["model"]
+
+    # The job "died" after step 39's checkpoint was lost and step 29's got damaged.
+    shutil.rmtree(d / "step_0000000039")
+    part = d / "step_0000000029" / "rank_00001"
+    victim = next(p for p in part.iterdir() if p.suffix == ".distcp")
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    out = tmp_path / "out-resumed"
+    out.mkdir()
+    run = livemig_run(tmp_path, 2, script=PORT, job="resumed", workload=_work((), 0, str(out)),
+                      extra=("--resume-from", str(d)))  # fmt: skip
+    assert_same_run(run, rank_files(out), ref)
+    assert "skipping checkpoint" in run.stdout + run.stderr and "step_0000000029" in run.stdout + run.stderr
+    assert "resuming from" in run.stdout and "step_0000000019" in run.stdout, explain(run)
+    assert run.report["checkpoints"]["resumed_from"] == 19
+
+
+def test_checkpoint_failures_do_not_fail_the_job(tmp_path, reference_digest):
+    ref = reference_digest(2)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    run = livemig_run(tmp_path, 2, extra=_ckpt(blocker / "ck", 8), job="nd")  # below a regular file
+    assert run.rc == 0 and run.report["state_digest"] == ref, explain(run)
+    assert run.report["checkpoints"]["failed"] == 2 * (STEPS // 8), run.report["checkpoints"]
+    assert run.report["checkpoints"]["steps"] == []
+    d = tmp_path / "ck"
+    run = livemig_run(tmp_path, 2, extra=_ckpt(d, 8), job="hook", env={"LIVEMIG_CHECKPOINT_FAIL_WRITE": "1:15"})
+    assert run.rc == 0 and run.report["state_digest"] == ref, explain(run)
+    ck = run.report["checkpoints"]
+    assert ck["failed"] == 1 and ck["steps"] == [7, 23], ck
+    logs = "".join(open(p["log"]).read() for p in run.report["processes"] if p["name"] == "worker-1")
+    assert logs.count("checkpoint of step 15 failed on rank 1") == 1, logs[-3000:]
+    assert (d / "latest").read_text() == "step_0000000023"

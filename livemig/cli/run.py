@@ -35,7 +35,7 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
         what = f"recovery of rank {r['rank']}" if r["rank"] is not None else "rebuild of the group"
         onto = f" onto spare {', '.join(r['spares'])}" if r.get("spares") else ""
         how = f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed"
-        if r["kind"] == "restart":
+        if r.get("kind") == "restart":
             how = (f"cold restart from the checkpoint of step {r['from_step']}, {r['steps_redone']} step(s) "
                    f"redone ({r['lost_s']:.2f} s lost in all)")  # fmt: skip
         lines += [f"{what}{onto} (generation {r['generation']}): downtime {r['downtime_s']:.2f} s; {how}",
@@ -46,9 +46,10 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
             "step; the phases time the fault to that commit, so they also hold the step's own work)"
         )
         if rep.get("spares_left") == 0:
-            lines.append(
-                "  no spare of this run was left: a further failure would have waited --spare-wait, then failed the job"
-            )
+            then = ("its agent would have started a fresh process" if rep.get("checkpoints")
+                    else "failed the job")  # fmt: skip
+            lines.append(f"  no spare of this run was left: a further failure would have waited --spare-wait, "
+                         f"then {then}")  # fmt: skip
     if rep.get("rank_digests"):
         lines.append(f"state digest {rep['state_digest'][:16]}…  replicas identical: "
                      f"{'yes' if rep['replicas_identical'] else 'no'}")  # fmt: skip

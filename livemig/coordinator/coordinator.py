@@ -438,7 +438,10 @@ class Coordinator:
                 return self._fail(m, f"rank(s) {short} lack the gradient slices of step {resume - 1}")
         vacant = [r for r in range(m.world_size) if r not in m.members]
         sig = (s.get(self.keys.config) or {}).get("signature", [])
-        if has_local_state(sig) and m.world_size > 1 and resume >= 1:  # the replay starts at boundary resume-2
+        # the replay starts at boundary resume-2; after a load of boundary resume-1 there is none
+        # (each rank's own state of it is its part of the checkpoint: runtime/pull.py)
+        resumed = any(reports[str(r)].get("resumed") == resume - 1 for r in sources)
+        if has_local_state(sig) and m.world_size > 1 and resume >= 1 and not resumed:
             lost = lost_local_state(m.world_size, vacant, reports, resume - 2, self._stride(s))
             if lost:
                 return self._cold(s, "; ".join(lost), since)

@@ -71,6 +71,8 @@ class Callbacks(Protocol):
 
     def mirrored_steps(self) -> list[int]: ...  # boundaries of the left neighbour's local state held
 
+    def resumed_step(self) -> int | None: ...  # the checkpoint boundary loaded here, if no step ran since
+
     def catch_up(self, m: Membership) -> dict[str, Any] | None: ...  # reach m's resume step; what streamed
 
     def serve(self, m: Membership) -> None: ...  # publish what generation m's members may pull from here
@@ -457,6 +459,7 @@ class MemberRuntime:
                     self.put(self.keys.report(m.generation, rank), {
                         "incarnation": self.incarnation, "committed": member.committed_step(),
                         "avg_step": member.avg_step(), "mirrors": member.mirrored_steps(),
+                        "resumed": member.resumed_step(),
                         "time": time.time()})  # fmt: skip
                     reported.add(m.generation)
                 self._wait_change(m)

@@ -40,6 +40,12 @@ class StatePull:
         that a lost rank's replay can find its boundary)."""
         return sorted(self._st.mirrored)
 
+    def resumed_step(self) -> int | None:
+        """The checkpoint boundary this member loaded, while it is still its last commit: every
+        rank's own state of that boundary is then in the checkpoint (a spare needs no mirror)."""
+        r = self._ckpt.resumed
+        return r if r is not None and r == self.committed else None
+
     def avg_step(self) -> int | None:
         return self._st.avg.step if self._st.avg else None
 

@@ -7,8 +7,9 @@
   and ends bit-identical to the fault-free run; with --max-restarts 0 it fails with its line.
 - A DDP-style loop (per-rank seed, BatchNorm buffers, a scheduler, a prefetched batch under
   local=, clipping): resumed with --resume-from from a checkpoint in the middle, skipping a
-  corrupt newer one with a line naming it, it ends equal rank by rank to a run that never
-  stopped; rank 0's part loads into a plain model with torch.distributed.checkpoint alone.
+  corrupt newer one with a line naming it, and a rank wedged in the first step after the
+  load, it ends equal rank by rank to a run that never stopped; rank 0's part loads into a
+  plain model with torch.distributed.checkpoint alone.
 - A checkpoint directory below a regular file, and a write failing mid-checkpoint: the job
   completes and the report counts the failures.
 
@@ -59,6 +60,10 @@ def test_zero1_shard_and_mirror_lost_restarts_from_the_last_complete_checkpoint(
     assert "optimizer shard" in reason and "--max-restarts 0 allows are spent" in reason, reason
 
 
+def _phase_of(run, phase: str) -> dict:
+    return next(e for e in run.report["timeline"] if e["phase"] == phase)
+
+
 def _port_module():
     spec = importlib.util.spec_from_file_location("ddp_port", PORT)
     mod = importlib.util.module_from_spec(spec)
@@ -97,12 +102,16 @@ def test_resume_a_ddp_port_from_a_middle_checkpoint_skipping_a_corrupt_one(tmp_p
     victim.write_bytes(bytes(raw))
     out = tmp_path / "out-resumed"
     out.mkdir()
-    run = livemig_run(tmp_path, 2, script=PORT, job="resumed", workload=_work((), 0, str(out)),
-                      extra=("--resume-from", str(d)))  # fmt: skip
+    # Rank 1 wedged in the first step after the load (no rank commits it): the spare takes rank 1
+    # at the boundary the job resumed at, from its own part of the checkpoint (runtime/pull.py).
+    run = livemig_run(tmp_path, 2, spares=1, faults=("wedge:rank=1:step=20",), script=PORT,
+                      job="resumed", workload=_work((), 0, str(out)), extra=("--resume-from", str(d)))  # fmt: skip
     assert_same_run(run, rank_files(out), ref)
     assert "skipping checkpoint" in run.stdout + run.stderr and "step_0000000029" in run.stdout + run.stderr
     assert "resuming from" in run.stdout and "step_0000000019" in run.stdout, explain(run)
     assert run.report["checkpoints"]["resumed_from"] == 19
+    assert [r["kind"] for r in run.report["recoveries"]] == ["failure"], explain(run)
+    assert _phase_of(run, "agree")["resume_step"] == 20, explain(run)
 
 
 def test_checkpoint_failures_do_not_fail_the_job(tmp_path, reference_digest):

@@ -78,11 +78,12 @@ class Piece:
     group: int  # index into the user's optimizer param_groups
 
 
-def shard_pieces(red: GradReducer, group_of: list[int], shard: int) -> list[Piece]:
-    """The pieces of `shard`: its slice of every bucket, split where the param group changes."""
+def shard_pieces(red: GradReducer, group_of: list[int], shard: int, sizes: list[int] | None = None) -> list[Piece]:
+    """The pieces of `shard`: its slice of every bucket, split where the param group changes
+    (`sizes`: the shard sizes of another world size, for resharding a checkpoint)."""
     out: list[Piece] = []
     for b, idx in enumerate(red.layout):
-        s = red.shard_sizes[b]
+        s = (sizes or red.shard_sizes)[b]
         lo, hi = shard * s, (shard + 1) * s
         for i in idx:
             a = red.offset[i]
@@ -105,6 +106,7 @@ class ShardState:
     def __init__(self, red: GradReducer, group_of: list[int], template: torch.optim.Optimizer, shard: int) -> None:
         self.shard = shard
         self.template = template
+        self.red, self.group_of = red, group_of
         self.pieces = shard_pieces(red, group_of, shard)
         init = red.param_flats()
         self.values = [f[shard * s : (shard + 1) * s].clone() for f, s in zip(init, red.shard_sizes, strict=True)]
@@ -142,6 +144,57 @@ class ShardState:
             dst.copy_(src)
         if self.opt is not None:
             self.opt.load_state_dict(obj["optimizer"])
+
+    def load_resharded(self, parts: list[dict[str, Any]]) -> None:
+        """This shard cut from the shards of another world size (len(parts) ranks, a
+        checkpoint's): the buckets' layout does not depend on the world size, only where each
+        shard's slice of them starts, so every element lands where it was; optimizer scalars
+        (a step count) are equal over a param group's pieces and taken from the first."""
+        world = len(parts)
+        sizes = [-(-n // world) for n in self.red.sizes]
+        full = [torch.zeros(max(s * world, n), dtype=d)  # room for the old and the new padding
+                for s, n, d in zip(sizes, self.red.padded, self.red.dtypes, strict=True)]  # fmt: skip
+        elems: dict[tuple[int, str, int], torch.Tensor] = {}  # (group, key, bucket): the whole bucket
+        scalars: dict[tuple[int, str], torch.Tensor] = {}
+        stateless: set[bool] = set()
+        for k, obj in enumerate(parts):
+            if int(obj["shard"]) != k:
+                raise ConfigError(f"checkpoint part {k} holds optimizer shard {obj['shard']}")
+            for b, v in enumerate(obj["values"]):
+                full[b][k * sizes[b] : k * sizes[b] + v.numel()].copy_(v)
+            pieces = shard_pieces(self.red, self.group_of, k, sizes)
+            ordered = [p for g in sorted({p.group for p in pieces}) for p in pieces if p.group == g]
+            state = (obj.get("optimizer") or {}).get("state", {})
+            for i, p in enumerate(ordered):
+                st = state.get(i, state.get(str(i)))
+                stateless.add(not st)
+                for key, t in (st or {}).items():
+                    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                        scalars.setdefault((p.group, key), t)
+                        continue
+                    dst = elems.get((p.group, key, p.bucket))
+                    if dst is None:
+                        dst = elems[(p.group, key, p.bucket)] = torch.zeros(full[p.bucket].numel(), dtype=t.dtype)
+                    at = k * sizes[p.bucket] + p.start
+                    dst[at : at + p.length].copy_(t)
+        if len(stateless) > 1:
+            raise ConfigError("the checkpoint's optimizer shards are partly without state: cannot reshard them")
+        own = self.red.shard_sizes
+        for b, v in enumerate(self.values):
+            v.copy_(full[b][self.shard * own[b] : self.shard * own[b] + v.numel()])
+        if self.opt is None or stateless == {True}:
+            return
+        sd = self.opt.state_dict()
+        ordered = [p for g in self.group_ids for p in self.pieces if p.group == g]
+        new_state: dict[int, dict[str, Any]] = {}
+        for i, p in enumerate(ordered):
+            at = self.shard * own[p.bucket] + p.start
+            st = {key: t.clone() for (g, key), t in scalars.items() if g == p.group}
+            for (g, key, b), t in elems.items():
+                if g == p.group and b == p.bucket:
+                    st[key] = t[at : at + p.length].clone()
+            new_state[i] = st
+        self.opt.load_state_dict({"state": new_state, "param_groups": sd["param_groups"]})
 
     def tensors_for_digest(self) -> list[torch.Tensor]:
         from livemig.state import flatten

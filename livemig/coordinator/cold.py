@@ -42,9 +42,12 @@ class ColdPath:
         self.max_restarts = max_restarts_from_env()
         self._plans: dict[int, dict[str, Any] | str] = {}
 
-    def plan(self, m: Membership, why: str, committed: int | None = None) -> dict[str, Any] | str:
+    def plan(self, m: Membership, why: str, committed: int | None = None,
+             local_state: bool = False) -> dict[str, Any] | str:  # fmt: skip
         """{"path", "step", "redone"} of the restart generation m leads to, or the one line
-        the job fails with (no checkpoint directory, none complete yet, restarts spent)."""
+        the job fails with (no checkpoint directory, none complete yet, restarts spent, one
+        of another world size where rank-local state cannot be resharded; ZeRO-1 shards and
+        replicated state are: runtime/checkpoint.load)."""
         got = self._plans.get(m.generation)
         if got is not None:
             return got
@@ -61,6 +64,10 @@ class ColdPath:
             if chosen is None:
                 out = f"{why}; no complete checkpoint in {self.dir} to restart from (the first is written " \
                       "after --checkpoint-every steps)"  # fmt: skip
+            elif local_state and int(chosen[1].get("world", m.world_size)) != m.world_size:
+                out = f"{why}; the newest complete checkpoint in {self.dir} (step {chosen[0]}) is of " \
+                      f"{chosen[1]['world']} rank(s), and this job's rank-local state cannot be mapped to " \
+                      f"its {m.world_size}"  # fmt: skip
             else:
                 step = chosen[0]
                 out = {"path": step_dir(self.dir, step), "step": step,

@@ -537,7 +537,8 @@ class Coordinator:
         m = s.m
         reports = s.under(self.keys.recovery_prefix(m.generation) + "report/")
         done = [x.get("committed") for x in reports.values() if isinstance(x.get("committed"), int)]
-        plan = self.cold.plan(m, why, max(done, default=None))
+        sig = (s.get(self.keys.config) or {}).get("signature", [])
+        plan = self.cold.plan(m, why, max(done, default=None), has_local_state(sig))
         if isinstance(plan, str):
             return self._fail(m, plan)
         vacant = [r for r in range(m.world_size) if r not in m.members]

@@ -77,6 +77,7 @@ class Checkpointer:
         self.settings = layout.Settings.from_env()
         self.resume_path = os.environ.get(layout.ENV_RESUME, "")
         self.resumed: int | None = None  # the step whose checkpoint this process loaded
+        self._converted = False  # it was of another world size, and --checkpoint-dir is another directory
         # [step, staged_at, staged_s, written_s, ok, waited_s]: the final record's (bench checkpoint reads it)
         self.records: list[list] = []
         self.failed = 0
@@ -94,7 +95,12 @@ class Checkpointer:
     def at_boundary(self, step: int) -> None:
         """Called by the step loop at each boundary of the user's own steps."""
         s = self.settings
-        if s is None or not s.due(step) or step == self.resumed:
+        if s is None:
+            return
+        # a checkpoint resharded at the load is written at once into a new --checkpoint-dir, so
+        # that a cold restart of this run loads its own world size (it is written nowhere else)
+        converted = step == self.resumed and self._converted
+        if not converted and (not s.due(step) or step == self.resumed):
             return
         waited = 0.0
         if not self._idle.is_set():  # every rank writes every checkpoint: the previous write ends first
@@ -221,8 +227,12 @@ class Checkpointer:
         (LIVEMIG_RESUME_PATH); the step it holds, or None when there is none."""
         if not self.resume_path:
             return None
-        step = load(self._host, self.resume_path)
+        step, world = load(self._host, self.resume_path)
         self.resumed = step
+        s = self.settings
+        root = os.path.dirname(self.resume_path.rstrip("/"))
+        self._converted = (world != self._host.world_size and s is not None
+                           and os.path.realpath(s.dir) != os.path.realpath(root))  # fmt: skip
         return step
 
 
@@ -259,10 +269,11 @@ def _read_part(part: str, want_model: dict[str, torch.Tensor], sections: list[st
     return meta, out
 
 
-def load(h: CheckpointHost, step_root: str) -> int:
+def load(h: CheckpointHost, step_root: str) -> tuple[int, int]:
     """This rank's boundary state from a complete checkpoint: the replicated state from rank
-    0's part (any world size), rank-local state and the ZeRO-1 shards from the parts of the
-    same ranks (the same world size, else refused with one line naming them)."""
+    0's part (any world size); the ZeRO-1 shards from the parts of the same ranks, or, at
+    another world size, cut from all of them; rank-local state from the same rank's part (at
+    another world size refused with one line: no rule maps it)."""
     reg = h.reg
     root, name = os.path.split(step_root.rstrip("/"))
     step = int(name.removeprefix("step_"))
@@ -271,10 +282,10 @@ def load(h: CheckpointHost, step_root: str) -> int:
     if man.get("signature") not in (None, signature_hash(h.signature())):
         raise ConfigError(f"checkpoint {step_root} was written by a script whose registered state differs "
                           "(another model or optimizer): resume it with the script that wrote it")  # fmt: skip
-    if world != h.world_size and (reg.has_local or reg.zero is not None):
-        what = "ZeRO-1 optimizer shards" if reg.zero is not None else "rank-local state (model buffers, local=)"
-        raise ConfigError(f"checkpoint {step_root} holds {what} of {world} ranks; this run has {h.world_size}: "
-                          f"resume it with --nproc {world} (resharding that state is not built yet)")  # fmt: skip
+    if world != h.world_size and reg.has_local:
+        raise ConfigError(f"checkpoint {step_root} holds rank-local state (model buffers, local=) of {world} "
+                          f"ranks; this run has {h.world_size}, and rank-local state has no rule to map it to "
+                          f"another world size: resume it with --nproc {world}")  # fmt: skip
     model_sd = reg.model.state_dict() if reg.model is not None else {}
     buffers = set(reg.buffer_names)
     params = {k: v for k, v in model_sd.items() if k not in buffers and isinstance(v, torch.Tensor)}
@@ -297,5 +308,11 @@ def load(h: CheckpointHost, step_root: str) -> int:
                     src = (h.rank - buddy_stride(world)) % world
                     _, theirs = _read_part(layout.part_dir(root, step, src), {}, ["shard"])
                     reg.zero.mirror.load(theirs["shard"])
-    log.info("state loaded from a checkpoint", extra={"step": step, "dir": step_root, "rank": h.rank})
-    return step
+        elif reg.zero is not None:  # the shards re-split over this world size (comm/zero1.py)
+            shards = [_read_part(layout.part_dir(root, step, r), {}, ["shard"])[1]["shard"] for r in range(world)]
+            reg.zero.own.load_resharded(shards)
+            if reg.zero.mirror is not None:
+                reg.zero.mirror.load_resharded(shards)
+    log.info("state loaded from a checkpoint", extra={"step": step, "dir": step_root, "rank": h.rank,
+                                                       "written_by_ranks": world})  # fmt: skip
+    return step, world

@@ -51,6 +51,7 @@ class StepLoop:
                 self._sync_start()  # never after a load: the replicas hold the job's state already
             else:
                 self.committed, start = resumed, resumed + 1
+                self._ckpt.at_boundary(resumed)  # resharded: written at once (runtime/checkpoint.py)
             self._gathered_gen = self.runtime.gen  # every rank holds rank 0's initial model (or the loaded one)
         elif self.role == Role.SPARE:
             if self._joining is None:

@@ -169,7 +169,7 @@ class StatePull:
         from livemig.runtime.checkpoint import load
 
         t0 = time.monotonic()
-        step = load(self, m.restart["path"])
+        step, _ = load(self, m.restart["path"])
         self.committed = step
         if self.role == Role.SPARE:
             self._loaded_step = step + 1

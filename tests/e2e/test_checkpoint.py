@@ -10,10 +10,12 @@
   corrupt newer one with a line naming it, and a rank wedged in the first step after the
   load, it ends equal rank by rank to a run that never stopped; rank 0's part loads into a
   plain model with torch.distributed.checkpoint alone.
+- ZeRO-1 resumed from 3 ranks' checkpoint on 2: the shards re-split, the whole optimizer state
+  equal to the checkpoint's tensor by tensor, the run completes with exact mirrors.
 - A checkpoint directory below a regular file, and a write failing mid-checkpoint: the job
   completes and the report counts the failures.
 
-CI budget: ~1.5 min.
+CI budget: ~2 min.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import importlib.util
 import os
 import shutil
 
-from tests.e2e.conftest import MLP_ZERO1, STEPS, explain, livemig_run, rank_files, reference_of
+import torch
+
+from tests.e2e.conftest import MLP_ZERO1, STEPS, WORKLOAD, explain, livemig_run, rank_files, reference_of
 from tests.e2e.test_real_scripts import PORT, _work, assert_same_run
 
 
@@ -112,6 +116,49 @@ def test_resume_a_ddp_port_from_a_middle_checkpoint_skipping_a_corrupt_one(tmp_p
     assert run.report["checkpoints"]["resumed_from"] == 19
     assert [r["kind"] for r in run.report["recoveries"]] == ["failure"], explain(run)
     assert _phase_of(run, "agree")["resume_step"] == 20, explain(run)
+
+
+def _whole_shards(step_dir, world: int) -> dict[str, list]:
+    """A ZeRO-1 checkpoint's shards put back together, bucket by bucket (the buckets' sizes
+    from the model's parameters in backward order, as comm/reducer.py lays them out; each
+    shard's slice of ceil(n / world) elements, its optimizer state covering the real elements
+    only): what every world size must agree on."""
+    from livemig.comm.reducer import bucket_layout
+    from livemig.runtime.checkpoint import _read_part
+
+    params = [torch.empty(1024), torch.empty(1024, 1024)] * 2  # examples/mlp.py's --layers 2, reversed
+    sizes = [sum(params[i].numel() for i in idx) for idx in bucket_layout(params)]
+    parts = [_read_part(str(step_dir / f"rank_{r:05d}"), {}, ["shard"])[1]["shard"] for r in range(world)]
+    out: dict[str, list] = {"values": [], "exp_avg": [], "exp_avg_sq": [], "step": []}
+    for b, n in enumerate(sizes):
+        out["values"].append(torch.cat([p["values"][b] for p in parts])[:n])  # without the padding
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        per_bucket: list[list] = [[] for _ in sizes]
+        for k, p in enumerate(parts):
+            state = p["optimizer"]["state"]
+            live = [b for b, n in enumerate(sizes) if k * -(-n // world) < n]  # one piece per bucket it reaches
+            for i, b in enumerate(live):
+                per_bucket[b].append(state[i][key])
+        out[key] = [torch.cat(x) if key != "step" else torch.stack(x).unique() for x in per_bucket]
+    return out
+
+
+def test_a_zero1_checkpoint_resumed_at_another_world_size_is_resharded_exactly(tmp_path):
+    d3, d2 = tmp_path / "ck3", tmp_path / "ck2"
+    run = livemig_run(tmp_path, 3, script=MLP_ZERO1, job="w3", extra=_ckpt(d3, 5),
+                      workload=["--steps", "10", *WORKLOAD[2:]])  # fmt: skip
+    assert run.rc == 0 and _steps(d3) == ["step_0000000004", "step_0000000009"], explain(run)
+    # 3 ranks' shards re-split over 2; the resharded state is written at once into the new
+    # directory (step 9 again, 2 parts), then the job trains on to the end
+    run = livemig_run(tmp_path, 2, script=MLP_ZERO1, job="w2", extra=("--resume-from", str(d3), *_ckpt(d2, 5, keep=10)))
+    rep = run.report
+    assert run.rc == 0 and rep["steps_completed"] == STEPS and rep["replicas_identical"], explain(run)
+    assert rep["zero1"]["mirrors_exact"] and rep["checkpoints"]["resumed_from"] == 9, explain(run)
+    assert _steps(d2) == ["step_0000000009", "step_0000000014", "step_0000000019"], _steps(d2)
+    old, new = _whole_shards(d3 / "step_0000000009", 3), _whole_shards(d2 / "step_0000000009", 2)
+    for key, tensors in old.items():
+        for b, (x, y) in enumerate(zip(tensors, new[key], strict=True)):
+            assert torch.equal(x, y), f"{key} of bucket {b} differs after resharding"
 
 
 def test_checkpoint_failures_do_not_fail_the_job(tmp_path, reference_digest):

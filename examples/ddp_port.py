@@ -89,6 +89,8 @@ def train(ctx: livemig.Context, a: argparse.Namespace) -> None:
     if a.scheduler:  # a torch scheduler stepped after ctx.step(), instead of the lr set by hand
         extras["scheduler"] = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, a.steps, 1.0))
     ctx.register(model=model, optimizer=opt, local={"carry": carry}, **extras)
+    if a.ckpt_dir:  # livemig's background checkpoints, set from the script (--checkpoint-dir wins)
+        ctx.checkpoints(a.ckpt_dir, every=a.ckpt_every or None, interval=a.ckpt_interval or None)
 
     def get_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = livemig.batch_generator(step, ctx.rank, ctx.world_size)
@@ -144,6 +146,9 @@ def main() -> None:
     p.add_argument("--amp", action="store_true", help="a GradScaler (loss scaling), unscale before the clip")
     p.add_argument("--inf-every", type=int, default=0, help="rank 0's loss overflows every N steps (with --amp)")
     p.add_argument("--save-every", type=int, default=0, help="rank 0 writes a checkpoint every N steps")
+    p.add_argument("--ckpt-dir", default="", help="ctx.checkpoints(DIR, ...): background checkpoints")
+    p.add_argument("--ckpt-every", type=int, default=0, help="... every N steps")
+    p.add_argument("--ckpt-interval", type=float, default=0.0, help="... or every SECONDS")
     p.add_argument("--step-ms", type=float, default=0.0, help="pad each step to this many ms")
     p.add_argument("--out", default=os.environ.get("DDP_PORT_OUT", ""), help="dump each rank's final state here")
     train(p.parse_args())

@@ -208,6 +208,20 @@ class Engine(StepLoop, Zero1Steps, StatePull):
         once per step inside `for step in ctx.steps(...)`."""
         return self._batches.batches(loader)
 
+    def checkpoints(self, dir: str, every: int | None = None, interval: float | None = None, keep: int = 2) -> None:
+        """Write background checkpoints of the registered state, as `livemig run --checkpoint-dir
+        DIR --checkpoint-every N` (or `--checkpoint-interval SECONDS`) would; call it before
+        ctx.steps(). The command line wins where it gives a directory (an operator's choice
+        over the script's); outside `livemig run` nothing is written. The directory travels to
+        the coordinator with rank 0's registration, so the cold path restarts from it."""
+        from livemig.checkpoints import Settings
+
+        if self._current is not None:
+            raise ConfigError("ctx.checkpoints(...) is called before ctx.steps(), not inside the loop")
+        wanted = Settings.from_script(dir, every, interval, keep)
+        if self._ckpt.settings is None and self.role != Role.LOCAL:
+            self._ckpt.settings = wanted
+
     def log(self, **metrics: float) -> None:
         """Metrics shown in `livemig run`'s progress lines (e.g. loss=...); ignored
         during a spare's warm-up."""
@@ -251,6 +265,7 @@ class Context:
     clip_grad_norm_ = _verb("clip_grad_norm_")
     step = _verb("step")
     busy = _verb("busy")
+    checkpoints = _verb("checkpoints")
     log = _verb("log")
     rank = _read("rank", "This process's rank (0 for a spare in standby, until it is claimed).")
     world_size = _read("world_size", "The number of ranks training.")

@@ -32,7 +32,9 @@ from livemig.config import (
     ENV_CHECKPOINT_DIR,
     ENV_CHECKPOINT_EVERY,
     ENV_CHECKPOINT_FAIL_WRITE,
+    ENV_CHECKPOINT_INTERVAL,
     ENV_CHECKPOINT_KEEP,
+    ENV_CHECKPOINT_PROBE,
     ENV_CHECKPOINT_WRITE_TIMEOUT,
     ENV_RESUME_PATH,
 )
@@ -46,7 +48,9 @@ MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step_(\d{10})$")
 ENV_DIR, ENV_EVERY, ENV_KEEP = ENV_CHECKPOINT_DIR, ENV_CHECKPOINT_EVERY, ENV_CHECKPOINT_KEEP
 ENV_RESUME, ENV_WRITE_TIMEOUT, ENV_FAIL_WRITE = ENV_RESUME_PATH, ENV_CHECKPOINT_WRITE_TIMEOUT, ENV_CHECKPOINT_FAIL_WRITE
+ENV_INTERVAL, ENV_PROBE = ENV_CHECKPOINT_INTERVAL, ENV_CHECKPOINT_PROBE
 DEFAULT_KEEP = 2
+DEFAULT_PROBE = 10
 
 
 class CheckpointError(LivemigError):
@@ -55,11 +59,25 @@ class CheckpointError(LivemigError):
 
 @dataclass(frozen=True)
 class Settings:
-    """What a member checkpoints, from its environment (set by `livemig run`)."""
+    """What a member checkpoints: set by `livemig run` (its environment), else by the script
+    (`ctx.checkpoints`). Every `every` steps, or every `interval` seconds: then the ranks agree
+    every `probe` steps whether one is due (runtime/checkpoint.py), so all write the same step."""
 
     dir: str
-    every: int
+    every: int = 0
     keep: int = DEFAULT_KEEP
+    interval: float = 0.0
+    probe: int = DEFAULT_PROBE
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise ConfigError("checkpoints need a directory (--checkpoint-dir DIR)")
+        if (self.every > 0) == (self.interval > 0):
+            raise ConfigError("checkpoints: give one of --checkpoint-every N (steps) or --checkpoint-interval "
+                              f"SECONDS (got every={self.every}, interval={self.interval:g})")  # fmt: skip
+        if self.every < 0 or self.interval < 0 or self.keep < 1 or self.probe < 1:
+            raise ConfigError(f"checkpoints: every={self.every}, interval={self.interval:g}, keep={self.keep}, "
+                              f"probe={self.probe}: expected every/interval >= 0, keep and probe >= 1")  # fmt: skip
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings | None:
@@ -67,16 +85,33 @@ class Settings:
         root = env.get(ENV_DIR, "")
         if not root:
             return None
+        raw = env.get(ENV_INTERVAL, "")
+        try:
+            interval = float(raw) if raw else 0.0
+        except ValueError:
+            raise ConfigError(f"--checkpoint-interval {raw!r}: expected seconds") from None
         return cls(root, _positive(env.get(ENV_EVERY, ""), "--checkpoint-every", 0),
-                   _positive(env.get(ENV_KEEP, ""), "--checkpoint-keep", DEFAULT_KEEP))  # fmt: skip
+                   _positive(env.get(ENV_KEEP, ""), "--checkpoint-keep", DEFAULT_KEEP), interval,
+                   _positive(env.get(ENV_PROBE, ""), ENV_PROBE, DEFAULT_PROBE))  # fmt: skip
+
+    @classmethod
+    def from_script(cls, root: str, every: int | None, interval: float | None, keep: int) -> Settings:
+        """ctx.checkpoints(...): the script's settings, the probe period still from the environment."""
+        return cls(os.path.abspath(root), every or 0, keep, float(interval or 0.0),
+                   _positive(os.environ.get(ENV_PROBE, ""), ENV_PROBE, DEFAULT_PROBE))  # fmt: skip
 
     def to_env(self) -> dict[str, str]:
-        return {ENV_DIR: self.dir, ENV_EVERY: str(self.every), ENV_KEEP: str(self.keep)}
+        return {ENV_DIR: self.dir, ENV_EVERY: str(self.every) if self.every else "", ENV_KEEP: str(self.keep),
+                ENV_INTERVAL: f"{self.interval:g}" if self.interval else "", ENV_PROBE: str(self.probe)}  # fmt: skip
 
     def due(self, step: int) -> bool:
         """Is the boundary of `step` checkpointed? Every `every` steps: after steps every-1,
         2*every-1, ... (so --checkpoint-every 5 over 20 steps saves the boundaries 4, 9, 14, 19)."""
         return self.every > 0 and (step + 1) % self.every == 0
+
+    def probes(self, step: int) -> bool:
+        """With an interval: is the boundary of `step` one where the ranks agree on a checkpoint?"""
+        return self.interval > 0 and (step + 1) % self.probe == 0
 
 
 def _positive(raw: str, flag: str, default: int) -> int:

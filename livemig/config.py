@@ -166,10 +166,13 @@ ENV_METRICS = "LIVEMIG_METRICS"
 ENV_CHECKPOINT_DIR = "LIVEMIG_CHECKPOINT_DIR"
 ENV_CHECKPOINT_EVERY = "LIVEMIG_CHECKPOINT_EVERY"
 ENV_CHECKPOINT_KEEP = "LIVEMIG_CHECKPOINT_KEEP"
+ENV_CHECKPOINT_INTERVAL = "LIVEMIG_CHECKPOINT_INTERVAL"  # checkpoint every SECONDS instead (--checkpoint-interval)
+ENV_CHECKPOINT_PROBE = "LIVEMIG_CHECKPOINT_PROBE_STEPS"  # --checkpoint-interval is checked every N steps (10)
 ENV_RESUME_PATH = "LIVEMIG_RESUME_PATH"  # the checkpoint step directory a worker loads before its first step
 ENV_CHECKPOINT_WRITE_TIMEOUT = "LIVEMIG_CHECKPOINT_WRITE_TIMEOUT"  # s a checkpoint waits for the previous write (600)
 ENV_CHECKPOINT_FAIL_WRITE = "LIVEMIG_CHECKPOINT_FAIL_WRITE"  # a test hook: "R:S" fails rank R's write of step S
 ENV_MAX_RESTARTS = "LIVEMIG_MAX_RESTARTS"  # cold restarts a job may take (--max-restarts, default 3)
+ENV_RECOVERY = "LIVEMIG_RECOVERY"  # live (default) or cold: every failure restarts from a checkpoint (--recovery)
 ENV_STRAGGLER_FACTOR = "LIVEMIG_STRAGGLER_FACTOR"  # > 0 turns the straggler hook on (e.g. 1.5)
 ENV_STRAGGLER_STEPS = "LIVEMIG_STRAGGLER_STEPS"  # consecutive slow steps before a migration (default 20)
 # Seconds a rank may hold the others waiting in a collective before it is replaced as hung

@@ -50,6 +50,7 @@ from livemig.config import (
     ENV_PARENT_PID,
     ENV_PREFORK,
     ENV_RANK,
+    ENV_RECOVERY,
     ENV_ROLE,
     ENV_SELF_FAULT,
     ENV_SHADOW_STEPS,
@@ -101,6 +102,7 @@ class RunConfig:
     checkpoint: Any = None  # checkpoints.Settings: --checkpoint-dir/--checkpoint-every/--checkpoint-keep
     resume_from: str | None = None  # --resume-from DIR: start from the newest complete checkpoint in DIR
     max_restarts: int | None = None  # --max-restarts: cold restarts from a checkpoint (default 3)
+    recovery: str = "live"  # --recovery cold: every failure takes the cold path (coordinator/cold.py)
     # how long to wait for every node of the run to join, s
     join_timeout: float = field(default_factory=lambda: float(os.environ.get(ENV_JOIN_TIMEOUT, "") or 300))
 
@@ -194,6 +196,8 @@ class Launcher:
             full.update(self.cfg.checkpoint.to_env())  # coordinator restarts from them (coordinator/cold.py)
         if role == Role.COORDINATOR and self.cfg.max_restarts is not None:
             full[ENV_MAX_RESTARTS] = str(self.cfg.max_restarts)
+        if role == Role.COORDINATOR and self.cfg.recovery != "live":
+            full[ENV_RECOVERY] = self.cfg.recovery
         if self.tmpdir:  # what the child leaves in its temporary directory goes with the run
             full["TMPDIR"] = self.tmpdir
         full.update({ENV_ETCD: self.etcd, ENV_JOB: self.cfg.job, ENV_INCARNATION: inc,

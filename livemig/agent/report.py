@@ -124,17 +124,22 @@ def checkpoints_of(finals: dict[int, dict]) -> dict[str, Any]:
     recs = {r: f["checkpoints"] for r, f in finals.items() if isinstance(f.get("checkpoints"), dict)}
     per_step: dict[int, list[bool]] = {}
     staged, waited = [], []
+    spans: dict[int, list[float]] = {}  # step: [staged at, the last rank's write done] (bench checkpoint)
     for rec in recs.values():
         for row in rec.get("records") or []:
             if isinstance(row, list) and len(row) >= 5 and isinstance(row[0], int):
                 per_step.setdefault(row[0], []).append(row[4] is True)
                 staged.append(float(row[2] or 0))
                 waited.append(float(row[5] or 0) if len(row) > 5 else 0.0)
+                at, end = float(row[1] or 0), float(row[1] or 0) + float(row[2] or 0) + float(row[3] or 0)
+                cur = spans.setdefault(row[0], [at, end])
+                cur[0], cur[1] = min(cur[0], at), max(cur[1], end)
     complete = sorted(s for s, oks in per_step.items() if len(oks) == len(recs) and all(oks))
     resumed = {rec.get("resumed") for rec in recs.values()} - {None}
     return {"steps": complete, "failed": sum(int(rec.get("failed") or 0) for rec in recs.values()),
             "stage_s_max": round(max(staged, default=0.0), 4), "wait_s_total": round(sum(waited), 4),
-            "resumed_from": min(resumed) if resumed else None}  # fmt: skip
+            "resumed_from": min(resumed) if resumed else None,
+            "writes": [[st, round(a, 4), round(b, 4)] for st, (a, b) in sorted(spans.items())]}  # fmt: skip
 
 
 def committed_steps(client: EtcdClient, keys: JobKeys, world_size: int) -> int:
@@ -345,4 +350,14 @@ def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float) -> 
         rs = cur["restart"]
         redone = rs.get("steps_redone") or 0
         out.update(rs, lost_s=round(out["downtime_s"] + redone * median_step, 4))
+        out["phases"] = restart_phases(phases)
     return out
+
+
+def restart_phases(p: dict[str, float]) -> dict[str, float]:
+    """A cold restart's phases in its own words, the same total: detect; stop (fence the lost
+    ranks, decide the cold path, stop the survivors' steps); load (the slowest member's read of
+    its checkpoint part, where a live recovery streams); resume (the group rebuilt, up to the
+    first step after the checkpoint's)."""
+    return {"detect": p["detect"], "stop": round(p["fence"] + p["agree"] + p["claim"], 4), "load": p["stream"],
+            "resume": round(p["build"] + p["commit"] + p["resume"], 4)}  # fmt: skip

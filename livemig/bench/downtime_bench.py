@@ -43,7 +43,7 @@ DDP = os.path.join(ROOT, "examples", "ddp_baseline.py")
 
 
 def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
-                env: dict | None = None, metrics: bool = False) -> dict[str, Any]:  # fmt: skip
+                env: dict | None = None, metrics: bool = False, checkpoint: Any = None) -> dict[str, Any]:  # fmt: skip
     """fault: True = SIGKILL rank 1 after --fail-at; "migrate" = planned migration of rank 1 there.
     metrics: serve --metrics-port and scrape it once a second (15x Prometheus' usual rate)."""
     zero1 = getattr(a, "sharding", "none") == "zero1"
@@ -54,6 +54,7 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
         nproc=a.workers, spares=a.spares,  # an idle spare in fault_free too
         job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True, max_wall=a.run_timeout,
         faults=[parse_fault(f"{'migrate' if fault == 'migrate' else 'kill'}:rank=1:step={a.fail_at}")] if fault else [],
+        checkpoint=checkpoint,
     )  # fmt: skip
     stop = threading.Event()
     if metrics:
@@ -76,8 +77,11 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
     if fault == "migrate":
         mig = rep["migrations"][0] if rep["migrations"] else {}
         rec = {"downtime_s": mig.get("pause_s"), "phases": mig.get("phases", {})}
+    window = rep.get("commit_window") or [0.0, 0.0]
     return {
         "wall_s": wall, "steps": rep["steps_completed"], "digest": rep["state_digest"],
+        "amortised_step_s": (window[1] - window[0]) / max(1, rep["steps_completed"] - 1),
+        "commit_times": rep.get("commit_times", []), "checkpoints": rep.get("checkpoints"),
         "median_step_s": rep["step_time_s_median"], "downtime_s": rec.get("downtime_s"),
         "phases": rec.get("phases", {}), "ok": (rep["result"] or {}).get("state") == "done",
         "peak_rss_mb": max((x.get("peak_rss_mb", 0.0) for x in rep.get("members", {}).values()), default=0.0),
@@ -95,15 +99,16 @@ def _commits(out: str) -> list[tuple[int, float, int]]:
     return rows
 
 
-def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str]) -> dict[str, Any]:
+def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str], ckpt_every: int = 0) -> dict[str, Any]:
+    """ckpt_every: torch.save every N steps on rank 0 without a fault (bench checkpoint)."""
     out = tempfile.mkdtemp(prefix="livemig-ddp-")
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(a.workers),
             "--max-restarts", "3" if fault else "0", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", DDP, *workload, "--out-dir", out]  # fmt: skip
     if getattr(a, "sharding", "none") == "zero1":
         args.append("--zero1")
-    if fault:
-        args += ["--ckpt-dir", out, "--ckpt-every", str(a.ckpt_every)]
+    if fault or ckpt_every:
+        args += ["--ckpt-dir", out, "--ckpt-every", str(ckpt_every or a.ckpt_every)]
     t0 = time.monotonic()
     p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     kill_t = None
@@ -141,6 +146,8 @@ def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str]) -> dict[str
     first_commit = sorted(min(v) for v in by_step.values())
     gaps = [b - a for a, b in zip(first_commit, first_commit[1:], strict=False)]
     res["median_step_s"] = statistics.median(gaps) if gaps else 0.0
+    res["amortised_step_s"] = (first_commit[-1] - first_commit[0]) / (len(first_commit) - 1) if gaps else 0.0
+    res["commit_times"] = [[st, min(v)] for st, v in sorted(by_step.items())]
     if fault and kill_t is not None:
         before = [t for _, t, _, _ in rows if t <= kill_t]
         done_before = max((s for s, t, _, _ in rows if t <= kill_t), default=-1)

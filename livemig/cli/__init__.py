@@ -22,6 +22,8 @@ BENCHES = [
      "add_downtime_arguments", "run_downtime"),
     ("overhead", "steady-state step time of livemig vs plain DDP", "downtime_bench", "add_overhead_arguments",
      "run_overhead"),
+    ("checkpoint", "step-time cost of background checkpoints next to DDP + torch.save", "checkpoint_bench",
+     "add_arguments", "run"),
     ("scale", "coordinator recovery time with N simulated members on real etcd", "scale_bench", "add_arguments",
      "run"),
     ("footprint", "the job's keys and bytes in etcd after many steps and recoveries", "footprint_bench",

@@ -103,10 +103,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(torch.distributed.checkpoint; docs/operations.md, Checkpoints)",
     )
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (needs --checkpoint-dir)")
+    p.add_argument("--checkpoint-interval", type=float, metavar="SECONDS",
+                   help="or checkpoint every SECONDS (the ranks agree every 10 steps whether one is due)")  # fmt: skip
     p.add_argument("--checkpoint-keep", type=int, default=2, help="complete checkpoints kept (default 2)")
     p.add_argument("--max-restarts", type=int, default=None,
                    help="cold restarts from the newest checkpoint when live recovery cannot serve a "
                         "failure (default 3; needs --checkpoint-dir)")  # fmt: skip
+    p.add_argument("--recovery", choices=("live", "cold"), default="live",
+                   help="cold: no live recovery, every failure restarts from the newest checkpoint (to "
+                        "measure or rehearse the cold path; needs --checkpoint-dir)")  # fmt: skip
     p.add_argument("--resume-from", metavar="DIR",
                    help="start from the newest complete checkpoint in DIR (same script; skipped "
                         "damaged ones are named)")  # fmt: skip
@@ -138,17 +143,24 @@ def checkpoint_settings(a: argparse.Namespace) -> Any:
     with one line where the directory cannot be one."""
     from livemig.checkpoints import Settings
 
+    every, interval = a.checkpoint_every, a.checkpoint_interval
     if a.checkpoint_dir is None:
-        if a.checkpoint_every is not None:
-            raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR, where the checkpoints go")
+        if every is not None or interval is not None:
+            raise ConfigError("--checkpoint-every/--checkpoint-interval need --checkpoint-dir DIR, where the "
+                              "checkpoints go")  # fmt: skip
         return None
-    if not a.checkpoint_every or a.checkpoint_every < 1:
-        raise ConfigError("--checkpoint-dir needs --checkpoint-every N (steps, 1 or more)")
+    if (every is None) == (interval is None):
+        raise ConfigError("--checkpoint-dir needs one of --checkpoint-every N (steps) or --checkpoint-interval "
+                          "SECONDS")  # fmt: skip
+    if every is not None and every < 1:
+        raise ConfigError(f"--checkpoint-every {every}: expected 1 or more steps")
+    if interval is not None and not interval > 0:
+        raise ConfigError(f"--checkpoint-interval {interval:g}: expected seconds above 0")
     if a.max_restarts is not None and a.max_restarts < 0:
         raise ConfigError(f"--max-restarts {a.max_restarts}: expected 0 or more")
     if a.checkpoint_keep < 1:
         raise ConfigError(f"--checkpoint-keep {a.checkpoint_keep}: keep 1 or more")
-    return Settings(os.path.abspath(a.checkpoint_dir), a.checkpoint_every, a.checkpoint_keep)
+    return Settings(os.path.abspath(a.checkpoint_dir), every or 0, a.checkpoint_keep, interval or 0.0)
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -177,7 +189,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                     faults=[parse_fault(f) for f in a.fault], report=a.report, timeouts=t,
                     log_every=a.log_every, max_wall=a.max_wall, on_error=a.on_error,
                     metrics_port=a.metrics_port, events=a.events, checkpoint=checkpoint_settings(a),
-                    resume_from=a.resume_from, max_restarts=a.max_restarts)  # fmt: skip
+                    resume_from=a.resume_from, max_restarts=a.max_restarts, recovery=a.recovery)  # fmt: skip
     reference = None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cfg.nproc_per_node + cfg.spares > OVERSUBSCRIBE * cores:

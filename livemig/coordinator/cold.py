@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from livemig.checkpoints import ENV_DIR, CheckpointError, choose, step_dir
-from livemig.config import ENV_MAX_RESTARTS
+from livemig.config import ENV_MAX_RESTARTS, ENV_RECOVERY
 from livemig.errors import ConfigError
 from livemig.rdzv.membership import Membership
 
@@ -38,9 +38,22 @@ class ColdPath:
     """Owned by the Coordinator; remembers only the plan of the generation it decided for."""
 
     def __init__(self) -> None:
-        self.dir = os.environ.get(ENV_DIR, "")
+        self._env_dir = os.environ.get(ENV_DIR, "")
+        self.dir = self._env_dir
         self.max_restarts = max_restarts_from_env()
+        mode = os.environ.get(ENV_RECOVERY, "") or "live"
+        if mode not in ("live", "cold"):
+            raise ConfigError(f"--recovery {mode!r}: expected live (the default) or cold")
+        # cold: live recovery off, every failure restarts from a checkpoint (to measure the cold
+        # path, bench downtime's cold row, or to rehearse it before it is needed)
+        self.forced = mode == "cold"
         self._plans: dict[int, dict[str, Any] | str] = {}
+
+    def use_job_config(self, cfg: dict[str, Any] | None) -> None:
+        """The directory the script set (`ctx.checkpoints`), which rank 0's signature record
+        brought into the job's config, unless `livemig run --checkpoint-dir` gave one."""
+        if not self._env_dir and cfg and isinstance(cfg.get("checkpoint_dir"), str):
+            self.dir = cfg["checkpoint_dir"]
 
     def plan(self, m: Membership, why: str, committed: int | None = None,
              local_state: bool = False) -> dict[str, Any] | str:  # fmt: skip

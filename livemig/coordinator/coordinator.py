@@ -337,7 +337,9 @@ class Coordinator:
                    for r, x in regs.items()}  # fmt: skip
         m = Membership(state=GenState.FORMING, world_size=self.world_size, members=members,
                        store=self.stores.for_generation(s, members), leader=self.id)  # fmt: skip
-        cfg = encode({"world_size": self.world_size, "signature": ref, "created": time.time()})
+        # checkpoint_dir: set by the script (ctx.checkpoints), for the cold path (coordinator/cold.py)
+        cfg = encode({"world_size": self.world_size, "signature": ref, "created": time.time(),
+                      "checkpoint_dir": sigs["0"].get("checkpoint_dir") or None})  # fmt: skip
         if self.rdzv.commit_change(0, m, guard=self._guard(),
                                    extra=[self.client.txn_ops.put(self.keys.config, cfg)]):  # fmt: skip
             self.timeline.record(1, "form", self._guard())
@@ -422,6 +424,8 @@ class Coordinator:
                    if reports[str(r)]["committed"] is not None}  # fmt: skip
         if not holding:
             return self._cold(s, "no surviving member holds the training state", since)
+        if self.cold.forced:
+            return self._cold(s, "live recovery is off (--recovery cold)", since)
         resume = max(holding.values()) + 1
         behind = [r for r, c in holding.items() if c < resume - 2]
         if behind:
@@ -492,6 +496,7 @@ class Coordinator:
         m = s.m
         picks = self._pick_spares(s, len(vacant))
         if len(picks) < len(vacant):
+            self.cold.use_job_config(s.get(self.keys.config))
             waited = time.monotonic() - since
             missing = vacant[len(picks) :]
             wait_s = self.timeouts.spare_wait.total_seconds()
@@ -537,6 +542,7 @@ class Coordinator:
         m = s.m
         reports = s.under(self.keys.recovery_prefix(m.generation) + "report/")
         done = [x.get("committed") for x in reports.values() if isinstance(x.get("committed"), int)]
+        self.cold.use_job_config(s.get(self.keys.config))
         sig = (s.get(self.keys.config) or {}).get("signature", [])
         plan = self.cold.plan(m, why, max(done, default=None), has_local_state(sig))
         if isinstance(plan, str):

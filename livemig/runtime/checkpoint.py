@@ -52,6 +52,7 @@ class CheckpointHost(Protocol):
     world_size: int
     reg: Any
     runtime: Any
+    timeouts: Any
     _faults: Any
 
     def signature(self) -> list: ...
@@ -78,6 +79,7 @@ class Checkpointer:
         self.resume_path = os.environ.get(layout.ENV_RESUME, "")
         self.resumed: int | None = None  # the step whose checkpoint this process loaded
         self._converted = False  # it was of another world size, and --checkpoint-dir is another directory
+        self._last = time.monotonic()  # the last staging (--checkpoint-interval counts from it)
         # [step, staged_at, staged_s, written_s, ok, waited_s]: the final record's (bench checkpoint reads it)
         self.records: list[list] = []
         self.failed = 0
@@ -100,7 +102,7 @@ class Checkpointer:
         # a checkpoint resharded at the load is written at once into a new --checkpoint-dir, so
         # that a cold restart of this run loads its own world size (it is written nowhere else)
         converted = step == self.resumed and self._converted
-        if not converted and (not s.due(step) or step == self.resumed):
+        if not converted and (step == self.resumed or not (s.due(step) or self._interval_due(step))):
             return
         waited = 0.0
         if not self._idle.is_set():  # every rank writes every checkpoint: the previous write ends first
@@ -116,7 +118,7 @@ class Checkpointer:
                 log.warning("a checkpoint waited for the previous one's write: writes take longer than "
                             "--checkpoint-every steps (raise it)",
                             extra={"step": step, "waited_s": round(waited, 3)})  # fmt: skip
-        t0 = time.monotonic()
+        t0 = self._last = time.monotonic()
         try:
             sd = self._state_dict(step)
         except Exception as exc:  # what cannot be staged is said, and training goes on
@@ -130,6 +132,24 @@ class Checkpointer:
             self._thread = threading.Thread(target=self._writer, name="livemig-checkpoint", daemon=True)
             self._thread.start()
         self._queue.put((step, sd, rec))
+
+    def _interval_due(self, step: int) -> bool:
+        """--checkpoint-interval: every `probe` steps the ranks agree (one allreduce of a flag)
+        whether any of them last staged `interval` seconds ago or more; all then write the same
+        step. A probe the group cannot finish (a peer lost: the recovery handles it) is a no."""
+        s = self.settings
+        if s is None or not s.probes(step):
+            return False
+        h = self._host
+        flag = torch.tensor([float(time.monotonic() - self._last >= s.interval)])
+        if h.world_size > 1:
+            from livemig.comm.group import CollectiveAborted, allreduce_sum
+
+            try:
+                allreduce_sum(h.runtime.pg, [flag], h.timeouts.collective, h.runtime.moved_on)
+            except CollectiveAborted:
+                return False
+        return bool(flag.item() > 0)
 
     def _state_dict(self, step: int) -> dict[str, Any]:
         h = self._host

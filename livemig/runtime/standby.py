@@ -73,10 +73,9 @@ class Standby:
     def register_signature(self) -> None:
         h = self._host
         rt = h.runtime
-        rt.put(
-            rt.keys.signature(h.rank),
-            {"incarnation": h.incarnation, "signature": h.signature()},
-        )
+        ckpt = h._ckpt.settings.dir if h._ckpt.settings else None  # the cold path's (ctx.checkpoints)
+        rec = {"incarnation": h.incarnation, "signature": h.signature(), "checkpoint_dir": ckpt}
+        rt.put(rt.keys.signature(h.rank), rec)
 
     def wait_for_claim(self) -> None:
         """Register as warm and wait for a claim: raises _Activate (or _Stop when the job

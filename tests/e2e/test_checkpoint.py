@@ -10,6 +10,9 @@
   corrupt newer one with a line naming it, and a rank wedged in the first step after the
   load, it ends equal rank by rank to a run that never stopped; rank 0's part loads into a
   plain model with torch.distributed.checkpoint alone.
+- Checkpoints set by the script (ctx.checkpoints, every 0.15 s, agreed every 4 steps) and
+  live recovery off (--recovery cold): a kill with no spare restarts from the newest one,
+  rank 1 in a fresh process, and the run ends equal rank by rank to the fault-free one.
 - ZeRO-1 resumed from 3 ranks' checkpoint on 2: the shards re-split, the whole optimizer state
   equal to the checkpoint's tensor by tensor, the run completes with exact mirrors.
 - A checkpoint directory below a regular file, and a write failing mid-checkpoint: the job
@@ -53,6 +56,7 @@ def test_zero1_shard_and_mirror_lost_restarts_from_the_last_complete_checkpoint(
     cold = rep["recoveries"][1]
     # step 9's checkpoint lacks rank 1's part (killed before it was durable): never loaded
     assert cold["from_step"] == 4 and cold["steps_redone"] == 9, cold
+    assert list(cold["phases"]) == ["detect", "stop", "load", "resume"] and cold["phases"]["load"] > 0, cold
     assert (d / "latest").read_text() == "step_0000000019"  # 9 was written again after the restart
     # the boundaries every final member wrote (ranks 1 and 2 are processes started at the restart)
     assert rep["checkpoints"]["steps"] == [14, 19] and rep["checkpoints"]["failed"] == 0, rep["checkpoints"]
@@ -116,6 +120,29 @@ def test_resume_a_ddp_port_from_a_middle_checkpoint_skipping_a_corrupt_one(tmp_p
     assert run.report["checkpoints"]["resumed_from"] == 19
     assert [r["kind"] for r in run.report["recoveries"]] == ["failure"], explain(run)
     assert _phase_of(run, "agree")["resume_step"] == 20, explain(run)
+
+
+def test_checkpoints_set_by_the_script_on_an_interval_and_a_cold_restart_with_no_spare(tmp_path, references):
+    got = reference_of(references, 2, PORT, _work((), 0, "{out}"))
+    ref = (got.report, rank_files(got.out))
+    d, out = tmp_path / "ck-script", tmp_path / "out-cold"
+    out.mkdir()
+    # ctx.checkpoints(DIR, interval=0.15) in the script, no --checkpoint-dir: the coordinator
+    # learns the directory from rank 0's registration; --recovery cold: no live recovery
+    work = [*_work((), 20, str(out)), "--ckpt-dir", str(d), "--ckpt-interval", "0.15"]
+    run = livemig_run(tmp_path, 2, faults=("kill:rank=1:step=25",), script=PORT, job="cold", workload=work,
+                      extra=("--recovery", "cold"), env={"LIVEMIG_CHECKPOINT_PROBE_STEPS": "4"})  # fmt: skip
+    assert_same_run(run, rank_files(out), ref)
+    recs = run.report["recoveries"]
+    assert [(r["kind"], r.get("fresh_processes")) for r in recs] == [("restart", [1])], explain(run)
+    cold = recs[0]
+    assert cold["from_step"] % 4 == 3 and cold["steps_redone"] == 25 - cold["from_step"], cold
+    assert "--recovery cold" in cold["reason"], cold
+    ck = run.report["checkpoints"]
+    # agreed at every 4th boundary only, and no sooner than the interval after the last one
+    assert ck["steps"] and all(st % 4 == 3 for st in ck["steps"]), ck
+    starts = [at for _, at, _ in ck["writes"]]
+    assert all(b - a >= 0.14 for a, b in zip(starts, starts[1:], strict=False)), ck["writes"]
 
 
 def _whole_shards(step_dir, world: int) -> dict[str, list]:

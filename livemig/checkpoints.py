@@ -114,6 +114,23 @@ class Settings:
         return self.interval > 0 and (step + 1) % self.probe == 0
 
 
+def run_checkpoint_env(run: dict[str, Any]) -> dict[str, str]:
+    """The checkpoint settings a run record carries (agent/nodes.join_run), as the environment
+    of a process that joins the run from elsewhere (`livemig-spare start`): only the settings'
+    own names, and only if they make valid settings; else none, said once."""
+    raw = run.get("checkpoint")
+    if not isinstance(raw, dict):
+        return {}
+    names = {ENV_DIR, ENV_EVERY, ENV_KEEP, ENV_INTERVAL, ENV_PROBE}
+    env = {k: v for k, v in raw.items() if k in names and isinstance(v, str)}
+    try:
+        Settings.from_env(env)
+    except ConfigError as exc:
+        log.warning(f"the run's checkpoint settings are not usable here ({exc}): this process writes none")
+        return {}
+    return env
+
+
 def _positive(raw: str, flag: str, default: int) -> int:
     if not raw:
         return default

@@ -57,7 +57,9 @@ def test_bench_downtime_tiny(tmp_path):
     assert s["livemig"]["bit_identical"] == "yes", r.stdout
     assert s["livemig"]["downtime_s"] is not None and s["restart"]["downtime_s"] is not None, r.stdout
     oks = {k: [(x.get("ok"), x.get("steps")) for x in v] for k, v in res["samples"].items()}
-    assert all(s[k]["all_ok"] for k in ("fault_free", "plain_ddp", "livemig", "restart", "migration")), (
+    assert s["cold"]["bit_identical"] == "yes" and res["samples"]["cold"][0]["kind"] == "restart", r.stdout
+    assert "cold (--recovery cold" in r.stdout, r.stdout
+    assert all(s[k]["all_ok"] for k in ("fault_free", "plain_ddp", "livemig", "restart", "migration", "cold")), (
         f"{oks}\n{r.stdout}"
     )
     assert s["migration"]["bit_identical"] == "yes" and s["migration"]["downtime_s"] is not None, r.stdout

@@ -68,12 +68,14 @@ def _run_live(client: EtcdClient, keys: JobKeys) -> bool:
 
 def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int, signature: str,
              node_rank: int | None, node_info: dict[str, Any], lease: int,
-             fresh: bool = False, metrics: bool = False) -> tuple[str, int]:  # fmt: skip
+             fresh: bool = False, metrics: bool = False,
+             checkpoint: dict[str, str] | None = None) -> tuple[str, int]:  # fmt: skip
     """Create or join the job's run and take a node rank: (run id, node rank). fresh: the
     agent's own new etcd, where the job's processes may already be writing: nothing stale
     to remove (removing it would take their election and secret away). metrics: the run
     record says the job's metrics are on, so that `livemig-spare start` turns them on in
-    its spares too (a claimed spare is a member)."""
+    its spares too (a claimed spare is a member); checkpoint: the run's checkpoint settings
+    (as environment), which such spares write their parts with once they take a rank."""
     t = client.txn_ops
     want = {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "signature": signature}
     for _ in range(20):  # a few rounds of lost races, never more
@@ -86,7 +88,8 @@ def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int
                 client.txn(cur, [t.delete(keys.prefix, range_end=prefix_end(keys.prefix))])
             run_id = uuid.uuid4().hex[:12]
             k = 0 if node_rank is None else node_rank
-            rec = {"run_id": run_id, **want, "created": time.time(), **({"metrics": True} if metrics else {})}
+            rec = {"run_id": run_id, **want, "created": time.time(), **({"metrics": True} if metrics else {}),
+                   **({"checkpoint": checkpoint} if checkpoint else {})}  # fmt: skip
             ok, _ = client.txn([t.version(keys.run) == 0],
                                [t.put(keys.run, encode(rec)),
                                 t.put(keys.node(k), encode({**node_info, "run_id": run_id}), lease)])  # fmt: skip
@@ -191,7 +194,8 @@ def attach_node(client: EtcdClient, keys: JobKeys, cfg: Any, host: str, incarnat
                          outage_budget_s=cfg.timeouts.etcd_outage.total_seconds(), reattach=reattach)  # fmt: skip
     box["run"], box["rank"] = join_run(client, keys, cfg.nnodes, cfg.nproc_per_node,
                                        script_signature(cfg.script, cfg.args), cfg.node_rank, info,
-                                       keeper.lease_id, fresh, cfg.metrics_port is not None)  # fmt: skip
+                                       keeper.lease_id, fresh, cfg.metrics_port is not None,
+                                       cfg.checkpoint.to_env() if cfg.checkpoint is not None else None)  # fmt: skip
     if cfg.nnodes > 1:
         say(f"livemig: job {cfg.job}: node {box['rank']} of {cfg.nnodes} joined run {box['run']}; "
             "waiting for the other nodes")  # fmt: skip

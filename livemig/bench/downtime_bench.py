@@ -7,7 +7,9 @@ One invocation runs every approach on the same workload, interleaved
 - plain_ddp: the same loop in plain DDP under torchrun (examples/ddp_baseline.py);
 - livemig: SIGKILL of rank 1 after the failure step, warm spare;
 - restart: torchrun --max-restarts with the c10d rendezvous, the DDP script
-  checkpointing every K steps and resuming from the latest; same SIGKILL.
+  checkpointing every K steps and resuming from the latest; same SIGKILL;
+- cold: livemig with live recovery off (--recovery cold), background checkpoints every
+  K steps: the same SIGKILL restarts from the newest, the survivors in place.
 
 Lost time = wall minus the fault-free twin's wall (fault_free for livemig,
 plain_ddp for restart). Downtime = first step committed after the recovery that
@@ -22,6 +24,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -43,7 +46,8 @@ DDP = os.path.join(ROOT, "examples", "ddp_baseline.py")
 
 
 def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
-                env: dict | None = None, metrics: bool = False, checkpoint: Any = None) -> dict[str, Any]:  # fmt: skip
+                env: dict | None = None, metrics: bool = False, checkpoint: Any = None,
+                recovery: str = "live") -> dict[str, Any]:  # fmt: skip
     """fault: True = SIGKILL rank 1 after --fail-at; "migrate" = planned migration of rank 1 there.
     metrics: serve --metrics-port and scrape it once a second (15x Prometheus' usual rate)."""
     zero1 = getattr(a, "sharding", "none") == "zero1"
@@ -54,7 +58,7 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
         nproc=a.workers, spares=a.spares,  # an idle spare in fault_free too
         job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True, max_wall=a.run_timeout,
         faults=[parse_fault(f"{'migrate' if fault == 'migrate' else 'kill'}:rank=1:step={a.fail_at}")] if fault else [],
-        checkpoint=checkpoint,
+        checkpoint=checkpoint, recovery=recovery,
     )  # fmt: skip
     stop = threading.Event()
     if metrics:
@@ -84,6 +88,7 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
         "commit_times": rep.get("commit_times", []), "checkpoints": rep.get("checkpoints"),
         "median_step_s": rep["step_time_s_median"], "downtime_s": rec.get("downtime_s"),
         "phases": rec.get("phases", {}), "ok": (rep["result"] or {}).get("state") == "done",
+        "kind": rec.get("kind"), "steps_redone": rec.get("steps_redone"),
         "peak_rss_mb": max((x.get("peak_rss_mb", 0.0) for x in rep.get("members", {}).values()), default=0.0),
     }  # fmt: skip
 
@@ -208,6 +213,7 @@ def run_downtime(a: argparse.Namespace) -> int:
     }
     if a.sharding != "zero1":  # planned migration of rank 1 at --fail-at: its pause is the downtime column
         approaches["migration"] = lambda: run_livemig(a, "migrate", workload)
+    approaches["cold"] = lambda: _cold_row(a, workload)
     samples: dict[str, list[dict]] = {k: [] for k in approaches}
     for r in range(a.repeat):
         for name, fn in approaches.items():
@@ -220,10 +226,11 @@ def run_downtime(a: argparse.Namespace) -> int:
         rs, dd = samples["restart"][i], samples["plain_ddp"][i]
         rs["lost_s"] = rs["wall_s"] - dd["wall_s"]
         rs["bit_identical"] = rs["digest"] == dd["digest"]
-        if "migration" in samples:
-            mg = samples["migration"][i]
-            mg["lost_s"] = mg["wall_s"] - ff["wall_s"]
-            mg["bit_identical"] = mg["digest"] == ff["digest"]
+        for name in ("migration", "cold"):
+            if name in samples:
+                row = samples[name][i]
+                row["lost_s"] = row["wall_s"] - ff["wall_s"]
+                row["bit_identical"] = row["digest"] == ff["digest"]
     summary = {}
     script = "mlp_zero1" if a.sharding == "zero1" else "mlp"
     print(f"\nworkload: examples/{script}.py, {a.workers} workers, {a.steps} steps, rank 1 SIGKILLed after step "
@@ -254,6 +261,12 @@ def run_downtime(a: argparse.Namespace) -> int:
         if pauses:
             print(f"planned migration pause (switch step over a median step): {statistics.median(pauses):.3f} s "
                   f"(target <= 0.25); rows: 'migration' (downtime column = pause)")  # fmt: skip
+    cold = [x for x in samples["cold"] if x.get("kind") == "restart"]
+    if cold:
+        ph = {k: statistics.median([x["phases"].get(k, 0.0) for x in cold]) for k in cold[0]["phases"]}
+        print(f"cold (--recovery cold: restart from livemig's checkpoint every {a.ckpt_every} steps, survivors "
+              f"in place, {statistics.median([x['steps_redone'] or 0 for x in cold]):.0f} step(s) redone): "
+              + "  ".join(f"{k} {v:.3f}" for k, v in ph.items()))  # fmt: skip
     print("torchft: not measured (optional torchft package not installed)" if not _has_torchft() else
           "torchft: installed, but its row is not implemented yet")  # fmt: skip
     result = {"config": vars(a) | {"fn": None}, "summary": summary, "samples": samples,
@@ -264,6 +277,18 @@ def run_downtime(a: argparse.Namespace) -> int:
     if a.plot:
         _plot(a.plot, samples)
     return 0
+
+
+def _cold_row(a: argparse.Namespace, workload: list[str]) -> dict[str, Any]:
+    """livemig with live recovery off: the kill restarts the job from its newest background
+    checkpoint (every --ckpt-every steps, as restart's), the survivors in place."""
+    from livemig.checkpoints import Settings
+
+    d = tempfile.mkdtemp(prefix="livemig-bench-cold-")
+    try:
+        return run_livemig(a, True, workload, checkpoint=Settings(d, a.ckpt_every), recovery="cold")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _has_torchft() -> bool:

@@ -34,6 +34,7 @@ from livemig.agent.children import Child
 from livemig.agent.jobs import resolve, state_dir
 from livemig.agent.nodes import default_host
 from livemig.agent.standby import StandbyAgent
+from livemig.checkpoints import run_checkpoint_env
 from livemig.config import (
     ENV_BUDDY_STRIDE,
     ENV_ETCD,
@@ -149,6 +150,7 @@ def cmd_start(a: argparse.Namespace) -> int:
         env[ENV_PARENT_PID] = str(os.getpid())  # its own session (a kill reaches its group only): exits with us
         if a.metrics_port is not None or run.get("metrics"):  # a claimed spare is a member: its figures
             env[ENV_METRICS] = "1"
+        env.update(run_checkpoint_env(run))  # a claimed spare writes its part of the run's checkpoints
         if stride > 1:  # the job's buddies are on the next node: mirror as its members do
             env[ENV_BUDDY_STRIDE] = str(stride)
         env[ENV_INCARNATION] = new_incarnation(Role.SPARE, host or None)

@@ -343,3 +343,22 @@ def test_every_metric_is_documented_and_group_commits_need_every_rank():
     assert group_commits(hostile, 3) == {}
     buckets, total = bucketed([0.2, 3.0])
     assert dict(buckets)["0.25"] == 1.0 and dict(buckets)["+Inf"] == 2.0 and total == 3.2
+
+
+def test_checkpoint_settings_round_trip_and_what_a_run_record_may_carry(tmp_path):
+    """Settings go to the children as environment and come back equal; a run record's
+    settings (for `livemig-spare start` on another host) pass only under their own names and
+    only when valid; every/interval are one or the other."""
+    from livemig.checkpoints import ENV_DIR, Settings, run_checkpoint_env
+
+    for s in (Settings(str(tmp_path), 5, 3), Settings(str(tmp_path), 0, 2, 30.0, probe=4)):
+        assert Settings.from_env(s.to_env()) == s
+        rec = {"checkpoint": {**s.to_env(), "PATH": "/evil", "LD_PRELOAD": "x"}}
+        assert run_checkpoint_env(rec) == s.to_env()
+    assert run_checkpoint_env({}) == {} and run_checkpoint_env({"checkpoint": "x"}) == {}
+    assert run_checkpoint_env({"checkpoint": {ENV_DIR: str(tmp_path)}}) == {}  # neither every nor interval
+    assert Settings(str(tmp_path), 5).due(4) and not Settings(str(tmp_path), 5).due(5)
+    assert Settings(str(tmp_path), 0, interval=1.0, probe=4).probes(3)
+    for bad in ({"every": 5, "interval": 1.0}, {"every": 0}, {"every": 5, "keep": 0}):
+        with pytest.raises(ConfigError):
+            Settings(str(tmp_path), **bad)

@@ -169,8 +169,12 @@ def _last_recovery(by_key: dict, keys: JobKeys) -> dict[str, Any] | None:
         return None
     r = recs[-1]
     phases = {k: v for k, v in r["phases"].items() if k != "resume"}
+    if r["kind"] == "restart":  # which path served it (docs/reliability.md)
+        path = f"cold restart from the checkpoint of step {r.get('from_step')}, {r.get('steps_redone')} step(s) redone"
+    else:
+        path = "live, " + ("fresh process(es) from the agents" if r.get("fresh_processes") else "a warm spare")
     return {"rank": r["rank"], "generation": r["generation"], "spares": r["spares"], "phases": phases,
-            "bytes_streamed": r["bytes_streamed"]}  # fmt: skip
+            "bytes_streamed": r["bytes_streamed"], "path": path}  # fmt: skip
 
 
 def _jsonable(v: Any) -> Any:
@@ -202,7 +206,8 @@ def render(info: dict[str, Any], as_json: bool) -> str:
     if rec:
         ph = "  ".join(f"{k} {v:.3f}" for k, v in rec["phases"].items())
         onto = f" onto {', '.join(rec['spares'])}" if rec["spares"] else ""
-        lines.append(f"last recovery: rank {rec['rank']}{onto} (generation {rec['generation']}): {ph} s")
+        lines.append(f"last recovery: rank {rec['rank']}{onto} (generation {rec['generation']}, "
+                     f"{rec.get('path', 'live')}): {ph} s")  # fmt: skip
     lines.append(f"{'RANK':>4}  {'STATE':<9} {'STEP':>6}  {'HOST':<16} {'PID':>7}  INCARNATION")
     for m in info["members"]:
         step = "-" if m["step"] is None else str(m["step"])

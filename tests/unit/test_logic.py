@@ -69,6 +69,15 @@ def test_downtime_and_phases():
     late = [(s, t) for s, t in commits if s != 9] + [(9, 101.02)]
     (r,) = recoveries(ev, sorted(late), 0.1)
     assert r["downtime_s"] == pytest.approx(104.0 - 101.02 - 0.1)
+    # The same failure served by the cold path: its own phases, the same total, the steps redone
+    cold = [*ev[:4], {"phase": "restart", "time": 101.075, "generation": 2, "step": 4, "redone": 5,
+                      "path": "/ck/step_0000000004", "reason": "shard lost"}, *ev[4:]]  # fmt: skip
+    (c,) = recoveries(cold, commits, 0.1)
+    assert c["kind"] == "restart" and c["from_step"] == 4 and c["steps_redone"] == 5, c
+    assert list(c["phases"]) == ["detect", "stop", "load", "resume"], c
+    assert c["phases"]["stop"] == pytest.approx(0.03) and c["phases"]["load"] == pytest.approx(0.2)
+    assert sum(c["phases"].values()) == pytest.approx(sum(recoveries(ev, commits, 0.1)[0]["phases"].values()))
+    assert c["lost_s"] == pytest.approx(c["downtime_s"] + 5 * 0.1)
 
 
 def test_timeouts_from_env(monkeypatch):

@@ -57,6 +57,11 @@ class CheckpointError(LivemigError):
     """A checkpoint that cannot be used (incomplete, corrupt, another job's): one line naming it."""
 
 
+class FormatError(CheckpointError):
+    """A checkpoint of another format version: refused, not skipped (an older one in the same
+    directory would be no better, and silently resuming from it would lose the newer steps)."""
+
+
 @dataclass(frozen=True)
 class Settings:
     """What a member checkpoints: set by `livemig run` (its environment), else by the script
@@ -245,7 +250,8 @@ def read_manifest(root: str, step: int) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {step_dir(root, step)}: unreadable {MANIFEST} ({exc})") from None
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         got = man.get("format") if isinstance(man, dict) else None
-        raise CheckpointError(f"checkpoint {step_dir(root, step)} has format {got}, this livemig reads {FORMAT}")
+        raise FormatError(f"checkpoint {step_dir(root, step)} has format {got}, this livemig reads {FORMAT}: "
+                          "resume it with the livemig version that wrote it")  # fmt: skip
     return man
 
 
@@ -286,13 +292,15 @@ def verify(root: str, step: int, deep: bool = True) -> dict[str, Any]:
 def choose(root: str, signature: str | None = None, deep: bool = True) -> tuple[int, dict[str, Any]] | None:
     """The newest usable checkpoint in `root` (its step and manifest), skipping each that is
     incomplete or corrupt with one line naming it; None if there is none. A checkpoint of
-    another script signature is refused, not skipped (resuming from it would be a mistake
-    of the command, not damage)."""
+    another script signature or format version is refused, not skipped (resuming from it
+    would be a mistake of the command, not damage)."""
     if not os.path.isdir(root):
         return None
     for step in steps_in(root):
         try:
             man = verify(root, step, deep)
+        except FormatError:
+            raise
         except CheckpointError as exc:
             log.warning(f"skipping {exc}", extra={"step": step})
             continue

@@ -66,6 +66,18 @@ def test_bench_downtime_tiny(tmp_path):
     assert "planned migration pause" in r.stdout
 
 
+def test_bench_checkpoint_tiny(tmp_path):
+    # ~25 s: four short runs; the figures are smoke here (docs/benchmarks.md has the measurement)
+    r = bench("checkpoint", "--repeat", "1", "--steps", "40", "--every", "10", "--width", "256", "--layers", "2",
+              "--json", str(tmp_path / "c.json"), timeout=400)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "c.json").read_text())
+    assert all(v["all_ok"] for v in res["summary"].values()), r.stdout
+    assert res["complete_per_run"] == [4], r.stdout  # boundaries 9, 19, 29, 39: all complete
+    assert res["ratios"]["livemig checkpoints / off"] > 0 and res["ratios"]["DDP torch.save / off"] > 0
+    assert "steps overlapping a write" in r.stdout and "DDP + torch.save" in r.stdout
+
+
 def test_bench_warmup_tiny(tmp_path):
     # steps of a few ms: 120 of them, so the agent's kill "after step 6" lands while the job still runs
     r = bench("warmup", "--repeat", "1", "--steps", "120", "--fail-at", "6", "--width", "256", "--layers", "2",

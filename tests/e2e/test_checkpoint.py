@@ -186,6 +186,10 @@ def test_a_zero1_checkpoint_resumed_at_another_world_size_is_resharded_exactly(t
     for key, tensors in old.items():
         for b, (x, y) in enumerate(zip(tensors, new[key], strict=True)):
             assert torch.equal(x, y), f"{key} of bucket {b} differs after resharding"
+    # another script (the same model without ZeRO-1) is refused with one line, nothing trained
+    run = livemig_run(tmp_path, 2, job="other", extra=("--resume-from", str(d3)))
+    assert run.rc != 0 and run.report["steps_completed"] == 0, explain(run)
+    assert "registered state differs" in run.report["result"]["reason"], explain(run)
 
 
 def test_checkpoint_failures_do_not_fail_the_job(tmp_path, reference_digest):

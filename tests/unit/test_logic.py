@@ -371,3 +371,26 @@ def test_checkpoint_settings_round_trip_and_what_a_run_record_may_carry(tmp_path
     for bad in ({"every": 5, "interval": 1.0}, {"every": 0}, {"every": 5, "keep": 0}):
         with pytest.raises(ConfigError):
             Settings(str(tmp_path), **bad)
+
+
+def test_a_checkpoint_of_another_format_is_refused_a_damaged_one_skipped(tmp_path, caplog):
+    """choose(): an incomplete or corrupt checkpoint is skipped with a line naming it, for the
+    previous one; one of another format version stops the choice with one line."""
+    import json
+
+    from livemig.checkpoints import FORMAT, FormatError, choose, mark_done, publish_if_complete
+
+    for step in (4, 9):
+        part = tmp_path / f"step_{step:010d}" / "rank_00000"
+        part.mkdir(parents=True)
+        (part / "data").write_bytes(b"x" * 100)
+        mark_done(str(tmp_path), step, 0, {"world": 1})
+        assert publish_if_complete(str(tmp_path), step, 1, {"signature": "s"}, keep=5)
+    (tmp_path / "step_0000000014").mkdir()  # a write cut short: no manifest
+    (tmp_path / "step_0000000009" / "rank_00000" / "data").write_bytes(b"y" * 100)  # same size, other bytes
+    assert choose(str(tmp_path))[0] == 4
+    assert "step_0000000009" in caplog.text and "corrupt" in caplog.text
+    man = tmp_path / "step_0000000004" / "manifest.json"
+    man.write_text(json.dumps({**json.loads(man.read_text()), "format": FORMAT + 1}))
+    with pytest.raises(FormatError, match=f"has format {FORMAT + 1}, this livemig reads {FORMAT}"):
+        choose(str(tmp_path))

@@ -26,15 +26,20 @@ import statistics
 import tempfile
 from typing import Any
 
-from livemig.bench.downtime_bench import add_workload_arguments, run_ddp, run_livemig, workload_args
+from livemig.bench.downtime_bench import (
+    add_sharding_argument,
+    add_workload_arguments,
+    run_ddp,
+    run_livemig,
+    workload_args,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, steps=300)
     p.add_argument("--every", type=int, default=50, help="checkpoint every N steps (default 50)")
     p.add_argument("--keep", type=int, default=2, help="--checkpoint-keep of the livemig row (default 2)")
-    p.add_argument("--sharding", choices=("none", "zero1"), default="none",
-                   help="zero1: examples/mlp_zero1.py; the DDP rows use ZeroRedundancyOptimizer")  # fmt: skip
+    add_sharding_argument(p, "examples/mlp_zero1.py; the DDP rows use ZeroRedundancyOptimizer")
     p.add_argument("--dir", help="where the checkpoints go (default: a temporary directory, removed after)")
     p.add_argument("--json", help="write every figure and raw sample here")
 

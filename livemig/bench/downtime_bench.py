@@ -190,13 +190,16 @@ def workload_args(a: argparse.Namespace) -> list[str]:
     return ["--steps", str(a.steps), "--width", str(a.width), "--layers", str(a.layers)]
 
 
+def add_sharding_argument(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--sharding", choices=("none", "zero1"), default="none", help=f"zero1: {what}")
+
+
 def add_downtime_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, steps=40)
     p.add_argument("--spares", type=int, default=1)
     p.add_argument("--fail-at", type=int, default=25, help="kill rank 1 after this step (default 25)")
     p.add_argument("--ckpt-every", type=int, default=10, help="restart's checkpoint interval (default 10)")
-    p.add_argument("--sharding", choices=("none", "zero1"), default="none",
-                   help="zero1: examples/mlp_zero1.py; DDP rows use torch's ZeroRedundancyOptimizer")  # fmt: skip
+    add_sharding_argument(p, "examples/mlp_zero1.py; DDP rows use torch's ZeroRedundancyOptimizer")
     p.add_argument("--json", help="write every figure and raw sample here")
     p.add_argument("--plot", help="write a PNG of the phase breakdown (needs matplotlib)")
 
@@ -334,8 +337,7 @@ def _plot(path: str, samples: dict[str, list[dict]]) -> None:
 
 def add_overhead_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, steps=60)
-    p.add_argument("--sharding", choices=("none", "zero1"), default="none",
-                   help="zero1: also time ZeRO-1 without its mirror, and DDP with ZeroRedundancyOptimizer")  # fmt: skip
+    add_sharding_argument(p, "also time ZeRO-1 without its mirror, and DDP with ZeroRedundancyOptimizer")
     p.add_argument("--metrics", action="store_true",
                    help="also time livemig with --metrics-port on, scraped once a second")  # fmt: skip
     p.add_argument("--json")

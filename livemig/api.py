@@ -294,10 +294,15 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                 while True:  # a spare: standby -> claimed -> (an aborted migration: standby again)
                     try:
                         result = fn(user, *args, **kwargs)
+                        # the final record, then the job's end; a cold restart ordered meanwhile
+                        # (a rank lost in the last steps) enters the function again from here too
+                        ctx._standby.finish()
                         break
                     except _Activate as act:
                         log.info("claimed", extra={"rank": act.rank, "generation": act.generation,
-                                                   "migration": act.migration})  # fmt: skip
+                                                   "migration": act.migration, "restart": act.restart})  # fmt: skip
+                        if act.restart:
+                            ctx._standby.withdraw_final()  # the job is not done until it is written again
                         commits = (ctx._st.commits, ctx._st.gen_steps) if act.restart else None
                         ctx._reset_user_state()
                         ctx.rank, ctx._joining = act.rank, act
@@ -305,7 +310,6 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                             ctx._st.commits, ctx._st.gen_steps = commits
                     except _Requeue:
                         ctx._standby.requeue()
-                ctx._standby.finish()
                 clean = True
                 fast_exit(ctx.role)
                 exit_past_abandoned_builds()

@@ -69,6 +69,7 @@ class Standby:
         self._host = host
         self.started = time.monotonic()  # the process, or its last requeue: the warm-up's start
         self.info: dict[str, float] = {}  # how the spare waited: the final record's, bench warmup reads it
+        self._final_written = False
 
     def register_signature(self) -> None:
         h = self._host
@@ -174,6 +175,16 @@ class Standby:
                 rec["mirror_of"] = h._zero.mirror.shard
                 rec["mirror_digest"] = digest(h._zero.mirror.tensors_for_digest())
         rt.put(rt.keys.final(h.rank), rec)
+        self._final_written = True
+
+    def withdraw_final(self) -> None:
+        """A cold restart after this member wrote its final record: a record no incarnation
+        owns takes its place, so the coordinator does not see the job done before this member
+        trained the redone steps again and wrote it anew."""
+        h = self._host
+        if self._final_written and h.runtime is not None:
+            h.runtime.put(h.runtime.keys.final(h.rank), {"incarnation": "", "withdrawn": True})
+            self._final_written = False
 
     def finish(self) -> None:
         """The training function returned: the final record, then the job's end."""

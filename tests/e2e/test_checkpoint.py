@@ -11,8 +11,9 @@
   load, it ends equal rank by rank to a run that never stopped; rank 0's part loads into a
   plain model with torch.distributed.checkpoint alone.
 - Checkpoints set by the script (ctx.checkpoints, every 0.15 s, agreed every 4 steps) and
-  live recovery off (--recovery cold): a kill with no spare restarts from the newest one,
-  rank 1 in a fresh process, and the run ends equal rank by rank to the fault-free one.
+  live recovery off (--recovery cold): a kill in the last step, with no spare, restarts from
+  the newest one (rank 0, already done, enters the function again; rank 1 in a fresh
+  process), and the run ends equal rank by rank to the fault-free one.
 - ZeRO-1 resumed from 3 ranks' checkpoint on 2: the shards re-split, the whole optimizer state
   equal to the checkpoint's tensor by tensor, the run completes with exact mirrors.
 - A checkpoint directory below a regular file, and a write failing mid-checkpoint: the job
@@ -31,6 +32,7 @@ import torch
 
 from tests.e2e.conftest import MLP_ZERO1, STEPS, WORKLOAD, explain, livemig_run, rank_files, reference_of
 from tests.e2e.test_real_scripts import PORT, _work, assert_same_run
+from tests.e2e.test_real_scripts import STEPS as PORT_STEPS
 
 
 def _ckpt(d, every: int, keep: int = 2) -> tuple[str, ...]:
@@ -129,19 +131,22 @@ def test_checkpoints_set_by_the_script_on_an_interval_and_a_cold_restart_with_no
     out.mkdir()
     # ctx.checkpoints(DIR, interval=0.15) in the script, no --checkpoint-dir: the coordinator
     # learns the directory from rank 0's registration; --recovery cold: no live recovery
+    # rank 1 killed in the last step: rank 0 has left the training function (its final record
+    # written) and enters it again to redo the steps since the checkpoint
     work = [*_work((), 20, str(out)), "--ckpt-dir", str(d), "--ckpt-interval", "0.15"]
-    run = livemig_run(tmp_path, 2, faults=("kill:rank=1:step=25",), script=PORT, job="cold", workload=work,
+    last = PORT_STEPS - 1
+    run = livemig_run(tmp_path, 2, faults=(f"kill:rank=1:step={last}",), script=PORT, job="cold", workload=work,
                       extra=("--recovery", "cold"), env={"LIVEMIG_CHECKPOINT_PROBE_STEPS": "4"})  # fmt: skip
     assert_same_run(run, rank_files(out), ref)
     recs = run.report["recoveries"]
     assert [(r["kind"], r.get("fresh_processes")) for r in recs] == [("restart", [1])], explain(run)
     cold = recs[0]
-    assert cold["from_step"] % 4 == 3 and cold["steps_redone"] == 25 - cold["from_step"], cold
+    assert cold["from_step"] % 4 == 3 and cold["steps_redone"] == last - cold["from_step"], cold
     assert "--recovery cold" in cold["reason"], cold
     ck = run.report["checkpoints"]
     # agreed at every 4th boundary only, and no sooner than the interval after the last one
     assert ck["steps"] and all(st % 4 == 3 for st in ck["steps"]), ck
-    starts = [at for _, at, _ in ck["writes"]]
+    starts = [at for st, at, _ in ck["writes"] if st <= cold["from_step"]]  # before the restart (redone after)
     assert all(b - a >= 0.14 for a, b in zip(starts, starts[1:], strict=False)), ck["writes"]
 
 

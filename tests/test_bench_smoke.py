@@ -48,8 +48,10 @@ def test_bench_transfer(tmp_path):
 
 def test_bench_downtime_tiny(tmp_path):
     # steps long enough (~15 ms), and enough of them, for a planned migration to complete before
-    # the job ends: the spare, started with the workers, is warm ~1-2 s after the first step here
-    r = bench("downtime", "--repeat", "1", "--steps", "200", "--fail-at", "8", "--ckpt-every", "5",
+    # the job ends: the spare, started with the workers, is warm ~1-2 s after the first step here;
+    # the kill after step 30 leaves the cold row two earlier checkpoints (9, 19) to be complete
+    # by then, however slow a loaded machine writes them
+    r = bench("downtime", "--repeat", "1", "--steps", "200", "--fail-at", "30", "--ckpt-every", "10",
               "--width", "512", "--layers", "2", "--json", str(tmp_path / "d.json"), timeout=400)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads((tmp_path / "d.json").read_text())

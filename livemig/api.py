@@ -211,16 +211,11 @@ class Engine(StepLoop, Zero1Steps, StatePull):
     def checkpoints(self, dir: str, every: int | None = None, interval: float | None = None, keep: int = 2) -> None:
         """Write background checkpoints of the registered state, as `livemig run --checkpoint-dir
         DIR --checkpoint-every N` (or `--checkpoint-interval SECONDS`) would; call it before
-        ctx.steps(). The command line wins where it gives a directory (an operator's choice
-        over the script's); outside `livemig run` nothing is written. The directory travels to
-        the coordinator with rank 0's registration, so the cold path restarts from it."""
-        from livemig.checkpoints import Settings
-
+        ctx.steps(). The command line wins where it gives a directory; outside `livemig run`
+        nothing is written (runtime/checkpoint.py)."""
         if self._current is not None:
             raise ConfigError("ctx.checkpoints(...) is called before ctx.steps(), not inside the loop")
-        wanted = Settings.from_script(dir, every, interval, keep)
-        if self._ckpt.settings is None and self.role != Role.LOCAL:
-            self._ckpt.settings = wanted
+        self._ckpt.set_from_script(dir, every, interval, keep, local=self.role == Role.LOCAL)
 
     def log(self, **metrics: float) -> None:
         """Metrics shown in `livemig run`'s progress lines (e.g. loss=...); ignored

@@ -93,6 +93,14 @@ class Checkpointer:
         fail = os.environ.get(layout.ENV_FAIL_WRITE, "")
         self._fail_at = tuple(int(x) for x in fail.split(":")) if fail else None
 
+    def set_from_script(self, root: str, every: int | None, interval: float | None, keep: int,
+                        local: bool) -> None:  # fmt: skip
+        """ctx.checkpoints(...): the script's settings, unless the command line gave some. The
+        directory travels to the coordinator with rank 0's registration (the cold path's)."""
+        wanted = layout.Settings.from_script(root, every, interval, keep)  # refused here if malformed
+        if self.settings is None and not local:
+            self.settings = wanted
+
     # -- writing ------------------------------------------------------------------------
     def at_boundary(self, step: int) -> None:
         """Called by the step loop at each boundary of the user's own steps."""

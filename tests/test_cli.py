@@ -117,9 +117,12 @@ def test_status_watch_refreshes_in_place_on_a_terminal_and_stops_on_ctrl_c(etcd)
     # no terminal: a block per refresh, and the watch ends with the job (its result)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(1.5)
+        seen, deadline = "", time.monotonic() + 30  # three refreshes (however slowly it starts), then the end
+        while seen.count("job watchjob  generation 1") < 3 and time.monotonic() < deadline:
+            seen += p.stdout.readline()
         client.put(JobKeys("watchjob").result, encode({"state": "done", "time": time.time()}))
-        out, err = p.communicate(timeout=30)
+        rest, err = p.communicate(timeout=30)
+        out = seen + rest
     finally:
         if p.poll() is None:
             p.kill()

@@ -144,8 +144,11 @@ def test_checkpoints_set_by_the_script_on_an_interval_and_a_cold_restart_with_no
     assert cold["from_step"] % 4 == 3 and cold["steps_redone"] == last - cold["from_step"], cold
     assert "--recovery cold" in cold["reason"], cold
     ck = run.report["checkpoints"]
-    # agreed at every 4th boundary only, and no sooner than the interval after the last one
-    assert ck["steps"] and all(st % 4 == 3 for st in ck["steps"]), ck
+    # agreed at every 4th boundary only, and no sooner than the interval after the last one (the
+    # writes of every final member: rank 1's fresh process may have written none, when the last
+    # step's checkpoint completed before the kill and the restart had nothing to redo)
+    written = [st for st, _, _ in ck["writes"]]
+    assert written and all(st % 4 == 3 for st in written), ck
     starts = [at for st, at, _ in ck["writes"] if st <= cold["from_step"]]  # before the restart (redone after)
     assert all(b - a >= 0.14 for a, b in zip(starts, starts[1:], strict=False)), ck["writes"]
 

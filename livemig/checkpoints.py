@@ -97,13 +97,12 @@ class Settings:
             raise ConfigError(f"--checkpoint-interval {raw!r}: expected seconds") from None
         return cls(root, _positive(env.get(ENV_EVERY, ""), "--checkpoint-every", 0),
                    _positive(env.get(ENV_KEEP, ""), "--checkpoint-keep", DEFAULT_KEEP), interval,
-                   _positive(env.get(ENV_PROBE, ""), ENV_PROBE, DEFAULT_PROBE))  # fmt: skip
+                   _probe(env))  # fmt: skip
 
     @classmethod
     def from_script(cls, root: str, every: int | None, interval: float | None, keep: int) -> Settings:
         """ctx.checkpoints(...): the script's settings, the probe period still from the environment."""
-        return cls(os.path.abspath(root), every or 0, keep, float(interval or 0.0),
-                   _positive(os.environ.get(ENV_PROBE, ""), ENV_PROBE, DEFAULT_PROBE))  # fmt: skip
+        return cls(os.path.abspath(root), every or 0, keep, float(interval or 0.0), _probe(dict(os.environ)))
 
     def to_env(self) -> dict[str, str]:
         return {ENV_DIR: self.dir, ENV_EVERY: str(self.every) if self.every else "", ENV_KEEP: str(self.keep),
@@ -134,6 +133,10 @@ def run_checkpoint_env(run: dict[str, Any]) -> dict[str, str]:
         log.warning(f"the run's checkpoint settings are not usable here ({exc}): this process writes none")
         return {}
     return env
+
+
+def _probe(env: dict[str, str]) -> int:
+    return _positive(env.get(ENV_PROBE, ""), ENV_PROBE, DEFAULT_PROBE)
 
 
 def _positive(raw: str, flag: str, default: int) -> int:

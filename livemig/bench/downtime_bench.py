@@ -148,11 +148,11 @@ def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str], ckpt_every:
     except OSError:
         res["digest"], res["steps"] = "", 0
     res["ok"] = res["steps"] == a.steps
-    first_commit = sorted(min(v) for v in by_step.values())
+    res["commit_times"] = [[st, min(v)] for st, v in sorted(by_step.items())]  # each step's first commit
+    first_commit = sorted(t for _, t in res["commit_times"])
     gaps = [b - a for a, b in zip(first_commit, first_commit[1:], strict=False)]
     res["median_step_s"] = statistics.median(gaps) if gaps else 0.0
     res["amortised_step_s"] = (first_commit[-1] - first_commit[0]) / (len(first_commit) - 1) if gaps else 0.0
-    res["commit_times"] = [[st, min(v)] for st, v in sorted(by_step.items())]
     if fault and kill_t is not None:
         before = [t for _, t, _, _ in rows if t <= kill_t]
         done_before = max((s for s, t, _, _ in rows if t <= kill_t), default=-1)

@@ -542,9 +542,9 @@ class Coordinator:
         m = s.m
         reports = s.under(self.keys.recovery_prefix(m.generation) + "report/")
         done = [x.get("committed") for x in reports.values() if isinstance(x.get("committed"), int)]
-        self.cold.use_job_config(s.get(self.keys.config))
-        sig = (s.get(self.keys.config) or {}).get("signature", [])
-        plan = self.cold.plan(m, why, max(done, default=None), has_local_state(sig))
+        cfg = s.get(self.keys.config) or {}
+        self.cold.use_job_config(cfg)
+        plan = self.cold.plan(m, why, max(done, default=None), has_local_state(cfg.get("signature", [])))
         if isinstance(plan, str):
             return self._fail(m, plan)
         vacant = [r for r in range(m.world_size) if r not in m.members]

@@ -110,7 +110,7 @@ class Checkpointer:
         # a checkpoint resharded at the load is written at once into a new --checkpoint-dir, so
         # that a cold restart of this run loads its own world size (it is written nowhere else)
         converted = step == self.resumed and self._converted
-        if not converted and (step == self.resumed or not (s.due(step) or self._interval_due(step))):
+        if not converted and (step == self.resumed or not (s.due(step) or self._interval_due(s, step))):
             return
         waited = 0.0
         if not self._idle.is_set():  # every rank writes every checkpoint: the previous write ends first
@@ -141,12 +141,11 @@ class Checkpointer:
             self._thread.start()
         self._queue.put((step, sd, rec))
 
-    def _interval_due(self, step: int) -> bool:
+    def _interval_due(self, s: layout.Settings, step: int) -> bool:
         """--checkpoint-interval: every `probe` steps the ranks agree (one allreduce of a flag)
         whether any of them last staged `interval` seconds ago or more; all then write the same
         step. A probe the group cannot finish (a peer lost: the recovery handles it) is a no."""
-        s = self.settings
-        if s is None or not s.probes(step):
+        if not s.probes(step):
             return False
         h = self._host
         flag = torch.tensor([float(time.monotonic() - self._last >= s.interval)])

@@ -26,6 +26,7 @@ import torch
 from livemig import logs
 from livemig.comm.group import CollectiveAborted, exit_past_abandoned_builds, release_all, retire
 from livemig.comm.reducer import GradReducer
+from livemig.comm.torch_group import StepAborted
 from livemig.config import (
     ENV_GRAD_VIEWS,
     ENV_INCARNATION,
@@ -45,6 +46,7 @@ from livemig.runtime.batches import Batches
 from livemig.runtime.bugs import exit_on_bug
 from livemig.runtime.checkpoint import Checkpointer
 from livemig.runtime.control import _Activate, _Released, _Requeue, _Stop
+from livemig.runtime.fsdp2 import Fsdp2, is_dtensor
 from livemig.runtime.loop import StepLoop
 from livemig.runtime.migration import Migration
 from livemig.runtime.pull import StatePull
@@ -79,6 +81,7 @@ class Engine(StepLoop, Zero1Steps, StatePull):
         self._standby = Standby(self)  # a spare's standby; every member's final record (runtime/standby.py)
         self._sandbox = Sandbox(self)  # a spare's warm-up against a group of one (sandbox/warmup.py)
         self._batches = Batches(self)  # ctx.batches (runtime/batches.py)
+        self._fsdp = Fsdp2(self)  # the device mesh and FSDP2's step and recovery (runtime/fsdp2.py)
         self._no_grad_said = False  # ctx.step() with no backward: said once (loop._check_backward)
         self._reset_user_state()
         self._faults = SelfFaults(self)  # test faults and the fault plan's gate (runtime/self_faults.py)
@@ -170,17 +173,21 @@ class Engine(StepLoop, Zero1Steps, StatePull):
         script that seeds per rank trains one model; sync_start=False skips it (the
         ranks must then build equal replicas themselves: step 0 checks they did).
         """
+        fsdp = model is not None and any(is_dtensor(p) for p in model.parameters())
+        if fsdp:
+            self._fsdp.check_register(sharding)
         if sharding not in (None, "zero1"):
             raise ConfigError(f"ctx.register(sharding={sharding!r}): expected None or 'zero1'")
         if sharding and optimizer is None:
             raise ConfigError("ctx.register(sharding='zero1') needs the optimizer whose state it shards")
         self.reg.set(model, optimizer, extra, local)
         self.reg.sync_start = bool(sync_start)
+        self.reg.fsdp = list(self._fsdp.shape) if fsdp else None
         if self._reducer is not None:
             self._reducer.remove()
         self._reducer, self.reg.zero = None, None
-        if not self._params or self.role == Role.LOCAL:
-            return  # a single local process: plain optimizer steps, sharded or not
+        if not self._params or self.role == Role.LOCAL or fsdp:
+            return  # a local process: plain optimizer steps; FSDP2 reduces the gradients itself
         zero = sharding == "zero1"
         scatter = False
         if zero:
@@ -195,6 +202,15 @@ class Engine(StepLoop, Zero1Steps, StatePull):
             if mirror is None:
                 mirror = os.environ.get(ENV_ZERO1_MIRROR, "1") not in ("0", "false", "no")
             self.reg.zero = Zero1(self._reducer, self._params, optimizer, self.rank, self.world_size, mirror)
+
+    def init_device_mesh(self, device_type: str, mesh_shape: tuple[int, ...],
+                         mesh_dim_names: tuple[str, ...] | None = None) -> Any:  # fmt: skip
+        """torch's `init_device_mesh`, over process groups livemig owns: pass the mesh to
+        `fully_shard(module, mesh=mesh)` as usual. (shard,) is FSDP, (replicate, shard) HSDP.
+        The same object stays valid across every recovery (each generation's communicators
+        are swapped underneath); a spare in standby and a local run get a world-of-one mesh of
+        the same dimensions (runtime/fsdp2.py)."""
+        return self._fsdp.init_device_mesh(device_type, mesh_shape, mesh_dim_names)
 
     @property
     def warming_up(self) -> bool:
@@ -253,6 +269,7 @@ class Context:
         self._engine = engine
 
     register = _verb("register")
+    init_device_mesh = _verb("init_device_mesh")
     steps = _verb("steps")
     batches = _verb("batches")
     no_sync = _verb("no_sync")
@@ -288,6 +305,8 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                 user = Context(ctx)
                 while True:  # a spare: standby -> claimed -> (an aborted migration: standby again)
                     try:
+                        if ctx._fsdp.pending:  # FSDP2: a collective failed inside the function
+                            raise ctx._fsdp.recover()
                         result = fn(user, *args, **kwargs)
                         # the final record, then the job's end; a cold restart ordered meanwhile
                         # (a rank lost in the last steps) enters the function again from here too
@@ -299,12 +318,21 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                         if act.restart:
                             ctx._standby.withdraw_final()  # the job is not done until it is written again
                         commits = (ctx._st.commits, ctx._st.gen_steps) if act.restart else None
+                        kept = ctx._fsdp.keep() if act.redo else None
                         ctx._reset_user_state()
                         ctx.rank, ctx._joining = act.rank, act
                         if commits is not None:  # a survivor of a cold restart: its commits stay its own
                             ctx._st.commits, ctx._st.gen_steps = commits
+                        if kept is not None:  # FSDP2: the boundary's state moves into the rebuilt model
+                            ctx._fsdp.restore(kept)
                     except _Requeue:
                         ctx._standby.requeue()
+                    except StepAborted as exc:
+                        ctx._fsdp.pending = str(exc) or "a collective failed"
+                    except Exception as exc:
+                        if not ctx._fsdp.caused(exc):
+                            raise
+                        ctx._fsdp.pending = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 clean = True
                 fast_exit(ctx.role)
                 exit_past_abandoned_builds()

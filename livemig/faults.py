@@ -37,6 +37,11 @@ the outage).
   collective completed but before its optimizer step / (ZeRO-1) with its
   shard updated and the parameter all-gather in flight / as ctx.step() returns,
   before the user's code after it (a scheduler step) runs;
+- fsdp_allgather / fsdp_reduce_scatter / replicate_allreduce / clip_norm (kill
+  only, FSDP2 and HSDP): the worker kills itself with the first such collective
+  of step S in flight: a forward all-gather of parameters, a backward
+  reduce-scatter of gradients, HSDP's all-reduce over the replicate dimension,
+  the gradient norm's all-reduce inside ctx.clip_grad_norm_;
 - checkpoint (kill only): the worker kills itself in its checkpoint writer, once
   its part of boundary S (a checkpointed step) is staged and written, before
   it is durable: that checkpoint never completes;
@@ -58,7 +63,8 @@ from livemig.errors import ConfigError
 RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition", "link", "migrate", "wedge", "break")
 UNRANKED = ("etcd-kill", "etcd-stop", "coordinator-kill", "spare-kill", "spare-hang")
 KINDS = RANKED + UNRANKED
-IN_PROCESS_DURING = ("allreduce", "before_commit", "gather", "after_step", "checkpoint")
+FSDP_DURING = ("fsdp_allgather", "fsdp_reduce_scatter", "replicate_allreduce", "clip_norm")  # runtime/fsdp2.py
+IN_PROCESS_DURING = ("allreduce", "before_commit", "gather", "after_step", "checkpoint", *FSDP_DURING)
 WEDGE_DURING = ("compute", "before_commit")
 PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit", "snapshot", "catchup")
 USAGE = "KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I][:after=SECONDS]"

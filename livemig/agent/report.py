@@ -83,8 +83,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
         "step_time_s_median": median_step,
         "state_digest": job_digest(ranks),
         "rank_digests": ranks,
-        "replicas_identical": len(set(replicated.values())) == 1
-        and len(replicated) == world_size
+        "replicas_identical": _replicas_identical(finals, replicated, world_size)
         and (not shards or shards["mirrors_exact"]),
         **({"zero1": shards} if shards else {}),
         **({"checkpoints": checkpoints_of(finals)} if any("checkpoints" in f for f in finals.values()) else {}),
@@ -184,6 +183,17 @@ def _outage(start: float, end: float, commits: list[tuple[int, float]]) -> dict[
     inside = [s for s, t in commits if start <= t <= end]
     return {"start": start, "end": end, "seconds": end - start, "steps_committed": len(inside),
             "steps": [inside[0], inside[-1]] if inside else None}  # fmt: skip
+
+
+def _replicas_identical(finals: dict[str, dict], replicated: dict[str, str], world_size: int) -> bool:
+    """Every rank holds the same replicated state; under FSDP2, every rank of each shard's
+    group holds the same shard (its replicas along the mesh's replicate dimension)."""
+    if len(replicated) != world_size:
+        return False
+    groups: dict[Any, set[str]] = {}
+    for r, f in finals.items():
+        groups.setdefault(f.get("fsdp_shard"), set()).add(replicated[r])
+    return all(len(v) == 1 for v in groups.values())
 
 
 def rank_digests(finals: dict[str, dict]) -> dict[str, str]:

@@ -129,32 +129,61 @@ def build_group(
     backend: str = "gloo", should_abort: Callable[[], bool] | None = None,
 ) -> Any:  # fmt: skip
     """Build the group of generation `gen`; raises CollectiveAborted if aborted."""
+
+    def make() -> Any:
+        store = _store_for(store_addr, gen, timeout)
+        if backend == "nccl":  # pragma: no cover - needs GPUs
+            opts = dist.ProcessGroupNCCL.Options()
+            return dist.ProcessGroupNCCL(store, rank, world, opts)
+        return _gloo(store, rank, world, timeout)
+
+    return _abortable(make, f"generation {gen}", timeout, should_abort)
+
+
+def build_subgroup(
+    store: dist.Store, what: str, rank: int, world: int, timeout: timedelta,
+    backend: str = "gloo", should_abort: Callable[[], bool] | None = None,
+) -> Any:  # fmt: skip
+    """A group on a prefix of a generation's store (a device-mesh dimension: comm/torch_group.py)."""
+
+    def make() -> Any:
+        if backend == "nccl":  # pragma: no cover - needs GPUs
+            return dist.ProcessGroupNCCL(store, rank, world, dist.ProcessGroupNCCL.Options())
+        return _gloo(store, rank, world, timeout)
+
+    return _abortable(make, what, timeout, should_abort)
+
+
+def generation_store(store_addr: str, gen: int, timeout: timedelta) -> dist.Store:
+    """Generation `gen`'s store, as its group's build sees it."""
+    return _store_for(store_addr, gen, timeout)
+
+
+def _abortable(make: Callable[[], Any], what: str, timeout: timedelta,
+               should_abort: Callable[[], bool] | None) -> Any:  # fmt: skip
+    """Run a group build in a thread (gloo's constructor blocks until every peer connects)
+    that the caller may give up on: the generation moved on, or the timeout passed."""
     box: dict[str, Any] = {}
 
     def work() -> None:
         try:
-            store = _store_for(store_addr, gen, timeout)
-            if backend == "nccl":  # pragma: no cover - needs GPUs
-                opts = dist.ProcessGroupNCCL.Options()
-                box["pg"] = dist.ProcessGroupNCCL(store, rank, world, opts)
-            else:
-                box["pg"] = _gloo(store, rank, world, timeout)
+            box["pg"] = make()
         except Exception as exc:  # noqa: BLE001
             box["err"] = exc
 
-    t = threading.Thread(target=work, name=f"livemig-build-g{gen}", daemon=True)
+    t = threading.Thread(target=work, name=f"livemig-build-{what.replace(' ', '')}", daemon=True)
     t.start()
     deadline = time.monotonic() + timeout.total_seconds()
     while t.is_alive():
         t.join(0.005)
         if should_abort is not None and should_abort():
             _ABANDONED_BUILDS.append(t)
-            raise CollectiveAborted(f"build of generation {gen} abandoned: generation moved on")
+            raise CollectiveAborted(f"build of {what} abandoned: generation moved on")
         if time.monotonic() > deadline:
             _ABANDONED_BUILDS.append(t)
-            raise CollectiveAborted(f"build of generation {gen} timed out after {timeout}")
+            raise CollectiveAborted(f"build of {what} timed out after {timeout}")
     if "err" in box:
-        raise CollectiveAborted(f"build of generation {gen} failed: {box['err']}")
+        raise CollectiveAborted(f"build of {what} failed: {box['err']}")
     return box["pg"]
 
 

@@ -22,7 +22,17 @@ subclass is used as the group itself (torch's "PythonProcessGroup" path in
 `_new_process_group_helper`); such a group's `group_name` must be answered by the subclass
 (the C++ name is never set on that path); FSDP2's collectives call the group's
 `all_gather_single` / `reduce_scatter_single` (torch 2.13), delegated to the gloo backend's
-`_allgather_base` / `_reduce_scatter_base`.
+`_allgather_base` / `_reduce_scatter_base`; a `dist._Work` subclass returned by such a group
+is what `work.wait()` runs, also when torch's functional collectives (DTensor's redistribute,
+the gradient clip's norm) wait on it from C++, and a BaseException raised in it reaches the
+caller as itself (through autograd's hooks too).
+
+Failures: every collective's work is a `_GuardedWork` whose wait polls livemig's abort check
+(the generation moved on: a peer was fenced) and watchdog, as livemig's own collectives do
+(comm/group.py). A failed or abandoned collective poisons the generation's groups and raises
+`StepAborted`, a BaseException the runtime catches above the user's function (runtime/
+fsdp2.py); every later collective of the poisoned generation raises it at once, so the
+user's code cannot go on with half-gathered parameters; the next swap clears the poison.
 """
 
 from __future__ import annotations
@@ -41,6 +51,94 @@ _groups: list[SwappableGroup] = []  # every group torch created through us, defa
 _registered = False
 
 
+class StepAborted(BaseException):
+    """A collective under FSDP2 failed or was abandoned (a peer lost, the generation moved on):
+    the step cannot complete in this generation. A BaseException, so a user's `except
+    Exception` does not swallow it; the runtime unwinds the user's function with it."""
+
+
+class _Guard:
+    """What every SwappableGroup's wait checks: set by the runtime that owns the groups."""
+
+    def __init__(self) -> None:
+        self.should_abort: Callable[[], bool] | None = None
+        self.timeout = timedelta(seconds=60)
+        self.on_fail: Callable[[str], None] | None = None
+        self.poisoned = ""  # why this generation's groups cannot be used ("" while they can)
+        self.before: Callable[[str], None] | None = None  # the fault plan's in-collective kill points
+        self.kind = ""  # what the collectives now running are for ("clip_norm" inside ctx.clip_grad_norm_)
+
+    def fail(self, why: str) -> None:
+        first = not self.poisoned
+        self.poisoned = self.poisoned or why
+        if first and self.on_fail is not None:
+            self.on_fail(why)
+        raise StepAborted(self.poisoned)
+
+    def check(self) -> None:
+        if self.poisoned:
+            raise StepAborted(self.poisoned)
+
+
+GUARD = _Guard()
+
+
+def set_guard(should_abort: Callable[[], bool] | None, timeout: timedelta,
+              on_fail: Callable[[str], None] | None = None,
+              before: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    """The runtime's abort check, watchdog and failure report for every wait of our groups,
+    and `before(kind)`, called as each collective is submitted (kind: fsdp_allgather,
+    fsdp_reduce_scatter, replicate_allreduce, clip_norm, other)."""
+    GUARD.should_abort, GUARD.timeout, GUARD.on_fail, GUARD.before = should_abort, timeout, on_fail, before
+
+
+class _GuardedWork(dist._Work):
+    """An inner backend's work whose wait ends early when the generation moves on."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def wait(self, timeout: Any = None) -> bool:
+        from livemig.comm.group import CollectiveAborted, wait_all
+
+        GUARD.check()
+        try:
+            wait_all([self.inner], GUARD.timeout, GUARD.should_abort)
+        except CollectiveAborted as exc:
+            GUARD.fail(str(exc))
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.inner.is_completed())
+
+    def is_success(self) -> bool:
+        return bool(self.inner.is_success())
+
+    def get_future(self) -> Any:
+        return self.inner.get_future()
+
+
+class _Unformed:
+    """The inner backend of a group the job has not formed yet: no collective may run on it."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise StepAborted("a collective on a device-mesh group before the job formed its first generation")
+
+
+def _run(kind: str, inner_call: Callable[[], Any]) -> _GuardedWork:
+    GUARD.check()
+    if GUARD.before is not None:
+        GUARD.before(GUARD.kind or kind)
+    try:
+        work = inner_call()
+    except StepAborted:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a broken pair raises at submission too
+        GUARD.fail(f"collective failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}")
+    return _GuardedWork(work)
+
+
 class SwappableGroup(dist.ProcessGroup):
     """A torch process group with a replaceable communicator underneath."""
 
@@ -50,6 +148,7 @@ class SwappableGroup(dist.ProcessGroup):
         self.inner = inner
         self._name = name
         self.generation = 0
+        self.role = ""  # "replicate": HSDP's replica dimension (its all-reduce is a fault point)
 
     # the name torch gives the group (DeviceMesh keys its dimensions by it)
     @property
@@ -62,51 +161,54 @@ class SwappableGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND
 
+    def _allreduce_kind(self) -> str:
+        return "replicate_allreduce" if self.role == "replicate" else "other"
+
     def swap(self, inner: Any, generation: int) -> None:
         """Trains on `inner` from the next collective on (called between steps)."""
         self.inner, self.generation = inner, generation
 
     # -- the collectives, delegated ---------------------------------------------------------
     def allreduce(self, *a: Any, **k: Any) -> Any:
-        return self.inner.allreduce(*a, **k)
+        return _run(self._allreduce_kind(), lambda: self.inner.allreduce(*a, **k))
 
     def allreduce_coalesced(self, *a: Any, **k: Any) -> Any:
-        return self.inner.allreduce_coalesced(*a, **k)
+        return _run(self._allreduce_kind(), lambda: self.inner.allreduce_coalesced(*a, **k))
 
     def allgather(self, *a: Any, **k: Any) -> Any:
-        return self.inner.allgather(*a, **k)
+        return _run("other", lambda: self.inner.allgather(*a, **k))
 
     def _allgather_base(self, *a: Any, **k: Any) -> Any:
-        return self.inner._allgather_base(*a, **k)
+        return _run("fsdp_allgather", lambda: self.inner._allgather_base(*a, **k))
 
     def allgather_into_tensor_coalesced(self, *a: Any, **k: Any) -> Any:
-        return self.inner.allgather_into_tensor_coalesced(*a, **k)
+        return _run("fsdp_allgather", lambda: self.inner.allgather_into_tensor_coalesced(*a, **k))
 
     def all_gather_single(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
-        return self.inner._allgather_base(out, inp)
+        return _run("fsdp_allgather", lambda: self.inner._allgather_base(out, inp))
 
     def reduce_scatter(self, *a: Any, **k: Any) -> Any:
-        return self.inner.reduce_scatter(*a, **k)
+        return _run("fsdp_reduce_scatter", lambda: self.inner.reduce_scatter(*a, **k))
 
     def _reduce_scatter_base(self, *a: Any, **k: Any) -> Any:
-        return self.inner._reduce_scatter_base(*a, **k)
+        return _run("fsdp_reduce_scatter", lambda: self.inner._reduce_scatter_base(*a, **k))
 
     def reduce_scatter_tensor_coalesced(self, *a: Any, **k: Any) -> Any:
-        return self.inner.reduce_scatter_tensor_coalesced(*a, **k)
+        return _run("fsdp_reduce_scatter", lambda: self.inner.reduce_scatter_tensor_coalesced(*a, **k))
 
     def reduce_scatter_single(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
         o = dist.ReduceScatterOptions()
         o.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self.inner._reduce_scatter_base(out, inp, o)
+        return _run("fsdp_reduce_scatter", lambda: self.inner._reduce_scatter_base(out, inp, o))
 
     def broadcast(self, *a: Any, **k: Any) -> Any:
-        return self.inner.broadcast(*a, **k)
+        return _run("other", lambda: self.inner.broadcast(*a, **k))
 
     def allgather_coalesced(self, *a: Any, **k: Any) -> Any:
-        return self.inner.allgather_coalesced(*a, **k)
+        return _run("other", lambda: self.inner.allgather_coalesced(*a, **k))
 
     def barrier(self, *a: Any, **k: Any) -> Any:
-        return self.inner.barrier(*a, **k)
+        return _run("other", lambda: self.inner.barrier(*a, **k))
 
 
 def gloo_inner(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
@@ -114,11 +216,20 @@ def gloo_inner(store: dist.Store, rank: int, size: int, timeout: timedelta) -> A
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
+def _lazy_inner(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
+    """A group of one works at once (a spare's standby, a local run); a larger one waits for
+    the job to form (the runtime swaps its generation's communicator in, `build_inners`)."""
+    return gloo_inner(store, rank, size, timeout) if size == 1 else _Unformed()
+
+
 def _creator(opts: Any, _backend_opts: Any) -> SwappableGroup:
     ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
     inner = _factory["fn"](opts.store, opts.group_rank, opts.group_size, opts.timeout)
-    g = SwappableGroup(opts.group_rank, opts.group_size, ranks, str(opts.group_id), inner)
     with _lock:
+        # Named by its ranks (and how many groups of the same ranks came before), not by torch's
+        # counter: a spare that rebuilt its world must find the survivors' stores by name.
+        twins = sum(1 for g in _groups if g.ranks == ranks)
+        g = SwappableGroup(opts.group_rank, opts.group_size, ranks, f"{'-'.join(map(str, ranks))}.{twins}", inner)
         _groups.append(g)
     return g
 
@@ -129,25 +240,76 @@ _factory: dict[str, Callable[..., Any]] = {"fn": gloo_inner}
 def install(store: dist.Store, rank: int, world: int, timeout: timedelta,
             inner: Callable[[dist.Store, int, int, timedelta], Any] = gloo_inner) -> SwappableGroup:  # fmt: skip
     """Make torch.distributed's default group a SwappableGroup over `store` (once per
-    process; a second call returns the same group): from here on `init_device_mesh`,
-    `new_group` and `fully_shard` work on groups whose communicator livemig owns."""
+    process and world size; a second call returns the same group, one at another world size
+    replaces it: a spare's standby world of one, then the job's): from here on
+    `init_device_mesh`, `new_group` and `fully_shard` work on groups whose communicator
+    livemig owns."""
     global _registered
     with _lock:
         if not _registered:
             dist.Backend.register_backend(BACKEND, _creator, extended_api=True, devices=["cpu", "cuda"])
             _registered = True
         _factory["fn"] = inner
-    if not dist.is_initialized():
-        dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world, timeout=timeout)
+    if dist.is_initialized():
+        default = dist.distributed_c10d._get_default_group()
+        if not isinstance(default, SwappableGroup):
+            raise RuntimeError("torch.distributed was initialised by someone else: livemig cannot own its groups")
+        if default.size() == world and default.rank() == rank:
+            return default
+        dist.destroy_process_group()
+        with _lock:
+            _groups.clear()
+    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world, timeout=timeout)
     default = dist.distributed_c10d._get_default_group()
-    if not isinstance(default, SwappableGroup):
-        raise RuntimeError("torch.distributed was initialised by someone else: livemig cannot own its groups")
+    assert isinstance(default, SwappableGroup)
     return default
+
+
+def install_unformed(rank: int, world: int, timeout: timedelta) -> SwappableGroup:
+    """`install` before the job formed: the groups exist (DeviceMesh and fully_shard can be
+    built) and get their communicators at the job's first generation."""
+    return install(dist.HashStore(), rank, world, timeout, inner=_lazy_inner)
 
 
 def groups() -> list[SwappableGroup]:
     with _lock:
         return list(_groups)
+
+
+def active() -> bool:
+    """Does this process train over torch groups livemig owns (is there a group to swap)?"""
+    return bool(groups()) and dist.is_initialized() and groups()[0].size() > 1
+
+
+def build_inners(store: dist.Store, rank: int, default_inner: Any,
+                 build: Callable[[dist.Store, int, int], Any]) -> list[tuple[SwappableGroup, Any]]:  # fmt: skip
+    """Phase 1 of a generation: a communicator for each group this rank is in, the default
+    group's being `default_inner` (livemig's own group of the generation: the same ranks in
+    the same order), the others built by `build(store, group_rank, group_size)` on a prefix of
+    the generation's store named after the group. Every rank builds its groups in the order
+    torch created them, the same on every rank, so the builds cannot wait on each other in a
+    cycle."""
+    out: list[tuple[SwappableGroup, Any]] = []
+    for i, g in enumerate(groups()):
+        if rank not in g.ranks:
+            continue
+        if i == 0:
+            out.append((g, default_inner))
+            continue
+        out.append((g, build(dist.PrefixStore(f"tg/{g.group_name}", store), g.ranks.index(rank), len(g.ranks))))
+    return out
+
+
+def swap_built(built: list[tuple[SwappableGroup, Any]], generation: int) -> list[Any]:
+    """Phase 2: train on the built communicators from the next collective on; returns the
+    replaced ones besides the default group's (the caller retires them)."""
+    old = []
+    for i, (g, inner) in enumerate(built):
+        if i > 0 and not isinstance(g.inner, _Unformed):
+            old.append(g.inner)
+        g.swap(inner, generation)
+    GUARD.poisoned = ""
+    return old
 
 
 def swap_all(store_for: Callable[[SwappableGroup], dist.Store], rank: int, generation: int,
@@ -160,3 +322,4 @@ def swap_all(store_for: Callable[[SwappableGroup], dist.Store], rank: int, gener
         if rank not in g.ranks:
             continue
         g.swap(make(store_for(g), g.ranks.index(rank), len(g.ranks), timeout), generation)
+    GUARD.poisoned = ""

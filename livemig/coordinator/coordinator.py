@@ -38,7 +38,15 @@ from livemig.coordinator.checks import Checks
 from livemig.coordinator.cold import ColdPath
 from livemig.coordinator.migration import Migrations
 from livemig.coordinator.prune import stale_ops
-from livemig.coordinator.sharding import first_mismatch, has_local_state, lost_local_state, lost_shards, sharding_of
+from livemig.coordinator.sharding import (
+    first_mismatch,
+    fsdp_shape,
+    has_local_state,
+    lost_fsdp_shards,
+    lost_local_state,
+    lost_shards,
+    sharding_of,
+)
 from livemig.coordinator.snapshot import Decoded, Snapshot, _num, _safe_decode, node_of
 from livemig.coordinator.store_host import StoreHost
 from livemig.coordinator.timeline import Timeline
@@ -431,27 +439,30 @@ class Coordinator:
         if behind:
             return self._fail(m, f"rank(s) {behind} are more than one step behind (invariant broken)")
         sources = sorted(r for r, c in holding.items() if c == resume - 1)
-        mode, mirrored = sharding_of((s.get(self.keys.config) or {}).get("signature", []))
-        if mode == "zero1":  # every shard needs a live holder; a rank behind finishes from its own slices
-            lost = lost_shards(m.world_size, mirrored, set(holding), self._stride(s))
+        sig = (s.get(self.keys.config) or {}).get("signature", [])
+        mode, mirrored = sharding_of(sig)
+        vacant = [r for r in range(m.world_size) if r not in m.members]
+        if mode in ("zero1", "fsdp2"):  # every shard needs a live holder; a rank behind finishes from its own
+            lost = (lost_shards(m.world_size, mirrored, set(holding), self._stride(s)) if mode == "zero1"
+                    else lost_fsdp_shards(fsdp_shape(sig), vacant, set(holding)))  # fmt: skip
             if lost:
                 return self._cold(s, "; ".join(lost), since)
             short = [r for r, c in holding.items()
                      if c == resume - 2 and reports[str(r)].get("avg_step") != resume - 1]  # fmt: skip
             if short:
                 return self._fail(m, f"rank(s) {short} lack the gradient slices of step {resume - 1}")
-        vacant = [r for r in range(m.world_size) if r not in m.members]
-        sig = (s.get(self.keys.config) or {}).get("signature", [])
         # the replay starts at boundary resume-2; after a load of boundary resume-1 there is none
-        # (each rank's own state of it is its part of the checkpoint: runtime/pull.py)
+        # (each rank's own state of it is its part of the checkpoint: runtime/pull.py); FSDP2
+        # mirrors each boundary as it ends and a spare starts from resume-1 (runtime/fsdp2.py)
         resumed = any(reports[str(r)].get("resumed") == resume - 1 for r in sources)
         if has_local_state(sig) and m.world_size > 1 and resume >= 1 and not resumed:
-            lost = lost_local_state(m.world_size, vacant, reports, resume - 2, self._stride(s))
+            boundary = resume - 1 if mode == "fsdp2" else resume - 2
+            lost = lost_local_state(m.world_size, vacant, reports, boundary, self._stride(s))
             if lost:
                 return self._cold(s, "; ".join(lost), since)
         # A source must hold the average of step resume-1 for members one step behind.
         if (
-            mode != "zero1"
+            mode not in ("zero1", "fsdp2")
             and any(c == resume - 2 for c in holding.values())
             and not any(reports[str(r)].get("avg_step") == resume - 1 for r in sources)
         ):

@@ -28,6 +28,28 @@ def lost_shards(world: int, mirrored: bool, holding: set[int], stride: int = 1) 
     return out
 
 
+def fsdp_shape(sig: list) -> list[int]:
+    """The mesh shape of an FSDP2 job's signature ([] for any other job)."""
+    for e in sig:
+        if isinstance(e, list | tuple) and len(e) == 3 and e[0] == SHARDING_ENTRY and e[1] == "fsdp2":
+            return [int(x) for x in e[2]]
+    return []
+
+
+def lost_fsdp_shards(shape: list[int], vacant: list[int], holding: set[int]) -> list[str]:
+    """FSDP2: lost ranks whose shard no survivor holds (a replica along the mesh's replicate
+    dimension), as readable lines. Rank r holds shard r % shape[-1]."""
+    n = shape[-1]
+    out = []
+    for r in vacant:
+        peers = [x for x in holding if x % n == r % n]
+        if not peers:
+            why = ("every replica of it was lost" if len(shape) > 1 and shape[0] > 1
+                   else "plain FSDP keeps one copy of each shard (use an HSDP mesh, (replicate, shard))")  # fmt: skip
+            out.append(f"FSDP2 shard {r % n} of rank {r} is lost: {why}")
+    return out
+
+
 def has_local_state(sig: list) -> bool:
     """Does the job mirror rank-local state (model buffers, `local=`) on the next rank?"""
     return any(isinstance(e, list | tuple) and len(e) == 3 and e[0] == LOCAL_STATE_ENTRY for e in sig)

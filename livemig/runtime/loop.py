@@ -41,6 +41,9 @@ class StepLoop:
         if self._joining is not None and self._joining.restart:  # the cold path: loaded in place (pull.py)
             m = self.runtime.follow(self._joining.generation, self)
             start = total if m.state == GenState.DONE else self.committed + 1
+        elif self._joining is not None and self._joining.redo:  # FSDP2: redo from the boundary held here
+            self._fsdp.load_stash()
+            start = self.committed + 1
         elif self.role == Role.WORKER:
             self._faults.gate.check_total(total)  # a fault plan's step the job never reaches: refused now
             self.runtime.register(self.rank, host_store=self.rank == 0)
@@ -94,6 +97,9 @@ class StepLoop:
         """DDP's start-up broadcast (runtime/start_sync.py), in the group the job formed with."""
         if not self.reg.sync_start or self.world_size < 2 or self.runtime.pg is None:
             return
+        if self.reg.fsdp is not None:
+            self._fsdp.sync_start()
+            return
         try:
             sync_start(self.reg, self.runtime.pg, self.rank, self.timeouts.collective, self.runtime.moved_on)
         except CollectiveAborted as exc:
@@ -109,6 +115,8 @@ class StepLoop:
         gradient (a peer's, fetched, or one redone in the new group), so the user's
         code between sync_gradients() and ctx.step() runs exactly once per step."""
         t = self._in_step("ctx.sync_gradients()")
+        if self.reg.fsdp is not None:  # FSDP2 reduced the gradients in backward already
+            return
         self._st.uses_sync = True
         self._st.user_synced = t  # .grad may change before ctx.step(): a migrating spare gets what was applied
         self._check_backward(t)
@@ -206,6 +214,10 @@ class StepLoop:
             if self._st.replay is not None and self._st.replay.step == t:
                 self._finish_replay(t)
                 return
+            if self.reg.fsdp is not None:
+                self._fsdp.step(t)
+                self._faults.at(t, "after_step")
+                return
             if self._zero is not None:
                 if scaler is not None:
                     raise ConfigError("ctx.step(scaler=...) with sharding='zero1' is not supported yet")
@@ -238,6 +250,9 @@ class StepLoop:
         """Average the gradients (ctx.sync_gradients()), clip them by their global norm
         and return that norm, as `accelerator.clip_grad_norm_`. Every rank clips the
         same averaged gradient, so every rank computes the same norm."""
+        if self.reg.fsdp is not None:  # DTensor gradients: torch's clip all-reduces the norm over the mesh
+            self._in_step("ctx.clip_grad_norm_()")
+            return self._fsdp.clip_grad_norm_(max_norm, norm_type)
         self.sync_gradients()
         return torch.nn.utils.clip_grad_norm_(self._params, max_norm, norm_type)
 
@@ -291,7 +306,15 @@ class StepLoop:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally (as DDP's no_sync)."""
+        """Backward passes inside accumulate gradients locally (as DDP's no_sync; FSDP2's
+        set_requires_gradient_sync(False))."""
+        if self.reg.fsdp is not None:
+            self._fsdp.no_sync(True)
+            try:
+                yield
+            finally:
+                self._fsdp.no_sync(False)
+            return
         if self._reducer is None:
             yield
             return
@@ -361,6 +384,9 @@ class StepLoop:
                                    self.runtime.moved_on, digests)  # fmt: skip
                 except CollectiveAborted as exc:  # a member lost: the coordinator's check still runs
                     self._join_recovery(None, exc)
+        if self.reg.fsdp is not None:
+            self._fsdp.at_boundary(step)
+            return
         if not self._replays:
             return
         self._st.boundaries[step] = self.reg.pack_boundary()

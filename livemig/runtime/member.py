@@ -28,7 +28,8 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from livemig.comm.group import CollectiveAborted, build_group, retire
+from livemig.comm import torch_group
+from livemig.comm.group import CollectiveAborted, build_group, build_subgroup, generation_store, retire
 from livemig.config import (
     ENV_BACKEND,
     ENV_ETCD,
@@ -499,6 +500,15 @@ class MemberRuntime:
             if self.m.generation == g:
                 self._wait_change(m)
             return
+        try:
+            built = self._build_mesh(m, rank, pg)
+        except CollectiveAborted as exc:
+            log.info("device-mesh build abandoned", extra={"generation": g, "why": str(exc)})
+            retire(pg)
+            self.check_fenced()
+            if self.m.generation == g:
+                self._wait_change(m)
+            return
         self.put(self.keys.ready(g, rank), {
             "incarnation": self.incarnation, "build_s": time.monotonic() - t0,
             "time": time.time(), **stream})  # fmt: skip
@@ -508,12 +518,31 @@ class MemberRuntime:
         )
         if committed.generation == g and committed.state == GenState.COMMITTED:
             retire(self.pg)
+            if built:  # the device mesh's groups (FSDP2) train on this generation's too
+                for old in torch_group.swap_built(built, g):
+                    retire(old)
             self.pg, self.gen = pg, g
             if self.server is not None:
                 self.server.withdraw()
             log.info("switched group", extra={"generation": g, "rank": rank})
         else:
             retire(pg, idle=True)  # built, never used: the generation moved on before its commit
+            for _, inner in built[1:]:
+                retire(inner, idle=True)
+
+    def _build_mesh(self, m: Membership, rank: int, pg: Any) -> list:
+        """Phase 1 for the device mesh's groups (comm/torch_group.py): one communicator per
+        mesh group this rank is in, on generation m's store; [] without a mesh."""
+        if not torch_group.active():
+            return []
+        g = m.generation
+        store = generation_store(m.store, g, self.timeouts.collective)
+
+        def build(st: Any, r: int, n: int) -> Any:
+            return build_subgroup(st, f"generation {g}'s mesh group", r, n, self.timeouts.collective, self.backend,
+                                  should_abort=lambda: self.fenced.is_set() or self.m.generation != g)  # fmt: skip
+
+        return torch_group.build_inners(store, rank, pg, build)
 
     def wait_result(self, member: Callbacks) -> Membership:
         """After the last step: stay a member (serving, rebuilding) until DONE."""

@@ -47,6 +47,8 @@ class StatePull:
         return r if r is not None and r == self.committed else None
 
     def avg_step(self) -> int | None:
+        if self.reg.fsdp is not None:  # FSDP2: the step whose reduced gradient shards are complete here
+            return self._fsdp.voted
         return self._st.avg.step if self._st.avg else None
 
     def catch_up(self, m: Membership) -> dict[str, Any] | None:
@@ -55,6 +57,8 @@ class StatePull:
             return self._restart_from(m)
         if m.resume_step is None:
             return None
+        if self.reg.fsdp is not None:
+            return self._fsdp.catch_up(m)
         target = m.resume_step - 1  # last step that must be committed here
         if self.committed_step() == target:
             return self._stream_info if self.role == Role.SPARE else None
@@ -74,6 +78,8 @@ class StatePull:
         )
 
     def serve(self, m: Membership) -> None:
+        if self.reg.fsdp is not None:
+            return self._fsdp.serve(m)
         srv = self.runtime.server
         if srv is None or m.resume_step is None or self.committed_step() != m.resume_step - 1:
             return

@@ -53,6 +53,7 @@ class Registry:
         self.buffer_names: list[str] = []  # the model's persistent buffers: per-rank state
         self.zero: Any = None  # comm.zero1.Zero1 when registered with sharding="zero1"
         self.sync_start = True  # make the replicas rank 0's when the job forms (runtime/start_sync.py)
+        self.fsdp: list[int] | None = None  # FSDP2: the mesh shape the parameters are sharded on (runtime/fsdp2.py)
 
     def set(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
             extra: dict[str, Any], local: dict[str, Any] | None = None) -> None:  # fmt: skip
@@ -89,13 +90,35 @@ class Registry:
             sig.append([LOCAL_STATE_ENTRY, "mirrored", []])
         if self.zero is not None:  # a spare must shard the same way as the job
             sig.append([SHARDING_ENTRY, "zero1", [int(self.zero.mirror is not None)]])
+        if self.fsdp is not None:  # the mesh the script asked for (a spare's standby mesh is all ones)
+            sig.append([SHARDING_ENTRY, "fsdp2", list(self.fsdp)])
         return sig
+
+    def _model_sd(self, skip: set[str] | None = None) -> dict[str, Any]:
+        """The model's state_dict; under FSDP2 this rank's local shards of it."""
+        if self.model is None:
+            return {}
+        sd = self.model.state_dict()
+        if self.fsdp is not None:
+            from livemig.runtime.fsdp2 import to_local
+
+            sd = to_local(sd)
+        return {k: v for k, v in sd.items() if not skip or k not in skip}
+
+    def _opt_sd(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            return {}
+        if self.fsdp is not None:
+            from livemig.runtime.fsdp2 import to_local
+
+            return to_local(self.optimizer.state_dict())
+        return self.optimizer.state_dict()
 
     def state_obj(self) -> dict[str, Any]:
         """What every replica holds alike (with zero1 the optimizer lives in the shards)."""
-        opt = self.optimizer.state_dict() if self.optimizer is not None and self.zero is None else {}
+        opt = self._opt_sd() if self.zero is None else {}
         return {
-            "model": self.model.state_dict() if self.model is not None else {},
+            "model": self._model_sd(),
             "optimizer": opt,
             "extra": {k: v.state_dict() for k, v in self.extra.items()},
         }
@@ -115,17 +138,16 @@ class Registry:
     def replicated(self) -> dict[str, Any]:
         """What every rank holds alike: parameters, optimizer (values and param-group
         hyperparameters), extras."""
-        buffers = set(self.buffer_names)
-        model = {k: v for k, v in self.model.state_dict().items() if k not in buffers} if self.model else {}
-        opt = self.optimizer.state_dict() if self.optimizer is not None else {}
+        model = self._model_sd(set(self.buffer_names))
+        opt = self._opt_sd()
         return {"model": model, "optimizer": opt, "extra": {k: v.state_dict() for k, v in self.extra.items()}}
 
     def replica_digests(self) -> dict[str, str]:
         """Digests of what must be equal on every rank: the parameters (`<parameters>`), the
         optimizer's state and hyperparameters (`<optimizer>`, unless sharded), each extra."""
         rep = self.replicated()
-        out = {PARAMS_CHECK: _digest_of(rep["model"])}
-        if self.zero is None and self.optimizer is not None:
+        out = {PARAMS_CHECK: _digest_of(rep["model"])} if self.fsdp is None else {}  # FSDP2: shards differ
+        if self.zero is None and self.fsdp is None and self.optimizer is not None:
             out[OPTIMIZER_CHECK] = _digest_of(rep["optimizer"])
         return {**out, **{k: _digest_of(v) for k, v in rep["extra"].items()}}
 

@@ -169,6 +169,10 @@ class Standby:
         rec["peak_rss_mb"] = _peak_rss_mb()
         if h._ckpt.settings is not None or h._ckpt.resumed is not None:
             rec["checkpoints"] = h._ckpt.final()
+        if h.reg.fsdp is not None:  # the report compares replicas within each shard's group
+            from livemig.runtime.fsdp2 import shard_of
+
+            rec["fsdp_shard"] = shard_of(h.rank, h.reg.fsdp)
         if h._zero is not None:  # the report checks each mirror against its owner's shard
             rec["shard_digest"] = digest(h._zero.own.tensors_for_digest())
             if h._zero.mirror is not None:

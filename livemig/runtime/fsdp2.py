@@ -1,0 +1,354 @@
+"""FSDP2 and HSDP under livemig: the device mesh, the step's commit, and recovery by re-entry.
+
+`ctx.init_device_mesh` builds torch's DeviceMesh over groups livemig owns (comm/torch_group.py):
+their communicators are swapped at every generation change, so the mesh object and every
+group FSDP2 holds stay the same. `fully_shard` then works as usual; `ctx.register` recognises
+the DTensor parameters (this module's `Fsdp2` serves the engine for them).
+
+A step under FSDP2 communicates inside the user's code (the forward's all-gathers, the
+backward's reduce-scatters and the replicate all-reduce, the clip's norm), so a failure there
+cannot be finished in place the way the plain path finishes its one average: the collective
+raises `StepAborted` (a BaseException), the decorator catches it above the user's function,
+the member joins the recovery (its parameters and optimizer shards are those of its last
+boundary: nothing was stepped), and the function is entered again, as a claimed spare enters
+it. Code before the loop and the failed step's code before `ctx.step()` run again; the state
+of the boundary is put back into the rebuilt model and optimizer from memory (no checkpoint);
+code after `ctx.step()` has run exactly once per committed step. A rank that had every
+collective of the step complete (it voted to commit) and lost only the commit vote finishes the
+step in the recovery instead, like the plain path. The lost rank's shard comes from a replica
+peer holding the same shard (HSDP); its rank-local state from its mirror (exchanged at each
+boundary, so there is no replay: docs/architecture.md, "FSDP2 and HSDP").
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from livemig.comm import torch_group
+from livemig.comm.group import CollectiveAborted, allreduce_sum, ring_exchange
+from livemig.config import Role, buddy_stride
+from livemig.errors import ConfigError, RecoveryError
+from livemig.rdzv.membership import Membership
+from livemig.runtime.control import _Activate
+from livemig.runtime.step_state import LocalBlob
+from livemig.state import unpack
+from livemig.transfer import items
+
+log = logging.getLogger("livemig.runtime.fsdp2")
+
+
+def is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def to_local(obj: Any) -> Any:
+    """A state object with each DTensor replaced by this rank's local shard (what streams)."""
+    if is_dtensor(obj):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: to_local(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_local(v) for v in obj)
+    return obj
+
+
+def shard_of(rank: int, shape: list[int]) -> int:
+    """The shard index of `rank` in a mesh of `shape` (rank-major: the last dimension shards)."""
+    return rank % shape[-1]
+
+
+def shard_peers(rank: int, shape: list[int]) -> list[int]:
+    """The other ranks that hold the same shard (its replicas along the other dimensions)."""
+    world, s = math.prod(shape), shape[-1]
+    return [r for r in range(world) if r != rank and r % s == rank % s]
+
+
+class Fsdp2:
+    """Owned by api.Engine, kept across the function's re-entries (the mesh must survive them)."""
+
+    def __init__(self, host: Any) -> None:
+        self.h = host
+        self.mesh: Any = None
+        self.shape: list[int] = []  # the shape the script asked for (a standby mesh is all ones)
+        self._key: tuple | None = None
+        self.voted: int | None = None  # the step whose every collective completed here (its vote sent)
+        self.stash: Any = None  # the registry of the function's previous entry, until its state is moved
+        self.pending = ""  # a StepAborted caught above the function: the recovery to join
+
+    # -- the mesh ---------------------------------------------------------------------------
+    def init_device_mesh(self, device_type: str, mesh_shape: tuple[int, ...],
+                         mesh_dim_names: tuple[str, ...] | None = None) -> Any:  # fmt: skip
+        h = self.h
+        try:
+            shape = tuple(int(x) for x in mesh_shape)
+        except (TypeError, ValueError):
+            raise ConfigError(f"ctx.init_device_mesh: mesh_shape={mesh_shape!r} is not a tuple of ints") from None
+        if not shape or any(x < 1 for x in shape) or len(shape) > 2:
+            raise ConfigError(f"ctx.init_device_mesh: mesh_shape={shape}: expected 1 or 2 positive sizes "
+                              "((shard,) for FSDP, (replicate, shard) for HSDP)")  # fmt: skip
+        names = tuple(mesh_dim_names) if mesh_dim_names else None
+        # A spare in standby and a local run train as a world of one (sandbox/warmup.py)
+        one = h.role == Role.LOCAL or (h.role == Role.SPARE and h._joining is None)
+        if not one and math.prod(shape) != h.world_size:
+            raise ConfigError(f"ctx.init_device_mesh({shape}): the mesh has {math.prod(shape)} ranks but the job "
+                              f"has {h.world_size}: make the sizes multiply to --nproc")  # fmt: skip
+        key = (device_type, shape, names, one)
+        if self.mesh is not None and self._key == key:
+            return self.mesh  # entered again: the same mesh object, its groups swapped underneath
+        world, rank = (1, 0) if one else (h.world_size, h.rank)
+        torch_group.install_unformed(rank, world, h.timeouts.collective)
+        abort = h.runtime.moved_on if (h.runtime is not None and not one) else None
+        torch_group.set_guard(abort, h.timeouts.collective, before=self._before_collective)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(device_type, (1,) * len(shape) if one else shape, mesh_dim_names=names)
+        if len(shape) == 2:
+            self.mesh.get_group(0).role = "replicate"
+        self.shape, self._key = list(shape), key
+        return self.mesh
+
+    def _before_collective(self, kind: str) -> None:
+        """The fault plan's `during=fsdp_allgather|fsdp_reduce_scatter|replicate_allreduce|clip_norm`."""
+        h = self.h
+        if h._current is not None and not h.warming_up:
+            h._faults.at(h._current, kind)
+
+    # -- registration -----------------------------------------------------------------------
+    def check_register(self, sharding: str | None) -> None:
+        if sharding is not None:
+            raise ConfigError(f"ctx.register(sharding={sharding!r}): the model is already sharded by fully_shard; "
+                              "leave sharding unset")  # fmt: skip
+        if not self.shape:
+            raise ConfigError(
+                "ctx.register: the model is sharded (DTensor parameters) on a mesh livemig does not "
+                "own: build it with mesh = ctx.init_device_mesh(...), then fully_shard(..., mesh=mesh)"
+            )
+
+    # -- start-up ---------------------------------------------------------------------------
+    def sync_start(self) -> None:
+        """Replicas along `replicate` start from replica 0's shards (as DDP's broadcast), the
+        buffers from rank 0: a script that seeds per rank still trains one model."""
+        reg = self.h.reg
+        with torch.no_grad():
+            if len(self.shape) == 2 and self.shape[0] > 1:
+                rep = self.mesh.get_group(0)
+                for p in reg.params:
+                    dist.broadcast(p.to_local(), group=rep, group_src=0)
+            if reg.model is not None:
+                for b in reg.model.buffers():
+                    if not is_dtensor(b):
+                        dist.broadcast(b, src=0)
+
+    # -- the step ---------------------------------------------------------------------------
+    def no_sync(self, on: bool) -> None:
+        model = self.h.reg.model
+        mods = [model] if hasattr(model, "set_requires_gradient_sync") else [
+            m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]  # fmt: skip
+        for m in mods:
+            m.set_requires_gradient_sync(not on)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        torch_group.GUARD.check()
+        torch_group.GUARD.kind = "clip_norm"
+        try:
+            return torch.nn.utils.clip_grad_norm_(self.h._params, max_norm, norm_type)
+        finally:
+            torch_group.GUARD.kind = ""
+
+    def step(self, t: int) -> None:
+        """The commit point: one vote over the job's group that every rank's collectives of
+        step t completed, then the local optimizer step on this rank's shards."""
+        h = self.h
+        torch_group.GUARD.check()  # a collective of this step failed: never commit it
+        if h.runtime is None or h.world_size == 1:
+            h._commit(t, None)
+            return
+        self.voted = t
+        ctl = torch.ones(1)
+        try:
+            h.runtime.check_fenced()
+            h.runtime.enter_collective(t)
+            h._faults.at(t, "allreduce")
+            allreduce_sum(h.runtime.pg, [ctl], h.timeouts.collective, h.runtime.moved_on)
+            h._faults.at_commit_point(t, "the commit vote")
+            h.runtime.leave_collective()
+        except CollectiveAborted as exc:
+            h._join_recovery(t, exc)
+            if h.committed == t:  # a peer committed: finished from the shards held here (catch_up)
+                return
+            raise _Activate(h.runtime.gen, h.rank, redo=True) from None
+        h._commit(t, None)
+
+    def at_boundary(self, step: int) -> None:
+        """Keep the boundary (extras, hyperparameters, this rank's local state) and send the
+        local state to the right neighbour now: a spare taking a rank lost before the next
+        boundary starts from it, with no replay (the replay of the plain path would need the
+        mesh's collectives)."""
+        h = self.h
+        st = h._st
+        st.boundaries[step] = h.reg.pack_boundary()
+        st.boundaries.pop(step - 2, None)
+        if not h.reg.has_local:
+            return
+        st.local_blob = LocalBlob(step, h.reg.pack_local())
+        if h.runtime is None or h.world_size < 2 or h.runtime.pg is None or h.warming_up:
+            return
+        try:
+            got = ring_exchange(h.runtime.pg, st.local_blob.blob, h.rank, h.world_size, h.timeouts.collective,
+                                h.runtime.moved_on)  # fmt: skip
+        except CollectiveAborted as exc:  # between steps: nothing to redo, go on in the new group
+            h._join_recovery(None, exc)
+            return
+        st.mirrored[step] = got
+        st.mirrored.pop(step - 2, None)
+
+    # -- recovery ---------------------------------------------------------------------------
+    def caused(self, exc: BaseException) -> bool:
+        """Was an exception out of the user's function a consequence of a failed collective
+        (DTensor's functional collectives may wrap StepAborted in a RuntimeError)?"""
+        return isinstance(exc, torch_group.StepAborted) or (
+            bool(torch_group.GUARD.poisoned) and self.h.runtime is not None
+        )
+
+    def recover(self) -> _Activate:
+        """Above the user's function, after a failed collective: join the recovery, then
+        enter the function again to redo the step from the boundary held here."""
+        h = self.h
+        why, self.pending = self.pending, ""
+        t = h._current
+        log.warning("a collective of the step failed; redoing the step in the new group",
+                    extra={"step": t, "generation": h.runtime.gen, "why": why})  # fmt: skip
+        h._join_recovery(t, CollectiveAborted(why))
+        return _Activate(h.runtime.gen, h.rank, redo=True)
+
+    def keep(self) -> tuple:
+        """What survives the re-entry: the previous registry (its state moves into the new
+        one), the step records and the last commit."""
+        h = self.h
+        return h.reg, h._st, h.committed, h._loaded_step
+
+    def restore(self, kept: tuple) -> None:
+        h = self.h
+        self.stash, h._st, h.committed, h._loaded_step = kept
+
+    def load_stash(self) -> None:
+        """The re-entered function registered a new model and optimizer: give them the state
+        of the last boundary, held by the previous ones (nothing of the failed step was
+        applied: the optimizer steps only after the vote)."""
+        h, old = self.h, self.stash
+        self.stash = None
+        new = h.reg
+        if old is None:
+            raise RecoveryError("the step is redone but the state of its boundary is gone")
+        with torch.no_grad():
+            for po, pn in zip(old.params, new.params, strict=True):
+                pn.to_local().copy_(po.to_local())
+                pn.grad = None
+        if old.optimizer is not None and new.optimizer is not None:
+            olds = old.opt_params()
+            for i, pn in enumerate(new.opt_params()):
+                st = old.optimizer.state.get(olds[i])
+                if st:
+                    new.optimizer.state[pn] = st
+        self._load_boundary(h.committed)
+        self.voted = None
+        log.info("state of the boundary moved into the re-entered function", extra={"step": h.committed})
+
+    def _load_boundary(self, c: int) -> None:
+        h = self.h
+        blob = h._st.boundaries.get(c)
+        if blob is not None:
+            h.reg.load_boundary(unpack(blob))
+        if h.reg.has_local and h._st.local_blob is not None and h._st.local_blob.step == c:
+            h.reg.load_local(unpack(h._st.local_blob.blob))
+
+    def state(self) -> dict[str, Any]:
+        """This rank's shards (parameters, optimizer) and its boundary: what a spare taking a
+        rank of the same shard loads."""
+        h = self.h
+        reg = h.reg
+        opt = to_local(reg.optimizer.state_dict()) if reg.optimizer is not None else {}
+        return {"params": [p.to_local() for p in reg.params], "optimizer": opt,
+                "boundary": h._st.boundaries.get(h.committed)}  # fmt: skip
+
+    def serve(self, m: Membership) -> None:
+        h = self.h
+        srv = h.runtime.server
+        if srv is None or m.resume_step is None or h.committed_step() != m.resume_step - 1:
+            return
+        c, state = h.committed, self.state()
+        srv.publish(m.generation, items.STATE, lambda: (c + 1, state))
+        left = (h.rank - buddy_stride(h.world_size)) % h.world_size
+        blob = h._st.mirrored.get(c)
+        if blob is not None:
+            srv.publish(m.generation, items.local(left), lambda: (c + 1, {"blob": blob}))
+
+    def catch_up(self, m: Membership) -> dict[str, Any] | None:
+        h = self.h
+        target = m.resume_step - 1
+        if h.committed_step() == target:
+            return h._stream_info if h.role == Role.SPARE else None
+        if h.committed_step() is None or (h.role == Role.SPARE and h._current is None):
+            return self._pull(m)
+        if h.committed == target - 1 and h._current == target and self.voted == target:
+            h._commit(target, None)  # every collective of it completed here; a peer committed it
+            log.info("finished a step a peer committed, from the shards held here", extra={"step": target})
+            return None
+        raise RecoveryError(f"rank {h.rank} committed step {h.committed} and cannot reach the agreed resume "
+                            f"step {m.resume_step}")  # fmt: skip
+
+    def _pull(self, m: Membership) -> dict[str, Any]:
+        import time
+
+        h = self.h
+        t0 = time.monotonic()
+        peers = shard_peers(h.rank, self.shape)
+        addr, got = h._pull_any(m, items.STATE, ranks=peers)
+        self.load_state(got.state)
+        h.committed = got.step - 1
+        h._loaded_step = got.step
+        nbytes = got.nbytes
+        if h.reg.has_local and h.world_size > 1:
+            buddy = (h.rank + buddy_stride(h.world_size)) % h.world_size
+            where, part = h._pull_any(m, items.local(h.rank), ranks=[buddy])
+            if part.step != got.step:
+                raise RecoveryError(f"the local state of rank {h.rank} on rank {buddy} is of boundary "
+                                    f"{part.step - 1}, the spare needs {got.step - 1}")  # fmt: skip
+            h.reg.load_local(unpack(part.state["blob"]))
+            nbytes += part.nbytes
+            addr += f",{where}"
+        h._st.boundaries[h.committed] = h.reg.pack_boundary()
+        if h.reg.has_local:
+            h._st.local_blob = LocalBlob(h.committed, h.reg.pack_local())
+        h._stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
+        log.info("shards loaded", extra={"resume_step": got.step, "bytes": nbytes, "source": addr})
+        return h._stream_info
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """A peer's shards into this rank's (the same shard of the same model)."""
+        from torch.distributed.tensor import DTensor
+
+        reg = self.h.reg
+        with torch.no_grad():
+            for p, v in zip(reg.params, state["params"], strict=True):
+                p.to_local().copy_(v)
+        if reg.optimizer is not None and state["optimizer"]:
+            sd = state["optimizer"]
+            params = reg.opt_params()
+            per: dict[Any, Any] = {}
+            for i, st in sd["state"].items():
+                p = params[int(i)]
+                loc = p.to_local()
+                per[int(i)] = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                               if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == loc.shape else v
+                               for k, v in st.items()}  # fmt: skip
+            reg.optimizer.load_state_dict({"state": per, "param_groups": sd["param_groups"]})
+        if state.get("boundary") is not None:
+            reg.load_boundary(unpack(state["boundary"]))

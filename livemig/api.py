@@ -46,7 +46,7 @@ from livemig.runtime.batches import Batches
 from livemig.runtime.bugs import exit_on_bug
 from livemig.runtime.checkpoint import Checkpointer
 from livemig.runtime.control import _Activate, _Released, _Requeue, _Stop
-from livemig.runtime.fsdp2 import Fsdp2, is_dtensor
+from livemig.runtime.fsdp2 import Fsdp2, is_dtensor, units
 from livemig.runtime.loop import StepLoop
 from livemig.runtime.migration import Migration
 from livemig.runtime.pull import StatePull
@@ -183,6 +183,7 @@ class Engine(StepLoop, Zero1Steps, StatePull):
         self.reg.set(model, optimizer, extra, local)
         self.reg.sync_start = bool(sync_start)
         self.reg.fsdp = list(self._fsdp.shape) if fsdp else None
+        self.reg.fsdp_units = units(model) if fsdp else []
         if self._reducer is not None:
             self._reducer.remove()
         self._reducer, self.reg.zero = None, None

@@ -50,8 +50,8 @@ class Migrations:
         reject = ""
         if not isinstance(rank, int) or rank not in m.members:
             reject = f"rank {rank!r} is not a member of the job (world size {m.world_size})"
-        elif sharding_of((s.get(self.coord.keys.config) or {}).get("signature", []))[0]:
-            reject = "planned migration of a job with sharded optimizer state (zero1) is not supported yet"
+        elif mode := sharding_of((s.get(self.coord.keys.config) or {}).get("signature", []))[0]:
+            reject = f"planned migration of a job with sharded state ({mode}) is not supported yet"
         elif m.world_size < 2:
             reject = "a job of one rank has no group to keep training while the spare catches up"
         picks = [] if reject else self.coord._pick_spares(s, 1)

@@ -59,6 +59,13 @@ def to_local(obj: Any) -> Any:
     return obj
 
 
+def units(model: torch.nn.Module) -> list[str]:
+    """The modules fully_shard wrapped, by name ("" is the root): a spare must wrap the same."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
 def shard_of(rank: int, shape: list[int]) -> int:
     """The shard index of `rank` in a mesh of `shape` (rank-major: the last dimension shards)."""
     return rank % shape[-1]
@@ -213,6 +220,10 @@ class Fsdp2:
     def caused(self, exc: BaseException) -> bool:
         """Was an exception out of the user's function a consequence of a failed collective
         (DTensor's functional collectives may wrap StepAborted in a RuntimeError)?"""
+        from livemig.errors import LivemigError
+
+        if isinstance(exc, LivemigError):  # the recovery itself failed (the job failed, fenced): not the step's
+            return False
         return isinstance(exc, torch_group.StepAborted) or (
             bool(torch_group.GUARD.poisoned) and self.h.runtime is not None
         )

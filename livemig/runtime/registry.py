@@ -54,6 +54,7 @@ class Registry:
         self.zero: Any = None  # comm.zero1.Zero1 when registered with sharding="zero1"
         self.sync_start = True  # make the replicas rank 0's when the job forms (runtime/start_sync.py)
         self.fsdp: list[int] | None = None  # FSDP2: the mesh shape the parameters are sharded on (runtime/fsdp2.py)
+        self.fsdp_units: list[str] = []  # FSDP2: the modules fully_shard wrapped ("" is the root)
 
     def set(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
             extra: dict[str, Any], local: dict[str, Any] | None = None) -> None:  # fmt: skip
@@ -92,6 +93,7 @@ class Registry:
             sig.append([SHARDING_ENTRY, "zero1", [int(self.zero.mirror is not None)]])
         if self.fsdp is not None:  # the mesh the script asked for (a spare's standby mesh is all ones)
             sig.append([SHARDING_ENTRY, "fsdp2", list(self.fsdp)])
+            sig.append(["<fsdp2-units>", "fully_shard", list(self.fsdp_units)])  # the same wrapping
         return sig
 
     def _model_sd(self, skip: set[str] | None = None) -> dict[str, Any]:

@@ -1,0 +1,121 @@
+"""FSDP2 and HSDP (issue 32): one lost rank of a sharded job replaced exactly, every other rank
+keeping its process and its shard. The workload is a port-style loop (tests/helpers/fsdp_port.py:
+per-rank seed, accumulation under no_sync, clipping, the lr set by hand, a prefetched batch under
+local=, BatchNorm buffers, rank 0 saving) on a (replicate 2, shard 2) mesh of 4 workers.
+
+Each faulted run is compared with the fault-free run, rank by rank: local shards of the
+parameters and the optimizer state, buffers, the carried batch, and the report's rank digests.
+CI budget: ~3.5 min (the reference, four faulted HSDP runs, a plain-FSDP failure, a refusal).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.e2e.conftest import REPO, explain, livemig_run, rank_files, reference_of
+
+PORT = os.path.join(REPO, "tests", "helpers", "fsdp_port.py")
+STEPS = 14
+
+
+def _work(out: str, *extra: str) -> list[str]:
+    return ["--steps", str(STEPS), *extra, "--out", out]
+
+
+def _reference(references, *extra: str):
+    ref = reference_of(references, 4, PORT, _work("{out}", *extra))
+    ranks = rank_files(ref.out)
+    assert len(ranks) == 4
+    return ref.report, ranks
+
+
+@pytest.fixture(scope="session")
+def hsdp_reference(references):
+    return _reference(references)
+
+
+@pytest.fixture(scope="session")
+def stateless_reference(references):
+    return _reference(references, "--stateless")
+
+
+def _run(tmp_path, faults, spares=1, job="f", nproc=4, extra=(), env=None):
+    out = tmp_path / f"out-{job}"
+    out.mkdir()
+    run = livemig_run(tmp_path, nproc, spares=spares, faults=faults, script=PORT, job=job,
+                      workload=_work(str(out), *extra), timeout=300, env=env)  # fmt: skip
+    return run, rank_files(out)
+
+
+def _assert_exact(run, ranks, ref, recoveries: int) -> None:
+    ref_report, ref_ranks = ref
+    assert run.rc == 0, explain(run)
+    assert run.report["steps_completed"] == STEPS, explain(run)
+    assert run.report["replicas_identical"], explain(run)
+    assert len(run.report["recoveries"]) == recoveries, explain(run)
+    assert not run.report.get("faults_not_fired"), explain(run)
+    for r, want in ref_ranks.items():
+        for part in ("model", "optimizer", "carry"):
+            assert ranks[r][part] == want[part], f"rank {r}'s {part} differs from the fault-free run's"
+        assert ranks[r]["sums"] == want["sums"], f"rank {r}: a mesh dimension's all-reduce differs after recovery"
+    assert run.report["rank_digests"] == ref_report["rank_digests"], explain(run)
+
+
+def test_two_kills_between_steps_and_in_a_reduce_scatter_are_exact_and_keep_the_mesh(tmp_path, hsdp_reference):
+    """Rank 3 killed at a boundary, then rank 1 inside a backward reduce-scatter: two spares take
+    them; the survivors redo the failed step in place and keep their mesh object throughout."""
+    run, ranks = _run(tmp_path, ("kill:rank=3:step=4", "kill:rank=1:step=9:during=fsdp_reduce_scatter"), spares=2)
+    _assert_exact(run, ranks, hsdp_reference, recoveries=2)
+    for r in (0, 2):  # survivors of both recoveries: the function was entered 3 times, one mesh object
+        full = [e for e in ranks[r]["entries"] if e[3] == 4]
+        assert len(full) == 3, ranks[r]["entries"]
+        assert {e[2] for e in full} == {ranks[r]["mesh_id"]}, ranks[r]["entries"]
+    # (replicate 2, shard 2): rank = 2 * replicate + shard; the sums over each dimension
+    for r in range(4):
+        rep, sh = divmod(r, 2)
+        assert ranks[r]["sums"] == {"replicate": float(2 * sh + 4), "shard": float(4 * rep + 3)}, ranks[r]
+
+
+@pytest.mark.parametrize("during", ["fsdp_allgather", "replicate_allreduce", "clip_norm"])
+def test_a_kill_inside_each_collective_of_the_step_is_exact(tmp_path, hsdp_reference, during):
+    """The forward's all-gather, HSDP's replicate all-reduce, the clip's norm all-reduce."""
+    run, ranks = _run(tmp_path, (f"kill:rank=2:step=6:during={during}",), job=during.replace("_", ""))
+    _assert_exact(run, ranks, hsdp_reference, recoveries=1)
+    assert run.report["recoveries"][0]["rank"] == 2, explain(run)
+
+
+def test_a_kill_after_the_commit_vote_is_finished_by_the_survivors_and_exact(tmp_path, stateless_reference):
+    """Rank 2 dies right after its commit vote completed: the survivors commit the step (or
+    finish it from their shards in the recovery) and the spare starts after it."""
+    run, ranks = _run(tmp_path, ("kill:rank=2:step=6:during=before_commit",), job="vote", extra=("--stateless",))
+    _assert_exact(run, ranks, stateless_reference, recoveries=1)
+
+
+def test_local_state_lost_between_commit_and_boundary_fails_with_its_line(tmp_path):
+    """The window FSDP2 cannot cover live (docs/architecture.md): rank 2 dies after the step's
+    commit, before its boundary's local state reached its mirror; with no checkpoint the job
+    fails with the line naming the state, instead of going on with a guess."""
+    run, _ = _run(tmp_path, ("kill:rank=2:step=6:during=before_commit",), job="window")
+    assert run.rc != 0, explain(run)
+    reason = (run.report.get("result") or {}).get("reason", "")
+    assert "rank 2's local state (buffers, local=) of step 6 is lost" in reason, explain(run)
+
+
+def test_plain_fsdp_loss_fails_with_one_line_naming_the_shard(tmp_path):
+    """A 1-D mesh keeps one copy of each shard: without a checkpoint the job fails with its line."""
+    run, _ = _run(tmp_path, ("kill:rank=1:step=3",), nproc=3, job="plain", extra=("--replicate", "1"))
+    assert run.rc != 0, explain(run)
+    reason = (run.report.get("result") or {}).get("reason", "")
+    assert "FSDP2 shard 1 of rank 1 is lost" in reason and "plain FSDP" in reason, explain(run)
+
+
+def test_a_spare_wrapped_differently_is_refused_naming_the_difference(tmp_path):
+    """The spare wraps only the root: refused at claim time with the difference named, and the
+    job (no other spare) fails after the spare wait."""
+    run, _ = _run(tmp_path, ("kill:rank=0:step=3",), job="wrap", extra=("--spare-root-only",),
+                  env={"LIVEMIG_SPARE_WAIT": "4"})  # fmt: skip
+    assert run.rc != 0, explain(run)
+    text = explain(run)
+    assert "its model differs from the job's" in text and "fully_shard('', 'inp', 'mid')" in text, text

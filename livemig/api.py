@@ -175,7 +175,7 @@ class Engine(StepLoop, Zero1Steps, StatePull):
         """
         fsdp = model is not None and any(is_dtensor(p) for p in model.parameters())
         if fsdp:
-            self._fsdp.check_register(sharding)
+            self._fsdp.check_register(sharding, mirror)
         if sharding not in (None, "zero1"):
             raise ConfigError(f"ctx.register(sharding={sharding!r}): expected None or 'zero1'")
         if sharding and optimizer is None:
@@ -184,6 +184,7 @@ class Engine(StepLoop, Zero1Steps, StatePull):
         self.reg.sync_start = bool(sync_start)
         self.reg.fsdp = list(self._fsdp.shape) if fsdp else None
         self.reg.fsdp_units = units(model) if fsdp else []
+        self.reg.fsdp_mirror = fsdp and self._fsdp.want_mirror
         if self._reducer is not None:
             self._reducer.remove()
         self._reducer, self.reg.zero = None, None

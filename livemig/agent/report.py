@@ -85,7 +85,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
         "rank_digests": ranks,
         "replicas_identical": _replicas_identical(finals, replicated, world_size)
         and (not shards or shards["mirrors_exact"]),
-        **({"zero1": shards} if shards else {}),
+        **({("fsdp2" if any("fsdp_shard" in f for f in finals.values()) else "zero1"): shards} if shards else {}),
         **({"checkpoints": checkpoints_of(finals)} if any("checkpoints" in f for f in finals.values()) else {}),
         "members": {
             r: {

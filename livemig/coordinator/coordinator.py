@@ -40,6 +40,7 @@ from livemig.coordinator.migration import Migrations
 from livemig.coordinator.prune import stale_ops
 from livemig.coordinator.sharding import (
     first_mismatch,
+    fsdp_mirrored,
     fsdp_shape,
     has_local_state,
     lost_fsdp_shards,
@@ -443,8 +444,10 @@ class Coordinator:
         mode, mirrored = sharding_of(sig)
         vacant = [r for r in range(m.world_size) if r not in m.members]
         if mode in ("zero1", "fsdp2"):  # every shard needs a live holder; a rank behind finishes from its own
-            lost = (lost_shards(m.world_size, mirrored, set(holding), self._stride(s)) if mode == "zero1"
-                    else lost_fsdp_shards(fsdp_shape(sig), vacant, set(holding)))  # fmt: skip
+            if mode == "zero1":
+                lost = lost_shards(m.world_size, mirrored, set(holding), self._stride(s))
+            else:
+                lost = lost_fsdp_shards(fsdp_shape(sig), vacant, set(holding), fsdp_mirrored(sig), self._stride(s))
             if lost:
                 return self._cold(s, "; ".join(lost), since)
             short = [r for r, c in holding.items()

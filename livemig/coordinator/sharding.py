@@ -3,6 +3,8 @@ the coordinator and the CLI stay light). The mechanics are in comm/zero1.py."""
 
 from __future__ import annotations
 
+import math
+
 from livemig.config import LOCAL_STATE_ENTRY, SHARDING_ENTRY, buddy_stride
 
 
@@ -36,16 +38,31 @@ def fsdp_shape(sig: list) -> list[int]:
     return []
 
 
-def lost_fsdp_shards(shape: list[int], vacant: list[int], holding: set[int]) -> list[str]:
+def fsdp_mirrored(sig: list) -> bool:
+    """Does the FSDP2 job mirror each rank's shard on its right neighbour?"""
+    return any(isinstance(e, list | tuple) and len(e) == 3 and e[0] == "<fsdp2-mirror>" and e[1] == "mirrored"
+               for e in sig)  # fmt: skip
+
+
+def lost_fsdp_shards(shape: list[int], vacant: list[int], holding: set[int], mirrored: bool = False,
+                     stride: int = 1) -> list[str]:  # fmt: skip
     """FSDP2: lost ranks whose shard no survivor holds (a replica along the mesh's replicate
-    dimension), as readable lines. Rank r holds shard r % shape[-1]."""
-    n = shape[-1]
+    dimension, or its mirror on rank + stride), as readable lines. Rank r holds shard r % shape[-1]."""
+    n, world = shape[-1], math.prod(shape)
+    stride = buddy_stride(world, stride)
     out = []
     for r in vacant:
         peers = [x for x in holding if x % n == r % n]
-        if not peers:
-            why = ("every replica of it was lost" if len(shape) > 1 and shape[0] > 1
-                   else "plain FSDP keeps one copy of each shard (use an HSDP mesh, (replicate, shard))")  # fmt: skip
+        if not peers and not (mirrored and (r + stride) % world in holding):
+            if mirrored:
+                why = f"its replicas and its mirror rank {(r + stride) % world} were lost too"
+            elif len(shape) > 1 and shape[0] > 1:
+                why = "every replica of it was lost (ctx.register(mirror=True) mirrors each shard)"
+            else:
+                why = (
+                    "plain FSDP keeps one copy of each shard and its mirror is off "
+                    "(ctx.register(mirror=False) or LIVEMIG_FSDP2_MIRROR=0)"
+                )
             out.append(f"FSDP2 shard {r % n} of rank {r} is lost: {why}")
     return out
 

@@ -35,6 +35,7 @@ from livemig.config import Role, buddy_stride
 from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import Membership
 from livemig.runtime.control import _Activate
+from livemig.runtime.fsdp2_mirror import ShardMirror, grads_blob, shard_digest
 from livemig.runtime.step_state import LocalBlob
 from livemig.state import unpack
 from livemig.transfer import items
@@ -88,6 +89,8 @@ class Fsdp2:
         self.voted: int | None = None  # the step whose every collective completed here (its vote sent)
         self.stash: Any = None  # the registry of the function's previous entry, until its state is moved
         self.pending = ""  # a StepAborted caught above the function: the recovery to join
+        self.want_mirror = False  # mirror the left neighbour's shard (fsdp2_mirror.py)
+        self.mirror: ShardMirror | None = None  # kept across re-entries, as the shards are
 
     # -- the mesh ---------------------------------------------------------------------------
     def init_device_mesh(self, device_type: str, mesh_shape: tuple[int, ...],
@@ -128,7 +131,13 @@ class Fsdp2:
             h._faults.at(h._current, kind)
 
     # -- registration -----------------------------------------------------------------------
-    def check_register(self, sharding: str | None) -> None:
+    def check_register(self, sharding: str | None, mirror: bool | None) -> None:
+        import os
+
+        if mirror is None:  # plain FSDP keeps one copy of each shard: mirrored unless turned off
+            raw = os.environ.get("LIVEMIG_FSDP2_MIRROR", "")
+            mirror = raw not in ("0", "false", "no") if raw else len(self.shape) == 1
+        self.want_mirror = bool(mirror) and self.h.world_size > 1
         if sharding is not None:
             raise ConfigError(f"ctx.register(sharding={sharding!r}): the model is already sharded by fully_shard; "
                               "leave sharding unset")  # fmt: skip
@@ -152,6 +161,37 @@ class Fsdp2:
                 for b in reg.model.buffers():
                     if not is_dtensor(b):
                         dist.broadcast(b, src=0)
+
+    def setup_mirror(self) -> None:
+        """Each rank takes a copy of its left neighbour's shard as the job forms (ring exchange)."""
+        h = self.h
+        if not self.want_mirror or self.mirror is not None or h.runtime is None or h.runtime.pg is None:
+            return
+        from livemig.state import pack
+
+        got = ring_exchange(h.runtime.pg, pack(self._own()), h.rank, h.world_size, h.timeouts.collective,
+                            h.runtime.moved_on)  # fmt: skip
+        self._make_mirror(unpack(got))
+
+    def _make_mirror(self, state: dict[str, Any]) -> None:
+        h = self.h
+        left = (h.rank - buddy_stride(h.world_size)) % h.world_size
+        self.mirror = ShardMirror(left, state, h.reg.optimizer)
+        log.info("mirroring the shard of the left neighbour",
+                 extra={"of": left, "mib": round(self.mirror.nbytes() / 2**20, 2)})  # fmt: skip
+
+    def _own(self) -> dict[str, Any]:
+        reg = self.h.reg
+        return {"params": [p.to_local() for p in reg.params],
+                "optimizer": to_local(reg.optimizer.state_dict()) if reg.optimizer is not None else {}}  # fmt: skip
+
+    def final(self) -> dict[str, Any]:
+        """What the final record adds: this rank's shard digest, and its mirror's."""
+        if self.mirror is None:
+            return {}
+        return {"shard_digest": shard_digest(self.h.reg.params, self.h.reg.optimizer),
+                "mirror_of": self.mirror.of, "mirror_digest": self.mirror.digest(),
+                "mirror_mb": round(self.mirror.nbytes() / 2**20, 3)}  # fmt: skip
 
     # -- the step ---------------------------------------------------------------------------
     def no_sync(self, on: bool) -> None:
@@ -177,11 +217,15 @@ class Fsdp2:
         if h.runtime is None or h.world_size == 1:
             h._commit(t, None)
             return
-        self.voted = t
         ctl = torch.ones(1)
         try:
             h.runtime.check_fenced()
             h.runtime.enter_collective(t)
+            if self.mirror is not None:  # the gradient shard to its mirror, before anyone commits
+                got = ring_exchange(h.runtime.pg, grads_blob(h.reg.params), h.rank, h.world_size,
+                                    h.timeouts.collective, h.runtime.moved_on)  # fmt: skip
+                self.mirror.hold(t, got)
+            self.voted = t
             h._faults.at(t, "allreduce")
             allreduce_sum(h.runtime.pg, [ctl], h.timeouts.collective, h.runtime.moved_on)
             h._faults.at_commit_point(t, "the commit vote")
@@ -191,7 +235,12 @@ class Fsdp2:
             if h.committed == t:  # a peer committed: finished from the shards held here (catch_up)
                 return
             raise _Activate(h.runtime.gen, h.rank, redo=True) from None
-        h._commit(t, None)
+        self._commit(t)
+
+    def _commit(self, t: int) -> None:
+        self.h._commit(t, None)
+        if self.mirror is not None:
+            self.mirror.step(t, self.h.reg.hparams())
 
     def at_boundary(self, step: int) -> None:
         """Keep the boundary (extras, hyperparameters, this rank's local state) and send the
@@ -300,6 +349,9 @@ class Fsdp2:
         blob = h._st.mirrored.get(c)
         if blob is not None:
             srv.publish(m.generation, items.local(left), lambda: (c + 1, {"blob": blob}))
+        if self.mirror is not None:
+            mstate = self.mirror.state()
+            srv.publish(m.generation, items.fshard(self.mirror.of), lambda: (c + 1, mstate))
 
     def catch_up(self, m: Membership) -> dict[str, Any] | None:
         h = self.h
@@ -309,7 +361,7 @@ class Fsdp2:
         if h.committed_step() is None or (h.role == Role.SPARE and h._current is None):
             return self._pull(m)
         if h.committed == target - 1 and h._current == target and self.voted == target:
-            h._commit(target, None)  # every collective of it completed here; a peer committed it
+            self._commit(target)  # every collective of it completed here; a peer committed it
             log.info("finished a step a peer committed, from the shards held here", extra={"step": target})
             return None
         raise RecoveryError(f"rank {h.rank} committed step {h.committed} and cannot reach the agreed resume "
@@ -320,12 +372,28 @@ class Fsdp2:
 
         h = self.h
         t0 = time.monotonic()
-        peers = shard_peers(h.rank, self.shape)
-        addr, got = h._pull_any(m, items.STATE, ranks=peers)
+        peers = [r for r in shard_peers(h.rank, self.shape) if r in m.sources]
+        stride = buddy_stride(h.world_size)
+        buddy, left = (h.rank + stride) % h.world_size, (h.rank - stride) % h.world_size
+        if peers:  # HSDP: a replica of the same shard
+            addr, got = h._pull_any(m, items.STATE, ranks=peers)
+        elif self.want_mirror and buddy in m.sources:  # its mirror, on the right neighbour
+            addr, got = h._pull_any(m, items.fshard(h.rank), ranks=[buddy])
+            _, rest = h._pull_any(m, items.STATE, ranks=[buddy])  # the boundary (extras, hyperparameters)
+            got.state["boundary"] = rest.state.get("boundary")
+        else:
+            raise RecoveryError(f"no survivor holds FSDP2 shard {shard_of(h.rank, self.shape)} of rank {h.rank}")
         self.load_state(got.state)
         h.committed = got.step - 1
         h._loaded_step = got.step
         nbytes = got.nbytes
+        if self.want_mirror:  # our own mirror: the left neighbour's shard, from it
+            where, own = h._pull_any(m, items.STATE, ranks=[left])
+            if own.step != got.step:
+                raise RecoveryError(f"rank {left}'s shard is of boundary {own.step - 1}, need {got.step - 1}")
+            self._make_mirror(own.state)
+            nbytes += own.nbytes
+            addr += f",{where}"
         if h.reg.has_local and h.world_size > 1:
             buddy = (h.rank + buddy_stride(h.world_size)) % h.world_size
             where, part = h._pull_any(m, items.local(h.rank), ranks=[buddy])

@@ -52,6 +52,8 @@ class StepLoop:
             resumed = self._ckpt.resume()  # --resume-from: this rank's part of the chosen checkpoint
             if resumed is None:
                 self._sync_start()  # never after a load: the replicas hold the job's state already
+            if self.reg.fsdp is not None:
+                self._fsdp.setup_mirror()  # each rank's shard mirrored on its right neighbour
             else:
                 self.committed, start = resumed, resumed + 1
                 self._ckpt.at_boundary(resumed)  # resharded: written at once (runtime/checkpoint.py)

@@ -55,6 +55,7 @@ class Registry:
         self.sync_start = True  # make the replicas rank 0's when the job forms (runtime/start_sync.py)
         self.fsdp: list[int] | None = None  # FSDP2: the mesh shape the parameters are sharded on (runtime/fsdp2.py)
         self.fsdp_units: list[str] = []  # FSDP2: the modules fully_shard wrapped ("" is the root)
+        self.fsdp_mirror = False  # FSDP2: each shard mirrored on the right neighbour (runtime/fsdp2_mirror.py)
 
     def set(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
             extra: dict[str, Any], local: dict[str, Any] | None = None) -> None:  # fmt: skip
@@ -94,6 +95,7 @@ class Registry:
         if self.fsdp is not None:  # the mesh the script asked for (a spare's standby mesh is all ones)
             sig.append([SHARDING_ENTRY, "fsdp2", list(self.fsdp)])
             sig.append(["<fsdp2-units>", "fully_shard", list(self.fsdp_units)])  # the same wrapping
+            sig.append(["<fsdp2-mirror>", "mirrored" if self.fsdp_mirror else "unmirrored", []])
         return sig
 
     def _model_sd(self, skip: set[str] | None = None) -> dict[str, Any]:

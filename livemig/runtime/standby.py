@@ -173,6 +173,7 @@ class Standby:
             from livemig.runtime.fsdp2 import shard_of
 
             rec["fsdp_shard"] = shard_of(h.rank, h.reg.fsdp)
+            rec.update(h._fsdp.final())  # its mirror against the shard it mirrors, in the report
         if h._zero is not None:  # the report checks each mirror against its owner's shard
             rec["shard_digest"] = digest(h._zero.own.tensors_for_digest())
             if h._zero.mirror is not None:

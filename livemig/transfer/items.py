@@ -40,3 +40,8 @@ def local(rank: int) -> str:
 def zshard(shard: int) -> str:
     """A ZeRO-1 optimizer shard, served by its owner or its mirror."""
     return f"zshard/{shard}"
+
+
+def fshard(rank: int) -> str:
+    """Rank `rank`'s FSDP2 shard (parameters, optimizer), served by its mirror (runtime/fsdp2_mirror.py)."""
+    return f"fshard/{rank}"

@@ -5,7 +5,7 @@ local=, BatchNorm buffers, rank 0 saving) on a (replicate 2, shard 2) mesh of 4 
 
 Each faulted run is compared with the fault-free run, rank by rank: local shards of the
 parameters and the optimizer state, buffers, the carried batch, and the report's rank digests.
-CI budget: ~3.5 min (the reference, four faulted HSDP runs, a plain-FSDP failure, a refusal).
+CI budget: ~3.5 min (three references, six faulted HSDP runs, plain FSDP with and without its mirror, a refusal).
 """
 
 from __future__ import annotations
@@ -103,12 +103,22 @@ def test_local_state_lost_between_commit_and_boundary_fails_with_its_line(tmp_pa
     assert "rank 2's local state (buffers, local=) of step 6 is lost" in reason, explain(run)
 
 
-def test_plain_fsdp_loss_fails_with_one_line_naming_the_shard(tmp_path):
-    """A 1-D mesh keeps one copy of each shard: without a checkpoint the job fails with its line."""
-    run, _ = _run(tmp_path, ("kill:rank=1:step=3",), nproc=3, job="plain", extra=("--replicate", "1"))
-    assert run.rc != 0, explain(run)
-    reason = (run.report.get("result") or {}).get("reason", "")
-    assert "FSDP2 shard 1 of rank 1 is lost" in reason and "plain FSDP" in reason, explain(run)
+def test_plain_fsdp_recovers_from_the_shard_mirror_and_fails_with_one_line_without_it(tmp_path, references):
+    """A 1-D mesh keeps one copy of each shard: the mirror on the right neighbour (on by default
+    for plain FSDP) recovers a rank killed in a reduce-scatter exactly, each mirror equal to the
+    shard it mirrors at the end; with the mirror off the job fails with the line naming the shard."""
+    plain = ("--replicate", "1", "--stateless")
+    ref = reference_of(references, 3, PORT, _work("{out}", *plain))
+    ref_ranks = rank_files(ref.out)
+    run, ranks = _run(tmp_path, ("kill:rank=1:step=5:during=fsdp_reduce_scatter",), nproc=3, job="plain",
+                      extra=plain)  # fmt: skip
+    _assert_exact(run, ranks, (ref.report, ref_ranks), recoveries=1)
+    assert run.report["fsdp2"]["mirrored"] and run.report["fsdp2"]["mirrors_exact"], explain(run)
+    off, _ = _run(tmp_path, ("kill:rank=1:step=3",), nproc=3, job="nomirror", extra=plain,
+                  env={"LIVEMIG_FSDP2_MIRROR": "0"})  # fmt: skip
+    assert off.rc != 0, explain(off)
+    reason = (off.report.get("result") or {}).get("reason", "")
+    assert "FSDP2 shard 1 of rank 1 is lost" in reason and "mirror is off" in reason, explain(off)
 
 
 def test_a_spare_wrapped_differently_is_refused_naming_the_difference(tmp_path):

@@ -46,7 +46,7 @@ from livemig.runtime.batches import Batches
 from livemig.runtime.bugs import exit_on_bug
 from livemig.runtime.checkpoint import Checkpointer
 from livemig.runtime.control import _Activate, _Released, _Requeue, _Stop
-from livemig.runtime.fsdp2 import Fsdp2, is_dtensor, units
+from livemig.runtime.fsdp2 import Fsdp2
 from livemig.runtime.loop import StepLoop
 from livemig.runtime.migration import Migration
 from livemig.runtime.pull import StatePull
@@ -157,34 +157,24 @@ class Engine(StepLoop, Zero1Steps, StatePull):
                  local: dict[str, Any] | None = None, sync_start: bool = True, **extra: Any) -> None:  # fmt: skip
         """Name what moves on migration: anything with state_dict/load_state_dict.
 
-        Extras (`**extra`, e.g. scheduler=sched) are replicated: every rank holds
-        them alike, and a spare takes them from any peer. `local={name: obj}` is
-        rank-local state (a data position, a per-rank RNG, a metric accumulator):
-        mirrored on the next rank every step, so a spare taking rank r gets rank
-        r's own. The model's buffers are rank-local too (docs/architecture.md).
-        sharding="zero1" shards the optimizer state over the data-parallel
-        ranks (comm/zero1.py); `optimizer` is then a template (class and
-        param groups) that ctx.step() applies to this rank's shard. The shard
-        is mirrored on the next rank unless mirror=False (or
-        LIVEMIG_ZERO1_MIRROR=0), without which a lost shard cannot be recovered.
-        What could not be streamed is refused here, naming the entry.
-        When the job forms, every rank's model (parameters and buffers) and optimizer
-        state are made rank 0's before step 0, as DDP does when it wraps a model, so a
-        script that seeds per rank trains one model; sync_start=False skips it (the
-        ranks must then build equal replicas themselves: step 0 checks they did).
+        Extras (`**extra`, e.g. scheduler=sched) are replicated: a spare takes them from any
+        peer. `local={name: obj}` is rank-local state (a data position, a per-rank RNG),
+        mirrored on the next rank every step so a spare taking rank r gets r's own; buffers
+        are rank-local too. sharding="zero1" shards the optimizer state (comm/zero1.py; the
+        optimizer is a template); a model sharded by fully_shard is recognised by its
+        DTensor parameters (runtime/fsdp2.py). Shards are mirrored on the next rank unless
+        mirror=False, without which a lost shard cannot be recovered. At formation every
+        rank takes rank 0's model and optimizer state, as DDP does, unless sync_start=False
+        (step 0 then checks the replicas are equal). What cannot stream is refused here.
         """
-        fsdp = model is not None and any(is_dtensor(p) for p in model.parameters())
-        if fsdp:
-            self._fsdp.check_register(sharding, mirror)
+        fsdp = self._fsdp.check_register(model, sharding, mirror)  # FSDP2: DTensor parameters
         if sharding not in (None, "zero1"):
             raise ConfigError(f"ctx.register(sharding={sharding!r}): expected None or 'zero1'")
         if sharding and optimizer is None:
             raise ConfigError("ctx.register(sharding='zero1') needs the optimizer whose state it shards")
         self.reg.set(model, optimizer, extra, local)
         self.reg.sync_start = bool(sync_start)
-        self.reg.fsdp = list(self._fsdp.shape) if fsdp else None
-        self.reg.fsdp_units = units(model) if fsdp else []
-        self.reg.fsdp_mirror = fsdp and self._fsdp.want_mirror
+        self._fsdp.registered(fsdp)
         if self._reducer is not None:
             self._reducer.remove()
         self._reducer, self.reg.zero = None, None
@@ -207,11 +197,8 @@ class Engine(StepLoop, Zero1Steps, StatePull):
 
     def init_device_mesh(self, device_type: str, mesh_shape: tuple[int, ...],
                          mesh_dim_names: tuple[str, ...] | None = None) -> Any:  # fmt: skip
-        """torch's `init_device_mesh`, over process groups livemig owns: pass the mesh to
-        `fully_shard(module, mesh=mesh)` as usual. (shard,) is FSDP, (replicate, shard) HSDP.
-        The same object stays valid across every recovery (each generation's communicators
-        are swapped underneath); a spare in standby and a local run get a world-of-one mesh of
-        the same dimensions (runtime/fsdp2.py)."""
+        """torch's `init_device_mesh` over groups livemig owns, for `fully_shard(m, mesh=mesh)`:
+        (shard,) is FSDP, (replicate, shard) HSDP; the same object across recoveries (runtime/fsdp2.py)."""
         return self._fsdp.init_device_mesh(device_type, mesh_shape, mesh_dim_names)
 
     @property
@@ -315,26 +302,12 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                         ctx._standby.finish()
                         break
                     except _Activate as act:
-                        log.info("claimed", extra={"rank": act.rank, "generation": act.generation,
-                                                   "migration": act.migration, "restart": act.restart})  # fmt: skip
-                        if act.restart:
-                            ctx._standby.withdraw_final()  # the job is not done until it is written again
-                        commits = (ctx._st.commits, ctx._st.gen_steps) if act.restart else None
-                        kept = ctx._fsdp.keep() if act.redo else None
-                        ctx._reset_user_state()
-                        ctx.rank, ctx._joining = act.rank, act
-                        if commits is not None:  # a survivor of a cold restart: its commits stay its own
-                            ctx._st.commits, ctx._st.gen_steps = commits
-                        if kept is not None:  # FSDP2: the boundary's state moves into the rebuilt model
-                            ctx._fsdp.restore(kept)
+                        ctx._standby.activate(act)  # entered again: claimed, a cold restart, an FSDP2 redo
                     except _Requeue:
                         ctx._standby.requeue()
-                    except StepAborted as exc:
-                        ctx._fsdp.pending = str(exc) or "a collective failed"
-                    except Exception as exc:
-                        if not ctx._fsdp.caused(exc):
+                    except (StepAborted, Exception) as exc:
+                        if not ctx._fsdp.take(exc):  # FSDP2: a failed collective unwound the function
                             raise
-                        ctx._fsdp.pending = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 clean = True
                 fast_exit(ctx.role)
                 exit_past_abandoned_builds()

@@ -83,6 +83,23 @@ def digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def to_local(obj: Any) -> Any:
+    """A state object with each DTensor replaced by this rank's local shard (what streams)."""
+    if is_dtensor(obj):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: to_local(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_local(v) for v in obj)
+    return obj
+
+
 def signature(model_sd: Mapping[str, torch.Tensor]) -> list[list[Any]]:
     """(name, dtype, shape) of every model tensor: what a spare must match."""
     return [[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in model_sd.items()]

@@ -240,8 +240,10 @@ def sharded_state(finals: dict[str, dict]) -> dict[str, Any] | None:
         for r in ranks
         if "mirror_of" in finals[r] and finals[r].get("mirror_digest") != owner(finals[r]).get("shard_digest")
     ]
+    mirror_mb = [f["mirror_mb"] for f in finals.values() if "mirror_mb" in f]
     return {"state_digest": h.hexdigest(), "mirrors_exact": not bad, "mirror_mismatch_ranks": bad,
-            "mirrored": any("mirror_of" in f for f in finals.values())}  # fmt: skip
+            "mirrored": any("mirror_of" in f for f in finals.values()),
+            **({"mirror_mb_per_rank": max(mirror_mb)} if mirror_mb else {})}  # fmt: skip
 
 
 def _claimed(ev: dict) -> list[str]:

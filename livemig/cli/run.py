@@ -17,7 +17,7 @@ from livemig.agent.jobs import refuse_duplicate
 from livemig.agent.launcher import RunConfig, run
 from livemig.config import Timeouts
 from livemig.errors import ConfigError, LivemigError
-from livemig.faults import KINDS, USAGE, parse_fault
+from livemig.faults import IN_PROCESS_DURING, KINDS, PHASE_DURING, USAGE, parse_fault
 from livemig.rdzv.security import add_arguments as add_security_arguments
 
 OVERSUBSCRIBE = 4  # processes per core above which `livemig run` warns (each one is a Python with torch)
@@ -88,7 +88,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="PLAN",
-        help=f"a fault plan, {USAGE}; KIND: {', '.join(KINDS)} (livemig/faults.py); repeatable",
+        help=f"a fault plan, {USAGE}; KIND: {', '.join(KINDS)}; a kill's WHEN inside a step: "
+        f"{'|'.join(IN_PROCESS_DURING)}, in a recovery: {'|'.join(PHASE_DURING)} (livemig/faults.py); repeatable",
     )
     p.add_argument("--report", help="write the run report (JSON) here")
     p.add_argument(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any
 
 import torch
@@ -31,33 +32,16 @@ import torch.distributed as dist
 
 from livemig.comm import torch_group
 from livemig.comm.group import CollectiveAborted, allreduce_sum, ring_exchange
-from livemig.config import Role, buddy_stride
+from livemig.config import ENV_FSDP2_MIRROR, Role, buddy_stride
 from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import Membership
 from livemig.runtime.control import _Activate
 from livemig.runtime.fsdp2_mirror import ShardMirror, grads_blob, shard_digest
 from livemig.runtime.step_state import LocalBlob
-from livemig.state import unpack
+from livemig.state import is_dtensor, to_local, unpack
 from livemig.transfer import items
 
 log = logging.getLogger("livemig.runtime.fsdp2")
-
-
-def is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def to_local(obj: Any) -> Any:
-    """A state object with each DTensor replaced by this rank's local shard (what streams)."""
-    if is_dtensor(obj):
-        return obj.to_local()
-    if isinstance(obj, dict):
-        return {k: to_local(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(to_local(v) for v in obj)
-    return obj
 
 
 def units(model: torch.nn.Module) -> list[str]:
@@ -131,11 +115,12 @@ class Fsdp2:
             h._faults.at(h._current, kind)
 
     # -- registration -----------------------------------------------------------------------
-    def check_register(self, sharding: str | None, mirror: bool | None) -> None:
-        import os
-
+    def check_register(self, model: torch.nn.Module | None, sharding: str | None, mirror: bool | None) -> bool:
+        """Is `model` sharded by fully_shard (DTensor parameters)? Refuses what cannot be served."""
+        if model is None or not any(is_dtensor(p) for p in model.parameters()):
+            return False
         if mirror is None:  # plain FSDP keeps one copy of each shard: mirrored unless turned off
-            raw = os.environ.get("LIVEMIG_FSDP2_MIRROR", "")
+            raw = os.environ.get(ENV_FSDP2_MIRROR, "")
             mirror = raw not in ("0", "false", "no") if raw else len(self.shape) == 1
         self.want_mirror = bool(mirror) and self.h.world_size > 1
         if sharding is not None:
@@ -146,6 +131,14 @@ class Fsdp2:
                 "ctx.register: the model is sharded (DTensor parameters) on a mesh livemig does not "
                 "own: build it with mesh = ctx.init_device_mesh(...), then fully_shard(..., mesh=mesh)"
             )
+        return True
+
+    def registered(self, fsdp: bool) -> None:
+        """What the registry records of the sharding (its signature: what a spare must match)."""
+        reg = self.h.reg
+        reg.fsdp = list(self.shape) if fsdp else None
+        reg.fsdp_units = units(reg.model) if fsdp else []
+        reg.fsdp_mirror = fsdp and self.want_mirror
 
     # -- start-up ---------------------------------------------------------------------------
     def sync_start(self) -> None:
@@ -161,6 +154,15 @@ class Fsdp2:
                 for b in reg.model.buffers():
                     if not is_dtensor(b):
                         dist.broadcast(b, src=0)
+
+    def check_checkpoints(self, wanted: bool) -> None:
+        """Checkpoints of FSDP2 shards are not written yet: refused before step 0 rather than
+        written as parts a cold restart could not load into the sharded model."""
+        if wanted and self.h.reg.fsdp is not None:
+            raise ConfigError(
+                "checkpoints (--checkpoint-dir, --resume-from, ctx.checkpoints) of an FSDP2 model are not "
+                "supported yet: run without them (live recovery covers one lost rank per shard)"
+            )
 
     def setup_mirror(self) -> None:
         """Each rank takes a copy of its left neighbour's shard as the job forms (ring exchange)."""
@@ -276,6 +278,14 @@ class Fsdp2:
         return isinstance(exc, torch_group.StepAborted) or (
             bool(torch_group.GUARD.poisoned) and self.h.runtime is not None
         )
+
+    def take(self, exc: BaseException) -> bool:
+        """An exception out of the user's function: a failed collective's (the recovery to join
+        is then pending: True), or not (False: the caller raises it on)."""
+        if not self.caused(exc):
+            return False
+        self.pending = str(exc).splitlines()[0][:200] if str(exc) else "a collective failed"
+        return True
 
     def recover(self) -> _Activate:
         """Above the user's function, after a failed collective: join the recovery, then

@@ -46,17 +46,18 @@ class StepLoop:
             start = self.committed + 1
         elif self.role == Role.WORKER:
             self._faults.gate.check_total(total)  # a fault plan's step the job never reaches: refused now
+            self._fsdp.check_checkpoints(self._ckpt.settings is not None or bool(self._ckpt.resume_path))
             self.runtime.register(self.rank, host_store=self.rank == 0)
             self._standby.register_signature()
             self.runtime.follow(1, self)
             resumed = self._ckpt.resume()  # --resume-from: this rank's part of the chosen checkpoint
             if resumed is None:
                 self._sync_start()  # never after a load: the replicas hold the job's state already
-            if self.reg.fsdp is not None:
-                self._fsdp.setup_mirror()  # each rank's shard mirrored on its right neighbour
             else:
                 self.committed, start = resumed, resumed + 1
                 self._ckpt.at_boundary(resumed)  # resharded: written at once (runtime/checkpoint.py)
+            if self.reg.fsdp is not None:
+                self._fsdp.setup_mirror()  # each rank's shard mirrored on its right neighbour
             self._gathered_gen = self.runtime.gen  # every rank holds rank 0's initial model (or the loaded one)
         elif self.role == Role.SPARE:
             if self._joining is None:

@@ -18,7 +18,7 @@ import torch
 
 from livemig.config import ENV_LOCAL_MAX_MB, LOCAL_STATE_ENTRY, SHARDING_ENTRY
 from livemig.errors import ConfigError
-from livemig.state import digest, flatten, pack, signature
+from livemig.state import digest, flatten, pack, signature, to_local
 
 PARAMS_CHECK, OPTIMIZER_CHECK = "<parameters>", "<optimizer>"  # replica_digests' entries besides the extras
 
@@ -104,8 +104,6 @@ class Registry:
             return {}
         sd = self.model.state_dict()
         if self.fsdp is not None:
-            from livemig.runtime.fsdp2 import to_local
-
             sd = to_local(sd)
         return {k: v for k, v in sd.items() if not skip or k not in skip}
 
@@ -113,8 +111,6 @@ class Registry:
         if self.optimizer is None:
             return {}
         if self.fsdp is not None:
-            from livemig.runtime.fsdp2 import to_local
-
             return to_local(self.optimizer.state_dict())
         return self.optimizer.state_dict()
 

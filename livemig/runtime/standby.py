@@ -155,6 +155,24 @@ class Standby:
         h.rank = int(os.environ.get(ENV_RANK, "0"))
         self.started = time.monotonic()
 
+    def activate(self, act: _Activate) -> None:
+        """The function is entered again with `act`'s rank: a claimed spare, a survivor of a cold
+        restart (its commits stay its own) or of an FSDP2 redo (the boundary's state moves
+        into the rebuilt model: runtime/fsdp2.py)."""
+        h = self._host
+        log.info("claimed", extra={"rank": act.rank, "generation": act.generation,
+                                   "migration": act.migration, "restart": act.restart, "redo": act.redo})  # fmt: skip
+        if act.restart:
+            self.withdraw_final()  # the job is not done until it is written again
+        commits = (h._st.commits, h._st.gen_steps) if act.restart else None
+        kept = h._fsdp.keep() if act.redo else None
+        h._reset_user_state()
+        h.rank, h._joining = act.rank, act
+        if commits is not None:
+            h._st.commits, h._st.gen_steps = commits
+        if kept is not None:
+            h._fsdp.restore(kept)
+
     def write_final(self) -> None:
         h = self._host
         rt = h.runtime

@@ -5,7 +5,8 @@ local=, BatchNorm buffers, rank 0 saving) on a (replicate 2, shard 2) mesh of 4 
 
 Each faulted run is compared with the fault-free run, rank by rank: local shards of the
 parameters and the optimizer state, buffers, the carried batch, and the report's rank digests.
-CI budget: ~3.5 min (three references, six faulted HSDP runs, plain FSDP with and without its mirror, a refusal).
+CI budget: ~4 min (three references, six faulted HSDP runs, plain FSDP with and without its mirror,
+three refusals).
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ def stateless_reference(references):
     return _reference(references, "--stateless")
 
 
-def _run(tmp_path, faults, spares=1, job="f", nproc=4, extra=(), env=None):
+def _run(tmp_path, faults, spares=1, job="f", nproc=4, extra=(), env=None, cli=()):
     out = tmp_path / f"out-{job}"
     out.mkdir()
-    run = livemig_run(tmp_path, nproc, spares=spares, faults=faults, script=PORT, job=job,
+    run = livemig_run(tmp_path, nproc, spares=spares, faults=faults, script=PORT, job=job, extra=tuple(cli),
                       workload=_work(str(out), *extra), timeout=300, env=env)  # fmt: skip
     return run, rank_files(out)
 
@@ -129,3 +130,19 @@ def test_a_spare_wrapped_differently_is_refused_naming_the_difference(tmp_path):
     assert run.rc != 0, explain(run)
     text = explain(run)
     assert "its model differs from the job's" in text and "fully_shard('', 'inp', 'mid')" in text, text
+
+
+def test_what_fsdp2_does_not_serve_yet_is_refused_with_one_line(tmp_path, hsdp_reference):
+    """A planned migration of an HSDP rank is rejected (the job trains on, exact, no recovery);
+    checkpoints of FSDP2 shards are refused before step 0 instead of written as parts a cold
+    restart could not load."""
+    run, ranks = _run(tmp_path, ("migrate:rank=1:step=4",), job="mig")
+    _assert_exact(run, ranks, hsdp_reference, recoveries=0)
+    text = explain(run) + str(run.report.get("migrations"))
+    assert "planned migration of a job with sharded state (fsdp2) is not supported yet" in text, text
+    ck, _ = _run(
+        tmp_path, (), spares=0, job="ckpt", cli=("--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5")
+    )
+    assert ck.rc != 0, explain(ck)
+    reason = (ck.report.get("result") or {}).get("reason", "")
+    assert "checkpoints (--checkpoint-dir, --resume-from, ctx.checkpoints) of an FSDP2 model" in reason, explain(ck)

@@ -19,23 +19,23 @@ import argparse
 import math
 
 import torch
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 import livemig
 from livemig.data import ElasticSampler
 
-VOCAB, CTX, WIDTH, HEADS, LAYERS = 64, 32, 64, 4, 2
+VOCAB, CTX, HEADS = 64, 32, 4
 
 
 class Block(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.ln1 = torch.nn.LayerNorm(WIDTH)
-        self.attn = torch.nn.MultiheadAttention(WIDTH, HEADS, batch_first=True)
-        self.ln2 = torch.nn.LayerNorm(WIDTH)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(),
-                                       torch.nn.Linear(4 * WIDTH, WIDTH))  # fmt: skip
+        self.ln1 = torch.nn.LayerNorm(width)
+        self.attn = torch.nn.MultiheadAttention(width, HEADS, batch_first=True)
+        self.ln2 = torch.nn.LayerNorm(width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * width, width))  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[1]
@@ -46,13 +46,13 @@ class Block(torch.nn.Module):
 
 
 class TinyGPT(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 64, layers: int = 2) -> None:
         super().__init__()
-        self.tok = torch.nn.Embedding(VOCAB, WIDTH)
-        self.pos = torch.nn.Parameter(torch.zeros(CTX, WIDTH))
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln = torch.nn.LayerNorm(WIDTH)
-        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        self.tok = torch.nn.Embedding(VOCAB, width)
+        self.pos = torch.nn.Parameter(torch.zeros(CTX, width))
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, VOCAB, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos[: idx.shape[1]]
@@ -71,6 +71,20 @@ def corpus(n: int) -> TensorDataset:
     return TensorDataset(seq[:, :-1], seq[:, 1:])
 
 
+def sharded(mesh: object, width: int, layers: int, mp: str = "", reshard: bool = True) -> TinyGPT:
+    """The model as FSDP2 scripts wrap it: each block, then the root. mp="bf16": parameters
+    gathered and computed in bf16, gradients reduced in fp32 (MixedPrecisionPolicy)."""
+    kw: dict = {"mesh": mesh, "reshard_after_forward": reshard}
+    if mp == "bf16":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)  # every rank builds the same model; fully_shard keeps its slice
+    model = TinyGPT(width, layers)
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
 def lr_at(step: int, total: int, base: float = 3e-3, warmup: int = 5) -> float:
     if step < warmup:
         return base * (step + 1) / warmup
@@ -78,14 +92,11 @@ def lr_at(step: int, total: int, base: float = 3e-3, warmup: int = 5) -> float:
 
 
 @livemig.elastic()
-def train(ctx: livemig.Context, steps: int, replicate: int) -> None:
-    torch.manual_seed(0)  # every rank builds the same model; fully_shard keeps its slice
+def train(ctx: livemig.Context, steps: int, replicate: int, width: int = 64, layers: int = 2, mp: str = "",
+          reshard: bool = True) -> None:  # fmt: skip
     shard = max(1, ctx.world_size // replicate)
     mesh = ctx.init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("replicate", "shard"))
-    model = TinyGPT()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded(mesh, width, layers, mp, reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=lr_at(0, steps), weight_decay=0.1)
     ctx.register(model=model, optimizer=opt)
     # each rank reads its own batches of the step (placed by ctx.batches at the step the loop runs)
@@ -108,8 +119,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--replicate", type=int, default=2, help="the mesh's replicate size (1: plain FSDP)")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--mp", choices=("", "bf16"), default="", help="bf16: MixedPrecisionPolicy(bf16, fp32 reduce)")
+    p.add_argument("--no-reshard", action="store_true", help="fully_shard(reshard_after_forward=False)")
     a = p.parse_args()
-    train(a.steps, a.replicate)
+    torch.set_num_threads(1)
+    train(a.steps, a.replicate, a.width, a.layers, a.mp, not a.no_reshard)
 
 
 if __name__ == "__main__":

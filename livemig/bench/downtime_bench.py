@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -47,14 +48,14 @@ DDP = os.path.join(ROOT, "examples", "ddp_baseline.py")
 
 def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
                 env: dict | None = None, metrics: bool = False, checkpoint: Any = None,
-                recovery: str = "live") -> dict[str, Any]:  # fmt: skip
+                recovery: str = "live", script: str | None = None) -> dict[str, Any]:  # fmt: skip
     """fault: True = SIGKILL rank 1 after --fail-at; "migrate" = planned migration of rank 1 there.
     metrics: serve --metrics-port and scrape it once a second (15x Prometheus' usual rate)."""
     zero1 = getattr(a, "sharding", "none") == "zero1"
     old = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})  # the launcher passes its environment on to the workers
     cfg = RunConfig(
-        script=MLP_ZERO1 if zero1 else MLP, args=workload,
+        script=script or (MLP_ZERO1 if zero1 else MLP), args=workload,
         nproc=a.workers, spares=a.spares,  # an idle spare in fault_free too
         job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True, max_wall=a.run_timeout,
         faults=[parse_fault(f"{'migrate' if fault == 'migrate' else 'kill'}:rank=1:step={a.fail_at}")] if fault else [],
@@ -89,6 +90,7 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
         "median_step_s": rep["step_time_s_median"], "downtime_s": rec.get("downtime_s"),
         "phases": rec.get("phases", {}), "ok": (rep["result"] or {}).get("state") == "done",
         "kind": rec.get("kind"), "steps_redone": rec.get("steps_redone"),
+        "fsdp2": rep.get("fsdp2"),
         "peak_rss_mb": max((x.get("peak_rss_mb", 0.0) for x in rep.get("members", {}).values()), default=0.0),
     }  # fmt: skip
 
@@ -104,13 +106,15 @@ def _commits(out: str) -> list[tuple[int, float, int]]:
     return rows
 
 
-def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str], ckpt_every: int = 0) -> dict[str, Any]:
-    """ckpt_every: torch.save every N steps on rank 0 without a fault (bench checkpoint)."""
+def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str], ckpt_every: int = 0,
+            script: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """ckpt_every: torch.save every N steps on rank 0 without a fault (bench checkpoint).
+    script: another torchrun baseline with the same flags (examples/fsdp2_baseline.py)."""
     out = tempfile.mkdtemp(prefix="livemig-ddp-")
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(a.workers),
             "--max-restarts", "3" if fault else "0", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", DDP, *workload, "--out-dir", out]  # fmt: skip
-    if getattr(a, "sharding", "none") == "zero1":
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", script or DDP, *workload, "--out-dir", out]  # fmt: skip
+    if script is None and getattr(a, "sharding", "none") == "zero1":
         args.append("--zero1")
     if fault or ckpt_every:
         args += ["--ckpt-dir", out, "--ckpt-every", str(ckpt_every or a.ckpt_every)]
@@ -142,10 +146,9 @@ def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str], ckpt_every:
     # (teardown races of the agent store) is kept for reference, not judged.
     res: dict[str, Any] = {"wall_s": wall, "torchrun_rc": p.returncode}
     try:
-        with open(os.path.join(out, "final.json")) as f:
-            final = json.load(f)
+        final = _final(out)
         res["digest"], res["steps"] = final["digest"], final["steps"]
-    except OSError:
+    except (OSError, KeyError, ValueError):
         res["digest"], res["steps"] = "", 0
     res["ok"] = res["steps"] == a.steps
     res["commit_times"] = [[st, min(v)] for st, v in sorted(by_step.items())]  # each step's first commit
@@ -166,6 +169,24 @@ def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str], ckpt_every:
             res["phases"] = {"detect+restart": restart, "redo": max(0.0, min(after_new) - kill_t - restart)}
             res["steps_redone"] = len({s for s, t, _, _ in rows if t > kill_t and s <= done_before})
     return res
+
+
+def _final(out: str) -> dict[str, Any]:
+    """The baseline's final record: rank 0's (the whole replicated state), or one per rank
+    (sharded state: each rank's local shards), combined in rank order."""
+    one = os.path.join(out, "final.json")
+    if os.path.exists(one):
+        with open(one) as f:
+            return json.load(f)
+    parts = sorted(glob.glob(os.path.join(out, "final-*.json")), key=lambda p: int(p.rsplit("-", 1)[1][:-5]))
+    if not parts:
+        raise OSError(f"no final record in {out}")
+    finals = []
+    for p in parts:
+        with open(p) as f:
+            finals.append(json.load(f))
+    h = hashlib.sha256("".join(x["digest"] for x in finals).encode())
+    return {"digest": h.hexdigest(), "steps": min(x["steps"] for x in finals)}
 
 
 def _fmt(xs: list[float]) -> str:
@@ -191,7 +212,9 @@ def workload_args(a: argparse.Namespace) -> list[str]:
 
 
 def add_sharding_argument(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--sharding", choices=("none", "zero1"), default="none", help=f"zero1: {what}")
+    p.add_argument("--sharding", choices=("none", "zero1", "fsdp2"), default="none",
+                   help=f"zero1: {what}; fsdp2: examples/fsdp2_lm.py under HSDP against torch FSDP2 "
+                   "(bench/fsdp2_bench.py)")  # fmt: skip
 
 
 def add_downtime_arguments(p: argparse.ArgumentParser) -> None:
@@ -205,6 +228,10 @@ def add_downtime_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_downtime(a: argparse.Namespace) -> int:
+    if a.sharding == "fsdp2":
+        from livemig.bench import fsdp2_bench
+
+        return fsdp2_bench.run_downtime(a)
     if a.workers < 2 or not 0 <= a.fail_at < a.steps - 1:
         raise SystemExit("livemig bench downtime: need --workers >= 2 and 0 <= --fail-at < --steps - 1")
     workload = workload_args(a)
@@ -370,6 +397,10 @@ def _ratio(name: str, num: list[float], den: list[float]) -> tuple[str, float]:
 
 def run_overhead(a: argparse.Namespace) -> int:
     """Median step times measured side by side, interleaved round by round."""
+    if a.sharding == "fsdp2":
+        from livemig.bench import fsdp2_bench
+
+        return fsdp2_bench.run_overhead(a)
     workload = workload_args(a)
     a.spares, a.fail_at, a.ckpt_every = 0, 0, 0
     zero1 = a.sharding == "zero1"

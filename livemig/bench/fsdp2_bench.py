@@ -1,0 +1,137 @@
+"""`livemig bench overhead --sharding fsdp2` and `bench downtime --sharding fsdp2`: livemig's FSDP2
+path next to the same model, mesh and data in torch FSDP2 under torchrun (examples/fsdp2_lm.py
+and examples/fsdp2_baseline.py), measured side by side in interleaved rounds: this machine is
+shared and noisy, so only the ratios of one run are read, never an absolute time alone.
+
+The workload: a GPT-style model (examples/fsdp2_lm.py) under HSDP (replicate 2 x shard 2 on the
+default 4 workers; plain FSDP on an odd count). The common workload flags keep their meaning;
+with --sharding fsdp2 their defaults become 4 workers, width 128, 4 layers, 5 rounds (and
+`overhead`'s 60 steps 30).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from typing import Any
+
+from livemig.bench.downtime_bench import ROOT, _fmt, _ratio, _row, run_ddp, run_livemig
+
+LM = os.path.join(ROOT, "examples", "fsdp2_lm.py")
+BASELINE = os.path.join(ROOT, "examples", "fsdp2_baseline.py")
+MIRROR_ON = {"LIVEMIG_FSDP2_MIRROR": "1"}
+
+
+def _workload(a: argparse.Namespace) -> list[str]:
+    """The common flags' fsdp2 defaults (a 4-rank HSDP job sized for 2 cores), then the script's flags."""
+    defaults = {"workers": (2, 4), "width": (1024, 128), "layers": (8, 4), "repeat": (3, 5), "steps": (60, 30)}
+    for k, (common, ours) in defaults.items():
+        if getattr(a, k) == common:
+            setattr(a, k, ours)
+    replicate = 2 if a.workers >= 4 and a.workers % 2 == 0 else 1
+    return ["--steps", str(a.steps), "--width", str(a.width), "--layers", str(a.layers),
+            "--replicate", str(replicate)]  # fmt: skip
+
+
+def run_overhead(a: argparse.Namespace) -> int:
+    """Step time against torch FSDP2 with the same model and mesh: without and with the mirror,
+    and with MixedPrecisionPolicy(bf16) and reshard_after_forward=False on both sides."""
+    base = _workload(a)
+    a.spares, a.fail_at, a.ckpt_every = 0, 0, 0
+    variants = {"": [], " bf16": ["--mp", "bf16"], " no-reshard": ["--no-reshard"]}
+    runs: dict[str, Any] = {}
+    for tag, flags in variants.items():
+        w = base + flags
+        runs[f"torch FSDP2{tag}"] = lambda w=w: run_ddp(a, False, w, script=BASELINE)
+        runs[f"livemig{tag}"] = lambda w=w: run_livemig(a, False, w, script=LM)
+        if not tag:
+            runs["livemig + mirror"] = lambda w=w: run_livemig(a, False, w, MIRROR_ON, script=LM)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    mirror_mb: list[float] = []
+    for r in range(a.repeat):
+        print(f"  round {r + 1}/{a.repeat} ...", flush=True)
+        for name, fn in runs.items():
+            res = fn()
+            if not res.get("ok", True) or not res.get("median_step_s"):
+                raise SystemExit(f"livemig bench overhead: the {name!r} run failed (steps {res.get('steps')})")
+            times[name].append(res["median_step_s"])
+            if (res.get("fsdp2") or {}).get("mirror_mb_per_rank"):
+                mirror_mb.append(res["fsdp2"]["mirror_mb_per_rank"])
+    print(f"steady-state step time, examples/fsdp2_lm.py {' '.join(base)} on {a.workers} workers, "
+          f"{a.repeat} interleaved rounds, median (min-max)")  # fmt: skip
+    for name, xs in times.items():
+        print(_row(name, xs))
+    pairs = [("livemig / FSDP2 (<= 1.05)", "livemig", "torch FSDP2"),
+             ("mirror / FSDP2", "livemig + mirror", "torch FSDP2"),
+             ("mirror / livemig", "livemig + mirror", "livemig"),
+             ("bf16: livemig / FSDP2", "livemig bf16", "torch FSDP2 bf16"),
+             ("no-reshard: livemig / FSDP2", "livemig no-reshard", "torch FSDP2 no-reshard")]  # fmt: skip
+    out: dict[str, Any] = {"step_s": times, "ratios": {}, "workload": base}
+    print("ratios (median of the rounds' pairs)")
+    for label, x, y in pairs:
+        line, med = _ratio(label, times[x], times[y])
+        print(line)
+        out["ratios"][label] = med
+    if mirror_mb:
+        out["mirror_mb_per_rank"] = statistics.median(mirror_mb)
+        print(f"the mirror's memory per rank: {out['mirror_mb_per_rank']:.2f} MiB (one more shard of parameters "
+              "and AdamW state)")  # fmt: skip
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+def run_downtime(a: argparse.Namespace) -> int:
+    """A rank SIGKILLed after --fail-at: livemig's live recovery onto a spare against torchrun
+    restarting the whole job from its newest DCP checkpoint (every --ckpt-every steps)."""
+    w = _workload(a)
+    if not 0 <= a.fail_at < a.steps - 1:
+        raise SystemExit("livemig bench downtime: need 0 <= --fail-at < --steps - 1")
+    approaches = {
+        "fault_free": lambda: run_livemig(a, False, w, script=LM),
+        "torch_fsdp2": lambda: run_ddp(a, False, w, script=BASELINE),
+        "livemig": lambda: run_livemig(a, True, w, script=LM),
+        "restart_dcp": lambda: run_ddp(a, True, w, script=BASELINE),
+    }
+    samples: dict[str, list[dict]] = {k: [] for k in approaches}
+    for r in range(a.repeat):
+        for name, fn in approaches.items():
+            print(f"  round {r + 1}/{a.repeat}: {name} ...", flush=True)
+            samples[name].append(fn())
+    for i in range(a.repeat):
+        for faulted, free in (("livemig", "fault_free"), ("restart_dcp", "torch_fsdp2")):
+            row, ref = samples[faulted][i], samples[free][i]
+            row["lost_s"] = row["wall_s"] - ref["wall_s"]
+            row["bit_identical"] = bool(row["digest"]) and row["digest"] == ref["digest"]
+    print(f"\nworkload: examples/fsdp2_lm.py {' '.join(w)} on {a.workers} workers, rank 1 SIGKILLed after step "
+          f"{a.fail_at}; restart loads DCP checkpoints written every {a.ckpt_every}; {a.repeat} interleaved "
+          "rounds; median (min-max)")  # fmt: skip
+    print(f"{'approach':<12} {'wall_s':>18} {'lost_s':>18} {'downtime_s':>18} {'step_ms':>8}  bit-identical")
+    summary: dict[str, Any] = {}
+    for name, rows in samples.items():
+        col = {k: [x.get(k) for x in rows] for k in ("wall_s", "lost_s", "downtime_s", "median_step_s")}
+        ident = [x.get("bit_identical") for x in rows]
+        ident_s = "-" if ident[0] is None else ("yes" if all(ident) else f"{sum(map(bool, ident))}/{len(ident)}")
+        step_ms = statistics.median([x or 0.0 for x in col["median_step_s"]]) * 1e3
+        print(f"{name:<12} {_fmt(col['wall_s']):>18} {_fmt(col['lost_s']):>18} {_fmt(col['downtime_s']):>18} "
+              f"{step_ms:>8.0f}  {ident_s}")  # fmt: skip
+        summary[name] = {k: (statistics.median([v for v in vs if v is not None]) if any(v is not None for v in vs)
+                             else None) for k, vs in col.items()}  # fmt: skip
+        summary[name]["bit_identical"] = ident_s
+        summary[name]["all_ok"] = all(x.get("ok") for x in rows)
+    ratio = None
+    if summary["restart_dcp"]["downtime_s"] and summary["livemig"]["downtime_s"] is not None:
+        ratio = summary["livemig"]["downtime_s"] / summary["restart_dcp"]["downtime_s"]
+        print(f"livemig downtime / restart downtime: {ratio:.3f}")
+    phases = {k: statistics.median([x["phases"].get(k, 0.0) for x in samples["livemig"]])
+              for k in (samples["livemig"][0].get("phases") or {})}  # fmt: skip
+    if phases:
+        print("livemig phases (median s): " + "  ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"summary": summary, "samples": samples, "downtime_ratio": ratio, "workload": w}, f,
+                      indent=2, default=str)  # fmt: skip
+    return 0

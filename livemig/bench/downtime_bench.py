@@ -228,10 +228,6 @@ def add_downtime_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_downtime(a: argparse.Namespace) -> int:
-    if a.sharding == "fsdp2":
-        from livemig.bench import fsdp2_bench
-
-        return fsdp2_bench.run_downtime(a)
     if a.workers < 2 or not 0 <= a.fail_at < a.steps - 1:
         raise SystemExit("livemig bench downtime: need --workers >= 2 and 0 <= --fail-at < --steps - 1")
     workload = workload_args(a)
@@ -397,10 +393,6 @@ def _ratio(name: str, num: list[float], den: list[float]) -> tuple[str, float]:
 
 def run_overhead(a: argparse.Namespace) -> int:
     """Median step times measured side by side, interleaved round by round."""
-    if a.sharding == "fsdp2":
-        from livemig.bench import fsdp2_bench
-
-        return fsdp2_bench.run_overhead(a)
     workload = workload_args(a)
     a.spares, a.fail_at, a.ckpt_every = 0, 0, 0
     zero1 = a.sharding == "zero1"

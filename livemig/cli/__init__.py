@@ -18,9 +18,9 @@ from livemig.rdzv.security import apply_arguments as apply_security_arguments
 BENCHES = [
     ("etcd", "latency of put, generation CAS commit, watch delivery", "etcd_bench", "add_arguments", "run"),
     ("transfer", "state transfer throughput next to the raw zmq link", "transfer_bench", "add_arguments", "run"),
-    ("downtime", "downtime next to checkpoint-restart, plain DDP, fault-free", "downtime_bench",
+    ("downtime", "downtime next to checkpoint-restart, plain DDP, fault-free", "by_sharding",
      "add_downtime_arguments", "run_downtime"),
-    ("overhead", "steady-state step time of livemig vs plain DDP", "downtime_bench", "add_overhead_arguments",
+    ("overhead", "steady-state step time of livemig vs plain DDP", "by_sharding", "add_overhead_arguments",
      "run_overhead"),
     ("checkpoint", "step-time cost of background checkpoints next to DDP + torch.save", "checkpoint_bench",
      "add_arguments", "run"),

@@ -261,23 +261,11 @@ def run_downtime(a: argparse.Namespace) -> int:
                 row = samples[name][i]
                 row["lost_s"] = row["wall_s"] - ff["wall_s"]
                 row["bit_identical"] = row["digest"] == ff["digest"]
-    summary = {}
     script = "mlp_zero1" if a.sharding == "zero1" else "mlp"
     print(f"\nworkload: examples/{script}.py, {a.workers} workers, {a.steps} steps, rank 1 SIGKILLed after step "
           f"{a.fail_at}; restart checkpoints every {a.ckpt_every}; {a.repeat} interleaved rounds; "
           "median (min-max)")  # fmt: skip
-    print(f"{'approach':<11} {'wall_s':>18} {'lost_s':>18} {'downtime_s':>18} {'step_ms':>8}  bit-identical")
-    for name, rows in samples.items():
-        col = {k: [x.get(k) for x in rows] for k in ("wall_s", "lost_s", "downtime_s", "median_step_s")}
-        ident = [x.get("bit_identical") for x in rows]
-        ident_s = "-" if ident[0] is None else ("yes" if all(ident) else f"{sum(map(bool, ident))}/{len(ident)}")
-        step_ms = statistics.median(col["median_step_s"]) * 1e3
-        print(f"{name:<11} {_fmt(col['wall_s']):>18} {_fmt(col['lost_s']):>18} {_fmt(col['downtime_s']):>18} "
-              f"{step_ms:>8.0f}  {ident_s}")  # fmt: skip
-        summary[name] = {k: (statistics.median([v for v in vs if v is not None]) if any(
-            v is not None for v in vs) else None) for k, vs in col.items()}  # fmt: skip
-        summary[name]["all_ok"] = all(x.get("ok") for x in rows)
-        summary[name]["bit_identical"] = ident_s
+    summary = summarise(samples)
     lost_ratio = None
     if summary["restart"]["lost_s"] and summary["livemig"]["lost_s"] is not None:
         lost_ratio = summary["livemig"]["lost_s"] / summary["restart"]["lost_s"]
@@ -307,6 +295,25 @@ def run_downtime(a: argparse.Namespace) -> int:
     if a.plot:
         _plot(a.plot, samples)
     return 0
+
+
+def summarise(samples: dict[str, list[dict]], width: int = 11) -> dict[str, dict[str, Any]]:
+    """Print one row per approach (median (min-max) of its rounds) and return the medians,
+    whether every round finished (`all_ok`) and how many were bit-identical."""
+    print(f"{'approach':<{width}} {'wall_s':>18} {'lost_s':>18} {'downtime_s':>18} {'step_ms':>8}  bit-identical")
+    summary: dict[str, dict[str, Any]] = {}
+    for name, rows in samples.items():
+        col = {k: [x.get(k) for x in rows] for k in ("wall_s", "lost_s", "downtime_s", "median_step_s")}
+        ident = [x.get("bit_identical") for x in rows]
+        ident_s = "-" if ident[0] is None else ("yes" if all(ident) else f"{sum(map(bool, ident))}/{len(ident)}")
+        step_ms = statistics.median([x or 0.0 for x in col["median_step_s"]]) * 1e3
+        print(f"{name:<{width}} {_fmt(col['wall_s']):>18} {_fmt(col['lost_s']):>18} {_fmt(col['downtime_s']):>18} "
+              f"{step_ms:>8.0f}  {ident_s}")  # fmt: skip
+        summary[name] = {k: (statistics.median([v for v in vs if v is not None]) if any(
+            v is not None for v in vs) else None) for k, vs in col.items()}  # fmt: skip
+        summary[name]["all_ok"] = all(x.get("ok") for x in rows)
+        summary[name]["bit_identical"] = ident_s
+    return summary
 
 
 def _cold_row(a: argparse.Namespace, workload: list[str]) -> dict[str, Any]:

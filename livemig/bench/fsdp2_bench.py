@@ -17,7 +17,7 @@ import os
 import statistics
 from typing import Any
 
-from livemig.bench.downtime_bench import ROOT, _fmt, _ratio, _row, run_ddp, run_livemig
+from livemig.bench.downtime_bench import ROOT, _ratio, _row, run_ddp, run_livemig, summarise
 
 LM = os.path.join(ROOT, "examples", "fsdp2_lm.py")
 BASELINE = os.path.join(ROOT, "examples", "fsdp2_baseline.py")
@@ -111,19 +111,7 @@ def run_downtime(a: argparse.Namespace) -> int:
     print(f"\nworkload: examples/fsdp2_lm.py {' '.join(w)} on {a.workers} workers, rank 1 SIGKILLed after step "
           f"{a.fail_at}; restart loads DCP checkpoints written every {a.ckpt_every}; {a.repeat} interleaved "
           "rounds; median (min-max)")  # fmt: skip
-    print(f"{'approach':<12} {'wall_s':>18} {'lost_s':>18} {'downtime_s':>18} {'step_ms':>8}  bit-identical")
-    summary: dict[str, Any] = {}
-    for name, rows in samples.items():
-        col = {k: [x.get(k) for x in rows] for k in ("wall_s", "lost_s", "downtime_s", "median_step_s")}
-        ident = [x.get("bit_identical") for x in rows]
-        ident_s = "-" if ident[0] is None else ("yes" if all(ident) else f"{sum(map(bool, ident))}/{len(ident)}")
-        step_ms = statistics.median([x or 0.0 for x in col["median_step_s"]]) * 1e3
-        print(f"{name:<12} {_fmt(col['wall_s']):>18} {_fmt(col['lost_s']):>18} {_fmt(col['downtime_s']):>18} "
-              f"{step_ms:>8.0f}  {ident_s}")  # fmt: skip
-        summary[name] = {k: (statistics.median([v for v in vs if v is not None]) if any(v is not None for v in vs)
-                             else None) for k, vs in col.items()}  # fmt: skip
-        summary[name]["bit_identical"] = ident_s
-        summary[name]["all_ok"] = all(x.get("ok") for x in rows)
+    summary = summarise(samples, width=12)
     ratio = None
     if summary["restart_dcp"]["downtime_s"] and summary["livemig"]["downtime_s"] is not None:
         ratio = summary["livemig"]["downtime_s"] / summary["restart_dcp"]["downtime_s"]

@@ -127,12 +127,13 @@ class Checkpointer:
                             "--checkpoint-every steps (raise it)",
                             extra={"step": step, "waited_s": round(waited, 3)})  # fmt: skip
         t0 = self._last = time.monotonic()
+        started = time.time()  # staged_at: when staging began (the report adds staged_s and written_s)
         try:
             sd = self._state_dict(step)
         except Exception as exc:  # what cannot be staged is said, and training goes on
-            self._failed(step, time.time(), 0.0, exc)
+            self._failed(step, started, 0.0, exc)
             return
-        rec = [step, time.time(), round(time.monotonic() - t0, 6), None, None, round(waited, 6)]
+        rec = [step, started, round(time.monotonic() - t0, 6), None, None, round(waited, 6)]
         self.records.append(rec)
         del self.records[:-200]
         self._idle.clear()

@@ -129,10 +129,12 @@ def test_kill_after_a_completed_migration_and_migration_after_a_kill(tmp_path, r
     assert [m["outcome"] for m in run.report["migrations"]] == ["done"], explain(run)
     assert _phase(run, "request")["reason"] == "fault plan after step 8"
     assert len(run.report["recoveries"]) == 1 and _spare_joined(run, 1) == 33, explain(run)
-    run, ranks = _run(tmp_path, 2, spares=2, faults=("kill:rank=1:step=6", "migrate:rank=0:step=20"), job="km",
-                      step_ms=30)  # fmt: skip
+    # the second spare may still be warming up when the migration is asked for (its claim has
+    # been seen to take 4 s on a loaded machine): 26 steps of 50 ms leave it time to catch up
+    run, ranks = _run(tmp_path, 2, spares=2, faults=("kill:rank=1:step=6", "migrate:rank=0:step=14"), job="km",
+                      step_ms=50)  # fmt: skip
     assert_same_run(run, ranks, ref)
-    assert len(run.report["recoveries"]) == 1 and _migration(run)[0] >= 21, explain(run)
+    assert len(run.report["recoveries"]) == 1 and _migration(run)[0] >= 15, explain(run)
 
 
 def test_a_replica_changed_on_one_rank_fails_at_the_first_boundary(tmp_path):

@@ -50,7 +50,7 @@ class Migrations:
         reject = ""
         if not isinstance(rank, int) or rank not in m.members:
             reject = f"rank {rank!r} is not a member of the job (world size {m.world_size})"
-        elif mode := sharding_of((s.get(self.coord.keys.config) or {}).get("signature", []))[0]:
+        elif (mode := sharding_of((s.get(self.coord.keys.config) or {}).get("signature", []))[0]) == "zero1":
             reject = f"planned migration of a job with sharded state ({mode}) is not supported yet"
         elif m.world_size < 2:
             reject = "a job of one rank has no group to keep training while the spare catches up"

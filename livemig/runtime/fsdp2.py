@@ -219,7 +219,7 @@ class Fsdp2:
         if h.runtime is None or h.world_size == 1:
             h._commit(t, None)
             return
-        ctl = torch.ones(1)
+        ctl = torch.tensor([1.0, h._migration.vote()])  # [commit, planned migration: switch after t]
         try:
             h.runtime.check_fenced()
             h.runtime.enter_collective(t)
@@ -237,7 +237,12 @@ class Fsdp2:
             if h.committed == t:  # a peer committed: finished from the shards held here (catch_up)
                 return
             raise _Activate(h.runtime.gen, h.rank, redo=True) from None
+        switch = float(ctl[1]) == h.world_size
+        if h._migration.serving(t):  # a leaving rank: what its optimizer steps with, to the spare catching up
+            left = self.mirror.grads[1] if self.mirror is not None and self.mirror.grads is not None else None
+            h._migration.serve_shard(t, grads_blob(h.reg.params), left, switch)
         self._commit(t)
+        h._migration.after_commit(t, switch)
 
     def _commit(self, t: int) -> None:
         self.h._commit(t, None)
@@ -419,6 +424,55 @@ class Fsdp2:
         h._stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
         log.info("shards loaded", extra={"resume_step": got.step, "bytes": nbytes, "source": addr})
         return h._stream_info
+
+    # -- planned migration (runtime/migration.py) ---------------------------------------------
+    def migration_state(self) -> dict[str, Any]:
+        """The leaving rank's snapshot at a boundary: its shards, its mirror of the left
+        neighbour's, the boundary. The spare replays the following steps on copies of them
+        (no collectives: it is not in the group yet)."""
+        return {"own": self._own(), "mirror": self.mirror.state() if self.mirror is not None else None,
+                "boundary": self.h._st.boundaries.get(self.h.committed)}  # fmt: skip
+
+    def replayers(self, snap: dict[str, Any]) -> list[ShardMirror | None]:
+        """The spare's copies of the leaving rank's shard and of its mirror, stepped as the
+        mirror steps (fsdp2_mirror.py: bit-identical to the owner's update)."""
+        h = self.h
+        own = ShardMirror(h.rank, snap["own"], h.reg.optimizer)
+        left = (h.rank - buddy_stride(h.world_size)) % h.world_size
+        mirror = ShardMirror(left, snap["mirror"], h.reg.optimizer) if snap.get("mirror") else None
+        if snap.get("boundary") is not None:
+            h.reg.load_boundary(unpack(snap["boundary"]))
+        return [own, mirror]
+
+    def replay(self, reps: list[ShardMirror | None], t: int, item: dict[str, Any]) -> None:
+        """Step t of the leaving rank, from the gradient shard it stepped with (after its
+        clip) and its hyperparameters; its mirror's from the left neighbour's gradient."""
+        own, mirror = reps
+        assert own is not None
+        own.hold(t, item["own"])
+        own.step(t, item["hparams"])
+        if mirror is not None:
+            if item.get("left") is None:
+                raise RecoveryError(f"the leaving rank served no gradient of step {t} for its shard mirror")
+            mirror.hold(t, item["left"])
+            mirror.step(t, item["hparams"])
+
+    def take_over(self, reps: list[ShardMirror | None], tail: dict[str, Any]) -> None:
+        """At the switch: the replayed shard into the model and optimizer, the replayed mirror
+        kept, and the boundary's records (the leaving rank's local state, and its copy of the
+        left neighbour's) so that a failure right after the switch still finds them."""
+        h = self.h
+        own, mirror = reps
+        assert own is not None
+        self.load_state({**own.state(), "boundary": None})
+        self.mirror = mirror
+        self.voted = None
+        c = h.committed
+        h._st.boundaries[c] = h.reg.pack_boundary()
+        if h.reg.has_local:
+            h._st.local_blob = LocalBlob(c, h.reg.pack_local())
+            if tail.get("mirrored") is not None:
+                h._st.mirrored[c] = tail["mirrored"]
 
     def load_state(self, state: dict[str, Any]) -> None:
         """A peer's shards into this rank's (the same shard of the same model)."""

@@ -66,7 +66,8 @@ class StepLoop:
             if self._joining.migration:
                 self._migration.migrate_in()
                 start = self.committed + 1
-                self._at_boundary(self.committed)  # the leaving worker's, handed over at the switch
+                if self.reg.fsdp is None:  # FSDP2: kept by the take-over (its boundary exchange ran without us)
+                    self._at_boundary(self.committed)  # the leaving worker's, handed over at the switch
             else:
                 m = self.runtime.follow(self._joining.generation, self)
                 start = self.committed + 1
@@ -92,8 +93,7 @@ class StepLoop:
             self._ckpt.at_boundary(step)  # staged here, written in the background
             self._faults.at_boundary(step)
         self._current = None
-        if self._migration.leaving is not None:  # the switch was voted at the last step
-            self._migration.leave(self._migration.leaving)
+        self._migration.at_boundary()  # the switch was voted at the last step
         self.after_switch()
 
     def _sync_start(self) -> None:

@@ -211,8 +211,14 @@ class MemberRuntime:
         def work() -> None:
             t0 = time.monotonic()
             try:
-                box["pg"] = build_group(m.store, g, rank, m.world_size, self.timeouts.collective, self.backend,
-                                        should_abort=lambda: self.fenced.is_set() or self.m.generation > g)  # fmt: skip
+                pg = build_group(m.store, g, rank, m.world_size, self.timeouts.collective, self.backend,
+                                 should_abort=lambda: self.fenced.is_set() or self.m.generation > g)  # fmt: skip
+                try:
+                    box["built"] = self._build_mesh(m, rank, pg)  # FSDP2: the device mesh's groups too
+                except Exception:
+                    retire(pg, idle=True)
+                    raise
+                box["pg"] = pg  # last: prebuilt() answers once every group is built
                 self.put(self.keys.ready(g, rank), {"incarnation": self.incarnation, "built": True,
                                                     "build_s": time.monotonic() - t0, "time": time.time()})  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - an abandoned build: the migration was aborted
@@ -233,6 +239,10 @@ class MemberRuntime:
         if pg is None:
             raise CollectiveAborted(f"no prebuilt group for generation {g}")
         retire(self.pg, idle=True)  # a step boundary: its last collective completed
+        built = self._pre[1].get("built") if self._pre is not None else None
+        if built:  # the device mesh's groups (FSDP2) train on this generation's from now on too
+            for old in torch_group.swap_built(built, g):
+                retire(old, idle=True)
         self.pg, self.gen, self._pre = pg, g, None
         log.info("switched group (planned migration)", extra={"generation": g})
 

@@ -71,6 +71,7 @@ class Migration:
     def __init__(self, host: MigrationHost) -> None:
         self.e = host
         self.out = Outgoing()  # the leaving worker's side
+        self.switch_at: tuple[int, int] | None = None  # FSDP2: (generation, step) to switch to at the boundary
 
     @property
     def leaving(self) -> int | None:
@@ -90,8 +91,7 @@ class Migration:
         asks for it; every staying member starts building the new group."""
         if self.e.role == Role.LOCAL or self.e._zero is not None:
             return
-        if self.out.leaving is not None:
-            self.leave(self.out.leaving)  # the switch step is done, user code after ctx.step() too
+        self.at_boundary()
         rt = self.e.runtime
         plan = self._plan()
         if plan is None:
@@ -115,7 +115,8 @@ class Migration:
                 if self.out.gen == m.generation and self.out.snap:
                     rt.server.withdraw(self.out.snap)  # the spare asked for a newer one: free the old copy
                 tensors: list[torch.Tensor] = []
-                skel = flatten(self.e.state_obj(), tensors)
+                fsdp = self.e.reg.fsdp is not None  # FSDP2: this rank's shards and its mirror's
+                skel = flatten(self.e._fsdp.migration_state() if fsdp else self.e.state_obj(), tensors)
                 snap = unflatten(skel, [x.clone() for x in tensors])  # training goes on: serve a copy
                 step = self.e.committed + 1
                 rt.server.publish(m.generation, want, lambda: (step, snap))
@@ -126,6 +127,18 @@ class Migration:
                                                               "item": want})  # fmt: skip
         elif m.rank_of(self.e.incarnation) is not None:
             rt.prebuild(m, m.rank_of(self.e.incarnation))
+
+    def at_boundary(self) -> None:
+        """After the switch step and all its user code: the leaving worker hands over and
+        exits; a staying member of an FSDP2 job moves to the new group here rather than at the
+        commit, so that collectives user code runs after ctx.step() on the mesh still meet the
+        leaving rank, and the boundary's local-state exchange (runtime/fsdp2.py) includes it."""
+        if self.out.leaving is not None:
+            self.leave(self.out.leaving)  # the switch step is done, user code after ctx.step() too
+        if self.switch_at is not None:
+            g, t = self.switch_at
+            self.switch_at = None
+            self._switch(g, t)
 
     def vote(self) -> float:
         """1.0 when this member is ready to switch to the migration's group."""
@@ -151,6 +164,14 @@ class Migration:
         """Leaving worker: publish what step t's optimizer step really applied (Registry.step_optimizer)."""
         self._publish_step(t, {**applied[0], "hparams": self.e.reg.hparams(), "final": final})
 
+    def serve_shard(self, t: int, own: torch.Tensor, left: torch.Tensor | None, final: bool) -> None:
+        """Leaving FSDP2 worker: step t's reduced, clipped gradient shard (what its optimizer
+        steps with), the left neighbour's that its mirror steps with, the hyperparameters."""
+        item: dict[str, Any] = {"own": own, "hparams": self.e.reg.hparams(), "final": final}
+        if left is not None:
+            item["left"] = left
+        self._publish_step(t, item)
+
     def _publish_step(self, t: int, item: dict) -> None:
         rt, g = self.e.runtime, self.out.gen
         rt.server.publish(g, items.step_avg(t), lambda: (t, item))
@@ -167,11 +188,19 @@ class Migration:
         if mig.get("leaving") == self.e.incarnation:
             self.out.leaving = m.generation  # leave at the next boundary
             return
+        if self.e.reg.fsdp is not None:
+            self.switch_at = (m.generation, t)  # at the boundary (at_boundary)
+            return
+        self._switch(m.generation, t)
+
+    def _switch(self, g: int, t: int) -> None:
         rt = self.e.runtime
-        rank = m.rank_of(self.e.incarnation)
-        rt.switch_to(m.generation)
-        rt.put(rt.keys.ready(m.generation, rank), {"incarnation": self.e.incarnation, "switched": t,
-                                                   "time": time.time()})  # fmt: skip
+        rank = rt.m.rank_of(self.e.incarnation) if rt.m.generation == g else None
+        if rank is None:  # the migration was resolved otherwise meanwhile (a failure): recovery decides
+            return
+        rt.switch_to(g)
+        rt.put(rt.keys.ready(g, rank), {"incarnation": self.e.incarnation, "switched": t,
+                                        "time": time.time()})  # fmt: skip
 
     def leave(self, g: int) -> None:
         """The leaving worker after the switch step: hand over what user code changed
@@ -184,6 +213,8 @@ class Migration:
         st = self.e._st
         tail = {"local": self.e.reg.pack_local(), "boundary": self.e.reg.pack_boundary(),
                 "commits": [list(c) for c in st.commits], "gen_steps": list(st.gen_steps)}  # fmt: skip
+        if st.mirrored.get(t) is not None:  # FSDP2: our copy of the left neighbour's local state
+            tail["mirrored"] = st.mirrored[t]
         rt.server.publish(g, items.tail(t), lambda: (t, tail))
         m = rt.wait_membership(lambda x: x.generation != g or x.state != GenState.MIGRATING,
                                "the spare to take over this rank")  # fmt: skip
@@ -231,10 +262,16 @@ class Migration:
                         raise RecoveryError(f"migration: could not pull {item} from {addr}: {exc}") from exc
                 time.sleep(0.005)
 
+        fsdp = self.e.reg.fsdp is not None
+        reps: list = []  # FSDP2: the leaving rank's shard and its mirror, replayed here (runtime/fsdp2.py)
+
         def load_snapshot(item: str, resyncs: int = 0) -> dict:
             t0 = time.monotonic()
-            got = fetch(item, self.e._into_model())
-            self.e.reg.load_state(got.state)
+            got = fetch(item, None if fsdp else self.e._into_model())
+            if fsdp:
+                reps[:] = self.e._fsdp.replayers(got.state)
+            else:
+                self.e.reg.load_state(got.state)
             self.e.committed, self.e._loaded_step = got.step - 1, got.step
             self.e._stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
             self.e._faults.stall_after_snapshot()  # a test fault (spare-hang:during=snapshot), before we report
@@ -257,7 +294,10 @@ class Migration:
                 rec = load_snapshot(items.snapshot(resyncs), resyncs)
                 continue
             self.e.reg.set_hparams(got.state["hparams"])
-            if "stepped" in got.state:  # the update as applied (clipped, unscaled, or skipped)
+            if fsdp:  # the shard's update, from the gradient shard the leaving rank stepped with
+                self.e._fsdp.replay(reps, t, got.state)
+                self.e.committed = t
+            elif "stepped" in got.state:  # the update as applied (clipped, unscaled, or skipped)
                 self.e.reg.apply_step(got.state)
                 self.e.committed, self.e._st.avg = t, None
             else:  # the average is what the optimizer stepped with
@@ -270,6 +310,8 @@ class Migration:
                 self.e.reg.load_local(unpack(tail["local"]))  # buffers and local= at the switch boundary
                 self.e.reg.load_boundary(unpack(tail["boundary"]))  # extras, hyperparameters
                 self._inherit_commits(tail)
+                if fsdp:
+                    self.e._fsdp.take_over(reps, tail)
                 break
             rt.put(rt.keys.catchup(g), {**rec, "applied": t, "time": time.time()})
         while rt.prebuilt(g) is None:  # the group is built once every member joined it

@@ -5,8 +5,8 @@ local=, BatchNorm buffers, rank 0 saving) on a (replicate 2, shard 2) mesh of 4 
 
 Each faulted run is compared with the fault-free run, rank by rank: local shards of the
 parameters and the optimizer state, buffers, the carried batch, and the report's rank digests.
-CI budget: ~4 min (three references, six faulted HSDP runs, plain FSDP with and without its mirror,
-three refusals).
+CI budget: ~4.5 min (three references, six faulted HSDP runs, plain FSDP with and without its
+mirror, a planned migration then a kill on each mesh, two refusals).
 """
 
 from __future__ import annotations
@@ -132,14 +132,33 @@ def test_a_spare_wrapped_differently_is_refused_naming_the_difference(tmp_path):
     assert "its model differs from the job's" in text and "fully_shard('', 'inp', 'mid')" in text, text
 
 
-def test_what_fsdp2_does_not_serve_yet_is_refused_with_one_line(tmp_path, hsdp_reference):
-    """A planned migration of an HSDP rank is rejected (the job trains on, exact, no recovery);
-    checkpoints of FSDP2 shards are refused before step 0 instead of written as parts a cold
+def _migration(run) -> dict:
+    migs = run.report.get("migrations") or []
+    assert [m["outcome"] for m in migs] == ["done"], explain(run)
+    return migs[0]
+
+
+@pytest.mark.parametrize("mesh", ["hsdp", "plain"])
+def test_a_planned_migration_then_a_kill_of_the_rank_it_mirrors_is_exact(tmp_path, references, mesh):
+    """Rank 1 migrates to a spare (its shard replayed from the gradient shards it stepped with,
+    after the clip), then rank 0 is killed: rank 0's local state (HSDP) or its whole shard
+    (plain FSDP) comes from the mirror on rank 1, i.e. from what the migrated spare took over.
+    Both end bit-identical to the fault-free run, with one migration and one recovery."""
+    extra = () if mesh == "hsdp" else ("--replicate", "1", "--stateless")
+    nproc = 4 if mesh == "hsdp" else 3
+    ref = reference_of(references, nproc, PORT, _work("{out}", *extra))
+    run, ranks = _run(tmp_path, ("migrate:rank=1:step=3", "kill:rank=0:step=11"), spares=2, nproc=nproc, job=mesh,
+                      extra=(*extra, "--step-ms", "150"))  # fmt: skip
+    _assert_exact(run, ranks, (ref.report, rank_files(ref.out)), recoveries=1)
+    mig = _migration(run)
+    assert 4 <= mig["switch_step"] <= 10 and mig["resyncs"] == 0, mig
+    if mesh == "plain":
+        assert run.report["fsdp2"]["mirrors_exact"], explain(run)
+
+
+def test_fsdp2_checkpoints_are_refused_with_one_line(tmp_path):
+    """Checkpoints of FSDP2 shards are refused before step 0 instead of written as parts a cold
     restart could not load."""
-    run, ranks = _run(tmp_path, ("migrate:rank=1:step=4",), job="mig")
-    _assert_exact(run, ranks, hsdp_reference, recoveries=0)
-    text = explain(run) + str(run.report.get("migrations"))
-    assert "planned migration of a job with sharded state (fsdp2) is not supported yet" in text, text
     ck, _ = _run(
         tmp_path, (), spares=0, job="ckpt", cli=("--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5")
     )

@@ -285,15 +285,63 @@ def sequences_grid(seeds: int = 20) -> list[Case]:
     return cases
 
 
+FSDP2_LM = os.path.join(ROOT, "examples", "fsdp2_lm.py")
+
+
+def fsdp2_grid() -> list[Case]:
+    """The FSDP2 grid (`--grid fsdp2`): examples/fsdp2_lm.py (TinyGPT, clipping, warm-up +
+    cosine lr by hand, a DataLoader) under HSDP 2 x 2 with one spare: kills between steps and
+    inside each FSDP2 collective, a SIGSTOP hang found by its lease, a wedged training thread, a
+    broken link, a planned migration, two kills in one run, bf16 mixed precision and
+    reshard_after_forward=False; plain FSDP over 3 ranks (the shard from its mirror): a kill, a
+    kill inside a reduce-scatter, a migration. Every case bit-identical to its fault-free run."""
+    hsdp = ["--steps", "20"]
+    cases = [Case("fsdp2-kill-between", "kill rank 3 between steps", 4, 1, ["kill:rank=3:step=6"])]
+    for i, during in enumerate(("fsdp_allgather", "fsdp_reduce_scatter", "replicate_allreduce", "clip_norm")):
+        cases.append(Case(f"fsdp2-kill-{during}", f"kill rank {i} inside a {during} of step 6", 4, 1,
+                          [f"kill:rank={i}:step=6:during={during}"]))  # fmt: skip
+    cases += [
+        Case("fsdp2-hang", "SIGSTOP rank 2 past its lease; SIGCONT: it stops itself", 4, 1,
+             ["hang:rank=2:step=6:resume=4"]),
+        Case("fsdp2-wedge", "rank 1's training thread blocks (lease alive): found by its progress", 4, 1,
+             ["wedge:rank=1:step=6"]),
+        Case("fsdp2-break", "rank 2's collective of step 6 fails as on a broken socket", 4, 1,
+             ["break:rank=2:step=6"]),
+        Case("fsdp2-migrate", "migrate rank 1 after step 3", 4, 1, ["migrate:rank=1:step=3"],
+             recoveries=(0, 0), check=_migration_done),
+        Case("fsdp2-two-kills", "kill rank 0 at step 4 and rank 3 at step 12, two spares", 4, 2,
+             ["kill:rank=0:step=4", "kill:rank=3:step=12"], recoveries=(2, 2)),
+        Case("fsdp2-bf16-kill", "MixedPrecisionPolicy(bf16): kill rank 1 inside a reduce-scatter", 4, 1,
+             ["kill:rank=1:step=6:during=fsdp_reduce_scatter"], args=[*hsdp, "--mp", "bf16"]),
+        Case("fsdp2-no-reshard-kill", "reshard_after_forward=False: kill rank 2 inside an all-gather", 4, 1,
+             ["kill:rank=2:step=6:during=fsdp_allgather"], args=[*hsdp, "--no-reshard"]),
+    ]  # fmt: skip
+    plain = [*hsdp, "--replicate", "1"]
+    cases += [
+        Case("fsdp-plain-kill", "plain FSDP, 3 ranks: kill rank 1 (its shard from the mirror)", 3, 1,
+             ["kill:rank=1:step=6"], args=plain),
+        Case("fsdp-plain-kill-reduce-scatter", "plain FSDP: kill rank 2 inside a reduce-scatter", 3, 1,
+             ["kill:rank=2:step=6:during=fsdp_reduce_scatter"], args=plain),
+        Case("fsdp-plain-migrate", "plain FSDP: migrate rank 0 after step 3", 3, 1, ["migrate:rank=0:step=3"],
+             recoveries=(0, 0), check=_migration_done, args=plain),
+    ]  # fmt: skip
+    for c in cases:
+        c.script = FSDP2_LM
+        if c.args == list(WORKLOAD):
+            c.args = list(hsdp)
+    return cases
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", help="comma-separated case names (default: all)")
     p.add_argument(
         "--grid",
-        choices=["matrix", "exact", "migration", "sequences"],
+        choices=["matrix", "exact", "migration", "sequences", "fsdp2"],
         default="matrix",
         help="matrix: the reliability matrix (default); exact: the exactness grid on examples/stateful.py; "
         "migration: failures inside a planned migration; sequences: seeded random sequences of kills, "
-        "hangs and migrations on examples/ddp_port.py",
+        "hangs and migrations on examples/ddp_port.py; fsdp2: kills, hangs, broken links and migrations of "
+        "examples/fsdp2_lm.py under HSDP and plain FSDP",
     )
     p.add_argument("--seeds", type=int, default=20, help="--grid sequences: how many seeds (0..N-1; default 20)")
     p.add_argument("--json", help="write the table (and each run's report) here")
@@ -301,7 +349,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_matrix(a: argparse.Namespace) -> int:
     grid = getattr(a, "grid", "matrix")
-    every = {"exact": exact_grid, "migration": migration_grid,
+    every = {"exact": exact_grid, "migration": migration_grid, "fsdp2": fsdp2_grid,
              "sequences": lambda: sequences_grid(getattr(a, "seeds", 20))}.get(grid, lambda: MATRIX)()  # fmt: skip
     if grid == "exact":  # steps long enough for an agent's kill "after step S" to land mid-run
         os.environ.setdefault("STATEFUL_STEP_SLEEP", "0.05")

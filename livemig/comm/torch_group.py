@@ -67,6 +67,9 @@ class _Guard:
         self.poisoned = ""  # why this generation's groups cannot be used ("" while they can)
         self.before: Callable[[str], None] | None = None  # the fault plan's in-collective kill points
         self.kind = ""  # what the collectives now running are for ("clip_norm" inside ctx.clip_grad_norm_)
+        # told as each wait begins (True) and ends (False): the coordinator's hang detection reads
+        # which ranks wait in a collective (a rank whose training thread is stuck never waits)
+        self.on_wait: Callable[[bool], None] | None = None
 
     def fail(self, why: str) -> None:
         first = not self.poisoned
@@ -85,11 +88,13 @@ GUARD = _Guard()
 
 def set_guard(should_abort: Callable[[], bool] | None, timeout: timedelta,
               on_fail: Callable[[str], None] | None = None,
-              before: Callable[[str], None] | None = None) -> None:  # fmt: skip
+              before: Callable[[str], None] | None = None,
+              on_wait: Callable[[bool], None] | None = None) -> None:  # fmt: skip
     """The runtime's abort check, watchdog and failure report for every wait of our groups,
-    and `before(kind)`, called as each collective is submitted (kind: fsdp_allgather,
-    fsdp_reduce_scatter, replicate_allreduce, clip_norm, other)."""
+    `before(kind)`, called as each collective is submitted (kind: fsdp_allgather,
+    fsdp_reduce_scatter, replicate_allreduce, clip_norm, other), and `on_wait(begins)`."""
     GUARD.should_abort, GUARD.timeout, GUARD.on_fail, GUARD.before = should_abort, timeout, on_fail, before
+    GUARD.on_wait = on_wait
 
 
 class _GuardedWork(dist._Work):
@@ -103,10 +108,16 @@ class _GuardedWork(dist._Work):
         from livemig.comm.group import CollectiveAborted, wait_all
 
         GUARD.check()
+        told = GUARD.on_wait
+        if told is not None:
+            told(True)
         try:
             wait_all([self.inner], GUARD.timeout, GUARD.should_abort)
         except CollectiveAborted as exc:
             GUARD.fail(str(exc))
+        finally:
+            if told is not None:
+                told(False)
         return True
 
     def is_completed(self) -> bool:

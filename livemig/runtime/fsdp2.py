@@ -99,7 +99,8 @@ class Fsdp2:
         world, rank = (1, 0) if one else (h.world_size, h.rank)
         torch_group.install_unformed(rank, world, h.timeouts.collective)
         abort = h.runtime.moved_on if (h.runtime is not None and not one) else None
-        torch_group.set_guard(abort, h.timeouts.collective, before=self._before_collective)
+        torch_group.set_guard(abort, h.timeouts.collective, before=self._before_collective,
+                              on_wait=self._waiting if abort is not None else None)  # fmt: skip
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(device_type, (1,) * len(shape) if one else shape, mesh_dim_names=names)
@@ -107,6 +108,18 @@ class Fsdp2:
             self.mesh.get_group(0).role = "replicate"
         self.shape, self._key = list(shape), key
         return self.mesh
+
+    def _waiting(self, begins: bool) -> None:
+        """A wait inside FSDP2's collectives: the hang detection's input, as the plain path's
+        wait in its average (runtime/member.py enter_collective). A rank whose training thread
+        is stuck never waits, so its peers' waits name it."""
+        rt, t = self.h.runtime, self.h._current
+        if rt is None or t is None or self.h.warming_up:
+            return
+        if begins:
+            rt.enter_collective(t)
+        else:
+            rt.leave_collective()
 
     def _before_collective(self, kind: str) -> None:
         """The fault plan's `during=fsdp_allgather|fsdp_reduce_scatter|replicate_allreduce|clip_norm`."""
@@ -120,8 +133,8 @@ class Fsdp2:
         if model is None or not any(is_dtensor(p) for p in model.parameters()):
             return False
         if mirror is None:  # plain FSDP keeps one copy of each shard: mirrored unless turned off
-            raw = os.environ.get(ENV_FSDP2_MIRROR, "")
-            mirror = raw not in ("0", "false", "no") if raw else len(self.shape) == 1
+            raw = os.environ.get(ENV_FSDP2_MIRROR, "")  # (a 1-D mesh, or one whose replicate size is 1)
+            mirror = raw not in ("0", "false", "no") if raw else (len(self.shape) == 1 or self.shape[0] == 1)
         self.want_mirror = bool(mirror) and self.h.world_size > 1
         if sharding is not None:
             raise ConfigError(f"ctx.register(sharding={sharding!r}): the model is already sharded by fully_shard; "

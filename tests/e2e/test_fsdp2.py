@@ -5,7 +5,7 @@ local=, BatchNorm buffers, rank 0 saving) on a (replicate 2, shard 2) mesh of 4 
 
 Each faulted run is compared with the fault-free run, rank by rank: local shards of the
 parameters and the optimizer state, buffers, the carried batch, and the report's rank digests.
-CI budget: ~4.5 min (three references, six faulted HSDP runs, plain FSDP with and without its
+CI budget: ~5 min (three references, seven faulted HSDP runs (a wedge among them), plain FSDP with and without its
 mirror, a planned migration then a kill on each mesh, two refusals).
 """
 
@@ -165,3 +165,13 @@ def test_fsdp2_checkpoints_are_refused_with_one_line(tmp_path):
     assert ck.rc != 0, explain(ck)
     reason = (ck.report.get("result") or {}).get("reason", "")
     assert "checkpoints (--checkpoint-dir, --resume-from, ctx.checkpoints) of an FSDP2 model" in reason, explain(ck)
+
+
+def test_a_wedged_training_thread_is_found_by_its_peers_waits_and_replaced_exactly(tmp_path, hsdp_reference):
+    """Rank 1's training thread blocks at the start of step 6 (its lease lives on): the other
+    ranks wait in FSDP2's forward all-gather, their waits reach the coordinator's hang
+    detection as the plain path's do, rank 1 is fenced and replaced, and the run is exact."""
+    run, ranks = _run(tmp_path, ("wedge:rank=1:step=6",), job="wedge", env={"LIVEMIG_HANG_TIMEOUT": "4"})
+    _assert_exact(run, ranks, hsdp_reference, recoveries=1)
+    (hang,) = [e for e in run.report["timeline"] if e["phase"] == "hang"]
+    assert hang["ranks"] == [1] and 4 <= hang["waited_s"] < 6, hang  # the hang timeout, not the collective's

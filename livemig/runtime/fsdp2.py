@@ -190,10 +190,15 @@ class Fsdp2:
 
     def _make_mirror(self, state: dict[str, Any]) -> None:
         h = self.h
-        left = (h.rank - buddy_stride(h.world_size)) % h.world_size
+        left = self._left()
         self.mirror = ShardMirror(left, state, h.reg.optimizer)
         log.info("mirroring the shard of the left neighbour",
                  extra={"of": left, "mib": round(self.mirror.nbytes() / 2**20, 2)})  # fmt: skip
+
+    def _left(self) -> int:
+        """The rank whose shard (and local state) this rank mirrors (its right neighbour mirrors ours)."""
+        h = self.h
+        return (h.rank - buddy_stride(h.world_size)) % h.world_size
 
     def _own(self) -> dict[str, Any]:
         reg = self.h.reg
@@ -373,7 +378,7 @@ class Fsdp2:
             return
         c, state = h.committed, self.state()
         srv.publish(m.generation, items.STATE, lambda: (c + 1, state))
-        left = (h.rank - buddy_stride(h.world_size)) % h.world_size
+        left = self._left()
         blob = h._st.mirrored.get(c)
         if blob is not None:
             srv.publish(m.generation, items.local(left), lambda: (c + 1, {"blob": blob}))
@@ -451,7 +456,7 @@ class Fsdp2:
         mirror steps (fsdp2_mirror.py: bit-identical to the owner's update)."""
         h = self.h
         own = ShardMirror(h.rank, snap["own"], h.reg.optimizer)
-        left = (h.rank - buddy_stride(h.world_size)) % h.world_size
+        left = self._left()
         mirror = ShardMirror(left, snap["mirror"], h.reg.optimizer) if snap.get("mirror") else None
         if snap.get("boundary") is not None:
             h.reg.load_boundary(unpack(snap["boundary"]))

@@ -34,25 +34,38 @@ def compute_times(progress: dict[str, Any]) -> dict[int, float]:
     return out
 
 
-def judge_steps(recent: dict[int, dict[int, float]], after: int, factor: float) -> list[tuple[int, int, float, Any]]:
-    """Each step after `after` that every rank has a time for (of two ranks or more), in
-    order, and for each rank: (step, rank, its time, the others' median if it was over
-    factor x that median, else None). One step at a time, with every rank's own time of
-    that step: comparing rank A's step s with rank B's step s-1 flagged a healthy rank on
-    a loaded machine, and the progress keys hold only each rank's latest record (written
-    latest-wins), so the records carry their last steps' times and no step goes unjudged
-    because a coordinator pass saw the ranks a step apart."""
-    if len(recent) < 2:
+def judge_windows(history: dict[int, dict[int, float]], after: int, first: int, factor: float,
+                  need: int) -> list[tuple[int, int, float, Any]]:  # fmt: skip
+    """Each step after `after` that ends a window of `need` steps (none before `first`)
+    every rank has a time for (of two ranks or more), in order, and for each rank: (step,
+    rank, the median of its window, the median of the others' window medians if its own
+    is over factor x that, else None). A median of windows, not each step on its own: a
+    healthy rank descheduled for one step on a loaded machine looked `factor` times
+    slower than a straggler whose SIGSTOP had landed in its collective wait that step, and
+    requiring every step of a row to be slow let a straggler that was slow in most of
+    them go unjudged for 60 steps (CI fresh clones). The progress keys hold only each
+    rank's latest record (written latest-wins), so the records carry their last steps'
+    times and `history` gathers them over the passes: comparing rank A's step s with
+    rank B's step s-1 flagged a healthy rank on a loaded machine."""
+    if len(history) < 2:
         return []
-    common = set.intersection(*(set(v) for v in recent.values()))
+    common = set.intersection(*(set(v) for v in history.values()))
     out: list[tuple[int, int, float, Any]] = []
-    for step in sorted(x for x in common if x > after):
-        for r, times in recent.items():
-            others = sorted(t[step] for q, t in recent.items() if q != r)
-            med = others[len(others) // 2]
-            c = times[step]
+    for step in sorted(x for x in common if x > after and x - need + 1 >= first):
+        window = range(step - need + 1, step + 1)
+        if not all(w in common for w in window):
+            continue  # the coordinator missed some of these steps' records: judged by later windows
+        meds = {r: _median([times[w] for w in window]) for r, times in history.items()}
+        for r, c in meds.items():
+            med = _median([v for q, v in meds.items() if q != r])
             out.append((step, r, c, med if med > 0 and c > factor * med else None))
     return out
+
+
+def _median(xs: list[float]) -> float:
+    """The lower median: with two ranks, the other rank's own figure."""
+    xs = sorted(xs)
+    return xs[(len(xs) - 1) // 2] if len(xs) % 2 == 0 else xs[len(xs) // 2]
 
 
 def link_victims(reports: dict[int, list[int]]) -> tuple[list[int], int]:
@@ -84,43 +97,44 @@ class Checks:
         self._straggler_gen, self._straggler_from = -1, 0  # the straggler hook's group and first judged step
         self._straggler_judged = -1  # the last step it judged
         self._bugs_seen: set[str] = set()  # incarnations whose bug was recorded (--on-error replace:N)
-        self._slow_seen: dict[int, dict[int, float]] = {}  # straggler hook: rank -> {step: compute_s}
+        self._times: dict[int, dict[int, float]] = {}  # straggler hook: rank -> {step: compute_s} gathered
         self._link_first: dict[int, float] = {}  # generation -> first link report seen
         self._rebuilds: dict[int, int] = {}  # step -> group rebuilds for it
 
     def straggler(self, s: Snapshot) -> None:
         """Off unless LIVEMIG_STRAGGLER_FACTOR is set: request the migration of a rank
-        whose forward+backward time stays above factor x the median of the others."""
+        whose median forward+backward time over the last LIVEMIG_STRAGGLER_STEPS steps is
+        above factor x the median of the others' (judge_windows)."""
         factor, need = straggler_settings()
         if factor <= 0:
             return
         m = s.m
-        recent: dict[int, dict[int, float]] = {}
+        latest = -1
         for r in m.members:
             p = s.get(self.coord.keys.progress(r)) or {}
-            recent[r] = compute_times(p)
-        latest = max((max(v, default=-1) for v in recent.values()), default=-1)
+            times = compute_times(p)
+            self._times.setdefault(r, {}).update(times)
+            latest = max(latest, max(times, default=-1))
         if self._straggler_gen != m.generation:  # a new group: judge it afresh, after it settled
             self._straggler_gen, self._straggler_from = m.generation, latest + need
             self._straggler_judged = -1
-            self._slow_seen.clear()
+            self._times = {r: self._times.get(r, {}) for r in m.members}
         after = max(self._straggler_judged, self._straggler_from - 1, 0)
-        for step, r, c, med in judge_steps(recent, after, factor):
+        for step, r, c, med in judge_windows(self._times, after, self._straggler_from, factor, need):
             self._straggler_judged = max(self._straggler_judged, step)
-            seen = self._slow_seen.setdefault(r, {})
-            if med is not None:
-                seen[step] = c
-            else:
-                seen.clear()
-            if len(seen) >= need:
-                seen.clear()
-                why = f"straggler: compute {c:.3f}s > {factor:g} x median {med:.3f}s for {need} steps"
-                req = {"id": secrets.token_hex(4), "rank": r, "time": time.time(), "reason": why}
-                t = self.coord.client.txn_ops
-                self.coord.client.txn([*self.coord._guard(), t.version(self.coord.keys.migrate_request) == 0],
-                                [t.put(self.coord.keys.migrate_request, encode(req))])  # fmt: skip
-                log.warning("straggler detected; migration requested", extra={"rank": r, "reason": req["reason"]})
-                return
+            if med is None:
+                continue
+            why = f"straggler: median forward+backward {c:.3f}s over {need} steps > {factor:g} x the others' {med:.3f}s"
+            req = {"id": secrets.token_hex(4), "rank": r, "time": time.time(), "reason": why}
+            t = self.coord.client.txn_ops
+            self.coord.client.txn([*self.coord._guard(), t.version(self.coord.keys.migrate_request) == 0],
+                            [t.put(self.coord.keys.migrate_request, encode(req))])  # fmt: skip
+            log.warning("straggler detected; migration requested", extra={"rank": r, "reason": req["reason"]})
+            break
+        keep = max(self._straggler_judged, latest - 4 * need) - need  # what a later window can still need
+        for times in self._times.values():
+            for st in [x for x in times if x <= keep]:
+                del times[st]
 
     def extras_differ(self, s: Snapshot) -> str:
         """Replicated extras must be equal on every rank (a spare takes them from any

@@ -314,20 +314,31 @@ def test_a_reference_is_shared_only_by_runs_with_the_same_settings(monkeypatch):
     assert len({base, *others}) == len(others) + 1
 
 
-def test_the_straggler_hook_judges_every_step_all_ranks_have_once():
+def test_the_straggler_hook_judges_windows_of_steps_all_ranks_have_once():
     """coordinator/checks.py: the ranks' records carry their last steps' compute times, so
-    a pass that sees rank 0 at step 9 and rank 1 at step 7 still judges steps 6 and 7 (each
-    with both ranks' own times of that step), and a step is judged once."""
-    from livemig.coordinator.checks import compute_times, judge_steps
+    a pass that sees rank 0 at step 9 and rank 1 at step 7 still judges the windows ending
+    at steps 6 and 7 (with both ranks' own times of those steps), each window once; a rank
+    is slow by the median of its window, so one slow step of a healthy rank (descheduled
+    on a loaded machine) flags nothing, and a straggler slow in most steps is flagged."""
+    from livemig.coordinator.checks import compute_times, judge_windows
 
     r0 = compute_times({"step": 9, "compute_s": 0.01, "compute_recent": [[s, 0.01] for s in range(2, 10)]})
-    r1 = compute_times({"step": 7, "compute_s": 0.05, "compute_recent": [[5, 0.01], [6, 0.05], [7, 0.05]]})
-    got = judge_steps({0: r0, 1: r1}, 5, 2.5)
+    r1 = compute_times({"step": 7, "compute_s": 0.05, "compute_recent": [[4, 0.05], [5, 0.01], [6, 0.05], [7, 0.05]]})
+    got = judge_windows({0: r0, 1: r1}, 5, 0, 2.5, 3)
     assert [(s, r) for s, r, _, _ in got] == [(6, 0), (6, 1), (7, 0), (7, 1)]
-    assert [med for _, r, _, med in got if r == 1] == [0.01, 0.01]
+    assert [med for _, r, _, med in got if r == 1] == [0.01, 0.01]  # 2 of 3 steps slow: its median is
     assert all(med is None for _, r, _, med in got if r == 0)
-    assert judge_steps({0: r0, 1: r1}, 7, 2.5) == []  # nothing new in common
-    assert judge_steps({0: r0}, -1, 2.5) == []  # one rank has no median to compare with
+    assert judge_windows({0: r0, 1: r1}, 7, 0, 2.5, 3) == []  # nothing new in common
+    assert judge_windows({0: r0, 1: r1}, 5, 6, 2.5, 3) == []  # no window starts before `first`
+    assert judge_windows({0: r0}, -1, 0, 2.5, 3) == []  # one rank has no median to compare with
+    # a healthy rank's one slow step among a straggler's fast ones (its SIGSTOP landed in its waits)
+    hiccup = {0: {4: 0.01, 5: 0.2, 6: 0.01}, 1: {4: 0.01, 5: 0.01, 6: 0.08}}
+    assert all(med is None for *_, med in judge_windows(hiccup, 0, 0, 2.5, 3))
+    # three ranks: each compared with the median of the others' medians; a missing step skips its windows
+    three = {0: {5: 0.01, 6: 0.01}, 1: {5: 0.012, 6: 0.011}, 2: {5: 0.04, 6: 0.05}}
+    assert [(s, r) for s, r, _, med in judge_windows(three, 0, 0, 2.5, 2) if med] == [(6, 2)]
+    del three[1][5]
+    assert judge_windows(three, 0, 0, 2.5, 2) == []
     # anyone with etcd access may write a progress record: what is not a [step, seconds] pair is skipped
     assert compute_times({"step": "x", "compute_recent": [["a", 1], [3], "z", [4, "q"]]}) == {4: 0.0}
 

@@ -82,6 +82,46 @@ class _Work:
         if self.release is not None:
             self.release.wait()
 
+    def is_completed(self) -> bool:  # one with a release completes as it is waited on
+        return self.release is not None and self.release.is_set()
+
+
+def test_completed_works_are_waited_without_the_waiter_and_their_errors_surface():
+    """group.wait_all: works already completed (FSDP2's prefetched all-gathers) skip the
+    hand-off to the waiter thread; a failed one still raises CollectiveAborted with its
+    first line; one not completed still goes to the waiter (its abort check works)."""
+    import pytest
+
+    from livemig.comm import group
+    from livemig.comm.group import CollectiveAborted, wait_all
+
+    class Failed(_Work):
+        def wait(self) -> None:
+            raise RuntimeError("Connection closed by peer [10.0.0.2]:1234\nmore")
+
+    done = threading.Event()
+    done.set()
+    seen: list = []
+
+    def caller() -> None:
+        wait_all([_Work(done), _Work(done)], timedelta(seconds=5))
+        seen.append(getattr(group._waiters, "waiter", None))
+        try:
+            wait_all([Failed(done)], timedelta(seconds=5))
+        except CollectiveAborted as exc:
+            seen.append(str(exc))
+
+    t = threading.Thread(target=caller)
+    t.start()
+    t.join(5)
+    assert seen == [None, "collective failed: Connection closed by peer [10.0.0.2]:1234"]
+    pending = threading.Event()
+    try:
+        with pytest.raises(CollectiveAborted, match="generation moved on"):
+            wait_all([_Work(pending)], timedelta(seconds=5), should_abort=lambda: True)
+    finally:
+        pending.set()
+
 
 def test_a_wait_given_up_on_does_not_hold_up_the_next_one():
     """wait_all's waiter thread may stay blocked in a wait its caller gave up on (a

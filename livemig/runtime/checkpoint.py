@@ -13,7 +13,9 @@ replicated tensors needs its collectives, which would run on the training group)
 
     rank 0:  "model" (its whole state_dict: parameters and its buffers), "state.optimizer"
              (plain path), "state.boundary" (extras, param-group hyperparameters)
-    rank r:  "model" (its buffers), "state.local" (local=), "state.shard" (ZeRO-1: its own shard)
+    rank r:  "model" (its buffers), "state.local" (local=), "state.shard" (ZeRO-1: its own shard),
+             "state.fsdp" (FSDP2: its local shards of the parameters and the optimizer state; under
+             FSDP2 rank 0's "model" holds its buffers only, the parameters are in every rank's part)
     every:   "meta" (msgpack bytes: the skeletons of the flattened sections, the step, the signature)
 
 Non-tensor state is never pickled by livemig: sections are flattened (livemig/state.py)
@@ -54,12 +56,25 @@ class CheckpointHost(Protocol):
     runtime: Any
     timeouts: Any
     _faults: Any
+    _fsdp: Any  # FSDP2 (runtime/fsdp2.py): its shards are this rank's part
 
     def signature(self) -> list: ...
 
 
 def signature_hash(sig: list) -> str:
     return hashlib.sha256(msgpack.packb(sig, use_bin_type=True, default=str)).hexdigest()[:32]
+
+
+def _model_sd(reg: Any) -> dict[str, Any]:
+    """The model's state_dict; under FSDP2 its buffers only: the parameters travel as local
+    shards (the "fsdp" section), and FSDP2's state_dict hooks, run between steps, leave the
+    next backward with freed parameter storage."""
+    if reg.model is None:
+        return {}
+    if reg.fsdp is None:
+        return reg.model.state_dict()
+    names = set(reg.buffer_names)
+    return {k: v for k, v in reg.model.named_buffers() if k in names}
 
 
 def _stage(t: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
@@ -162,11 +177,14 @@ class Checkpointer:
     def _state_dict(self, step: int) -> dict[str, Any]:
         h = self._host
         reg = h.reg
-        model_sd = reg.model.state_dict() if reg.model is not None else {}
-        keep = list(model_sd) if h.rank == 0 else list(reg.buffer_names)
+        fsdp = reg.fsdp is not None  # every rank writes its own shards; no rank holds the whole model
+        model_sd = _model_sd(reg)
+        keep = list(model_sd) if h.rank == 0 and not fsdp else list(reg.buffer_names)
         sections: dict[str, Any] = {"local": {k: v.state_dict() for k, v in reg.local.items()}}
+        if fsdp:
+            sections["fsdp"] = h._fsdp.shards()
         if h.rank == 0:
-            if reg.optimizer is not None and reg.zero is None:
+            if reg.optimizer is not None and reg.zero is None and not fsdp:
                 sections["optimizer"] = reg.optimizer.state_dict()
             sections["boundary"] = {"extra": {k: v.state_dict() for k, v in reg.extra.items()},
                                     "hparams": reg.hparams()}  # fmt: skip
@@ -307,6 +325,10 @@ def load(h: CheckpointHost, step_root: str) -> tuple[int, int]:
     step = int(name.removeprefix("step_"))
     man = layout.read_manifest(root, step)
     world = int(man["world"])
+    if world != h.world_size and reg.fsdp is not None:
+        raise ConfigError(f"checkpoint {step_root} holds the FSDP2 shards of {world} ranks; this run has "
+                          f"{h.world_size}, and FSDP2 shards are not resharded to another world size yet: "
+                          f"resume it with --nproc {world} and the same mesh")  # fmt: skip
     if man.get("signature") not in (None, signature_hash(h.signature())):
         raise ConfigError(f"checkpoint {step_root} was written by a script whose registered state differs "
                           "(another model or optimizer): resume it with the script that wrote it")  # fmt: skip
@@ -314,22 +336,30 @@ def load(h: CheckpointHost, step_root: str) -> tuple[int, int]:
         raise ConfigError(f"checkpoint {step_root} holds rank-local state (model buffers, local=) of {world} "
                           f"ranks; this run has {h.world_size}, and rank-local state has no rule to map it to "
                           f"another world size: resume it with --nproc {world}")  # fmt: skip
-    model_sd = reg.model.state_dict() if reg.model is not None else {}
+    model_sd = _model_sd(reg)
     buffers = set(reg.buffer_names)
-    params = {k: v for k, v in model_sd.items() if k not in buffers and isinstance(v, torch.Tensor)}
+    fsdp = reg.fsdp is not None  # its parameters (DTensors) come from this rank's own part, below
+    params = {} if fsdp else {k: v for k, v in model_sd.items() if k not in buffers and isinstance(v, torch.Tensor)}
     own_buffers = {k: v for k, v in model_sd.items() if k in buffers and isinstance(v, torch.Tensor)}
     with torch.no_grad():
         zero = [params | (own_buffers if h.rank == 0 or world != h.world_size else {})]
-        sections = ["boundary"] + (["optimizer"] if reg.optimizer is not None and reg.zero is None else [])
+        whole_opt = reg.optimizer is not None and reg.zero is None and not fsdp
+        sections = ["boundary"] + (["optimizer"] if whole_opt else [])
         _, got = _read_part(layout.part_dir(root, step, 0), zero[0], sections)
-        if reg.optimizer is not None and reg.zero is None:
+        if whole_opt:
             reg.optimizer.load_state_dict(got["optimizer"])
         reg.load_boundary(got["boundary"])
         if world == h.world_size:
-            own = ["local"] + (["shard"] if reg.zero is not None else [])
+            own = ["local"] + (["shard"] if reg.zero is not None else []) + (["fsdp"] if fsdp else [])
             _, mine = _read_part(layout.part_dir(root, step, h.rank), own_buffers if h.rank else {}, own)
             for k, v in reg.local.items():
                 v.load_state_dict(mine["local"][k])
+            if fsdp:  # this rank's shards, and the shards it mirrors from their owner's part
+
+                def part_of(r: int) -> dict[str, Any]:
+                    return _read_part(layout.part_dir(root, step, r), {}, ["fsdp"])[1]["fsdp"]
+
+                h._fsdp.load_shards(mine["fsdp"], part_of)
             if reg.zero is not None:
                 reg.zero.own.load(mine["shard"])
                 if reg.zero.mirror is not None:

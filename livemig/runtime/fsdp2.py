@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -168,14 +169,19 @@ class Fsdp2:
                     if not is_dtensor(b):
                         dist.broadcast(b, src=0)
 
-    def check_checkpoints(self, wanted: bool) -> None:
-        """Checkpoints of FSDP2 shards are not written yet: refused before step 0 rather than
-        written as parts a cold restart could not load into the sharded model."""
-        if wanted and self.h.reg.fsdp is not None:
-            raise ConfigError(
-                "checkpoints (--checkpoint-dir, --resume-from, ctx.checkpoints) of an FSDP2 model are not "
-                "supported yet: run without them (live recovery covers one lost rank per shard)"
-            )
+    def shards(self) -> dict[str, Any]:
+        """This rank's part of a checkpoint (runtime/checkpoint.py): its local shards of the
+        parameters and of the optimizer state, at the boundary."""
+        return self._own()
+
+    def load_shards(self, mine: dict[str, Any], part_of: Callable[[int], dict[str, Any]]) -> None:
+        """A checkpoint's shards into this rank's (the same mesh, the same rank), and a fresh
+        mirror of the left neighbour's from its part: a mirror kept from before the restart
+        holds a later boundary than the one loaded."""
+        self.load_state({"params": mine["params"], "optimizer": mine["optimizer"]})
+        self.mirror = None
+        if self.want_mirror:
+            self._make_mirror(part_of(self._left()))
 
     def setup_mirror(self) -> None:
         """Each rank takes a copy of its left neighbour's shard as the job forms (ring exchange)."""

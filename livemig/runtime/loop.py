@@ -46,7 +46,6 @@ class StepLoop:
             start = self.committed + 1
         elif self.role == Role.WORKER:
             self._faults.gate.check_total(total)  # a fault plan's step the job never reaches: refused now
-            self._fsdp.check_checkpoints(self._ckpt.settings is not None or bool(self._ckpt.resume_path))
             self.runtime.register(self.rank, host_store=self.rank == 0)
             self._standby.register_signature()
             self.runtime.follow(1, self)

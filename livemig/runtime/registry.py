@@ -51,6 +51,7 @@ class Registry:
         self.local: dict[str, Any] = {}
         self.params: list[torch.nn.Parameter] = []
         self.buffer_names: list[str] = []  # the model's persistent buffers: per-rank state
+        self._model_sig: list | None = None  # the model's entries of the signature (its structure is fixed)
         self.zero: Any = None  # comm.zero1.Zero1 when registered with sharding="zero1"
         self.sync_start = True  # make the replicas rank 0's when the job forms (runtime/start_sync.py)
         self.fsdp: list[int] | None = None  # FSDP2: the mesh shape the parameters are sharded on (runtime/fsdp2.py)
@@ -82,7 +83,9 @@ class Registry:
         return bool(self.buffer_names or self.local)
 
     def signature(self) -> list:
-        sig = signature(self.model.state_dict()) if self.model is not None else []
+        if self._model_sig is None:  # once: FSDP2's state_dict hooks, run between steps, break its next step
+            self._model_sig = signature(self.model.state_dict()) if self.model is not None else []
+        sig = [list(e) for e in self._model_sig]
         if self.optimizer is not None:  # a spare must step the same way: class and group sizes
             sizes = [sum(p.numel() for p in g["params"]) for g in self.optimizer.param_groups]
             sig.append(["<optimizer>", type(self.optimizer).__name__, sizes])

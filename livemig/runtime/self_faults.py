@@ -32,6 +32,7 @@ class SelfFaults:
         raw = os.environ.get(ENV_SELF_FAULT)
         self.fault: SelfFault | None = parse_self_fault(raw) if raw else None
         self.gate = Gate({} if ctx.role == Role.LOCAL else None)
+        self._dying = False  # a kill in flight (during=<collective>) whose timer has not fired yet
 
     def _due(self, kind: str, t: int, at: str | None = None) -> SelfFault | None:
         f = self.fault
@@ -41,6 +42,8 @@ class SelfFaults:
 
     def at(self, t: int, at: str) -> None:
         """Point `at` of step t: a break, a wedge or a kill planned for it lands now."""
+        if self._dying:  # a kill planned inside a collective lands before this rank's next point at
+            os.kill(os.getpid(), signal.SIGKILL)  # the latest (a loaded host fires the timer late)
         if at == "allreduce" and self._due("selfbreak", t):
             from livemig.comm.group import CollectiveAborted
 
@@ -53,7 +56,10 @@ class SelfFaults:
         if self._due("selfkill", t, at):
             if at in ("before_commit", "after_step"):
                 os.kill(os.getpid(), signal.SIGKILL)
-            # Die while our collective is in flight: peers may or may not complete it.
+            # Die while our collective is in flight: peers may or may not complete it. A timer
+            # that fires late (a loaded host) must not let the kill drift past this rank's
+            # commit point: the next point of the step kills at once (_dying).
+            self._dying = True
             threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
     def during_checkpoint(self, step: int) -> None:

@@ -5,8 +5,8 @@ local=, BatchNorm buffers, rank 0 saving) on a (replicate 2, shard 2) mesh of 4 
 
 Each faulted run is compared with the fault-free run, rank by rank: local shards of the
 parameters and the optimizer state, buffers, the carried batch, and the report's rank digests.
-CI budget: ~5 min (three references, seven faulted HSDP runs (a wedge among them), plain FSDP with and without its
-mirror, a planned migration then a kill on each mesh, two refusals).
+CI budget: ~6 min (three references, eight faulted HSDP runs (a wedge among them), plain FSDP with and without its
+mirror, a planned migration then a kill on each mesh, three refusals, two or three cold restarts from checkpoints).
 """
 
 from __future__ import annotations
@@ -122,6 +122,28 @@ def test_plain_fsdp_recovers_from_the_shard_mirror_and_fails_with_one_line_witho
     assert "FSDP2 shard 1 of rank 1 is lost" in reason and "mirror is off" in reason, explain(off)
 
 
+def test_every_holder_of_a_shard_lost_restarts_from_the_checkpoint_exactly(tmp_path, hsdp_reference, references):
+    """What live recovery cannot cover goes to the cold path: both replicas of shard 1 (ranks 1
+    and 3) killed in one step; every rank's own shards were written at each checkpointed
+    boundary, so the job restarts from step 7's checkpoint (the survivors in place, two fresh
+    processes) and ends as the fault-free run, rank by rank. Plain FSDP with its mirror: a
+    shard and its mirror lost together (ranks 1 and 2), each mirror rebuilt from its owner's
+    part, exact at the end."""
+    ck = ("--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4")
+    run, ranks = _run(tmp_path, ("kill:rank=1:step=9", "kill:rank=3:step=9"), job="cold", cli=ck)
+    _assert_exact(run, ranks, hsdp_reference, recoveries=1)
+    cold = run.report["recoveries"][0]
+    assert cold["kind"] == "restart" and cold["from_step"] == 7 and cold["steps_redone"] == 2, explain(run)
+    plain = ("--replicate", "1", "--stateless")
+    ref = reference_of(references, 3, PORT, _work("{out}", *plain))
+    ck = ("--checkpoint-dir", str(tmp_path / "ck-plain"), "--checkpoint-every", "4")
+    run, ranks = _run(tmp_path, ("kill:rank=1:step=9", "kill:rank=2:step=9"), spares=0, nproc=3, job="coldplain",
+                      extra=plain, cli=ck)  # fmt: skip
+    _assert_exact(run, ranks, (ref.report, rank_files(ref.out)), recoveries=1)
+    assert run.report["recoveries"][0]["kind"] == "restart", explain(run)
+    assert run.report["fsdp2"]["mirrored"] and run.report["fsdp2"]["mirrors_exact"], explain(run)
+
+
 def test_a_spare_wrapped_differently_is_refused_naming_the_difference(tmp_path):
     """The spare wraps only the root: refused at claim time with the difference named, and the
     job (no other spare) fails after the spare wait."""
@@ -156,15 +178,21 @@ def test_a_planned_migration_then_a_kill_of_the_rank_it_mirrors_is_exact(tmp_pat
         assert run.report["fsdp2"]["mirrors_exact"], explain(run)
 
 
-def test_fsdp2_checkpoints_are_refused_with_one_line(tmp_path):
-    """Checkpoints of FSDP2 shards are refused before step 0 instead of written as parts a cold
-    restart could not load."""
-    ck, _ = _run(
-        tmp_path, (), spares=0, job="ckpt", cli=("--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "5")
-    )
-    assert ck.rc != 0, explain(ck)
-    reason = (ck.report.get("result") or {}).get("reason", "")
-    assert "checkpoints (--checkpoint-dir, --resume-from, ctx.checkpoints) of an FSDP2 model" in reason, explain(ck)
+def test_a_rank_lost_after_its_commit_vote_is_exact_and_its_checkpoint_resumes_on_its_mesh(tmp_path, hsdp_reference):
+    """Rank 2 dies right after step 9's commit vote passed on it: the peers that commit step 9
+    never receive its local state of boundary 9 (sent to the mirror after the commit), so the
+    recovery is live when no peer committed and a restart from step 7's checkpoint when one
+    did; either way exact. That checkpoint then refuses a run of another world size with one line."""
+    ck = tmp_path / "ck"
+    cli = ("--checkpoint-dir", str(ck), "--checkpoint-every", "4")
+    run, ranks = _run(tmp_path, ("kill:rank=2:step=9:during=before_commit",), job="postvote", cli=cli)
+    _assert_exact(run, ranks, hsdp_reference, recoveries=1)
+    rec = run.report["recoveries"][0]
+    assert rec["kind"] != "restart" or rec["from_step"] == 7, explain(run)
+    two, _ = _run(tmp_path, (), spares=0, nproc=2, job="reshard", cli=("--resume-from", str(ck)))
+    assert two.rc != 0, explain(two)
+    reason = (two.report.get("result") or {}).get("reason", "") or explain(two)
+    assert "FSDP2 shards are not resharded to another world size yet: resume it with --nproc 4" in reason, reason
 
 
 def test_a_wedged_training_thread_is_found_by_its_peers_waits_and_replaced_exactly(tmp_path, hsdp_reference):

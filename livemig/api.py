@@ -54,6 +54,7 @@ from livemig.runtime.registry import Registry
 from livemig.runtime.self_faults import SelfFaults
 from livemig.runtime.standby import Standby
 from livemig.runtime.step_state import StepState
+from livemig.runtime.virtual import VirtualRanks
 from livemig.runtime.zero1_step import Zero1Steps
 from livemig.sandbox.warmup import Sandbox
 
@@ -61,9 +62,8 @@ log = logging.getLogger("livemig.api")
 
 
 class Engine(StepLoop, Zero1Steps, StatePull):
-    """The member behind a `Context`: the step protocol (the runtime/ mixins, over the
-    state set here) and its collaborators (self-faults, batches). MemberRuntime calls it
-    back through runtime.member.Callbacks; the user sees only the Context facade."""
+    """The member behind a `Context`: the step protocol (the runtime/ mixins, over the state set
+    here) and its collaborators. MemberRuntime calls it back through runtime.member.Callbacks."""
 
     def __init__(self, seed: int = 0, timeouts: Timeouts | None = None) -> None:
         self.seed = seed
@@ -109,6 +109,7 @@ class Engine(StepLoop, Zero1Steps, StatePull):
         self._step_t0 = 0.0
         self._scaler: Any = None  # the GradScaler of the ctx.step() in progress
         self._grad_views = os.environ.get(ENV_GRAD_VIEWS, "1") != "0"  # runtime/loop.py, _views_safe
+        self._virtual = VirtualRanks(self)  # the lost ranks this one runs in a shrunk job (runtime/virtual.py)
 
     # -- the registered state (runtime/registry.py) ------------------------------------------
     @property
@@ -268,7 +269,7 @@ class Context:
     busy = _verb("busy")
     checkpoints = _verb("checkpoints")
     log = _verb("log")
-    rank = _read("rank", "This process's rank (0 for a spare in standby, until it is claimed).")
+    rank = property(lambda self: self._engine._virtual.rank, doc="This process's rank; a shrunk job's carried one's.")
     world_size = _read("world_size", "The number of ranks training.")
     generation = _read("generation", "The membership generation whose process group this process trains in.")
     role = _read("role", "worker, spare or local (a plain process outside `livemig run`).")

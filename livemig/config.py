@@ -173,6 +173,28 @@ ENV_RESUME_PATH = "LIVEMIG_RESUME_PATH"  # the checkpoint step directory a worke
 ENV_CHECKPOINT_WRITE_TIMEOUT = "LIVEMIG_CHECKPOINT_WRITE_TIMEOUT"  # s a checkpoint waits for the previous write (600)
 ENV_CHECKPOINT_FAIL_WRITE = "LIVEMIG_CHECKPOINT_FAIL_WRITE"  # a test hook: "R:S" fails rank R's write of step S
 ENV_MAX_RESTARTS = "LIVEMIG_MAX_RESTARTS"  # cold restarts a job may take (--max-restarts, default 3)
+ENV_MIN_NPROC = "LIVEMIG_MIN_NPROC"  # shrink: the fewest ranks a job trains on (--min-nproc; default the world)
+ENV_SHRINK_WAIT = "LIVEMIG_SHRINK_WAIT"  # shrink: the wait for a warm spare before it, s (--shrink-wait, 5)
+
+
+def shrink_settings(world: int) -> tuple[int, float]:
+    """(min_nproc, shrink_wait_s): a job that loses a rank with no warm spare within
+    shrink_wait trains on the survivors while at least min_nproc of them remain
+    (runtime/virtual.py). min_nproc defaults to the world size: no shrink."""
+    raw = os.environ.get(ENV_MIN_NPROC, "")
+    n = int(raw) if raw.strip().isdigit() else world
+    if not 1 <= n <= world:
+        raise ConfigError(f"--min-nproc {n}: expected 1..{world} (the world size)")
+    wait = os.environ.get(ENV_SHRINK_WAIT, "")
+    try:
+        w = float(wait) if wait else 5.0
+    except ValueError:
+        raise ConfigError(f"{ENV_SHRINK_WAIT}={wait!r}: expected seconds") from None
+    if w < 0:
+        raise ConfigError(f"--shrink-wait {w:g}: expected 0 or more seconds")
+    return n, w
+
+
 ENV_RECOVERY = "LIVEMIG_RECOVERY"  # live (default) or cold: every failure restarts from a checkpoint (--recovery)
 ENV_STRAGGLER_FACTOR = "LIVEMIG_STRAGGLER_FACTOR"  # > 0 turns the straggler hook on (e.g. 1.5)
 ENV_STRAGGLER_STEPS = "LIVEMIG_STRAGGLER_STEPS"  # consecutive slow steps before a migration (default 20)

@@ -45,6 +45,7 @@ from livemig.config import (
     ENV_JOIN_TIMEOUT,
     ENV_MAX_RESTARTS,
     ENV_METRICS,
+    ENV_MIN_NPROC,
     ENV_NODE_RANK,
     ENV_ON_ERROR,
     ENV_PARENT_PID,
@@ -54,6 +55,7 @@ from livemig.config import (
     ENV_ROLE,
     ENV_SELF_FAULT,
     ENV_SHADOW_STEPS,
+    ENV_SHRINK_WAIT,
     ENV_SPARE_ID,
     ENV_WORLD_SIZE,
     Role,
@@ -103,6 +105,8 @@ class RunConfig:
     resume_from: str | None = None  # --resume-from DIR: start from the newest complete checkpoint in DIR
     max_restarts: int | None = None  # --max-restarts: cold restarts from a checkpoint (default 3)
     recovery: str = "live"  # --recovery cold: every failure takes the cold path (coordinator/cold.py)
+    min_nproc: int | None = None  # --min-nproc: shrink onto the survivors with no spare (runtime/virtual.py)
+    shrink_wait: float | None = None  # --shrink-wait: s to wait for a warm spare first (default 5)
     # how long to wait for every node of the run to join, s
     join_timeout: float = field(default_factory=lambda: float(os.environ.get(ENV_JOIN_TIMEOUT, "") or 300))
 
@@ -196,6 +200,10 @@ class Launcher:
             full.update(self.cfg.checkpoint.to_env())  # coordinator restarts from them (coordinator/cold.py)
         if role == Role.COORDINATOR and self.cfg.max_restarts is not None:
             full[ENV_MAX_RESTARTS] = str(self.cfg.max_restarts)
+        if role == Role.COORDINATOR and self.cfg.min_nproc is not None:
+            full[ENV_MIN_NPROC] = str(self.cfg.min_nproc)
+        if role == Role.COORDINATOR and self.cfg.shrink_wait is not None:
+            full[ENV_SHRINK_WAIT] = str(self.cfg.shrink_wait)
         if role == Role.COORDINATOR and self.cfg.recovery != "live":
             full[ENV_RECOVERY] = self.cfg.recovery
         if self.tmpdir:  # what the child leaves in its temporary directory goes with the run

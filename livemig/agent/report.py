@@ -22,8 +22,8 @@ from livemig.rdzv.membership import Membership
 _NUM = (int, float)
 # Recovery kinds: one set for the report's recoveries and migrations, the events and the metrics'
 # `kind` label (docs/operations.md): "restart" is the cold path (a restart from a checkpoint,
-# coordinator/cold.py); shrink will add "shrink" and "grow".
-KINDS = ("failure", "migration", "restart")
+# coordinator/cold.py); "shrink" a failure the survivors absorbed with no spare (runtime/virtual.py).
+KINDS = ("failure", "migration", "restart", "shrink")
 COMMIT_TIMES = 200  # group-wide commits listed in the report (runtime/loop.py COMMITS_KEPT per member)
 # A final record as the report reads it (conform(): anything else under final/ is skipped).
 FINAL_NEED = {"steps": (int,), "digest": (str,)}
@@ -83,7 +83,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
         "step_time_s_median": median_step,
         "state_digest": job_digest(ranks),
         "rank_digests": ranks,
-        "replicas_identical": _replicas_identical(finals, replicated, world_size)
+        "replicas_identical": _replicas_identical(finals, replicated, world_size - len(table.carried))
         and (not shards or shards["mirrors_exact"]),
         **({("fsdp2" if any("fsdp_shard" in f for f in finals.values()) else "zero1"): shards} if shards else {}),
         **({"checkpoints": checkpoints_of(finals)} if any("checkpoints" in f for f in finals.values()) else {}),
@@ -112,7 +112,33 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
         "migrations": migrations(events, commits, median_step),
         "timeline": events,
         "nodes": nodes_of(table),
+        **({"shrunk": shrunk(table, events, commits)} if table.carried else {}),
         **({"etcd_outages": [_outage(a, b, commits) for a, b in outages]} if outages else {}),
+    }
+
+
+def _median_gap(commits: list[tuple[int, float]]) -> float | None:
+    gaps = [b - a for (s, a), (u, b) in zip(commits, commits[1:], strict=False) if u == s + 1]
+    return round(statistics.median(gaps), 6) if gaps else None
+
+
+def shrunk(table: Membership, events: list[dict], commits: list[tuple[int, float]]) -> dict[str, Any]:
+    """A job that ended shrunk (runtime/virtual.py): who carries whom, the steps trained at
+    less than full width, and the step time then against the steps before the first shrink."""
+    first = next((ev.get("resume_step") for ev in events if ev["phase"] == "shrink"), None)
+    first = first if isinstance(first, int) else 0
+    before = [c for c in commits if c[0] < first]
+    during = [c for c in commits if c[0] >= first]
+    full, degraded = _median_gap(before), _median_gap(during)
+    return {
+        "physical_world_size": len(table.members),
+        "virtual_world_size": table.world_size,
+        "carried": dict(sorted(table.carried.items())),
+        "degraded_from_step": first,
+        "degraded_steps": len(during),
+        "step_time_s_full": full,
+        "step_time_s_degraded": degraded,
+        "degraded_step_cost": round(degraded / full, 3) if full and degraded else None,
     }
 
 
@@ -310,6 +336,9 @@ def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step
             cur["kind"] = KINDS[2]
             cur["restart"] = {"from_step": ev.get("step"), "steps_redone": ev.get("redone"),
                               "checkpoint": ev.get("path"), "reason": ev.get("reason", "")}  # fmt: skip
+        elif cur is not None and ph == "shrink":  # no spare: the survivors carry the lost rank(s)
+            cur["kind"] = KINDS[3]
+            cur["carried"] = {int(k): v for k, v in (ev.get("carried") or {}).items()}
         elif cur is not None and ph == "fresh":  # the agents started fresh processes for the lost ranks
             cur["fresh"] = ev.get("ranks") or []
         elif cur is not None and ph in PHASES:
@@ -357,6 +386,8 @@ def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float) -> 
         "bytes_streamed": cur["bytes_streamed"],
         "spares": cur.get("spares", []),  # the spare(s) that took the lost rank(s)
     }
+    if "carried" in cur:
+        out["carried"] = cur["carried"]  # virtual rank -> the survivor that runs its steps too
     if cur.get("fresh"):
         out["fresh_processes"] = cur["fresh"]  # no spare: the agents started these ranks afresh
     if "restart" in cur:  # the steps after the checkpoint are trained again: lost time too

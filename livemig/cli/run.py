@@ -35,6 +35,9 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
         what = f"recovery of rank {r['rank']}" if r["rank"] is not None else "rebuild of the group"
         onto = f" onto spare {', '.join(r['spares'])}" if r.get("spares") else ""
         how = f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed"
+        if r.get("kind") == "shrink":
+            onto = f" by the survivors (carried: {', '.join(f'rank {v} by {c}' for v, c in r['carried'].items())})"
+            how = "no spare: shrunk, same samples and global batch"
         if r.get("kind") == "restart":
             how = (f"cold restart from the checkpoint of step {r['from_step']}, {r['steps_redone']} step(s) "
                    f"redone ({r['lost_s']:.2f} s lost in all)")  # fmt: skip
@@ -50,6 +53,11 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
                     else "failed the job")  # fmt: skip
             lines.append(f"  no spare of this run was left: a further failure would have waited --spare-wait, "
                          f"then {then}")  # fmt: skip
+    sh = rep.get("shrunk")
+    if sh:
+        cost = f", {sh['degraded_step_cost']:.2f}x the full-width step" if sh.get("degraded_step_cost") else ""
+        lines.append(f"shrunk: {sh['physical_world_size']} processes ran the {sh['virtual_world_size']} ranks for "
+                     f"the last {sh['degraded_steps']} step(s){cost}")  # fmt: skip
     if rep.get("rank_digests"):
         lines.append(f"state digest {rep['state_digest'][:16]}…  replicas identical: "
                      f"{'yes' if rep['replicas_identical'] else 'no'}")  # fmt: skip
@@ -63,6 +71,10 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
         where = f"; rank(s) {differ} differ from the same rank of the fault-free run" if differ else ""
         lines.append(f"bit-identical: {'yes' if same else 'no'} (every rank's final state vs the same rank of "
                      f"a fault-free run{where})")  # fmt: skip
+        if sh:
+            lines.append("verify: the job ended shrunk: its average summed the same gradients in another "
+                         "order, so bits may differ (docs/architecture.md, Shrink); the carried ranks leave "
+                         "no final state")  # fmt: skip
         if rep.get("faults_not_fired"):
             lines.append("verify: not shown: the fault plan did not run in full, so nothing was recovered from it")
     logs.say(*lines)  # one write: agents sharing a pipe do not cut into each other's summary
@@ -130,6 +142,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="watchdog timeout of a collective / group build, s (default 30)",
     )
     p.add_argument("--spare-wait", type=float, help="wait this long for a warm spare, s (default 60)")
+    p.add_argument("--min-nproc", type=int, default=None,
+                   help="with no warm spare, train on the survivors while at least this many ranks remain: "
+                        "they run the lost ranks' steps too, same samples and global batch (default: the "
+                        "world size, no shrink; plain data parallel; docs/architecture.md, Shrink)")  # fmt: skip
+    p.add_argument(
+        "--shrink-wait",
+        type=float,
+        default=None,
+        help="wait this long for a warm spare before shrinking, s (default 5)",
+    )
     p.add_argument("--max-wall", type=float, default=3600.0, help="abort the run after this long, s")
     p.add_argument("--on-error", default="",
                    help="an exception in the training function: fail (default: end the job at once, no spare "
@@ -183,6 +205,10 @@ def cmd_run(a: argparse.Namespace) -> int:
         node_rank = int(a.node_rank)
     else:
         raise ConfigError(f"--node-rank {a.node_rank!r}: expected a number or auto")
+    if a.min_nproc is not None and not 1 <= a.min_nproc <= world:
+        raise ConfigError(f"--min-nproc {a.min_nproc}: expected 1..{world} (the world size)")
+    if a.shrink_wait is not None and a.shrink_wait < 0:
+        raise ConfigError(f"--shrink-wait {a.shrink_wait:g}: expected 0 or more seconds")
     cfg = RunConfig(script=a.script, args=a.args, nproc=world, spares=a.spares, nnodes=a.nnodes,
                     node_rank=node_rank, host=a.host,
                     coordinators=a.coordinators, job=a.job, etcd=a.etcd, etcd_bin=a.etcd_bin,
@@ -190,7 +216,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                     faults=[parse_fault(f) for f in a.fault], report=a.report, timeouts=t,
                     log_every=a.log_every, max_wall=a.max_wall, on_error=a.on_error,
                     metrics_port=a.metrics_port, events=a.events, checkpoint=checkpoint_settings(a),
-                    resume_from=a.resume_from, max_restarts=a.max_restarts, recovery=a.recovery)  # fmt: skip
+                    resume_from=a.resume_from, max_restarts=a.max_restarts, recovery=a.recovery,
+                    min_nproc=a.min_nproc, shrink_wait=a.shrink_wait)  # fmt: skip
     reference = None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cfg.nproc_per_node + cfg.spares > OVERSUBSCRIBE * cores:

@@ -144,6 +144,9 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
         if result is not None and m.state not in (GenState.DONE, GenState.FAILED)
         else m.state,
         "world_size": m.world_size,
+        # a shrunk job (--min-nproc): processes training, and who runs each lost rank's steps
+        "physical_world_size": len(m.members) if m.carried else m.world_size,
+        "carried": {str(v): c for v, c in sorted(m.carried.items())},
         "members": members,
         "spares": spares,
         "run": conform(run.value, {}, {"nnodes": (int,), "nproc_per_node": (int,), "run_id": (str,)}) if run else None,
@@ -193,6 +196,9 @@ def render(info: dict[str, Any], as_json: bool) -> str:
         f"job {info['job']}  generation {info['generation']}  state {info['state']}  "
         f"world {info['world_size']}  leader {info['leader'] or '-'}",
     ]
+    if info.get("carried"):
+        who = ", ".join(f"rank {v} by rank {c}" for v, c in info["carried"].items())
+        lines.append(f"shrunk: {info['physical_world_size']} processes run the {info['world_size']} ranks ({who})")
     if info["result"]:
         lines.append(f"result: {info['result']}")
     mig = info.get("migration")

@@ -32,6 +32,7 @@ from livemig.config import (
     Timeouts,
     exit_with_parent,
     outage_grace_s,
+    shrink_settings,
     stride_of,
 )
 from livemig.coordinator.checks import Checks
@@ -108,6 +109,8 @@ class Coordinator:
         self.outage_grace_s = outage_grace_s(self.timeouts)
         self._lease_dead: dict[tuple[int, str], float] = {}  # (generation, incarnation) -> lease first seen gone
         self._in_grace = False
+        # --min-nproc / --shrink-wait: train on the survivors with no spare (runtime/virtual.py)
+        self.min_nproc, self.shrink_wait_s = shrink_settings(world_size)
 
     def _lost(self, reason: str) -> None:
         log.error("lost leadership; stopping", extra={"reason": reason})
@@ -367,7 +370,7 @@ class Coordinator:
         members = {r: mem for r, mem in s.registered(table).items() if r not in dead}
         new = Membership(state=GenState.RECOVERING, world_size=m.world_size, members=members,
                          kind="failure", failed_rank=dead[0] if dead else None, leader=self.id,
-                         restarts=m.restarts,
+                         restarts=m.restarts, carried=m.carried,  # a dead carrier's ranks: vacant again
                          reason=reason or f"rank(s) {dead} failed in generation {m.generation}")  # fmt: skip
         t = self.client.txn_ops
         g = m.generation + 1
@@ -442,7 +445,14 @@ class Coordinator:
         sources = sorted(r for r, c in holding.items() if c == resume - 1)
         sig = (s.get(self.keys.config) or {}).get("signature", [])
         mode, mirrored = sharding_of(sig)
-        vacant = [r for r in range(m.world_size) if r not in m.members]
+        # a rank a survivor carries (a shrunk job) is not vacant: the carrier runs it
+        live_carried = {v: c for v, c in m.carried.items() if c in m.members}
+        vacant = [r for r in range(m.world_size) if r not in m.members and r not in live_carried]
+        if has_local_state(sig):
+            orphans = [v for v in vacant if v in m.carried]
+            if orphans:  # its local state lived only in its carrier's memory (no mirror while shrunk)
+                return self._cold(s, f"rank(s) {orphans}'s local state (buffers, local=) was carried by a lost "
+                                     "survivor of the shrunk job and has no other copy", since)  # fmt: skip
         if mode in ("zero1", "fsdp2"):  # every shard needs a live holder; a rank behind finishes from its own
             if mode == "zero1":
                 lost = lost_shards(m.world_size, mirrored, set(holding), self._stride(s))
@@ -473,7 +483,7 @@ class Coordinator:
         if not self._since.get((m.generation, "agreed")):
             self._since[(m.generation, "agreed")] = time.monotonic()
             self.timeline.record(m.generation, "agree", self._guard(), resume_step=resume, sources=sources)
-        self._claim(s, vacant, resume, sources, since)
+        self._claim(s, vacant, resume, sources, since, mode)
 
     def _pick_spares(self, s: Snapshot, n: int) -> list[tuple[str, KV, dict]]:
         """Up to n warm, unclaimed spares, oldest first; spares whose model differs are refused."""
@@ -506,7 +516,8 @@ class Coordinator:
             self.client.txn(self._guard(), refusals)
         return picks
 
-    def _claim(self, s: Snapshot, vacant: list[int], resume: int, sources: list[int], since: float) -> None:
+    def _claim(self, s: Snapshot, vacant: list[int], resume: int, sources: list[int], since: float,
+               mode: str = "") -> None:  # fmt: skip
         m = s.m
         picks = self._pick_spares(s, len(vacant))
         if len(picks) < len(vacant):
@@ -514,6 +525,17 @@ class Coordinator:
             waited = time.monotonic() - since
             missing = vacant[len(picks) :]
             wait_s = self.timeouts.spare_wait.total_seconds()
+            why = ""
+            if self.min_nproc < m.world_size:  # --min-nproc: the survivors carry the lost ranks
+                if mode in ("zero1", "fsdp2"):
+                    why = f"shrinking a sharding={mode} job is not supported yet"
+                elif len(m.members) < self.min_nproc:
+                    why = f"{len(m.members)} survivor(s) are fewer than --min-nproc {self.min_nproc}"
+                else:
+                    return self._shrink(s, vacant, resume, sources) if waited > self.shrink_wait_s else None
+                if not self._since.get((m.generation, "no-shrink")):
+                    self._since[(m.generation, "no-shrink")] = time.monotonic()
+                    log.warning("cannot shrink", extra={"generation": m.generation, "why": why})
             if self.cold.dir and (not self._any_spare(s) or waited > wait_s):
                 # No spare is coming: the agents start a fresh process for each lost rank, which
                 # joins as a spare would (state streamed from the survivors, nothing redone).
@@ -521,9 +543,34 @@ class Coordinator:
             if waited > wait_s:
                 self._fail(m, f"no warm spare for rank(s) {missing} within {wait_s:.0f}s: start one with "
                               f"`livemig-spare start --job {self.job} SCRIPT` (LIVEMIG_SPARE_WAIT), or run "
-                              "with --checkpoint-dir to have the agents start fresh processes")  # fmt: skip
+                              "with --checkpoint-dir to have the agents start fresh processes"
+                              + (f" (no shrink: {why})" if why else ""))  # fmt: skip
             return
         self._claim_for(s, vacant, picks, resume, sources)
+
+    def _shrink(self, s: Snapshot, vacant: list[int], resume: int, sources: list[int]) -> None:
+        """No spare within --shrink-wait: train on the survivors (runtime/virtual.py). Each
+        lost rank is carried by its buddy (rank + stride, the holder of its local state's
+        mirror) or, with no local state, by the next survivor; the world stays N."""
+        m = s.m
+        n, stride = m.world_size, self._stride(s)
+        carried = {v: c for v, c in m.carried.items() if c in m.members}
+        for v in vacant:
+            c = (v + stride) % n
+            while c not in m.members:
+                c = (c + 1) % n
+            carried[v] = c
+        t = self.client.txn_ops
+        new = replace(m, state=GenState.BUILDING, kind="shrink", resume_step=resume, sources=sources,
+                      carried=carried, store=self.stores.for_generation(s, m.members), updated=time.time(),
+                      nonce=secrets.token_hex(8))  # fmt: skip
+        ops = [self.timeline.op(m.generation, "shrink", ranks=vacant, carried={str(v): c for v, c in carried.items()},
+                                physical=len(m.members), virtual=n, resume_step=resume)]  # fmt: skip
+        ok, _ = self.client.txn([self.rdzv.gen_is(m.generation), *self._guard()],
+                                [t.put(self.keys.membership, new.to_bytes()), *ops])  # fmt: skip
+        if ok:
+            log.warning("shrunk: the survivors carry the lost rank(s)",
+                        extra={"generation": m.generation, "carried": carried, "physical": len(m.members)})  # fmt: skip
 
     def _any_spare(self, s: Snapshot) -> bool:
         return any(k.startswith(self.keys.spares_prefix) for k in s.kv)
@@ -576,6 +623,7 @@ class Coordinator:
         m = s.m
         t = self.client.txn_ops
         members = dict(m.members)
+        carried = {v: c for v, c in m.carried.items() if c in members and v not in vacant}  # a shrunk job's
         compare = [self.rdzv.gen_is(m.generation), *self._guard()]
         ops = []
         for rank, (sid, kv, info) in zip(vacant, picks, strict=True):
@@ -585,7 +633,7 @@ class Coordinator:
             claimed = dict(info, state="claimed", claim={"generation": m.generation, "rank": rank})
             ops += [t.put(self.keys.assignment(sid), encode({"generation": m.generation, "rank": rank})),
                     t.put(kv.key, encode(claimed), kv.lease)]  # fmt: skip
-        new = replace(m, state=GenState.BUILDING, members=members, resume_step=resume,
+        new = replace(m, state=GenState.BUILDING, members=members, resume_step=resume, carried=carried,
                       sources=sources, store=self.stores.for_generation(s, members), updated=time.time(),
                       nonce=secrets.token_hex(8))  # fmt: skip
         if restart is not None:

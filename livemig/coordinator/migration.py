@@ -43,7 +43,8 @@ class Migrations:
         m = s.m
         req = s.get(self.coord.keys.migrate_request)
         if req is None:
-            self.coord.checks.straggler(s)
+            if not m.carried:  # a shrunk job's carriers are slow by design: not stragglers
+                self.coord.checks.straggler(s)
             return False
         t = self.coord.client.txn_ops
         rank, rid = req.get("rank"), req.get("id", "")
@@ -52,6 +53,8 @@ class Migrations:
             reject = f"rank {rank!r} is not a member of the job (world size {m.world_size})"
         elif (mode := sharding_of((s.get(self.coord.keys.config) or {}).get("signature", []))[0]) == "zero1":
             reject = f"planned migration of a job with sharded state ({mode}) is not supported yet"
+        elif m.carried:
+            reject = "planned migration of a shrunk job (survivors carrying lost ranks) is not supported yet"
         elif m.world_size < 2:
             reject = "a job of one rank has no group to keep training while the spare catches up"
         picks = [] if reject else self.coord._pick_spares(s, 1)

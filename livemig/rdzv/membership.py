@@ -135,7 +135,7 @@ class Membership:
     store: str = ""  # host:port of the TCPStore the group of this generation builds from
     resume_step: int | None = None
     sources: list[int] = field(default_factory=list)  # ranks holding the boundary state
-    kind: str = ""  # "failure" | "migration" | "" (initial)
+    kind: str = ""  # "failure" | "migration" | "restart" | "shrink" | "" (initial)
     failed_rank: int | None = None
     fenced: list[str] = field(default_factory=list)
     reason: str = ""
@@ -148,11 +148,24 @@ class Membership:
     # the cold path (kind "restart"): {"path": the checkpoint's step directory, "step": its boundary}
     restart: dict = field(default_factory=dict)
     restarts: int = 0  # cold restarts so far (--max-restarts), carried from generation to generation
+    # a shrunk job (--min-nproc): virtual rank -> the member that runs its loop body too (runtime/virtual.py)
+    carried: dict[int, int] = field(default_factory=dict)
 
     @property
     def group_gen(self) -> int:
         """The generation whose process group members of this one train in."""
         return self.continues or self.generation
+
+    @property
+    def group_size(self) -> int:
+        """The ranks of this generation's process group: the world, or the survivors of a
+        shrunk job (its virtual ranks are run by them and take no place in the group)."""
+        return len(self.members) if self.carried else self.world_size
+
+    def group_rank(self, rank: int) -> int:
+        """`rank`'s place in the process group: the rank itself, or in a shrunk job its
+        index among the members."""
+        return sorted(self.members).index(rank) if self.carried else rank
 
     def to_bytes(self) -> bytes:
         # asdict() would first copy every Member into a dict only to be packed again
@@ -167,6 +180,7 @@ class Membership:
         try:
             d = decode(raw)
             d["members"] = _unpack_members(d.get("members", {}))
+            d["carried"] = {int(k): int(v) for k, v in (d.get("carried") or {}).items()}
             return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
         except Exception as exc:  # noqa: BLE001 - msgpack, a missing field, a wrong type
             raise CorruptStateError(

@@ -78,9 +78,10 @@ class Batches:
             step = ctx._current
             if step is None:
                 raise ConfigError("next(ctx.batches(loader)) called outside `for step in ctx.steps(...)`")
-            if it is None or step != expect:  # first use, or the loop moved (a spare's replay, a warm-up)
-                local = ctx.warming_up
-                loader.batch_sampler.place(step, 0 if local else ctx.rank, 1 if local else ctx.world_size)
+            rank = ctx._virtual.rank  # a carried rank's body reads that rank's batch
+            if it is None or (step, rank) != expect:  # first use, or the loop moved (a replay, a warm-up, a
+                local = ctx.warming_up  # carried rank's body in a shrunk job: runtime/virtual.py)
+                loader.batch_sampler.place(step, 0 if local else rank, 1 if local else ctx.world_size)
                 it = iter(loader)
             yield next(it)
-            expect = step + 1
+            expect = (step + 1, rank)

@@ -80,12 +80,18 @@ class StepLoop:
             self._current = step
             self._zero_regather()
             self._migration.tick()
-            seed_step(step_seed(self.seed, step, self.rank))
-            if self._reducer is not None:
-                self._reducer.arm(self.runtime.pg)
-            self._step_t0 = time.monotonic()
-            self._faults.at(step, "compute")
-            yield step
+            if self._virtual.degraded():  # a shrunk job: this rank's body, then those of the ranks it carries
+                if self._reducer is not None:
+                    self._reducer.disarm()  # the average waits for the step's last body
+                yield from self._virtual.run_step(step, own_ran=False)
+            else:
+                seed_step(step_seed(self.seed, step, self.rank))
+                if self._reducer is not None:
+                    self._reducer.arm(self.runtime.pg)
+                self._step_t0 = time.monotonic()
+                self._faults.at(step, "compute")
+                yield step
+                yield from self._virtual.after_own(step)  # a shrink inside the step (runtime/virtual.py)
             if self.committed != step:
                 raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
             self._at_boundary(step)
@@ -151,6 +157,9 @@ class StepLoop:
             self._reducer.write_back(avg)
             self._st.synced = Synced(t, avg)
             return
+        if self._virtual.defers(t):  # a shrunk job: a later body of this step averages (runtime/virtual.py)
+            self._virtual.stash(t)
+            return
         if self._zero is not None:
             raise ConfigError(
                 "ctx.sync_gradients() / ctx.clip_grad_norm_() with sharding='zero1' are not supported yet: "
@@ -159,7 +168,7 @@ class StepLoop:
         self._ensure_grads()
         red = self._reducer
         assert red is not None
-        first = True
+        first = not self._virtual.degraded()  # shrunk: no overlap, the stashed bodies join the average
         compute_s = time.monotonic() - self._step_t0  # forward + backward: the straggler hook's input
         while True:
             self.runtime.check_fenced()
@@ -172,6 +181,7 @@ class StepLoop:
                 if first:  # the overlapped reduction launched during backward
                     flats = red.finish(self.world_size, self.timeouts.collective, self.runtime.moved_on, ctl)
                 else:
+                    self._virtual.add_stashed()
                     flats = red.flatten(self.world_size)  # pre-divided, as the overlapped path's buckets
                     allreduce_sum(self.runtime.pg, [*flats, ctl], self.timeouts.collective, self.runtime.moved_on)
                     ctl.div_(self.world_size)
@@ -182,6 +192,11 @@ class StepLoop:
                 if self._st.fetched is not None and self._st.fetched.step == t:  # a peer completed it: we have it
                     self._st.synced = Synced(t, self._st.fetched.flats, False, compute_s)
                     self._st.fetched = None
+                    self._virtual.acc = None  # the average holds every body's gradient already
+                    return
+                if self._virtual.defers(t):  # shrunk meanwhile: the ranks this one carries run their bodies first
+                    self._virtual.deferred = t
+                    self._virtual.stash(t)
                     return
                 continue
             # No copy needed for the kept average: the reducer double-buffers, so these
@@ -226,8 +241,13 @@ class StepLoop:
                 self._step_zero1(t)
                 self._faults.at(t, "after_step")
                 return
+            if self._virtual.defers(t):  # a shrunk job: a later body of this step commits it
+                self._virtual.stash(t)
+                return
             views = self._views_safe()
             self._sync_gradients(views=views)  # a no-op if the user synced already
+            if self._virtual.deferred == t:  # shrunk during the average: the carried bodies come first
+                return
             synced = self._st.synced
             assert synced is not None
             flats, switch, compute_s = synced.flats, synced.switch, synced.compute_s
@@ -293,6 +313,8 @@ class StepLoop:
         step trains nothing, which is said once. Called by ctx.sync_gradients() and
         ctx.step(), the two verbs a step ends with (a replayed step holds the average)."""
         if self._no_grad_said or (self._st.replay is not None and self._st.replay.step == step):
+            return
+        if self._virtual.stashed == step:  # this body's gradient waits for the step's last body
             return
         if not self._params or any(p.grad is not None for p in self._params):
             return
@@ -414,7 +436,7 @@ class StepLoop:
         to the right neighbour; keep the left neighbour's. Runs inside step t's
         collective phase, before the commit vote (or barrier), so whoever commits t
         knows that the mirror holds every rank's boundary t-1."""
-        if not self.reg.has_local or self.world_size < 2:
+        if not self.reg.has_local or self.world_size < 2 or self._virtual.degraded():  # shrunk: no mirror
             return
         if self._st.local_blob is None or self._st.local_blob.step != t - 1:
             raise RecoveryError(f"rank {self.rank} has no local-state snapshot of boundary {t - 1}")

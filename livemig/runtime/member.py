@@ -108,6 +108,7 @@ class MemberRuntime:
         self._pre: tuple[int, dict] | None = None  # (generation, box) of a background build
         self.gen = 0  # generation whose group we train in
         self.rank: int | None = None
+        self.carried: dict[int, int] = {}  # the group's: virtual rank -> its carrier (a shrunk job)
         self.keeper: LeaseKeeper | None = None
         self.spare_keeper: LeaseKeeper | None = None  # a spare's registration while in standby
         self.server: StateServer | None = None
@@ -501,7 +502,7 @@ class MemberRuntime:
         t0 = time.monotonic()
         try:
             pg = build_group(
-                m.store, g, rank, m.world_size, self.timeouts.collective, self.backend,
+                m.store, g, m.group_rank(rank), m.group_size, self.timeouts.collective, self.backend,
                 should_abort=lambda: self.fenced.is_set() or self.m.generation != g,
             )  # fmt: skip
         except CollectiveAborted as exc:
@@ -531,7 +532,7 @@ class MemberRuntime:
             if built:  # the device mesh's groups (FSDP2) train on this generation's too
                 for old in torch_group.swap_built(built, g):
                     retire(old)
-            self.pg, self.gen = pg, g
+            self.pg, self.gen, self.carried = pg, g, dict(committed.carried)
             if self.server is not None:
                 self.server.withdraw()
             log.info("switched group", extra={"generation": g, "rank": rank})

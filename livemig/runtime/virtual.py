@@ -1,0 +1,238 @@
+"""Virtual ranks: a shrunk job's lost ranks, run by the survivors (`livemig run --min-nproc`).
+
+With no warm spare within --shrink-wait, the coordinator commits a generation whose group
+is the survivors and gives each lost rank a carrier (Membership.carried: the survivor that
+mirrored its local state). The job keeps its N ranks: every step, a carrier runs the loop
+body once for itself and once for each rank it carries, with that rank's `ctx.rank`, RNG
+seed, data position and local state swapped in, so the step sees the same samples and the
+same global batch as the fault-free run. Bodies run in descending rank order (rank 0, if
+among them, last); only the last body's ctx.step() averages and steps the optimizer: an
+earlier body's gradient is stashed here and added to the last one's before the average
+(divided by N, the virtual world). So an earlier body's code after ctx.step() runs before
+the step's update, and what it changes of the replicated state (extras, hyperparameters)
+is put back before the next body: replicated state changes once per step, as the
+fault-free run's; each rank's local state changes once per step, as its own would.
+
+A shrink lands inside a step. A survivor whose average is redone (nobody committed the
+step) and that now carries a rank whose body has not run defers its own ctx.step(): its
+gradient is stashed, and the carried ranks' bodies run after its own, the last one
+averaging. A carried rank whose local state the carrier holds only at an older boundary
+(its mirror) has the missing steps replayed first, gradients dropped, from the parameters
+and replicated state the carrier kept of those steps (the replay rule of a spare).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from livemig.data import seed_step, step_seed
+from livemig.errors import RecoveryError
+from livemig.state import unpack
+
+log = logging.getLogger("livemig.runtime.virtual")
+
+
+class VirtualRanks:
+    """Owned by api.Engine (`engine._virtual`): the ranks this process carries in a shrunk
+    job, their local state, the gradient stashed between the bodies of a step."""
+
+    def __init__(self, engine: Any) -> None:
+        self.e = engine
+        self.active: int | None = None  # the carried rank whose body runs now
+        self.replaying: int | None = None  # the step replayed for a carried rank (its gradient dropped)
+        self.states: dict[int, tuple[int, torch.Tensor | None]] = {}  # rank -> (boundary, its local state)
+        self.acc: list[torch.Tensor | None] | None = None  # gradients stashed by the step's earlier bodies
+        self.stashed: int | None = None  # the step whose running body's gradient is stashed already
+        self.deferred: int | None = None  # a step whose own ctx.step() gave way to carried bodies
+        self.ran: set[int] = set()  # ranks whose body of the current step ran
+        self.carried_steps = 0  # steps this process ran bodies of carried ranks in (the report)
+
+    # -- who -----------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """The rank the running body is (ctx.rank)."""
+        return self.e.rank if self.active is None else self.active
+
+    def carried(self) -> list[int]:
+        rt = self.e.runtime
+        if rt is None or not rt.carried:
+            return []
+        return sorted(v for v, c in rt.carried.items() if c == self.e.rank)
+
+    def degraded(self) -> bool:
+        rt = self.e.runtime
+        return rt is not None and bool(rt.carried)
+
+    def _refresh(self) -> None:
+        """Ranks newly carried take their local state from this rank's mirror of them."""
+        mine = self.carried()
+        for v in list(self.states):
+            if v not in mine:
+                self.states.pop(v)
+        e = self.e
+        for v in mine:
+            if v in self.states:
+                continue
+            if not e.reg.has_local:
+                self.states[v] = (e.committed, None)
+                continue
+            held = sorted(b for b in e._st.mirrored if b <= e.committed)
+            if not held:
+                raise RecoveryError(f"rank {e.rank} carries rank {v} but holds none of its local state")
+            self.states[v] = (held[-1], e._st.mirrored[held[-1]])
+            log.warning("carrying a lost rank", extra={"rank": e.rank, "carries": v, "from_boundary": held[-1]})
+
+    def order(self) -> list[int]:
+        return sorted([self.e.rank, *self.carried()], reverse=True)
+
+    # -- inside a body -------------------------------------------------------------------
+    def defers(self, t: int) -> bool:
+        """At this body's average: do bodies of carried ranks still have to run for step t
+        (this body is not the step's last)?"""
+        if self.replaying == t:
+            return True
+        if not self.degraded():
+            return False
+        self._refresh()
+        running = self.rank
+        return any(v not in self.ran and v != running for v in self.order())
+
+    def stash(self, t: int) -> None:
+        """Keep this body's gradient for the step's last body; .grad is cleared (the next
+        body's zero_grad() cannot touch it). A replayed body's gradient is dropped."""
+        params = self.e._params
+        if self.replaying != t and self.stashed != t:
+            if self.acc is None:
+                self.acc = [None] * len(params)
+            for i, p in enumerate(params):
+                if p.grad is not None:
+                    g = p.grad.detach()
+                    self.acc[i] = g.clone() if self.acc[i] is None else self.acc[i].add_(g)
+        for p in params:
+            p.grad = None
+        self.stashed = t
+
+    def add_stashed(self) -> None:
+        """The last body: the earlier bodies' gradients join its own before the average."""
+        if self.acc is None:
+            return
+        for p, g in zip(self.e._params, self.acc, strict=True):
+            if g is not None:
+                p.grad.add_(g)
+        self.acc = None
+
+    # -- the loop ------------------------------------------------------------------------
+    def run_step(self, step: int, own_ran: bool) -> Iterator[int]:
+        """The bodies of `step` besides this rank's own (own_ran: it ran already, its
+        ctx.step() deferred), then any carried rank's catch-up to the boundary."""
+        e = self.e
+        self._refresh()
+        self.deferred = None  # taken: the last body below averages
+        self.ran = {e.rank} if own_ran else set()
+        pre = self._replicated_before(step)
+        if own_ran:
+            yield from self._catch_up(step - 1)  # carried ranks reach boundary step-1 first
+        while e.committed != step:
+            todo = [v for v in self.order() if v not in self.ran]
+            if not todo:
+                raise RecoveryError(f"rank {e.rank}: no body of step {step} averaged it")
+            v = todo[0]
+            if pre is not None and self.ran:
+                e.reg.load_boundary(unpack(pre))  # an earlier body's changes of replicated state go
+            yield from self._body(step, v)
+            self.ran.add(v)
+        self.carried_steps += 1
+        self.ran = set()
+
+    def after_own(self, step: int) -> Iterator[int]:
+        """After this rank's own body of `step` on the plain path: a shrink inside it may have
+        deferred the commit (the carried bodies run now) or left carried ranks a step behind."""
+        e = self.e
+        if self.deferred == step and e.committed != step:
+            yield from self.run_step(step, own_ran=True)
+        elif self.degraded() and e.committed == step:
+            self._refresh()
+            yield from self._catch_up(step)
+
+    def _replicated_before(self, step: int) -> torch.Tensor | None:
+        """The replicated state (extras, hyperparameters) of boundary step-1, to put back
+        after each body but the last."""
+        blob = self.e._st.boundaries.get(step - 1)
+        return blob if blob is not None else self.e.reg.pack_boundary()
+
+    def _body(self, step: int, v: int) -> Iterator[int]:
+        e = self.e
+        e._current = step
+        self.stashed = None
+        if v == e.rank:
+            seed_step(step_seed(e.seed, step, v))
+            e._step_t0 = time.monotonic()
+            e._faults.at(step, "compute")
+            yield step
+            return
+        own = self._swap_in(v)
+        seed_step(step_seed(e.seed, step, v))
+        e._step_t0 = time.monotonic()
+        try:
+            yield step
+        finally:
+            self.active = None
+        self._swap_out(v, step, own)
+
+    def _swap_in(self, v: int) -> torch.Tensor | None:
+        e = self.e
+        own = e.reg.pack_local() if e.reg.has_local else None
+        blob = self.states[v][1]
+        if blob is not None:
+            e.reg.load_local(unpack(blob))
+        self.active = v
+        return own
+
+    def _swap_out(self, v: int, step: int, own: torch.Tensor | None) -> None:
+        e = self.e
+        self.states[v] = (step, e.reg.pack_local() if e.reg.has_local else None)
+        if own is not None:
+            e.reg.load_local(unpack(own))
+
+    def _catch_up(self, boundary: int) -> Iterator[int]:
+        """Replay the steps up to `boundary` for each carried rank whose local state is
+        older: from the parameters before each step and the replicated state of the
+        boundary before it, as this rank kept them (runtime/loop.py, the boundary rule)."""
+        e = self.e
+        for v in self.carried():
+            while self.states[v][0] < boundary:
+                k = self.states[v][0] + 1
+                before, rep = e._st.before.get(k), e._st.boundaries.get(k - 1)
+                if before is None or rep is None:
+                    raise RecoveryError(f"rank {e.rank} cannot replay step {k} for rank {v}: it kept no "
+                                        "parameters or replicated state of it")  # fmt: skip
+                yield from self._replay(k, v, before, rep, boundary + 1)
+
+    def _replay(self, k: int, v: int, before: list, rep: torch.Tensor, back_to: int) -> Iterator[int]:
+        e = self.e
+        own_rep = e.reg.pack_boundary()
+        with torch.no_grad():
+            now = [p.detach().clone() for p in e._params]
+            for p, b in zip(e._params, before, strict=True):
+                p.copy_(b)
+        e.reg.load_boundary(unpack(rep))
+        own = self._swap_in(v)
+        e._current, self.replaying = k, k
+        seed_step(step_seed(e.seed, k, v))
+        log.info("replaying a step for a carried rank", extra={"rank": e.rank, "carries": v, "step": k})
+        try:
+            yield k
+        finally:
+            self.active, self.replaying = None, None
+        self._swap_out(v, k, own)
+        with torch.no_grad():
+            for p, x in zip(e._params, now, strict=True):
+                p.copy_(x)
+                p.grad = None
+        e.reg.load_boundary(unpack(own_rep))
+        e._current = back_to

@@ -1,0 +1,92 @@
+"""Shrink: no spare, the survivors carry the lost rank (`--min-nproc`, runtime/virtual.py).
+
+The script (tests/helpers/shrink_proc.py) is a DDP port: per-rank seeds, a DataLoader over
+an ElasticSampler, BatchNorm buffers, a `local=` meter, a weight decay set by hand,
+clipping, a scheduler after ctx.step(). Every forward records (step, rank, sample ids,
+the meter's count): a shrunk run must read exactly the fault-free run's samples per
+(step, virtual rank), with each carried rank's own local state, and end with parameters
+within 1e-6 x max|param| of it (the average sums the same gradients in another order).
+
+CI budget: ~1.5 min (a reference run and three short jobs of 3 workers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.e2e.conftest import REPO, explain, livemig_run
+
+SCRIPT = os.path.join(REPO, "tests", "helpers", "shrink_proc.py")
+STEPS = 30
+SHRINK = ("--min-nproc", "2", "--shrink-wait", "0.5")
+
+
+def _run(tmp_path, job, faults=(), extra=(), steps=STEPS):
+    dump = tmp_path / f"dump-{job}"
+    dump.mkdir()
+    run = livemig_run(tmp_path, 3, faults=faults, extra=extra, script=SCRIPT, job=job,
+                      workload=["--steps", str(steps), "--dump", str(dump)])  # fmt: skip
+    return run, dump
+
+
+def _samples(dump) -> dict[tuple[int, int], tuple]:
+    """(step, rank) -> (sample ids, meter count) of the last forward of it (a replay
+    reads the same ones again)."""
+    out = {}
+    for f in dump.glob("samples*.jsonl"):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            out[(r["step"], r["rank"])] = (r["ids"], r["meter"])
+    return out
+
+
+def _finals(dump) -> dict[int, dict]:
+    return {int(f.stem[5:]): json.loads(f.read_text()) for f in dump.glob("final*.json")}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("shrink-ref")
+    run, dump = _run(tmp, "ref")
+    assert run.rc == 0, explain(run)
+    return _samples(dump), _finals(dump)
+
+
+@pytest.mark.parametrize("fault,carrier", [("kill:rank=2:step=10", 0), ("kill:rank=0:step=10:during=allreduce", 1)],
+                         ids=["rank2-between-steps", "rank0-in-the-average"])  # fmt: skip
+def test_a_lost_rank_is_carried_with_the_same_samples_and_global_batch(tmp_path, reference, fault, carrier):
+    ref_samples, ref_finals = reference
+    run, dump = _run(tmp_path, "sh", faults=(fault,), extra=SHRINK)
+    assert run.rc == 0, explain(run)
+    assert run.report["steps_completed"] == STEPS, explain(run)
+    (rec,) = run.report["recoveries"]
+    lost = int(fault.split("rank=")[1].split(":")[0])
+    assert rec["kind"] == "shrink" and rec["carried"] == {str(lost): carrier}, rec
+    sh = run.report["shrunk"]
+    assert (sh["physical_world_size"], sh["virtual_world_size"]) == (2, 3), sh
+    assert sh["degraded_steps"] >= STEPS - 12, sh
+    samples = _samples(dump)
+    assert samples.keys() == ref_samples.keys()  # every (step, rank) ran, the lost rank's included
+    differ = sorted(k for k in ref_samples if samples[k] != ref_samples[k])
+    assert not differ, f"(step, rank) whose samples or local meter differ from the fault-free run's: {differ[:8]}"
+    finals = _finals(dump)
+    assert set(finals) == {0, 1, 2} - {lost}
+    for r, f in finals.items():
+        want = ref_finals[r]["state"]
+        top = max(abs(v) for vals in want.values() for v in vals)
+        worst = max(abs(a - b) for k, vals in want.items() for a, b in zip(vals, f["state"][k], strict=True))
+        assert worst <= 1e-6 * top, f"rank {r}: max |param - fault-free| {worst:.3g} > 1e-6 x {top:.3g}"
+        assert f["meter"]["n"] == ref_finals[r]["meter"]["n"] and f["lr"] == ref_finals[r]["lr"]
+    assert run.report["replicas_identical"], explain(run)
+
+
+def test_without_shrink_a_lost_rank_with_no_spare_fails_the_job_with_its_line(tmp_path):
+    """--min-nproc 3 is the world: no shrink, the job fails after the spare wait, as without it."""
+    run, _ = _run(tmp_path, "nos", faults=("kill:rank=1:step=4",), extra=("--min-nproc", "3", "--spare-wait", "2"),
+                  steps=12)  # fmt: skip
+    assert run.rc != 0
+    reason = (run.report.get("result") or {}).get("reason", "")
+    assert "no warm spare for rank(s) [1] within 2s" in reason, explain(run)

@@ -1,0 +1,45 @@
+"""Shrink's pure pieces: the shrunk membership's group, its settings, the report's section."""
+
+from __future__ import annotations
+
+import pytest
+
+from livemig.agent.report import shrunk
+from livemig.config import ENV_MIN_NPROC, ENV_SHRINK_WAIT, shrink_settings
+from livemig.errors import ConfigError
+from livemig.rdzv.membership import Member, Membership
+
+
+def _table(ranks, carried=None, world=3):
+    return Membership(world_size=world, members={r: Member(r, f"i{r}", "h", 1, "") for r in ranks},
+                      carried=carried or {})  # fmt: skip
+
+
+def test_a_shrunk_group_is_its_survivors_in_rank_order_and_survives_the_wire():
+    m = _table([0, 2], {1: 2})
+    assert (m.group_size, m.group_rank(0), m.group_rank(2)) == (2, 0, 1)
+    back = Membership.from_bytes(m.to_bytes())
+    assert back.carried == {1: 2} and back.group_rank(2) == 1
+    full = _table([0, 1, 2])
+    assert (full.group_size, full.group_rank(2)) == (3, 2)  # not shrunk: the rank is the group rank
+
+
+def test_shrink_settings_default_to_no_shrink_and_refuse_a_bad_count(monkeypatch):
+    monkeypatch.delenv(ENV_MIN_NPROC, raising=False)
+    monkeypatch.delenv(ENV_SHRINK_WAIT, raising=False)
+    assert shrink_settings(4) == (4, 5.0)
+    monkeypatch.setenv(ENV_MIN_NPROC, "2")
+    monkeypatch.setenv(ENV_SHRINK_WAIT, "0.5")
+    assert shrink_settings(4) == (2, 0.5)
+    monkeypatch.setenv(ENV_MIN_NPROC, "9")
+    with pytest.raises(ConfigError, match="--min-nproc 9: expected 1..4"):
+        shrink_settings(4)
+
+
+def test_the_report_counts_degraded_steps_and_their_step_time():
+    commits = [(s, 0.1 * s) for s in range(10)] + [(s, 1.0 + 0.2 * (s - 10)) for s in range(10, 20)]
+    events = [{"phase": "shrink", "resume_step": 10, "time": 1.0}]
+    sh = shrunk(_table([0, 1], {2: 0}), events, commits)
+    assert sh["degraded_steps"] == 10 and sh["degraded_from_step"] == 10
+    assert sh["carried"] == {2: 0} and sh["physical_world_size"] == 2
+    assert sh["degraded_step_cost"] == pytest.approx(2.0, rel=1e-3)

@@ -66,6 +66,9 @@ def test_bench_downtime_tiny(tmp_path):
     )
     assert s["migration"]["bit_identical"] == "yes" and s["migration"]["downtime_s"] is not None, r.stdout
     assert "planned migration pause" in r.stdout
+    shrink = res["samples"]["shrink"][0]  # no spare: the survivors carry rank 1 (runtime/virtual.py)
+    assert s["shrink"]["all_ok"] and shrink["kind"] == "shrink" and shrink["steps"] == 200, r.stdout
+    assert shrink["shrunk"]["degraded_steps"] >= 150 and "shrink (no spare" in r.stdout, r.stdout
 
 
 def test_bench_checkpoint_tiny(tmp_path):

@@ -9,7 +9,8 @@ One invocation runs every approach on the same workload, interleaved
 - restart: torchrun --max-restarts with the c10d rendezvous, the DDP script
   checkpointing every K steps and resuming from the latest; same SIGKILL;
 - cold: livemig with live recovery off (--recovery cold), background checkpoints every
-  K steps: the same SIGKILL restarts from the newest, the survivors in place.
+  K steps: the same SIGKILL restarts from the newest, the survivors in place;
+- shrink: no spare, --min-nproc N-1: the survivors carry rank 1 (runtime/virtual.py).
 
 Lost time = wall minus the fault-free twin's wall (fault_free for livemig,
 plain_ddp for restart). Downtime = first step committed after the recovery that
@@ -48,7 +49,7 @@ DDP = os.path.join(ROOT, "examples", "ddp_baseline.py")
 
 def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
                 env: dict | None = None, metrics: bool = False, checkpoint: Any = None,
-                recovery: str = "live", script: str | None = None) -> dict[str, Any]:  # fmt: skip
+                recovery: str = "live", script: str | None = None, shrink: bool = False) -> dict[str, Any]:  # fmt: skip
     """fault: True = SIGKILL rank 1 after --fail-at; "migrate" = planned migration of rank 1 there.
     metrics: serve --metrics-port and scrape it once a second (15x Prometheus' usual rate)."""
     zero1 = getattr(a, "sharding", "none") == "zero1"
@@ -56,7 +57,8 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
     os.environ.update(env or {})  # the launcher passes its environment on to the workers
     cfg = RunConfig(
         script=script or (MLP_ZERO1 if zero1 else MLP), args=workload,
-        nproc=a.workers, spares=a.spares,  # an idle spare in fault_free too
+        nproc=a.workers, spares=0 if shrink else a.spares,  # an idle spare in fault_free too
+        min_nproc=a.workers - 1 if shrink else None, shrink_wait=0.0 if shrink else None,  # no spare: carried
         job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True, max_wall=a.run_timeout,
         faults=[parse_fault(f"{'migrate' if fault == 'migrate' else 'kill'}:rank=1:step={a.fail_at}")] if fault else [],
         checkpoint=checkpoint, recovery=recovery,
@@ -90,7 +92,7 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
         "median_step_s": rep["step_time_s_median"], "downtime_s": rec.get("downtime_s"),
         "phases": rec.get("phases", {}), "ok": (rep["result"] or {}).get("state") == "done",
         "kind": rec.get("kind"), "steps_redone": rec.get("steps_redone"),
-        "fsdp2": rep.get("fsdp2"),
+        "fsdp2": rep.get("fsdp2"), "shrunk": rep.get("shrunk"),
         "peak_rss_mb": max((x.get("peak_rss_mb", 0.0) for x in rep.get("members", {}).values()), default=0.0),
     }  # fmt: skip
 
@@ -239,6 +241,8 @@ def run_downtime(a: argparse.Namespace) -> int:
     }
     if a.sharding != "zero1":  # planned migration of rank 1 at --fail-at: its pause is the downtime column
         approaches["migration"] = lambda: run_livemig(a, "migrate", workload)
+    if a.sharding != "zero1":  # no spare: the survivors carry rank 1 (--min-nproc N-1, --shrink-wait 0)
+        approaches["shrink"] = lambda: run_livemig(a, True, workload, shrink=True)
     if a.fail_at >= a.ckpt_every:  # a checkpoint exists before the kill: the cold path has one to restart from
         approaches["cold"] = lambda: _cold_row(a, workload)
     else:
@@ -256,7 +260,7 @@ def run_downtime(a: argparse.Namespace) -> int:
         rs, dd = samples["restart"][i], samples["plain_ddp"][i]
         rs["lost_s"] = rs["wall_s"] - dd["wall_s"]
         rs["bit_identical"] = rs["digest"] == dd["digest"]
-        for name in ("migration", "cold"):
+        for name in ("migration", "cold", "shrink"):
             if name in samples:
                 row = samples[name][i]
                 row["lost_s"] = row["wall_s"] - ff["wall_s"]
@@ -279,6 +283,14 @@ def run_downtime(a: argparse.Namespace) -> int:
         if pauses:
             print(f"planned migration pause (switch step over a median step): {statistics.median(pauses):.3f} s "
                   f"(target <= 0.25); rows: 'migration' (downtime column = pause)")  # fmt: skip
+    shr = [x["shrunk"] for x in samples.get("shrink", []) if x.get("shrunk")]
+    if shr:
+        costs = [x["degraded_step_cost"] for x in shr if x.get("degraded_step_cost")]
+        cost = statistics.median(costs) if costs else float("nan")
+        steps = statistics.median([x["degraded_steps"] for x in shr])
+        print(f"shrink (no spare, --min-nproc {a.workers - 1}, --shrink-wait 0: the downtime is the mechanism's): "
+              f"{a.workers - 1} processes carry {a.workers} ranks for {steps:.0f} step(s), step time {cost:.2f}x "
+              "full width; same samples and global batch, bits differ by summation order (by design)")  # fmt: skip
     cold = [x for x in samples.get("cold", []) if x.get("kind") == "restart"]
     if cold:
         ph = {k: statistics.median([x["phases"].get(k, 0.0) for x in cold]) for k in cold[0]["phases"]}

@@ -54,7 +54,7 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
             lines.append(f"  no spare of this run was left: a further failure would have waited --spare-wait, "
                          f"then {then}")  # fmt: skip
     sh = rep.get("shrunk")
-    if sh:
+    if sh and sh.get("degraded_steps"):
         cost = f", {sh['degraded_step_cost']:.2f}x the full-width step" if sh.get("degraded_step_cost") else ""
         lines.append(f"shrunk: {sh['physical_world_size']} processes ran the {sh['virtual_world_size']} ranks for "
                      f"the last {sh['degraded_steps']} step(s){cost}")  # fmt: skip

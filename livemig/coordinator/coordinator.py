@@ -471,6 +471,8 @@ class Coordinator:
         if has_local_state(sig) and m.world_size > 1 and resume >= 1 and not resumed:
             boundary = resume - 1 if mode == "fsdp2" else resume - 2
             lost = lost_local_state(m.world_size, vacant, reports, boundary, self._stride(s))
+            if lost and m.carried:
+                lost = [f"{x} (a shrunk job mirrors no local state)" for x in lost]
             if lost:
                 return self._cold(s, "; ".join(lost), since)
         # A source must hold the average of step resume-1 for members one step behind.

@@ -140,12 +140,16 @@ class VirtualRanks:
         while e.committed != step:
             todo = [v for v in self.order() if v not in self.ran]
             if not todo:
-                raise RecoveryError(f"rank {e.rank}: no body of step {step} averaged it")
+                raise RecoveryError(
+                    f"rank {e.rank}: no body of step {step} averaged it (order {self.order()}, ran "
+                    f"{sorted(self.ran)}, committed {e.committed}, carried {e.runtime.carried})"
+                )
             v = todo[0]
             if pre is not None and self.ran:
                 e.reg.load_boundary(unpack(pre))  # an earlier body's changes of replicated state go
             yield from self._body(step, v)
             self.ran.add(v)
+            self.deferred = None  # a shrink inside that body deferred its commit to the bodies left
         self.carried_steps += 1
         self.ran = set()
 

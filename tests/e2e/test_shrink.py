@@ -7,7 +7,7 @@ the meter's count): a shrunk run must read exactly the fault-free run's samples 
 (step, virtual rank), with each carried rank's own local state, and end with parameters
 within 1e-6 x max|param| of it (the average sums the same gradients in another order).
 
-CI budget: ~1.5 min (a reference run and three short jobs of 3 workers).
+CI budget: ~2.5 min (two reference runs, three short jobs of 3 workers and two of 4).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ STEPS = 30
 SHRINK = ("--min-nproc", "2", "--shrink-wait", "0.5")
 
 
-def _run(tmp_path, job, faults=(), extra=(), steps=STEPS):
+def _run(tmp_path, job, faults=(), extra=(), steps=STEPS, nproc=3, args=()):
     dump = tmp_path / f"dump-{job}"
     dump.mkdir()
-    run = livemig_run(tmp_path, 3, faults=faults, extra=extra, script=SCRIPT, job=job,
-                      workload=["--steps", str(steps), "--dump", str(dump)])  # fmt: skip
+    run = livemig_run(tmp_path, nproc, faults=faults, extra=extra, script=SCRIPT, job=job,
+                      workload=["--steps", str(steps), "--dump", str(dump), *args])  # fmt: skip
     return run, dump
 
 
@@ -74,13 +74,42 @@ def test_a_lost_rank_is_carried_with_the_same_samples_and_global_batch(tmp_path,
     assert not differ, f"(step, rank) whose samples or local meter differ from the fault-free run's: {differ[:8]}"
     finals = _finals(dump)
     assert set(finals) == {0, 1, 2} - {lost}
+    _within_bound(finals, ref_finals)
+    assert run.report["replicas_identical"], explain(run)
+
+
+def _within_bound(finals, ref_finals):
     for r, f in finals.items():
         want = ref_finals[r]["state"]
         top = max(abs(v) for vals in want.values() for v in vals)
         worst = max(abs(a - b) for k, vals in want.items() for a, b in zip(vals, f["state"][k], strict=True))
         assert worst <= 1e-6 * top, f"rank {r}: max |param - fault-free| {worst:.3g} > 1e-6 x {top:.3g}"
         assert f["meter"]["n"] == ref_finals[r]["meter"]["n"] and f["lr"] == ref_finals[r]["lr"]
-    assert run.report["replicas_identical"], explain(run)
+
+
+def test_a_second_loss_of_a_shrunk_stateless_job_shrinks_it_again(tmp_path):
+    """4 ranks, --min-nproc 2: rank 3 lost at step 8 (carried by 0), rank 1 at step 16 (carried by
+    2, the stateless job's next survivor): 2 processes finish the 4 ranks' 30 steps."""
+    ref, ref_dump = _run(tmp_path, "ref4", nproc=4, args=("--stateless",))
+    assert ref.rc == 0, explain(ref)
+    run, dump = _run(tmp_path, "sh2", nproc=4, args=("--stateless",), extra=SHRINK,
+                     faults=("kill:rank=3:step=8", "kill:rank=1:step=16"))  # fmt: skip
+    assert run.rc == 0, explain(run)
+    assert [r["kind"] for r in run.report["recoveries"]] == ["shrink", "shrink"], explain(run)
+    assert run.report["shrunk"]["carried"] == {"1": 2, "3": 0} and run.report["steps_completed"] == STEPS
+    assert _samples(dump) == _samples(ref_dump)
+    finals = _finals(dump)
+    assert set(finals) == {0, 2}
+    _within_bound(finals, _finals(ref_dump))
+
+
+def test_a_second_loss_of_a_shrunk_job_with_local_state_fails_with_its_line(tmp_path):
+    """While shrunk, rank-local state is not mirrored: a further loss needs a checkpoint."""
+    run, _ = _run(tmp_path, "shl", nproc=4, extra=SHRINK, steps=20,
+                  faults=("kill:rank=3:step=6", "kill:rank=1:step=12"))  # fmt: skip
+    assert run.rc != 0
+    reason = (run.report.get("result") or {}).get("reason", "")
+    assert "rank 1's local state" in reason and "a shrunk job mirrors no local state" in reason, explain(run)
 
 
 def test_without_shrink_a_lost_rank_with_no_spare_fails_the_job_with_its_line(tmp_path):

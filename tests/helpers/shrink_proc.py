@@ -5,7 +5,8 @@ ElasticSampler, BatchNorm buffers (rank-local), a per-rank meter under `local=`,
 weight decay set by hand, clipping, a scheduler stepped after ctx.step(). Every
 forward appends (step, rank, sample ids, the meter's count) to samples<rank>.jsonl, so
 a test can check a carried rank read exactly what it would have; each process writes
-its final parameters, buffers and meter at the end (final<rank>.json).
+its final parameters, buffers and meter at the end (final<rank>.json). --stateless: no
+rank-local state (a job that can shrink again after a second loss).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class Meter:
 @livemig.elastic(seed=0)
 def main(ctx: livemig.Context, a: argparse.Namespace) -> None:
     torch.manual_seed(1000 + ctx.rank)  # per-rank seeds, as many DDP scripts have
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 1))  # fmt: skip
+    norm = torch.nn.Identity() if a.stateless else torch.nn.BatchNorm1d(32)  # buffers: rank-local state
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), norm, torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
     meter = Meter()
@@ -44,7 +45,7 @@ def main(ctx: livemig.Context, a: argparse.Namespace) -> None:
     x, w = torch.randn(4096, 8, generator=g), torch.randn(8, 1, generator=g)
     ds = torch.utils.data.TensorDataset(x, x @ w + 0.1 * torch.randn(4096, 1, generator=g), torch.arange(4096))
     loader = torch.utils.data.DataLoader(ds, batch_sampler=ElasticSampler(len(ds), a.batch, seed=3))
-    ctx.register(model=model, optimizer=opt, sched=sched, local={"meter": meter})
+    ctx.register(model=model, optimizer=opt, sched=sched, local=None if a.stateless else {"meter": meter})
     batches = ctx.batches(loader)
     for step in ctx.steps(a.steps):
         for group in opt.param_groups:
@@ -58,8 +59,9 @@ def main(ctx: livemig.Context, a: argparse.Namespace) -> None:
         ctx.clip_grad_norm_(a.clip)
         ctx.step()
         sched.step()
-        meter.n += len(ids)
-        meter.total += float(loss)
+        if not a.stateless:  # unregistered, it would count every body this process ran
+            meter.n += len(ids)
+            meter.total += float(loss)
         if a.sleep:
             time.sleep(a.sleep)
     if a.dump:
@@ -75,5 +77,6 @@ if __name__ == "__main__":
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--clip", type=float, default=0.5)
     p.add_argument("--sleep", type=float, default=0.05)
+    p.add_argument("--stateless", action="store_true", help="no rank-local state (no BatchNorm, no local=)")
     p.add_argument("--dump", default=os.environ.get("SHRINK_DUMP", ""))
     main(p.parse_args())

@@ -22,8 +22,9 @@ from livemig.rdzv.membership import Membership
 _NUM = (int, float)
 # Recovery kinds: one set for the report's recoveries and migrations, the events and the metrics'
 # `kind` label (docs/operations.md): "restart" is the cold path (a restart from a checkpoint,
-# coordinator/cold.py); "shrink" a failure the survivors absorbed with no spare (runtime/virtual.py).
-KINDS = ("failure", "migration", "restart", "shrink")
+# coordinator/cold.py); "shrink" a failure the survivors absorbed with no spare, "grow" a spare taking
+# a carried rank back (runtime/virtual.py).
+KINDS = ("failure", "migration", "restart", "shrink", "grow")
 COMMIT_TIMES = 200  # group-wide commits listed in the report (runtime/loop.py COMMITS_KEPT per member)
 # A final record as the report reads it (conform(): anything else under final/ is skipped).
 FINAL_NEED = {"steps": (int,), "digest": (str,)}
@@ -112,7 +113,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
         "migrations": migrations(events, commits, median_step),
         "timeline": events,
         "nodes": nodes_of(table),
-        **({"shrunk": shrunk(table, events, commits)} if table.carried else {}),
+        **({"shrunk": shrunk(table, events, commits)} if any(e["phase"] == "shrink" for e in events) else {}),
         **({"etcd_outages": [_outage(a, b, commits) for a, b in outages]} if outages else {}),
     }
 
@@ -127,8 +128,13 @@ def shrunk(table: Membership, events: list[dict], commits: list[tuple[int, float
     less than full width, and the step time then against the steps before the first shrink."""
     first = next((ev.get("resume_step") for ev in events if ev["phase"] == "shrink"), None)
     first = first if isinstance(first, int) else 0
+    # back to full width: the commit of the last grow that left nothing carried
+    grown = [ev["generation"] for ev in events if ev["phase"] == "grow"] if not table.carried else []
+    last = grown[-1] if grown else None
+    until = max((ev["time"] for ev in events if ev["phase"] == "commit" and ev.get("generation") == last),
+                default=float("inf"))  # fmt: skip
     before = [c for c in commits if c[0] < first]
-    during = [c for c in commits if c[0] >= first]
+    during = [c for c in commits if c[0] >= first and c[1] <= until]
     full, degraded = _median_gap(before), _median_gap(during)
     return {
         "physical_world_size": len(table.members),
@@ -139,6 +145,7 @@ def shrunk(table: Membership, events: list[dict], commits: list[tuple[int, float
         "step_time_s_full": full,
         "step_time_s_degraded": degraded,
         "degraded_step_cost": round(degraded / full, 3) if full and degraded else None,
+        "grew_back": bool(grown),
     }
 
 
@@ -323,6 +330,7 @@ def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step
     out: list[dict] = []
     cur: dict[str, Any] | None = None
     last_fault: float | None = None
+    grows = {ev.get("generation"): ev.get("rank") for ev in events if ev["phase"] == "grow"}
     for ev in events:
         ph = ev["phase"]
         if ph == "fault":
@@ -332,6 +340,8 @@ def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step
             cur = {"kind": KINDS[0], "rank": (ev.get("ranks") or [None])[0], "t": {"fault": fault_t,
                    "detect": ev["time"]}, "bytes_streamed": 0, "stream_s": 0.0}  # fmt: skip
             last_fault = None
+            if ev.get("generation") in grows:  # a spare took a carried rank back (its event comes first)
+                cur["kind"], cur["rank"] = KINDS[4], grows[ev["generation"]]
         elif cur is not None and ph == "restart":  # the cold path took this failure
             cur["kind"] = KINDS[2]
             cur["restart"] = {"from_step": ev.get("step"), "steps_redone": ev.get("redone"),

@@ -281,6 +281,8 @@ class Coordinator:
                 return self._fail(m, differ)
             if self.checks.links(s) or self.checks.hung(s):
                 return None
+            if m.carried and self._grow(s):
+                return None
             if self.migrations.maybe_migrate(s):
                 return None
             self._prune(s)
@@ -357,7 +359,8 @@ class Coordinator:
             self.timeline.record(1, "form", self._guard())
 
     def _fence(self, s: Snapshot, dead: list[int], table: dict[int, Member] | None = None,
-               more: list | None = None, reason: str = "") -> None:  # fmt: skip
+               more: list | None = None, reason: str = "", carried: dict[int, int] | None = None,
+               kind: str = "failure") -> None:  # fmt: skip
         """Fence `dead` (ranks of `table`, default the current one) into a RECOVERING generation.
         With `dead` empty it rebuilds the group with the same members (a failed collective
         that names nobody)."""
@@ -369,8 +372,8 @@ class Coordinator:
         fault = min((x.get("fault_time") or x["time"] for x in suspects if x), default=detected)
         members = {r: mem for r, mem in s.registered(table).items() if r not in dead}
         new = Membership(state=GenState.RECOVERING, world_size=m.world_size, members=members,
-                         kind="failure", failed_rank=dead[0] if dead else None, leader=self.id,
-                         restarts=m.restarts, carried=m.carried,  # a dead carrier's ranks: vacant again
+                         kind=kind, failed_rank=dead[0] if dead else None, leader=self.id, restarts=m.restarts,
+                         carried=m.carried if carried is None else carried,  # a dead carrier's ranks: vacant
                          reason=reason or f"rank(s) {dead} failed in generation {m.generation}")  # fmt: skip
         t = self.client.txn_ops
         g = m.generation + 1
@@ -549,6 +552,21 @@ class Coordinator:
                               + (f" (no shrink: {why})" if why else ""))  # fmt: skip
             return
         self._claim_for(s, vacant, picks, resume, sources)
+
+    def _grow(self, s: Snapshot) -> bool:
+        """A warm spare while shrunk: hand it a carried rank back (the lowest), through a
+        recovery of that rank: the survivors stop at their next collective, the spare takes
+        the rank with its state streamed (its local state from the carrier, its buddy), and
+        the job runs one process wider from the agreed step (runtime/virtual.py)."""
+        m = s.m
+        if not self._any_spare(s) or not self._pick_spares(s, 1):
+            return False
+        v = min(m.carried)
+        carried = {r: c for r, c in m.carried.items() if r != v}
+        grow = self.timeline.op(m.generation + 1, "grow", rank=v, carrier=m.carried[v])
+        self._fence(s, [], more=[grow], reason=f"grow: a warm spare takes back rank {v} from rank {m.carried[v]}",
+                    carried=carried, kind="grow")  # fmt: skip
+        return True
 
     def _shrink(self, s: Snapshot, vacant: list[int], resume: int, sources: list[int]) -> None:
         """No spare within --shrink-wait: train on the survivors (runtime/virtual.py). Each

@@ -80,6 +80,7 @@ class StepLoop:
             self._current = step
             self._zero_regather()
             self._migration.tick()
+            self._virtual.new_step()
             if self._virtual.degraded():  # a shrunk job: this rank's body, then those of the ranks it carries
                 if self._reducer is not None:
                     self._reducer.disarm()  # the average waits for the step's last body
@@ -192,7 +193,7 @@ class StepLoop:
                 if self._st.fetched is not None and self._st.fetched.step == t:  # a peer completed it: we have it
                     self._st.synced = Synced(t, self._st.fetched.flats, False, compute_s)
                     self._st.fetched = None
-                    self._virtual.acc = None  # the average holds every body's gradient already
+                    self._virtual.new_step()  # the average holds every body's gradient already
                     return
                 if self._virtual.defers(t):  # shrunk meanwhile: the ranks this one carries run their bodies first
                     self._virtual.deferred = t

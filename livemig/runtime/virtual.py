@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from livemig.config import buddy_stride
 from livemig.data import seed_step, step_seed
 from livemig.errors import RecoveryError
 from livemig.state import unpack
@@ -46,7 +47,8 @@ class VirtualRanks:
         self.active: int | None = None  # the carried rank whose body runs now
         self.replaying: int | None = None  # the step replayed for a carried rank (its gradient dropped)
         self.states: dict[int, tuple[int, torch.Tensor | None]] = {}  # rank -> (boundary, its local state)
-        self.acc: list[torch.Tensor | None] | None = None  # gradients stashed by the step's earlier bodies
+        self.acc: dict[int, list[torch.Tensor | None]] = {}  # rank -> its body's stashed gradient, this step
+        self.base: list[torch.Tensor] | None = None  # the last body's own gradient, before the stashes joined
         self.stashed: int | None = None  # the step whose running body's gradient is stashed already
         self.deferred: int | None = None  # a step whose own ctx.step() gave way to carried bodies
         self.ran: set[int] = set()  # ranks whose body of the current step ran
@@ -107,24 +109,35 @@ class VirtualRanks:
         body's zero_grad() cannot touch it). A replayed body's gradient is dropped."""
         params = self.e._params
         if self.replaying != t and self.stashed != t:
-            if self.acc is None:
-                self.acc = [None] * len(params)
-            for i, p in enumerate(params):
-                if p.grad is not None:
-                    g = p.grad.detach()
-                    self.acc[i] = g.clone() if self.acc[i] is None else self.acc[i].add_(g)
+            self.acc[self.rank] = [None if p.grad is None else p.grad.detach().clone() for p in params]
         for p in params:
             p.grad = None
         self.stashed = t
 
     def add_stashed(self) -> None:
-        """The last body: the earlier bodies' gradients join its own before the average."""
-        if self.acc is None:
+        """The last body: the earlier bodies' gradients join its own before the average. Only
+        those of ranks still run here: a rank handed to a spare meanwhile (grow) redoes its
+        own, so its stash goes, and so does the running body's if it is that rank's."""
+        if not self.acc:
             return
-        for p, g in zip(self.e._params, self.acc, strict=True):
-            if g is not None:
-                p.grad.add_(g)
-        self.acc = None
+        keep = {self.e.rank, *self.carried()}
+        params = self.e._params
+        if self.base is None:  # kept: an attempt that fails (a grow) is summed again from it
+            self.base = [p.grad.detach().clone() for p in params]
+        for p, b in zip(params, self.base, strict=True):
+            if self.rank in keep:
+                p.grad.copy_(b)
+            else:
+                p.grad.zero_()
+        for r, grads in sorted(self.acc.items()):
+            if r not in keep:
+                continue
+            for p, g in zip(params, grads, strict=True):
+                if g is not None:
+                    p.grad.add_(g)
+
+    def new_step(self) -> None:
+        self.acc, self.base = {}, None
 
     # -- the loop ------------------------------------------------------------------------
     def run_step(self, step: int, own_ran: bool) -> Iterator[int]:
@@ -199,7 +212,11 @@ class VirtualRanks:
 
     def _swap_out(self, v: int, step: int, own: torch.Tensor | None) -> None:
         e = self.e
-        self.states[v] = (step, e.reg.pack_local() if e.reg.has_local else None)
+        blob = e.reg.pack_local() if e.reg.has_local else None
+        self.states[v] = (step, blob)
+        if blob is not None and (v + buddy_stride(e.world_size)) % e.world_size == e.rank:
+            e._st.mirrored[step] = blob  # its buddy's mirror slot: served to a spare that takes it back (grow)
+            e._st.mirrored.pop(step - 3, None)
         if own is not None:
             e.reg.load_local(unpack(own))
 

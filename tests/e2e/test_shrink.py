@@ -119,3 +119,52 @@ def test_without_shrink_a_lost_rank_with_no_spare_fails_the_job_with_its_line(tm
     assert run.rc != 0
     reason = (run.report.get("result") or {}).get("reason", "")
     assert "no warm spare for rank(s) [1] within 2s" in reason, explain(run)
+
+
+def test_a_spare_started_later_takes_the_carried_rank_back(tmp_path, etcd, procs):
+    """60 steps on 3 ranks, rank 2 lost at step 10 with no spare: shrunk, then a spare started by
+    `livemig-spare start` once the job runs shrunk takes rank 2 back (its local state from its
+    carrier, rank 0) and the job ends at full width; every (step, rank) read the fault-free run's
+    samples, and every rank, the grown-back one included, ends within the bound. CI ~40 s."""
+    import time
+    from datetime import timedelta
+
+    from livemig.rdzv.client import EtcdClient
+    from livemig.rdzv.keys import JobKeys
+    from livemig.rdzv.membership import Membership
+
+    steps, work = 60, ["--steps", "60", "--sleep", "0.1"]
+    ref, ref_dump = _run(tmp_path, "gref", steps=steps, args=("--sleep", "0.1"))
+    assert ref.rc == 0, explain(ref)
+    dump = tmp_path / "dump-grow"
+    dump.mkdir()
+    env = {"LIVEMIG_STATE_DIR": str(tmp_path), "LIVEMIG_LOG_LEVEL": "INFO", "SHRINK_DUMP": str(dump)}
+    report = tmp_path / "report-grow.json"
+    job = procs.python("-m", "livemig.cli", "run", "--etcd", etcd.endpoints, "--nproc", "3", *SHRINK, "--job", "grow",
+                       "--report", str(report), "--lease-ttl", "2", "--fault", "kill:rank=2:step=10", SCRIPT, *work,
+                       env=env, cwd=REPO)  # fmt: skip
+    client = EtcdClient(etcd.endpoints, timedelta(seconds=5))
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # shrunk: the survivors carry rank 2
+        kv = client.get(JobKeys("grow").membership)
+        if kv is not None and Membership.from_bytes(kv.value).carried:
+            break
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the job never shrank")
+    procs.python("-m", "livemig.spare_pool.cli", "start", "--etcd", etcd.endpoints, "--job", "grow", SCRIPT, *work,
+                 env=env, cwd=REPO)  # fmt: skip
+    out, err = job.communicate(timeout=180)
+    rep = json.loads(report.read_text())
+    assert job.returncode == 0, out[-2000:] + err[-3000:]
+    assert [r["kind"] for r in rep["recoveries"]] == ["shrink", "grow"], rep["recoveries"]
+    assert rep["recoveries"][1]["rank"] == 2 and rep["recoveries"][1]["spares"], rep["recoveries"]
+    sh = rep["shrunk"]
+    assert sh["grew_back"] and sh["physical_world_size"] == 3 and sh["carried"] == {}, sh
+    assert 0 < sh["degraded_steps"] <= steps - 20, sh  # grown back with >= 20 steps at full width
+    assert rep["steps_completed"] == steps
+    assert _samples(dump) == _samples(ref_dump)
+    finals = _finals(dump)
+    assert set(finals) == {0, 1, 2}
+    _within_bound(finals, _finals(ref_dump))

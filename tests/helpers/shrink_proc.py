@@ -51,7 +51,7 @@ def main(ctx: livemig.Context, a: argparse.Namespace) -> None:
         for group in opt.param_groups:
             group["weight_decay"] = 1e-4 * (1 + step % 3)  # set by hand every step
         xb, yb, ids = next(batches)
-        if a.dump:
+        if a.dump and not ctx.warming_up:  # a spare's warm-up is not the job's
             with open(os.path.join(a.dump, f"samples{ctx.rank}.jsonl"), "a") as f:
                 f.write(json.dumps({"step": step, "rank": ctx.rank, "ids": ids.tolist(), "meter": meter.n}) + "\n")
         loss = torch.nn.functional.mse_loss(model(xb), yb)

@@ -151,7 +151,8 @@ class FaultDriver:
                     self.agent.partition.heal()
                     self.agent.say(f"livemig: healed the partition of {target.name}")
                 elif target.proc.poll() is None:
-                    os.killpg(target.proc.pid, signal.SIGCONT)
+                    with contextlib.suppress(ProcessLookupError):  # it exited since the poll
+                        os.killpg(target.proc.pid, signal.SIGCONT)
                     self.agent.say(f"livemig: resumed {target.name} (SIGCONT)")
         for entry in list(self._slow):
             target, factor, until = entry
@@ -161,14 +162,19 @@ class FaultDriver:
             # migrated away or fenced: let it exit at full speed; or its time is up (inject slow --for)
             if not self.agent.watch.is_member(target, by_key) or time.monotonic() >= until:
                 self._slow.remove(entry)
-                os.killpg(target.proc.pid, signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(target.proc.pid, signal.SIGCONT)
                 target._stopped = False  # type: ignore[attr-defined]
                 continue
             # Duty cycle of 100 ms: run 100/factor ms, stopped the rest.
             phase = (now * 10) % 1.0
             want_stopped = phase >= 1.0 / factor
             if want_stopped != getattr(target, "_stopped", False):
-                os.killpg(target.proc.pid, signal.SIGSTOP if want_stopped else signal.SIGCONT)
+                try:  # the slowed worker may end (the job done) between the poll above and here
+                    os.killpg(target.proc.pid, signal.SIGSTOP if want_stopped else signal.SIGCONT)
+                except ProcessLookupError:
+                    self._slow.remove(entry)
+                    continue
                 target._stopped = want_stopped  # type: ignore[attr-defined]
 
     def _release_gates(self, by_key: dict, now: float) -> None:

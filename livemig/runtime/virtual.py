@@ -52,7 +52,6 @@ class VirtualRanks:
         self.stashed: int | None = None  # the step whose running body's gradient is stashed already
         self.deferred: int | None = None  # a step whose own ctx.step() gave way to carried bodies
         self.ran: set[int] = set()  # ranks whose body of the current step ran
-        self.carried_steps = 0  # steps this process ran bodies of carried ranks in (the report)
 
     # -- who -----------------------------------------------------------------------------
     @property
@@ -158,12 +157,11 @@ class VirtualRanks:
                     f"{sorted(self.ran)}, committed {e.committed}, carried {e.runtime.carried})"
                 )
             v = todo[0]
-            if pre is not None and self.ran:
+            if self.ran:
                 e.reg.load_boundary(unpack(pre))  # an earlier body's changes of replicated state go
             yield from self._body(step, v)
             self.ran.add(v)
             self.deferred = None  # a shrink inside that body deferred its commit to the bodies left
-        self.carried_steps += 1
         self.ran = set()
 
     def after_own(self, step: int) -> Iterator[int]:
@@ -176,7 +174,7 @@ class VirtualRanks:
             self._refresh()
             yield from self._catch_up(step)
 
-    def _replicated_before(self, step: int) -> torch.Tensor | None:
+    def _replicated_before(self, step: int) -> torch.Tensor:
         """The replicated state (extras, hyperparameters) of boundary step-1, to put back
         after each body but the last."""
         blob = self.e._st.boundaries.get(step - 1)
@@ -186,20 +184,18 @@ class VirtualRanks:
         e = self.e
         e._current = step
         self.stashed = None
-        if v == e.rank:
-            seed_step(step_seed(e.seed, step, v))
-            e._step_t0 = time.monotonic()
-            e._faults.at(step, "compute")
-            yield step
-            return
-        own = self._swap_in(v)
+        carried = v != e.rank
+        own = self._swap_in(v) if carried else None
         seed_step(step_seed(e.seed, step, v))
         e._step_t0 = time.monotonic()
+        if not carried:
+            e._faults.at(step, "compute")  # the fault plan's points are this process's own rank's
         try:
             yield step
         finally:
             self.active = None
-        self._swap_out(v, step, own)
+        if carried:
+            self._swap_out(v, step, own)
 
     def _swap_in(self, v: int) -> torch.Tensor | None:
         e = self.e

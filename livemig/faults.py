@@ -1,7 +1,7 @@
 """Fault plans, shared by `livemig run --fault PLAN`, `livemig inject` and
 `livemig bench faults`.
 
-    KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I][:after=SECONDS]
+    KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I][:after=SECONDS][:ahead=K]
 
 | kind | target | what happens |
 |---|---|---|
@@ -50,7 +50,9 @@ the outage).
   starts pulling; build = when the first member reports its group built;
   snapshot = a migrating spare loaded its snapshot and replays the group's steps
   (`spare-hang:during=snapshot:resume=S` stalls the spare S s, default 10, in-process at
-  that point, so the group runs ahead of what it can replay);
+  that point, so the group runs ahead of what it can replay; `ahead=K` instead stalls it
+  until the group has committed K steps past the snapshot, at most resume= seconds: a
+  catch-up of K steps however slow the host's steps are);
   catchup = a migrating spare loaded its snapshot and caught up with the group).
 """
 
@@ -67,7 +69,7 @@ FSDP_DURING = ("fsdp_allgather", "fsdp_reduce_scatter", "replicate_allreduce", "
 IN_PROCESS_DURING = ("allreduce", "before_commit", "gather", "after_step", "checkpoint", *FSDP_DURING)
 WEDGE_DURING = ("compute", "before_commit")
 PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit", "snapshot", "catchup")
-USAGE = "KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I][:after=SECONDS]"
+USAGE = "KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I][:after=SECONDS][:ahead=K]"
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Fault:
     factor: float = 4.0  # slow: steps this many times slower
     member: int = 0  # etcd-kill: which etcd member
     after: float = 0.0  # seconds between the trigger and the fault (lands during an etcd outage, say)
+    ahead: int = 0  # spare-hang during=snapshot: stall until the group is this many steps past the snapshot
 
     def __str__(self) -> str:
         """The plan as the user wrote it (the fields that differ from the defaults)."""
@@ -97,6 +100,8 @@ class Fault:
             parts.append(f"member={self.member}")
         if self.after:
             parts.append(f"after={self.after:g}")
+        if self.ahead:
+            parts.append(f"ahead={self.ahead}")
         return ":".join(parts)
 
     @property
@@ -114,7 +119,8 @@ class Fault:
             self.kind, self.kind)  # fmt: skip
         default = "compute" if self.kind == "wedge" else "allreduce"
         spec = f"{kind}:step={self.step}:at={self.during or default}"
-        return spec + (f":resume={self.resume_after}" if self.resume_after is not None else "")
+        spec += f":resume={self.resume_after}" if self.resume_after is not None else ""
+        return spec + (f":ahead={self.ahead}" if self.ahead else "")
 
 
 def parse_fault(spec: str) -> Fault:
@@ -167,13 +173,16 @@ def parse_fault(spec: str) -> Fault:
         raise ConfigError(f"bad fault {spec!r}: after=SECONDS must be >= 0")
     if after and (during in IN_PROCESS_DURING or kind in ("drop_avg", "wedge", "break")):
         raise ConfigError(f"bad fault {spec!r}: after=SECONDS applies to faults the agent carries out")
+    ahead = num("ahead", int, 0)
+    if ahead and (kind != "spare-hang" or during != "snapshot" or ahead < 0):  # type: ignore[operator]
+        raise ConfigError(f"bad fault {spec!r}: ahead=K (K >= 1) applies to spare-hang:during=snapshot only")
     if fields:
         raise ConfigError(f"bad fault {spec!r}: unknown field(s) {', '.join(fields)}")
     if (rank is not None and rank < 0) or step < 0 or factor < 1:  # type: ignore[operator]
         raise ConfigError(f"bad fault {spec!r}: rank and step must be >= 0, factor >= 1")
     if (resume is not None and resume < 0) or member < 0:  # type: ignore[operator]
         raise ConfigError(f"bad fault {spec!r}: resume= and heal= seconds and member= must be >= 0")
-    return Fault(kind, rank, step, during, resume, factor, member, after)  # type: ignore[arg-type]
+    return Fault(kind, rank, step, during, resume, factor, member, after, ahead)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -185,11 +194,13 @@ class SelfFault:
     kind: str
     step: int
     at: str = "allreduce"
-    seconds: float = 10.0  # selfstall: how long the spare stalls
+    seconds: float = 10.0  # selfstall: how long the spare stalls (at most, with `ahead`)
+    ahead: int = 0  # selfstall: until the group is this many steps past the snapshot
 
 
 def parse_self_fault(spec: str) -> SelfFault:
     """LIVEMIG_SELF_FAULT (what Fault.self_spec writes) -> SelfFault."""
     kind, *rest = spec.split(":")
     fields = dict(p.partition("=")[::2] for p in rest)
-    return SelfFault(kind, int(fields["step"]), fields.get("at", "allreduce"), float(fields.get("resume") or 10.0))
+    return SelfFault(kind, int(fields["step"]), fields.get("at", "allreduce"), float(fields.get("resume") or 10.0),
+                     int(fields.get("ahead") or 0))  # fmt: skip

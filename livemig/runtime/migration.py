@@ -265,6 +265,19 @@ class Migration:
         fsdp = self.e.reg.fsdp is not None
         reps: list = []  # FSDP2: the leaving rank's shard and its mirror, replayed here (runtime/fsdp2.py)
 
+        def group_at(k: int, seconds: float) -> None:
+            """Until the source serves the average of the k-th step past the snapshot (the
+            group committed it) or has withdrawn it, at most `seconds`."""
+            end, item = time.monotonic() + seconds, items.step_avg(self.e._loaded_step + k - 1)
+            while time.monotonic() < end and not rt.moved_to_other(g)():
+                try:
+                    pull(addr, rt.job, secret, g, item, self.e.timeouts.collective.total_seconds())
+                    return
+                except WithdrawnError:
+                    return  # the group is past it already
+                except TransferError:
+                    time.sleep(0.005)  # not served yet
+
         def load_snapshot(item: str, resyncs: int = 0) -> dict:
             t0 = time.monotonic()
             got = fetch(item, None if fsdp else self.e._into_model())
@@ -274,7 +287,7 @@ class Migration:
                 self.e.reg.load_state(got.state)
             self.e.committed, self.e._loaded_step = got.step - 1, got.step
             self.e._stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
-            self.e._faults.stall_after_snapshot()  # a test fault (spare-hang:during=snapshot), before we report
+            self.e._faults.stall_after_snapshot(group_at)  # a test fault (spare-hang:during=snapshot), before we report
             rec = {"incarnation": self.e.incarnation, "loaded": got.step, "resyncs": resyncs, **self.e._stream_info}
             rt.put(rt.keys.catchup(g), {**rec, "applied": self.e.committed, "time": time.time()})
             return rec

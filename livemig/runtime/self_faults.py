@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from livemig.config import ENV_SELF_FAULT, Role
@@ -102,11 +103,17 @@ class SelfFaults:
         self.fault = SelfFault("selfwedge", step + 1, "compute") if kind == "wedge" else SelfFault(
             "selfbreak", step + 1, "allreduce")  # fmt: skip
 
-    def stall_after_snapshot(self) -> None:
+    def stall_after_snapshot(self, group_at: Callable[[int, float], None]) -> None:
         """`spare-hang:during=snapshot:resume=S`: a migrating spare stalls S seconds once its
-        snapshot is loaded (a starved host), so the group runs ahead of what it can replay."""
+        snapshot is loaded (a starved host), so the group runs ahead of what it can replay;
+        with `ahead=K` until `group_at(K, S)` returns (the group committed K steps past the
+        snapshot, or S seconds passed), so the catch-up is K steps long however slow the host's steps are."""
         f = self.fault
         if f is not None and f.kind == "selfstall" and f.at == "snapshot":
             self.fault = None
-            log.warning("test fault: the spare stalls after loading its snapshot", extra={"seconds": f.seconds})
-            time.sleep(f.seconds)
+            log.warning("test fault: the spare stalls after loading its snapshot",
+                        extra={"seconds": f.seconds, "ahead": f.ahead})  # fmt: skip
+            if f.ahead:
+                group_at(f.ahead, f.seconds)
+            else:
+                time.sleep(f.seconds)

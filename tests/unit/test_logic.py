@@ -9,14 +9,18 @@ import pytest
 from livemig.agent.report import recoveries
 from livemig.config import Timeouts
 from livemig.errors import ConfigError
-from livemig.faults import parse_fault
+from livemig.faults import SelfFault, parse_fault, parse_self_fault
 
 
 def test_parse_fault():
     f = parse_fault("kill:rank=1:step=10:during=allreduce")
     assert (f.kind, f.rank, f.step, f.during, f.in_process) == ("kill", 1, 10, "allreduce", True)
     assert parse_fault("hang:rank=0:step=3:resume=2.5").resume_after == 2.5
+    stall = parse_fault("spare-hang:during=snapshot:ahead=5:resume=30")
+    assert parse_self_fault(stall.self_spec()) == SelfFault("selfstall", 0, "snapshot", 30.0, 5)
     for bad in (
+        "spare-hang:ahead=2",  # ahead= is a catch-up length: a migrating spare's stall only
+        "spare-hang:during=snapshot:ahead=-1",
         "explode:rank=1:step=1",
         "kill:rank=x:step=1",
         "kill:step=1",

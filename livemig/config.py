@@ -175,6 +175,9 @@ ENV_CHECKPOINT_FAIL_WRITE = "LIVEMIG_CHECKPOINT_FAIL_WRITE"  # a test hook: "R:S
 ENV_MAX_RESTARTS = "LIVEMIG_MAX_RESTARTS"  # cold restarts a job may take (--max-restarts, default 3)
 ENV_MIN_NPROC = "LIVEMIG_MIN_NPROC"  # shrink: the fewest ranks a job trains on (--min-nproc; default the world)
 ENV_SHRINK_WAIT = "LIVEMIG_SHRINK_WAIT"  # shrink: the wait for a warm spare before it, s (--shrink-wait, 5)
+# shrink, for comparison only (bench downtime's torchft_style row): "1" drops the lost ranks'
+# batches and averages over the survivors, as torchft does; the run is then not the configured one
+ENV_SHRINK_DROP = "LIVEMIG_SHRINK_DROP"
 
 
 def shrink_settings(world: int) -> tuple[int, float]:
@@ -360,6 +363,31 @@ def buddy_stride(world: int, stride: int | None = None) -> int:
         raw = os.environ.get(ENV_BUDDY_STRIDE, "")
         stride = int(raw) if raw.isdigit() else 1
     return stride if 0 < stride < world and world % stride == 0 else 1
+
+
+def zero1_layout(world: int, carried: dict[int, int] | None = None, stride: int = 1,
+                 mirrored: bool = True) -> dict[int, tuple[int, int | None]]:  # fmt: skip
+    """ZeRO-1 shard s -> (the member that owns it, the member that mirrors it or None).
+
+    At full width rank s owns shard s and rank s + stride mirrors it (comm/zero1.py). In a
+    shrunk job (`carried`: virtual rank -> its carrier) the carrier owns the shards of the
+    ranks it carries, and a shard's mirror is the member running the next virtual rank
+    (s + stride, s + 2*stride, ..., then s + 1, ...) that is not its owner: every shard keeps
+    a copy on a second process as long as two remain. A function of the membership alone,
+    so the coordinator, every member and a spare agree on it without a word exchanged."""
+    carried = carried or {}
+    stride = buddy_stride(world, stride)
+
+    def host(v: int) -> int:
+        return carried.get(v, v)
+
+    out: dict[int, tuple[int, int | None]] = {}
+    for s in range(world):
+        owner = host(s)
+        walk = [(s + k * stride) % world for k in range(1, world)] + [(s + k) % world for k in range(1, world)]
+        mirror = next((host(v) for v in walk if host(v) != owner), None) if mirrored else None
+        out[s] = (owner, mirror)
+    return out
 
 
 def stride_of(run: dict[str, Any] | None) -> int:

@@ -10,7 +10,11 @@ One invocation runs every approach on the same workload, interleaved
   checkpointing every K steps and resuming from the latest; same SIGKILL;
 - cold: livemig with live recovery off (--recovery cold), background checkpoints every
   K steps: the same SIGKILL restarts from the newest, the survivors in place;
-- shrink: no spare, --min-nproc N-1: the survivors carry rank 1 (runtime/virtual.py).
+- shrink: no spare, --min-nproc N-1: the survivors carry rank 1 (runtime/virtual.py);
+- torchft_style: the same shrink with torchft's semantics (LIVEMIG_SHRINK_DROP=1): rank 1's
+  batches are dropped and the average is over the survivors, so the global batch shrinks and
+  the run is not the configured one (torchft itself is not installed here: the row measures
+  its semantics on livemig's mechanism, so the two differ only in what they train on).
 
 Lost time = wall minus the fault-free twin's wall (fault_free for livemig,
 plain_ddp for restart). Downtime = first step committed after the recovery that
@@ -38,6 +42,7 @@ import uuid
 from typing import Any
 
 from livemig.agent.launcher import RunConfig, run
+from livemig.config import ENV_SHRINK_DROP
 from livemig.faults import parse_fault
 from livemig.rdzv.embedded import free_port
 
@@ -205,12 +210,13 @@ def add_workload_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=64, help="samples per rank and step (default 64)")
     p.add_argument("--run-timeout", type=float, default=300.0, help="abandon one run after this long, s")
 
 
 def workload_args(a: argparse.Namespace) -> list[str]:
     """The example script's arguments for that workload."""
-    return ["--steps", str(a.steps), "--width", str(a.width), "--layers", str(a.layers)]
+    return ["--steps", str(a.steps), "--width", str(a.width), "--layers", str(a.layers), "--batch", str(a.batch)]
 
 
 def add_sharding_argument(p: argparse.ArgumentParser, what: str) -> None:
@@ -243,6 +249,7 @@ def run_downtime(a: argparse.Namespace) -> int:
         approaches["migration"] = lambda: run_livemig(a, "migrate", workload)
     if a.sharding != "zero1":  # no spare: the survivors carry rank 1 (--min-nproc N-1, --shrink-wait 0)
         approaches["shrink"] = lambda: run_livemig(a, True, workload, shrink=True)
+        approaches["torchft_style"] = lambda: run_livemig(a, True, workload, {ENV_SHRINK_DROP: "1"}, shrink=True)
     if a.fail_at >= a.ckpt_every:  # a checkpoint exists before the kill: the cold path has one to restart from
         approaches["cold"] = lambda: _cold_row(a, workload)
     else:
@@ -260,7 +267,7 @@ def run_downtime(a: argparse.Namespace) -> int:
         rs, dd = samples["restart"][i], samples["plain_ddp"][i]
         rs["lost_s"] = rs["wall_s"] - dd["wall_s"]
         rs["bit_identical"] = rs["digest"] == dd["digest"]
-        for name in ("migration", "cold", "shrink"):
+        for name in ("migration", "cold", "shrink", "torchft_style"):
             if name in samples:
                 row = samples[name][i]
                 row["lost_s"] = row["wall_s"] - ff["wall_s"]
@@ -283,22 +290,28 @@ def run_downtime(a: argparse.Namespace) -> int:
         if pauses:
             print(f"planned migration pause (switch step over a median step): {statistics.median(pauses):.3f} s "
                   f"(target <= 0.25); rows: 'migration' (downtime column = pause)")  # fmt: skip
-    shr = [x["shrunk"] for x in samples.get("shrink", []) if x.get("shrunk")]
-    if shr:
-        costs = [x["degraded_step_cost"] for x in shr if x.get("degraded_step_cost")]
-        cost = statistics.median(costs) if costs else float("nan")
-        steps = statistics.median([x["degraded_steps"] for x in shr])
+    degraded = {name: _degraded(samples.get(name, [])) for name in ("shrink", "torchft_style")}
+    if degraded["shrink"]:
+        steps, cost = degraded["shrink"]
         print(f"shrink (no spare, --min-nproc {a.workers - 1}, --shrink-wait 0: the downtime is the mechanism's): "
               f"{a.workers - 1} processes carry {a.workers} ranks for {steps:.0f} step(s), step time {cost:.2f}x "
               "full width; same samples and global batch, bits differ by summation order (by design)")  # fmt: skip
+    if degraded["torchft_style"]:
+        steps, cost = degraded["torchft_style"]
+        print(f"torchft_style (the same shrink, torchft's semantics: LIVEMIG_SHRINK_DROP=1): {steps:.0f} degraded "
+              f"step(s) at {cost:.2f}x full width's step time, {steps * a.batch:.0f} samples of rank 1 dropped "
+              f"(--batch {a.batch} per rank), global batch {a.workers - 1}/{a.workers} of the configured one "
+              "while degraded: a different model (bit-identical: no)")  # fmt: skip
     cold = [x for x in samples.get("cold", []) if x.get("kind") == "restart"]
     if cold:
         ph = {k: statistics.median([x["phases"].get(k, 0.0) for x in cold]) for k in cold[0]["phases"]}
         print(f"cold (--recovery cold: restart from livemig's checkpoint every {a.ckpt_every} steps, survivors "
               f"in place, {statistics.median([x['steps_redone'] or 0 for x in cold]):.0f} step(s) redone): "
               + "  ".join(f"{k} {v:.3f}" for k, v in ph.items()))  # fmt: skip
-    print("torchft: not measured (optional torchft package not installed)" if not _has_torchft() else
-          "torchft: installed, but its row is not implemented yet")  # fmt: skip
+    if not _has_torchft():
+        print("torchft itself: not measured (not installed); torchft_style is its semantics on livemig's mechanism")
+    else:
+        print("torchft itself: installed, but a row running it is not implemented; torchft_style is its semantics")
     result = {"config": vars(a) | {"fn": None}, "summary": summary, "samples": samples,
               "livemig_lost_over_restart_lost": lost_ratio, "livemig_phases_median": phases}  # fmt: skip
     if a.json:
@@ -307,6 +320,15 @@ def run_downtime(a: argparse.Namespace) -> int:
     if a.plot:
         _plot(a.plot, samples)
     return 0
+
+
+def _degraded(rows: list[dict]) -> tuple[float, float] | None:
+    """(degraded steps, step time degraded / full) over a shrink row's rounds."""
+    shr = [x["shrunk"] for x in rows if x.get("shrunk")]
+    if not shr:
+        return None
+    costs = [x["degraded_step_cost"] for x in shr if x.get("degraded_step_cost")]
+    return statistics.median([x["degraded_steps"] for x in shr]), statistics.median(costs) if costs else float("nan")
 
 
 def summarise(samples: dict[str, list[dict]], width: int = 11) -> dict[str, dict[str, Any]]:

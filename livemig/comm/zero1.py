@@ -45,7 +45,7 @@ import torch
 
 from livemig.comm.group import CollectiveAborted, wait_all
 from livemig.comm.reducer import GradReducer
-from livemig.config import ENV_REDUCE, buddy_stride
+from livemig.config import ENV_REDUCE, buddy_stride, zero1_layout
 from livemig.errors import ConfigError
 
 log = logging.getLogger("livemig.zero1")
@@ -209,7 +209,8 @@ def _forbid_step(*_: Any, **__: Any) -> None:
 
 
 class Zero1:
-    """Rank `rank`'s own shard, its mirror of shard rank-1, and the collectives of a step."""
+    """The shards this rank holds (its own, its mirror of rank - stride; in a shrunk job those
+    zero1_layout gives it) and the collectives of a step."""
 
     def __init__(self, red: GradReducer, params: list[torch.nn.Parameter], template: torch.optim.Optimizer,
                  rank: int, world: int, mirror: bool = True) -> None:  # fmt: skip
@@ -224,14 +225,79 @@ class Zero1:
         if missing:
             raise ConfigError(f"sharding='zero1': {len(missing)} trainable parameter(s) are not in the optimizer")
         self.red, self.rank, self.world = red, rank, world
-        group_of = [pid[id(p)] for p in red.params]
-        self.own = ShardState(red, group_of, template, rank)
+        self.template = template
+        self.group_of = [pid[id(p)] for p in red.params]
         self.stride = buddy_stride(world)  # we mirror the shard of rank - stride (on another node)
-        self.mirror = (
-            ShardState(red, group_of, template, (rank - self.stride) % world) if mirror and world > 1 else None
-        )
+        self.mirroring = mirror and world > 1
+        self.carried: dict[int, int] = {}  # the layout's: virtual rank -> its carrier (a shrunk job)
+        self.layout = zero1_layout(world, {}, self.stride, self.mirroring)
+        self.shards = {s: ShardState(red, self.group_of, template, s) for s in self._held(self.layout)}
+        self._staged: dict[int, ShardState] = {}
         self._gather: list[torch.Tensor] | None = None
         template.step = _forbid_step  # type: ignore[method-assign]
+
+    def reset_values(self) -> None:
+        """Every held shard's master values from the parameters as they are now: after the
+        start-up sync made them rank 0's (runtime/start_sync.py), since the shards were cut
+        from this rank's own initial parameters at registration (a per-rank seed makes those
+        differ, and each mirror then from its owner)."""
+        flats = self.red.param_flats()
+        for s, sh in self.shards.items():
+            for v, f, n in zip(sh.values, flats, self.red.shard_sizes, strict=True):
+                v.copy_(f[s * n : (s + 1) * n])
+
+    # -- which shards ----------------------------------------------------------------------
+    def _held(self, layout: dict[int, tuple[int, int | None]]) -> list[int]:
+        return sorted(s for s, (o, m) in layout.items() if self.rank in (o, m))
+
+    def owned(self) -> list[int]:
+        return sorted(s for s, (o, _) in self.layout.items() if o == self.rank)
+
+    def mirrored(self) -> list[int]:
+        return sorted(s for s, (_, m) in self.layout.items() if m == self.rank)
+
+    @property
+    def own(self) -> ShardState:
+        return self.shards[self.rank]
+
+    @property
+    def mirror(self) -> ShardState | None:
+        """The full-width mirror (of rank - stride), when this rank holds it as a mirror."""
+        s = (self.rank - self.stride) % self.world
+        return self.shards.get(s) if self.layout[s][1] == self.rank else None
+
+    @property
+    def shrunk(self) -> bool:
+        return bool(self.carried)
+
+    def held(self) -> list[ShardState]:
+        return [self.shards[s] for s in self._held(self.layout)]
+
+    def stage(self, carried: dict[int, int], every: bool = False) -> list[int]:
+        """The shards the layout of `carried` gives this rank that it does not hold (every:
+        all it gives, a spare's, which holds none yet): to be pulled (`adopt`) before that
+        generation's group commits."""
+        self._staged = {}
+        new = zero1_layout(self.world, carried, self.stride, self.mirroring)
+        return [s for s in self._held(new) if every or s not in self.shards]
+
+    def adopt(self, shard: int, state: dict[str, Any]) -> None:
+        sh = ShardState(self.red, self.group_of, self.template, shard)
+        sh.load(state)
+        self._staged[shard] = sh
+
+    def switch(self, carried: dict[int, int]) -> None:
+        """The generation of `carried` committed: hold its layout's shards (the staged ones
+        joining), drop the others."""
+        layout = zero1_layout(self.world, carried, self.stride, self.mirroring)
+        keep = self._held(layout)
+        self.shards.update({s: sh for s, sh in self._staged.items() if s in keep})
+        gone = [s for s in keep if s not in self.shards]
+        if gone:
+            raise CollectiveAborted(f"rank {self.rank} holds no copy of optimizer shard(s) {gone} of its new layout")
+        self.shards = {s: self.shards[s] for s in keep}
+        self.layout, self.carried, self._staged = layout, dict(carried), {}
+        self._gather = None
 
     # -- the collectives of one step ----------------------------------------------------
     def slices(self, pg: Any, reduced: list[torch.Tensor], timeout: timedelta,
@@ -265,17 +331,28 @@ class Zero1:
             raise CollectiveAborted("no process group: this member is between generations")
         wait_all([pg.allreduce([torch.zeros(1)])], timeout, abort)
 
-    def update(self, own: list[torch.Tensor], mirror: list[torch.Tensor] | None) -> None:
-        self.own.update(own)
-        if self.mirror is not None:
-            if mirror is None:
-                raise CollectiveAborted("no gradient slice for the mirrored shard")
-            self.mirror.update(mirror)
+    def update(self, own: Any, mirror: list[torch.Tensor] | None = None, part: str = "all") -> None:
+        """Step the shards held with their averaged slices: (own, mirror) at full width, or
+        one dict {shard: slices} (`slices_shrunk`); part "owned" / "mirrored" steps those only."""
+        held = own if isinstance(own, dict) else {self.rank: own, **(
+            {self.mirror.shard: mirror} if self.mirror is not None else {})}  # fmt: skip
+        ids = {"all": self._held(self.layout), "owned": self.owned(), "mirrored": self.mirrored()}[part]
+        for s in ids:
+            if held.get(s) is None:
+                raise CollectiveAborted(f"no gradient slice for optimizer shard {s}")
+            self.shards[s].update(held[s])
+
+    def slices_shrunk(self, summed: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+        """A shrunk job's slices of every shard held, out of the allreduced average (no
+        reduce-scatter: N shards do not cut over fewer processes)."""
+        return {s: [f.chunk(self.world)[s] for f in summed] for s in self._held(self.layout)}
 
     def gather(self, pg: Any, timeout: timedelta, abort: Any, meanwhile: Callable[[], None] | None = None) -> None:
         """All-gather the owners' slices into the full parameters; `meanwhile` runs
         while the gather is in flight (the mirror's update: it needs no parameters)
         and always runs, even when the gather cannot start."""
+        if self.shrunk:
+            return self._gather_shrunk(pg, timeout, abort, meanwhile)
         vals, works, err = self.own.values, [], None
         if self._gather is None:
             self._gather = [torch.zeros(n, dtype=v.dtype) for n, v in zip(self.red.padded, vals, strict=True)]
@@ -297,3 +374,37 @@ class Zero1:
             self._gather = None  # an abandoned gloo op may still write into it
             raise
         self.red.write_params(self._gather)
+
+    def _gather_shrunk(self, pg: Any, timeout: timedelta, abort: Any, meanwhile: Callable[[], None] | None) -> None:
+        """The all-gather of a shrunk job: each process sends the shards it owns in k slots
+        (k: the most any process owns; unused slots are zeros), and every process places
+        each slot where its shard goes (the layout says whose is which)."""
+        members = sorted({o for o, _ in self.layout.values()})
+        owned = {p: sorted(s for s, (o, _) in self.layout.items() if o == p) for p in members}
+        k = max(len(v) for v in owned.values())
+        sizes = self.red.shard_sizes
+        works, err = [], None
+        outs = [[torch.empty(k * n, dtype=d) for _ in members] for n, d in zip(sizes, self.red.dtypes, strict=True)]
+        try:
+            if pg is None:
+                raise CollectiveAborted("no process group: this member is between generations")
+            for b, n in enumerate(sizes):
+                mine = torch.zeros(k * n, dtype=self.red.dtypes[b])
+                for j, s in enumerate(owned[self.rank]):
+                    mine[j * n : (j + 1) * n].copy_(self.shards[s].values[b])
+                works.append(pg.allgather([outs[b]], [mine]))
+        except CollectiveAborted as exc:
+            err = exc
+        except Exception as exc:  # noqa: BLE001 - a broken group refuses the launch
+            err = CollectiveAborted(f"collective failed at launch: {exc}")
+        if meanwhile is not None:
+            meanwhile()
+        if err is not None:
+            raise err
+        wait_all(works, timeout, abort)
+        full = [torch.zeros(n, dtype=d) for n, d in zip(self.red.padded, self.red.dtypes, strict=True)]
+        for b, n in enumerate(sizes):
+            for i, p in enumerate(members):
+                for j, s in enumerate(owned[p]):
+                    full[b][s * n : (s + 1) * n].copy_(outs[b][i][j * n : (j + 1) * n])
+        self.red.write_params(full)

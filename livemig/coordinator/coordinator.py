@@ -48,6 +48,7 @@ from livemig.coordinator.sharding import (
     lost_local_state,
     lost_shards,
     sharding_of,
+    zero1_layout,
 )
 from livemig.coordinator.snapshot import Decoded, Snapshot, _num, _safe_decode, node_of
 from livemig.coordinator.store_host import StoreHost
@@ -458,7 +459,7 @@ class Coordinator:
                                      "survivor of the shrunk job and has no other copy", since)  # fmt: skip
         if mode in ("zero1", "fsdp2"):  # every shard needs a live holder; a rank behind finishes from its own
             if mode == "zero1":
-                lost = lost_shards(m.world_size, mirrored, set(holding), self._stride(s))
+                lost = lost_shards(m.world_size, mirrored, set(holding), self._stride(s), m.carried)
             else:
                 lost = lost_fsdp_shards(fsdp_shape(sig), vacant, set(holding), fsdp_mirrored(sig), self._stride(s))
             if lost:
@@ -532,12 +533,12 @@ class Coordinator:
             wait_s = self.timeouts.spare_wait.total_seconds()
             why = ""
             if self.min_nproc < m.world_size:  # --min-nproc: the survivors carry the lost ranks
-                if mode in ("zero1", "fsdp2"):
+                if mode == "fsdp2":
                     why = f"shrinking a sharding={mode} job is not supported yet"
                 elif len(m.members) < self.min_nproc:
                     why = f"{len(m.members)} survivor(s) are fewer than --min-nproc {self.min_nproc}"
                 else:
-                    return self._shrink(s, vacant, resume, sources) if waited > self.shrink_wait_s else None
+                    return self._shrink(s, vacant, resume, sources, mode) if waited > self.shrink_wait_s else None
                 if not self._since.get((m.generation, "no-shrink")):
                     self._since[(m.generation, "no-shrink")] = time.monotonic()
                     log.warning("cannot shrink", extra={"generation": m.generation, "why": why})
@@ -568,15 +569,17 @@ class Coordinator:
                     carried=carried, kind="grow")  # fmt: skip
         return True
 
-    def _shrink(self, s: Snapshot, vacant: list[int], resume: int, sources: list[int]) -> None:
+    def _shrink(self, s: Snapshot, vacant: list[int], resume: int, sources: list[int], mode: str = "") -> None:
         """No spare within --shrink-wait: train on the survivors (runtime/virtual.py). Each
         lost rank is carried by its buddy (rank + stride, the holder of its local state's
-        mirror) or, with no local state, by the next survivor; the world stays N."""
+        mirror) or, with no local state, by the next survivor; the world stays N. ZeRO-1:
+        by the holder of its shard's mirror, which owns the shard from now on."""
         m = s.m
         n, stride = m.world_size, self._stride(s)
         carried = {v: c for v, c in m.carried.items() if c in m.members}
+        layout = zero1_layout(n, m.carried, stride) if mode == "zero1" else {}
         for v in vacant:
-            c = (v + stride) % n
+            c = layout[v][1] if v in layout and layout[v][1] in m.members else (v + stride) % n
             while c not in m.members:
                 c = (c + 1) % n
             carried[v] = c

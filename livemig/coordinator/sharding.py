@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from livemig.config import LOCAL_STATE_ENTRY, SHARDING_ENTRY, buddy_stride
+from livemig.config import LOCAL_STATE_ENTRY, SHARDING_ENTRY, buddy_stride, zero1_layout
 
 
 def sharding_of(sig: list) -> tuple[str, bool]:
@@ -16,16 +16,19 @@ def sharding_of(sig: list) -> tuple[str, bool]:
     return "", False
 
 
-def lost_shards(world: int, mirrored: bool, holding: set[int], stride: int = 1) -> list[str]:
-    """Shards with no surviving holder (owner r, or its mirror r+stride), as readable lines."""
+def lost_shards(world: int, mirrored: bool, holding: set[int], stride: int = 1,
+                carried: dict[int, int] | None = None) -> list[str]:  # fmt: skip
+    """Shards with no surviving holder (owner or mirror in zero1_layout), as readable lines."""
     out = []
-    stride = buddy_stride(world, stride)
-    for r in range(world):
-        nxt = (r + stride) % world
-        if r in holding or (mirrored and world > 1 and nxt in holding):
+    for r, (owner, mirror) in zero1_layout(world, carried, stride, mirrored).items():
+        if owner in holding or (mirror is not None and mirror in holding):
             continue
-        who = f"its owner rank {r} and its mirror rank {nxt} both failed" if mirrored and world > 1 else (
-            f"its owner rank {r} failed and shards are not mirrored (LIVEMIG_ZERO1_MIRROR=0)")  # fmt: skip
+        if mirror is not None:
+            who = f"its owner rank {owner} and its mirror rank {mirror} both failed"
+        elif mirrored:
+            who = f"its owner rank {owner} failed and no other process was left to mirror it"
+        else:
+            who = f"its owner rank {owner} failed and shards are not mirrored (LIVEMIG_ZERO1_MIRROR=0)"
         out.append(f"optimizer shard {r} is lost: {who}")
     return out
 

@@ -111,6 +111,8 @@ class StepLoop:
             return
         try:
             sync_start(self.reg, self.runtime.pg, self.rank, self.timeouts.collective, self.runtime.moved_on)
+            if self._zero is not None:  # the shards were cut from this rank's own initial parameters
+                self._zero.reset_values()
         except CollectiveAborted as exc:
             # A member lost during the sync: the survivors go on with what they hold (a
             # broadcast that completed only in part is caught by the step-0 replica check).
@@ -183,9 +185,10 @@ class StepLoop:
                     flats = red.finish(self.world_size, self.timeouts.collective, self.runtime.moved_on, ctl)
                 else:
                     self._virtual.add_stashed()
-                    flats = red.flatten(self.world_size)  # pre-divided, as the overlapped path's buckets
+                    div = self._virtual.divisor()
+                    flats = red.flatten(div)  # pre-divided, as the overlapped path's buckets
                     allreduce_sum(self.runtime.pg, [*flats, ctl], self.timeouts.collective, self.runtime.moved_on)
-                    ctl.div_(self.world_size)
+                    ctl.div_(div)
                 self._faults.at_commit_point(t, "average")
             except CollectiveAborted as exc:
                 first = False
@@ -239,7 +242,12 @@ class StepLoop:
             if self._zero is not None:
                 if scaler is not None:
                     raise ConfigError("ctx.step(scaler=...) with sharding='zero1' is not supported yet")
+                if self._virtual.defers(t):  # a shrunk job: a later body of this step commits it
+                    self._virtual.stash(t)
+                    return
                 self._step_zero1(t)
+                if self._virtual.deferred == t:  # shrunk during the reduction: the carried bodies come first
+                    return
                 self._faults.at(t, "after_step")
                 return
             if self._virtual.defers(t):  # a shrunk job: a later body of this step commits it
@@ -353,11 +361,8 @@ class StepLoop:
                 applied: list | None = None, **info: float) -> None:  # fmt: skip
         if self._zero is not None:
             assert avg is not None
-            if mirror_only:  # the own shard was updated already (comm/zero1.py: overlap with the gather)
-                if self._zero.mirror is not None:
-                    self._zero.mirror.update(avg[1])
-            else:
-                self._zero.update(avg[0], avg[1])
+            # mirror_only: the own shard(s) were updated already (comm/zero1.py: overlap with the gather)
+            self._zero.update(avg[0], avg[1], part="mirrored" if mirror_only else "all")
             for p in self._params:
                 p.grad = None
         else:

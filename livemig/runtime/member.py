@@ -78,6 +78,10 @@ class Callbacks(Protocol):
 
     def serve(self, m: Membership) -> None: ...  # publish what generation m's members may pull from here
 
+    def stage_layout(self, m: Membership) -> None: ...  # ZeRO-1: pull the shards m's layout adds here
+
+    def switch_layout(self, m: Membership) -> None: ...  # ZeRO-1: m committed, hold its layout's shards
+
     def after_switch(self) -> None: ...  # a new group followed outside a step (ZeRO-1: gather again)
 
     def write_final(self) -> None: ...  # record the final state again (the job may end in this group)
@@ -499,6 +503,12 @@ class MemberRuntime:
             self.check_fenced()
             return
         member.serve(m)
+        try:
+            member.stage_layout(m)  # after serving: members that pull from each other serve first
+        except CollectiveAborted as exc:
+            log.info("shard hand-over abandoned", extra={"generation": g, "why": str(exc)})
+            self.check_fenced()
+            return
         t0 = time.monotonic()
         try:
             pg = build_group(
@@ -532,6 +542,7 @@ class MemberRuntime:
             if built:  # the device mesh's groups (FSDP2) train on this generation's too
                 for old in torch_group.swap_built(built, g):
                     retire(old)
+            member.switch_layout(committed)
             self.pg, self.gen, self.carried = pg, g, dict(committed.carried)
             if self.server is not None:
                 self.server.withdraw()

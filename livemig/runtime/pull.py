@@ -100,13 +100,35 @@ class StatePull:
             self.runtime.client.delete(key)
             srv.hooks.corrupt_next = True
             log.warning("fault injection: the first chunk served will be corrupted", extra={"rank": self.rank})
-        if self._zero is not None:
-            for sh in (self._zero.own, self._zero.mirror):
-                if sh is not None:
-                    srv.publish(m.generation, items.zshard(sh.shard), lambda sh=sh: (self.committed + 1, sh.state()))
+        if self._zero is not None:  # every shard held: a spare's, and a survivor's whose layout changes
+            for sh in self._zero.held():
+                srv.publish(m.generation, items.zshard(sh.shard), lambda sh=sh: (self.committed + 1, sh.state()))
         elif self._st.avg is not None and self._st.avg.step == self.committed:
             avg = self._st.avg
             srv.publish(m.generation, items.AVG, lambda: (avg.step, {"flat": avg.flats}))
+
+    def stage_layout(self, m: Membership) -> None:
+        """ZeRO-1: pull the shards generation m's layout gives this member that it does not
+        hold (a shrink hands a lost rank's shard to its carrier and moves mirrors; a grow
+        hands shards back), from the members serving them (serve above). Kept aside until m
+        commits (switch_layout): a generation abandoned before its commit changes nothing."""
+        z = self._zero
+        if z is None:
+            return
+        need = z.stage(m.carried)
+        me = m.rank_of(self.incarnation)
+        for s in need:
+            where, part = self._pull_any(m, items.zshard(s), ranks=[r for r in m.members if r != me])
+            if part.step != self.committed + 1:
+                raise RecoveryError(f"shard {s} from {where} is at step {part.step}, this rank at {self.committed + 1}")
+            z.adopt(s, part.state)
+            log.info("optimizer shard adopted for a new layout",
+                     extra={"shard": s, "source": where, "generation": m.generation, "carried": m.carried})  # fmt: skip
+
+    def switch_layout(self, m: Membership) -> None:
+        """Generation m committed: ZeRO-1 holds the shards of its layout from now on."""
+        if self._zero is not None:
+            self._zero.switch(m.carried)
 
     def _sources(self, m: Membership, ranks: list[int] | None = None) -> list[str]:
         ranks = m.sources if ranks is None else ranks
@@ -190,18 +212,16 @@ class StatePull:
         addr, got = self._pull_any(m, items.STATE, self._into_model())
         self.reg.load_state(got.state)
         nbytes = got.nbytes
-        if self._zero is not None:  # our shard from its mirror, the shard we mirror from its owner
-            n = self.world_size
-            for sh in (self._zero.own, self._zero.mirror):
-                if sh is None:
-                    continue
-                holders = [sh.shard, (sh.shard + buddy_stride(n)) % n] if self._zero.mirror is not None else [sh.shard]
-                where, part = self._pull_any(m, items.zshard(sh.shard), ranks=holders)
+        if self._zero is not None:  # the shards m's layout gives us (ours, the one we mirror), from their holders
+            z = self._zero
+            for s in z.stage(m.carried, every=True):
+                where, part = self._pull_any(m, items.zshard(s), ranks=[r for r in m.members if r != self.rank])
                 if part.step != got.step:
-                    raise RecoveryError(f"shard {sh.shard} from {where} is at step {part.step}, state at {got.step}")
-                sh.load(part.state)
+                    raise RecoveryError(f"shard {s} from {where} is at step {part.step}, state at {got.step}")
+                z.adopt(s, part.state)
                 nbytes += part.nbytes
                 addr += f",{where}"
+            z.switch(m.carried)
         self.committed = got.step - 1
         self._loaded_step = got.step
         if self.committed >= 0 and self._replays and got.state.get("resumed"):

@@ -94,7 +94,7 @@ class Registry:
         if self.has_local:  # the coordinator checks each lost rank's local state has a live mirror
             sig.append([LOCAL_STATE_ENTRY, "mirrored", []])
         if self.zero is not None:  # a spare must shard the same way as the job
-            sig.append([SHARDING_ENTRY, "zero1", [int(self.zero.mirror is not None)]])
+            sig.append([SHARDING_ENTRY, "zero1", [int(self.zero.mirroring)]])
         if self.fsdp is not None:  # the mesh the script asked for (a spare's standby mesh is all ones)
             sig.append([SHARDING_ENTRY, "fsdp2", list(self.fsdp)])
             sig.append(["<fsdp2-units>", "fully_shard", list(self.fsdp_units)])  # the same wrapping

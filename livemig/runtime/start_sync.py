@@ -7,10 +7,12 @@ forms from scratch (generation 1, before step 0): the model's state (parameters
 and buffers; the buffers are rank-local afterwards) and the optimizer's state
 tensors, if it has any, become rank 0's. Never after a state load: a spare, a
 recovery or a migration brings state that is already the job's. ZeRO-1 syncs
-the model only (its optimizer state lives in shards built from the synced
-parameters). `ctx.register(..., sync_start=False)` opts out; the step-0 check of
-the replicated digests (coordinator/checks.py) then still fails a job whose
-ranks differ.
+the model only, then cuts its shards' master values again from the synced
+parameters (Zero1.reset_values: they were cut from this rank's own at
+registration, so a per-rank seed left each mirror unequal to its owner).
+`ctx.register(..., sync_start=False)` opts out; the step-0 check of the
+replicated digests (coordinator/checks.py) then still fails a job whose ranks
+differ.
 """
 
 from __future__ import annotations

@@ -19,18 +19,23 @@ gradient is stashed, and the carried ranks' bodies run after its own, the last o
 averaging. A carried rank whose local state the carrier holds only at an older boundary
 (its mirror) has the missing steps replayed first, gradients dropped, from the parameters
 and replicated state the carrier kept of those steps (the replay rule of a spare).
+
+LIVEMIG_SHRINK_DROP=1 is torchft's semantics, kept to measure against (`livemig bench
+downtime`'s torchft_style row): no carried body runs, the lost ranks' batches are dropped
+and the average is over the survivors, so the global batch shrinks and the run diverges.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from livemig.config import buddy_stride
+from livemig.config import ENV_SHRINK_DROP, buddy_stride
 from livemig.data import seed_step, step_seed
 from livemig.errors import RecoveryError
 from livemig.state import unpack
@@ -52,6 +57,7 @@ class VirtualRanks:
         self.stashed: int | None = None  # the step whose running body's gradient is stashed already
         self.deferred: int | None = None  # a step whose own ctx.step() gave way to carried bodies
         self.ran: set[int] = set()  # ranks whose body of the current step ran
+        self.drop = os.environ.get(ENV_SHRINK_DROP) == "1"  # torchft's semantics, for comparison
 
     # -- who -----------------------------------------------------------------------------
     @property
@@ -61,13 +67,21 @@ class VirtualRanks:
 
     def carried(self) -> list[int]:
         rt = self.e.runtime
-        if rt is None or not rt.carried:
+        if rt is None or not rt.carried or self.drop:
             return []
         return sorted(v for v, c in rt.carried.items() if c == self.e.rank)
 
     def degraded(self) -> bool:
         rt = self.e.runtime
         return rt is not None and bool(rt.carried)
+
+    def divisor(self) -> int:
+        """What the summed gradient is divided by: the virtual world (the same global batch),
+        or with LIVEMIG_SHRINK_DROP the survivors (torchft's average over fewer batches)."""
+        rt = self.e.runtime
+        if self.drop and rt is not None and rt.carried:
+            return self.e.world_size - len(rt.carried)
+        return self.e.world_size
 
     def _refresh(self) -> None:
         """Ranks newly carried take their local state from this rank's mirror of them."""

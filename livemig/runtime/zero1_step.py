@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from livemig.comm.group import CollectiveAborted
+from livemig.comm.group import CollectiveAborted, allreduce_sum
 from livemig.rdzv.membership import GenState
 from livemig.runtime.step_state import Averaged
 
@@ -21,7 +21,9 @@ class Zero1Steps:
 
     def _step_zero1(self, t: int) -> None:
         """Reduction (reduce-scatter + exchange, or allreduce + slicing), barrier,
-        own shard update, all-gather overlapped with the mirror's update.
+        own shard update, all-gather overlapped with the mirror's update. A shrunk job
+        (runtime/virtual.py) allreduces the sum of its bodies' gradients and steps every
+        shard its layout gives this rank (comm/zero1.py, Zero1.switch).
 
         Recovery keeps one order on every member: after a group switch each
         member first all-gathers the parameters (_zero_regather), then goes on
@@ -38,23 +40,35 @@ class Zero1Steps:
             try:
                 self._keep_before(t)
                 self._faults.at(t, "allreduce")
-                if first:  # reductions launched during backward
-                    reduced = red.finish(self.world_size, timeout, rt.moved_on)
+                if z.shrunk:  # no overlap while shrunk: the stashed bodies join the sum first
+                    self._ensure_grads()
+                    self._virtual.add_stashed()
+                    flats = red.flatten(self._virtual.divisor())
+                    allreduce_sum(rt.pg, flats, timeout, rt.moved_on)
+                    held: list = [z.slices_shrunk(flats), None]
                 else:
-                    reduced = red.reduce(rt.pg, red.flatten(self.world_size), timeout, rt.moved_on)
-                own, mirror = z.slices(rt.pg, reduced, timeout, rt.moved_on)
-                self._st.avg = Averaged(t, [own, mirror])  # held: enough to finish step t alone
+                    if first:  # reductions launched during backward
+                        reduced = red.finish(self.world_size, timeout, rt.moved_on)
+                    else:  # a retry; after a grow, without the stashed body of the rank handed back
+                        self._ensure_grads()
+                        self._virtual.add_stashed()
+                        reduced = red.reduce(rt.pg, red.flatten(self.world_size), timeout, rt.moved_on)
+                    held = list(z.slices(rt.pg, reduced, timeout, rt.moved_on))
+                self._st.avg = Averaged(t, held)  # held: enough to finish step t alone
                 self._mirror_local(t)  # before the barrier: whoever passes it knows the mirror holds t
                 z.barrier(rt.pg, timeout, rt.moved_on)
                 self._faults.at_commit_point(t, "barrier result")
             except CollectiveAborted as exc:
                 first = False
                 self._join_recovery(t, exc)
+                if self.committed < t and self._virtual.defers(t):  # shrunk meanwhile: carried bodies first
+                    self._virtual.deferred = t
+                    self._virtual.stash(t)
+                    return
                 continue
-            # Update our shard, then gather the parameters while the mirror is updated.
-            z.own.update(own)
+            # Update our shard(s), then gather the parameters while the mirror(s) are updated.
+            z.update(held[0], held[1], part="owned")
             self._gathered_gen = None
-            held = [own, mirror]
             try:
                 self._faults.at(t, "gather")
                 z.gather(rt.pg, timeout, rt.moved_on,

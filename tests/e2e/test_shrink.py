@@ -7,7 +7,7 @@ the meter's count): a shrunk run must read exactly the fault-free run's samples 
 (step, virtual rank), with each carried rank's own local state, and end with parameters
 within 1e-6 x max|param| of it (the average sums the same gradients in another order).
 
-CI budget: ~2.5 min (two reference runs, three short jobs of 3 workers and two of 4).
+CI budget: ~3.5 min (four reference runs, five short jobs of 3 workers and two of 4).
 """
 
 from __future__ import annotations
@@ -121,11 +121,33 @@ def test_without_shrink_a_lost_rank_with_no_spare_fails_the_job_with_its_line(tm
     assert "no warm spare for rank(s) [1] within 2s" in reason, explain(run)
 
 
-def test_a_spare_started_later_takes_the_carried_rank_back(tmp_path, etcd, procs):
+def test_zero1_shrink_inside_the_reduction_adopts_the_shard(tmp_path):
+    """ZeRO-1, rank 2 killed with step 10's gradients in flight: nobody passed the barrier, so
+    the carrier (rank 0, which mirrored shard 2) defers its step to rank 2's body and owns shard
+    2 from then on; rank 1 takes the mirrors the layout moves to it (coordinator/sharding.py,
+    zero1_layout). Same samples; parameters within the bound; the replicas identical. CI ~20 s."""
+    ref, ref_dump = _run(tmp_path, "zref", args=("--zero1",))
+    assert ref.rc == 0, explain(ref)
+    # per-rank seeds: the shards are cut again from the parameters the start-up sync made rank 0's
+    assert ref.report["zero1"]["mirrors_exact"] and ref.report["replicas_identical"], explain(ref)
+    run, dump = _run(tmp_path, "zsh", faults=("kill:rank=2:step=10:during=allreduce",), extra=SHRINK,
+                     args=("--zero1",))  # fmt: skip
+    assert run.rc == 0, explain(run)
+    (rec,) = run.report["recoveries"]
+    assert rec["kind"] == "shrink" and rec["carried"] == {"2": 0}, rec
+    assert run.report["steps_completed"] == STEPS
+    assert _samples(dump) == _samples(ref_dump)
+    _within_bound(_finals(dump), _finals(ref_dump))
+    assert run.report["replicas_identical"], explain(run)
+
+
+@pytest.mark.parametrize("args", [(), ("--zero1",)], ids=["plain", "zero1"])
+def test_a_spare_started_later_takes_the_carried_rank_back(tmp_path, etcd, procs, args):
     """60 steps on 3 ranks, rank 2 lost at step 10 with no spare: shrunk, then a spare started by
     `livemig-spare start` once the job runs shrunk takes rank 2 back (its local state from its
-    carrier, rank 0) and the job ends at full width; every (step, rank) read the fault-free run's
-    samples, and every rank, the grown-back one included, ends within the bound. CI ~40 s."""
+    carrier, rank 0; with ZeRO-1 its optimizer shard too) and the job ends at full width; every
+    (step, rank) read the fault-free run's samples, and every rank, the grown-back one included,
+    ends within the bound; ZeRO-1: every shard present and equal to its mirror. CI ~40 s each."""
     import time
     from datetime import timedelta
 
@@ -133,8 +155,8 @@ def test_a_spare_started_later_takes_the_carried_rank_back(tmp_path, etcd, procs
     from livemig.rdzv.keys import JobKeys
     from livemig.rdzv.membership import Membership
 
-    steps, work = 60, ["--steps", "60", "--sleep", "0.1"]
-    ref, ref_dump = _run(tmp_path, "gref", steps=steps, args=("--sleep", "0.1"))
+    steps, work = 60, ["--steps", "60", "--sleep", "0.1", *args]
+    ref, ref_dump = _run(tmp_path, "gref", steps=steps, args=("--sleep", "0.1", *args))
     assert ref.rc == 0, explain(ref)
     dump = tmp_path / "dump-grow"
     dump.mkdir()
@@ -168,3 +190,7 @@ def test_a_spare_started_later_takes_the_carried_rank_back(tmp_path, etcd, procs
     finals = _finals(dump)
     assert set(finals) == {0, 1, 2}
     _within_bound(finals, _finals(ref_dump))
+    if args:  # every shard held by its owner again, each mirror equal to it bit for bit
+        z = rep["zero1"]
+        assert z["mirrored"] and z["mirrors_exact"], z
+        assert sorted(rep["rank_digests"]) == ["0", "1", "2"], rep["rank_digests"]

@@ -6,7 +6,8 @@ weight decay set by hand, clipping, a scheduler stepped after ctx.step(). Every
 forward appends (step, rank, sample ids, the meter's count) to samples<rank>.jsonl, so
 a test can check a carried rank read exactly what it would have; each process writes
 its final parameters, buffers and meter at the end (final<rank>.json). --stateless: no
-rank-local state (a job that can shrink again after a second loss).
+rank-local state (a job that can shrink again after a second loss). --zero1: the
+optimizer state sharded (sharding="zero1"; no clipping: ZeRO-1 does not clip yet).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def main(ctx: livemig.Context, a: argparse.Namespace) -> None:
     x, w = torch.randn(4096, 8, generator=g), torch.randn(8, 1, generator=g)
     ds = torch.utils.data.TensorDataset(x, x @ w + 0.1 * torch.randn(4096, 1, generator=g), torch.arange(4096))
     loader = torch.utils.data.DataLoader(ds, batch_sampler=ElasticSampler(len(ds), a.batch, seed=3))
-    ctx.register(model=model, optimizer=opt, sched=sched, local=None if a.stateless else {"meter": meter})
+    ctx.register(model=model, optimizer=opt, sched=sched, local=None if a.stateless else {"meter": meter},
+                 sharding="zero1" if a.zero1 else None)  # fmt: skip
     batches = ctx.batches(loader)
     for step in ctx.steps(a.steps):
         for group in opt.param_groups:
@@ -56,7 +58,8 @@ def main(ctx: livemig.Context, a: argparse.Namespace) -> None:
                 f.write(json.dumps({"step": step, "rank": ctx.rank, "ids": ids.tolist(), "meter": meter.n}) + "\n")
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         loss.backward()
-        ctx.clip_grad_norm_(a.clip)
+        if not a.zero1:
+            ctx.clip_grad_norm_(a.clip)
         ctx.step()
         sched.step()
         if not a.stateless:  # unregistered, it would count every body this process ran
@@ -78,5 +81,6 @@ if __name__ == "__main__":
     p.add_argument("--clip", type=float, default=0.5)
     p.add_argument("--sleep", type=float, default=0.05)
     p.add_argument("--stateless", action="store_true", help="no rank-local state (no BatchNorm, no local=)")
+    p.add_argument("--zero1", action="store_true", help="shard the optimizer state (ZeRO-1)")
     p.add_argument("--dump", default=os.environ.get("SHRINK_DUMP", ""))
     main(p.parse_args())

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from livemig.comm.reducer import GradReducer
 from livemig.comm.zero1 import Zero1, shard_pieces
-from livemig.coordinator.sharding import lost_shards, sharding_of
+from livemig.coordinator.sharding import lost_shards, sharding_of, zero1_layout
 from livemig.errors import ConfigError
 
 T = timedelta(seconds=20)
@@ -129,11 +129,32 @@ def test_refuses_optimizers_that_are_not_elementwise_and_user_steps():
         opt.step()
 
 
+def test_zero1_layout_full_and_shrunk():
+    assert zero1_layout(4) == {0: (0, 1), 1: (1, 2), 2: (2, 3), 3: (3, 0)}
+    assert zero1_layout(4, stride=2) == {0: (0, 2), 1: (1, 3), 2: (2, 0), 3: (3, 1)}
+    # rank 2 lost, carried by its mirror's holder 3: 3 owns shards 2 and 3; shard 2's next
+    # virtual rank (3) is on the same process, so its mirror moves on to rank 0
+    assert zero1_layout(4, {2: 3}) == {0: (0, 1), 1: (1, 3), 2: (3, 0), 3: (3, 0)}
+    assert zero1_layout(3, {2: 0}) == {0: (0, 1), 1: (1, 0), 2: (0, 1)}
+    assert zero1_layout(2, {1: 0}) == {0: (0, None), 1: (0, None)}  # one process: no second copy
+    assert zero1_layout(3, mirrored=False) == {0: (0, None), 1: (1, None), 2: (2, None)}
+    for world, carried in ((4, {2: 3}), (6, {1: 2, 4: 5}), (6, {0: 3, 1: 3}), (8, {3: 5})):
+        for s, (owner, mirror) in zero1_layout(world, carried, stride=2 if world % 2 == 0 else 1).items():
+            assert owner == carried.get(s, s) and mirror not in (owner, None) and mirror not in carried
+
+
 def test_lost_shards_names_owner_and_mirror():
     assert lost_shards(3, True, {0, 2}) == []  # shard 1 lives on at its mirror, rank 2
     lost = "optimizer shard 1 is lost: its owner rank 1 and its mirror rank 2 both failed"
     assert lost_shards(3, True, {0}) == [lost]
     assert lost_shards(2, False, {0})[0].startswith("optimizer shard 1 is lost: its owner rank 1 failed")
+    # shrunk (rank 2 carried by 0): shard 2 is owned by 0 and mirrored on 1, so losing 0 too loses
+    # shards 0 and 2 only if 1 is gone as well
+    assert lost_shards(3, True, {1}, carried={2: 0}) == []
+    assert lost_shards(2, True, {0}, carried={1: 0}) == []
+    assert lost_shards(2, True, set(), carried={1: 0})[1] == (
+        "optimizer shard 1 is lost: its owner rank 0 failed and no other process was left to mirror it"
+    )
     assert sharding_of([["w", "float32", [2]], ["<sharding>", "zero1", [1]]]) == ("zero1", True)
     assert sharding_of([["w", "float32", [2]]]) == ("", False)
 

@@ -247,9 +247,9 @@ def run_downtime(a: argparse.Namespace) -> int:
     }
     if a.sharding != "zero1":  # planned migration of rank 1 at --fail-at: its pause is the downtime column
         approaches["migration"] = lambda: run_livemig(a, "migrate", workload)
-    if a.sharding != "zero1":  # no spare: the survivors carry rank 1 (--min-nproc N-1, --shrink-wait 0)
-        approaches["shrink"] = lambda: run_livemig(a, True, workload, shrink=True)
-        approaches["torchft_style"] = lambda: run_livemig(a, True, workload, {ENV_SHRINK_DROP: "1"}, shrink=True)
+    # no spare: the survivors carry rank 1 (--min-nproc N-1, --shrink-wait 0); with ZeRO-1 its shard too
+    approaches["shrink"] = lambda: run_livemig(a, True, workload, shrink=True)
+    approaches["torchft_style"] = lambda: run_livemig(a, True, workload, {ENV_SHRINK_DROP: "1"}, shrink=True)
     if a.fail_at >= a.ckpt_every:  # a checkpoint exists before the kill: the cold path has one to restart from
         approaches["cold"] = lambda: _cold_row(a, workload)
     else:
@@ -331,7 +331,7 @@ def _degraded(rows: list[dict]) -> tuple[float, float] | None:
     return statistics.median([x["degraded_steps"] for x in shr]), statistics.median(costs) if costs else float("nan")
 
 
-def summarise(samples: dict[str, list[dict]], width: int = 11) -> dict[str, dict[str, Any]]:
+def summarise(samples: dict[str, list[dict]], width: int = 13) -> dict[str, dict[str, Any]]:
     """Print one row per approach (median (min-max) of its rounds) and return the medians,
     whether every round finished (`all_ok`) and how many were bit-identical."""
     print(f"{'approach':<{width}} {'wall_s':>18} {'lost_s':>18} {'downtime_s':>18} {'step_ms':>8}  bit-identical")

@@ -57,6 +57,7 @@ class CheckpointHost(Protocol):
     timeouts: Any
     _faults: Any
     _fsdp: Any  # FSDP2 (runtime/fsdp2.py): its shards are this rank's part
+    _virtual: Any  # a shrunk job's carried ranks (runtime/virtual.py): their parts are written here too
 
     def signature(self) -> list: ...
 
@@ -104,7 +105,7 @@ class Checkpointer:
         self._idle = threading.Event()  # no write in flight
         self._idle.set()
         self._thread: threading.Thread | None = None
-        self._staged: dict[str, torch.Tensor] = {}
+        self._staged: dict[int, dict[str, torch.Tensor]] = {}  # rank -> its part's staging buffers (reused)
         fail = os.environ.get(layout.ENV_FAIL_WRITE, "")
         self._fail_at = tuple(int(x) for x in fail.split(":")) if fail else None
 
@@ -144,7 +145,10 @@ class Checkpointer:
         t0 = self._last = time.monotonic()
         started = time.time()  # staged_at: when staging began (the report adds staged_s and written_s)
         try:
-            sd = self._state_dict(step)
+            parts = [(self._host.rank, self._state_dict(step))]
+            for v in self._host._virtual.carried():  # shrunk: the carrier writes the ranks it runs
+                with self._host._virtual.as_rank(v, step):
+                    parts.append((v, self._state_dict(step, v)))
         except Exception as exc:  # what cannot be staged is said, and training goes on
             self._failed(step, started, 0.0, exc)
             return
@@ -155,7 +159,7 @@ class Checkpointer:
         if self._thread is None:
             self._thread = threading.Thread(target=self._writer, name="livemig-checkpoint", daemon=True)
             self._thread.start()
-        self._queue.put((step, sd, rec))
+        self._queue.put((step, parts, rec))
 
     def _interval_due(self, s: layout.Settings, step: int) -> bool:
         """--checkpoint-interval: every `probe` steps the ranks agree (one allreduce of a flag)
@@ -174,25 +178,28 @@ class Checkpointer:
                 return False
         return bool(flag.item() > 0)
 
-    def _state_dict(self, step: int) -> dict[str, Any]:
+    def _state_dict(self, step: int, rank: int | None = None) -> dict[str, Any]:
+        """Rank `rank`'s part (default this process's own; a carried rank's, its local state
+        swapped in, in a shrunk job)."""
         h = self._host
         reg = h.reg
+        rank = h.rank if rank is None else rank
         fsdp = reg.fsdp is not None  # every rank writes its own shards; no rank holds the whole model
         model_sd = _model_sd(reg)
-        keep = list(model_sd) if h.rank == 0 and not fsdp else list(reg.buffer_names)
+        keep = list(model_sd) if rank == 0 and not fsdp else list(reg.buffer_names)
         sections: dict[str, Any] = {"local": {k: v.state_dict() for k, v in reg.local.items()}}
         if fsdp:
             sections["fsdp"] = h._fsdp.shards()
-        if h.rank == 0:
+        if rank == 0:
             if reg.optimizer is not None and reg.zero is None and not fsdp:
                 sections["optimizer"] = reg.optimizer.state_dict()
             sections["boundary"] = {"extra": {k: v.state_dict() for k, v in reg.extra.items()},
                                     "hparams": reg.hparams()}  # fmt: skip
         if reg.zero is not None:
-            sections["shard"] = reg.zero.own.state()
+            sections["shard"] = reg.zero.shards[rank].state()  # a carried rank's: its carrier owns it
         skeletons: dict[str, Any] = {}
         state: dict[str, dict[str, torch.Tensor]] = {}
-        old = self._staged
+        old = self._staged.get(rank, {})
         staged: dict[str, torch.Tensor] = {}
         model: dict[str, torch.Tensor] = {}
         others: dict[str, Any] = {}
@@ -210,8 +217,9 @@ class Checkpointer:
             for i, t in enumerate(tensors):
                 key = f"state.{name}.{i}"
                 state[name][str(i)] = staged[key] = _stage(t, old.get(key))
-        self._staged = staged
-        meta = {"format": layout.FORMAT, "step": step, "rank": h.rank, "world": h.world_size,
+        self._staged = {r: v for r, v in self._staged.items() if r in (h.rank, *h._virtual.carried())}
+        self._staged[rank] = staged
+        meta = {"format": layout.FORMAT, "step": step, "rank": rank, "world": h.world_size,
                 "signature": signature_hash(h.signature()), "skeletons": skeletons,
                 "model_other": flatten(others, [], "model")}  # fmt: skip
         blob = msgpack.packb(meta, use_bin_type=True)
@@ -226,23 +234,24 @@ class Checkpointer:
 
         h = self._host
         while True:
-            step, sd, rec = self._queue.get()
+            step, parts, rec = self._queue.get()
             t0 = time.monotonic()
             s = self.settings
             assert s is not None
             try:
-                part = layout.part_dir(s.dir, step, h.rank)
-                os.makedirs(part, exist_ok=True)
-                writer = dcp.FileSystemWriter(part, single_file_per_rank=True, sync_files=True)
-                dcp.save(sd, storage_writer=writer, no_dist=True)
-                if self._fail_at == (h.rank, step):
-                    raise OSError(f"test hook {layout.ENV_FAIL_WRITE}: the write of step {step} fails")
-                h._faults.during_checkpoint(step)  # the plan's kill:...:during=checkpoint lands here
-                layout.fsync_dir(part)
-                layout.mark_done(s.dir, step, h.rank, {"world": h.world_size})
-                meta = {"signature": signature_hash(h.signature()), "job": os.environ.get("LIVEMIG_JOB", "")}
-                if layout.publish_if_complete(s.dir, step, h.world_size, meta, s.keep):
-                    log.info("checkpoint complete", extra={"step": step, "dir": layout.step_dir(s.dir, step)})
+                for rank, sd in parts:
+                    part = layout.part_dir(s.dir, step, rank)
+                    os.makedirs(part, exist_ok=True)
+                    writer = dcp.FileSystemWriter(part, single_file_per_rank=True, sync_files=True)
+                    dcp.save(sd, storage_writer=writer, no_dist=True)
+                    if self._fail_at == (rank, step):
+                        raise OSError(f"test hook {layout.ENV_FAIL_WRITE}: the write of step {step} fails")
+                    h._faults.during_checkpoint(step)  # the plan's kill:...:during=checkpoint lands here
+                    layout.fsync_dir(part)
+                    layout.mark_done(s.dir, step, rank, {"world": h.world_size})
+                    meta = {"signature": signature_hash(h.signature()), "job": os.environ.get("LIVEMIG_JOB", "")}
+                    if layout.publish_if_complete(s.dir, step, h.world_size, meta, s.keep):
+                        log.info("checkpoint complete", extra={"step": step, "dir": layout.step_dir(s.dir, step)})
                 rec[3], rec[4] = round(time.monotonic() - t0, 6), True
             except Exception as exc:
                 rec[3], rec[4] = round(time.monotonic() - t0, 6), False

@@ -27,6 +27,7 @@ and the average is over the survivors, so the global batch shrinks and the run d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -210,6 +211,22 @@ class VirtualRanks:
             self.active = None
         if carried:
             self._swap_out(v, step, own)
+
+    @contextlib.contextmanager
+    def as_rank(self, v: int, boundary: int) -> Iterator[None]:
+        """Carried rank v's local state in place, as of `boundary`, for a moment (its
+        checkpoint part is staged from it: runtime/checkpoint.py); nothing is kept of it."""
+        have = self.states.get(v)
+        if have is None or have[0] != boundary:
+            raise RecoveryError(f"rank {self.e.rank} holds carried rank {v}'s local state of boundary "
+                                f"{None if have is None else have[0]}, not {boundary}")  # fmt: skip
+        own = self._swap_in(v)
+        try:
+            yield
+        finally:
+            self.active = None
+            if own is not None:
+                self.e.reg.load_local(unpack(own))
 
     def _swap_in(self, v: int) -> torch.Tensor | None:
         e = self.e

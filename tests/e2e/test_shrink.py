@@ -7,7 +7,7 @@ the meter's count): a shrunk run must read exactly the fault-free run's samples 
 (step, virtual rank), with each carried rank's own local state, and end with parameters
 within 1e-6 x max|param| of it (the average sums the same gradients in another order).
 
-CI budget: ~3.5 min (four reference runs, five short jobs of 3 workers and two of 4).
+CI budget: ~4 min (four reference runs, seven short jobs of 3 workers and two of 4).
 """
 
 from __future__ import annotations
@@ -121,15 +121,22 @@ def test_without_shrink_a_lost_rank_with_no_spare_fails_the_job_with_its_line(tm
     assert "no warm spare for rank(s) [1] within 2s" in reason, explain(run)
 
 
-def test_zero1_shrink_inside_the_reduction_adopts_the_shard(tmp_path):
-    """ZeRO-1, rank 2 killed with step 10's gradients in flight: nobody passed the barrier, so
-    the carrier (rank 0, which mirrored shard 2) defers its step to rank 2's body and owns shard
-    2 from then on; rank 1 takes the mirrors the layout moves to it (coordinator/sharding.py,
-    zero1_layout). Same samples; parameters within the bound; the replicas identical. CI ~20 s."""
-    ref, ref_dump = _run(tmp_path, "zref", args=("--zero1",))
+@pytest.fixture(scope="module")
+def zero1_reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("shrink-zero1-ref")
+    ref, ref_dump = _run(tmp, "zref", args=("--zero1",))
     assert ref.rc == 0, explain(ref)
     # per-rank seeds: the shards are cut again from the parameters the start-up sync made rank 0's
     assert ref.report["zero1"]["mirrors_exact"] and ref.report["replicas_identical"], explain(ref)
+    return ref_dump
+
+
+def test_zero1_shrink_inside_the_reduction_adopts_the_shard(tmp_path, zero1_reference):
+    """ZeRO-1, rank 2 killed with step 10's gradients in flight: nobody passed the barrier, so
+    the carrier (rank 0, which mirrored shard 2) defers its step to rank 2's body and owns shard
+    2 from then on; rank 1 takes the mirrors the layout moves to it (config.zero1_layout).
+    Same samples; parameters within the bound; the replicas identical. CI ~15 s."""
+    ref_dump = zero1_reference
     run, dump = _run(tmp_path, "zsh", faults=("kill:rank=2:step=10:during=allreduce",), extra=SHRINK,
                      args=("--zero1",))  # fmt: skip
     assert run.rc == 0, explain(run)
@@ -139,6 +146,36 @@ def test_zero1_shrink_inside_the_reduction_adopts_the_shard(tmp_path):
     assert _samples(dump) == _samples(ref_dump)
     _within_bound(_finals(dump), _finals(ref_dump))
     assert run.report["replicas_identical"], explain(run)
+
+
+def test_a_checkpoint_written_while_shrunk_holds_the_carried_rank(tmp_path, zero1_reference):
+    """The carrier writes the part of each rank it carries (its local state, its ZeRO-1 shard),
+    so checkpoints stay complete while shrunk: resumed at full width from one written after
+    the shrink, the job ends within the bound of the fault-free run, every rank's meter and
+    samples its own. CI ~20 s."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    run, _ = _run(tmp_path, "zck", faults=("kill:rank=2:step=8",), args=("--zero1",),
+                  extra=(*SHRINK, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5"))  # fmt: skip
+    assert run.rc == 0, explain(run)
+    assert run.report["recoveries"][0]["kind"] == "shrink", explain(run)
+    assert run.report["checkpoints"]["steps"][-2:] == [24, 29], run.report["checkpoints"]
+    one = tmp_path / "resume"  # the boundary of step 24, written shrunk: rank 2's part by rank 0
+    one.mkdir()
+    shutil.copytree(ckpt / "step_0000000024", one / "step_0000000024")
+    assert sorted(p.name for p in (one / "step_0000000024").glob("rank_*.done")) == [
+        "rank_00000.done", "rank_00001.done", "rank_00002.done"]  # fmt: skip
+    (one / "latest").write_text("step_0000000024")
+    back, dump = _run(tmp_path, "zrs", args=("--zero1",), extra=("--resume-from", str(one)))
+    assert back.rc == 0 and back.report["steps_completed"] == STEPS, explain(back)
+    assert back.report["zero1"]["mirrors_exact"] and back.report["replicas_identical"], explain(back)
+    ref = _samples(zero1_reference)
+    got = _samples(dump)
+    assert sorted({s for s, _ in got}) == list(range(25, STEPS)) and all(got[k] == ref[k] for k in got)
+    finals = _finals(dump)
+    assert set(finals) == {0, 1, 2}
+    _within_bound(finals, _finals(zero1_reference))
 
 
 @pytest.mark.parametrize("args", [(), ("--zero1",)], ids=["plain", "zero1"])

@@ -202,9 +202,25 @@ def cmd_inject(a: argparse.Namespace) -> int:
             os.kill(pid, signal.SIGCONT)
         else:
             os.kill(pid, sig)
+            if sig == signal.SIGSTOP:
+                _until_stopped(pid)
     except ProcessLookupError:
         raise ConfigError(f"process {pid} no longer exists") from None
     if a.kind not in ("resume", "slow", "spare-hang"):  # a stopped spare starts no downtime
         record_fault(client, keys, a.kind, a.rank, step, time.time())
     print(f"injected {a.kind} into pid {pid} at step {step}")
     return 0
+
+
+def _until_stopped(pid: int, timeout: float = 2.0) -> None:
+    """A signal is delivered asynchronously: return once the process is stopped, so what the
+    command reports has happened (a caller that then reads the process sees it stopped)."""
+    import psutil
+
+    end = time.monotonic() + timeout
+    try:
+        proc = psutil.Process(pid)
+        while proc.status() != psutil.STATUS_STOPPED and time.monotonic() < end:
+            time.sleep(0.005)
+    except psutil.NoSuchProcess:
+        raise ProcessLookupError(pid) from None

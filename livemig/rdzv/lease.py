@@ -11,7 +11,9 @@ working for up to the budget, and when etcd answers again a lease that
 expired meanwhile is replaced by a new one and the owner's keys re-attached
 (`reattach`, a fenced write: a process fenced meanwhile learns it there).
 Only a lease that expired while etcd *did* answer us, or a budget spent, is
-lost: a stopped process has seen no failed call, so it is still fenced.
+lost: a stopped process has seen no failed call, so it is still fenced. A
+renewal that hung in flight for half a TTL (a cut link healed before the
+client's own timeout: no failed call either) counts as an outage.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class LeaseKeeper:
                 ttl = self.client.keepalive_once(self.lease_id)
                 if self.client.last_failure >= t0:  # answered only after failed tries: an outage ended
                     self._failed = True
+                elif time.monotonic() - t0 > self.ttl_s / 2:  # the call itself hung on the network
+                    self._failed = True  # (a cut healed before the client's timeout): an outage too
             except EtcdUnavailableError as exc:
                 out_for = time.monotonic() - self._last_ok
                 if not self._failed and self.outage_budget_s is not None:

@@ -36,8 +36,10 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
         onto = f" onto spare {', '.join(r['spares'])}" if r.get("spares") else ""
         how = f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed"
         if r.get("kind") == "shrink":
-            onto = f" by the survivors (carried: {', '.join(f'rank {v} by {c}' for v, c in r['carried'].items())})"
-            how = "no spare: shrunk, same samples and global batch"
+            carried = ", ".join(f"rank {v} by {c}" for v, c in r["carried"].items())
+            onto = (f"{onto}, the rest by the survivors (carried: {carried})" if r.get("spares") else
+                    f" by the survivors (carried: {carried})")  # fmt: skip
+            how = f"{'too few' if r.get('spares') else 'no'} spares: shrunk, same samples and global batch"
         if r.get("kind") == "restart":
             how = (f"cold restart from the checkpoint of step {r['from_step']}, {r['steps_redone']} step(s) "
                    f"redone ({r['lost_s']:.2f} s lost in all)")  # fmt: skip

@@ -535,10 +535,15 @@ class Coordinator:
             if self.min_nproc < m.world_size:  # --min-nproc: the survivors carry the lost ranks
                 if mode == "fsdp2":
                     why = f"shrinking a sharding={mode} job is not supported yet"
-                elif len(m.members) < self.min_nproc:
+                elif len(m.members) + len(picks) < self.min_nproc:
                     why = f"{len(m.members)} survivor(s) are fewer than --min-nproc {self.min_nproc}"
+                elif waited <= self.shrink_wait_s:
+                    return None
+                elif picks:  # fewer spares than lost ranks: the spares take the lowest, the survivors carry the rest
+                    k = len(picks)
+                    return self._claim_for(s, vacant[:k], picks, resume, sources, carry=vacant[k:], mode=mode)
                 else:
-                    return self._shrink(s, vacant, resume, sources, mode) if waited > self.shrink_wait_s else None
+                    return self._shrink(s, vacant, resume, sources, mode)
                 if not self._since.get((m.generation, "no-shrink")):
                     self._since[(m.generation, "no-shrink")] = time.monotonic()
                     log.warning("cannot shrink", extra={"generation": m.generation, "why": why})
@@ -575,6 +580,23 @@ class Coordinator:
         mirror) or, with no local state, by the next survivor; the world stays N. ZeRO-1:
         by the holder of its shard's mirror, which owns the shard from now on."""
         m = s.m
+        carried = self._carriers(s, vacant, mode)
+        t = self.client.txn_ops
+        new = replace(m, state=GenState.BUILDING, kind="shrink", resume_step=resume, sources=sources,
+                      carried=carried, store=self.stores.for_generation(s, m.members), updated=time.time(),
+                      nonce=secrets.token_hex(8))  # fmt: skip
+        ops = [self._shrink_op(m, vacant, carried, len(m.members), resume)]
+        ok, _ = self.client.txn([self.rdzv.gen_is(m.generation), *self._guard()],
+                                [t.put(self.keys.membership, new.to_bytes()), *ops])  # fmt: skip
+        if ok:
+            log.warning("shrunk: the survivors carry the lost rank(s)",
+                        extra={"generation": m.generation, "carried": carried, "physical": len(m.members)})  # fmt: skip
+
+    def _carriers(self, s: Snapshot, vacant: list[int], mode: str) -> dict[int, int]:
+        """The carried map after `vacant` is carried: each by its buddy (rank + stride, its local
+        state's mirror), with ZeRO-1 by the holder of its shard's mirror, else the next survivor;
+        the ranks already carried keep a live carrier."""
+        m = s.m
         n, stride = m.world_size, self._stride(s)
         carried = {v: c for v, c in m.carried.items() if c in m.members}
         layout = zero1_layout(n, m.carried, stride) if mode == "zero1" else {}
@@ -583,17 +605,12 @@ class Coordinator:
             while c not in m.members:
                 c = (c + 1) % n
             carried[v] = c
-        t = self.client.txn_ops
-        new = replace(m, state=GenState.BUILDING, kind="shrink", resume_step=resume, sources=sources,
-                      carried=carried, store=self.stores.for_generation(s, m.members), updated=time.time(),
-                      nonce=secrets.token_hex(8))  # fmt: skip
-        ops = [self.timeline.op(m.generation, "shrink", ranks=vacant, carried={str(v): c for v, c in carried.items()},
-                                physical=len(m.members), virtual=n, resume_step=resume)]  # fmt: skip
-        ok, _ = self.client.txn([self.rdzv.gen_is(m.generation), *self._guard()],
-                                [t.put(self.keys.membership, new.to_bytes()), *ops])  # fmt: skip
-        if ok:
-            log.warning("shrunk: the survivors carry the lost rank(s)",
-                        extra={"generation": m.generation, "carried": carried, "physical": len(m.members)})  # fmt: skip
+        return carried
+
+    def _shrink_op(self, m: Membership, ranks: list[int], carried: dict[int, int], physical: int,
+                   resume: int) -> Any:  # fmt: skip
+        return self.timeline.op(m.generation, "shrink", ranks=ranks, carried={str(v): c for v, c in carried.items()},
+                                physical=physical, virtual=m.world_size, resume_step=resume)  # fmt: skip
 
     def _any_spare(self, s: Snapshot) -> bool:
         return any(k.startswith(self.keys.spares_prefix) for k in s.kv)
@@ -642,11 +659,14 @@ class Coordinator:
         self._claim_for(s, vacant, picks, plan["step"] + 1, [], restart={**plan, "reason": why})
 
     def _claim_for(self, s: Snapshot, vacant: list[int], picks: list, resume: int, sources: list[int],
-                   restart: dict | None = None) -> None:  # fmt: skip
+                   restart: dict | None = None, carry: list[int] | None = None, mode: str = "") -> None:  # fmt: skip
+        """Spares for `vacant`; `carry`: lost ranks no spare is left for, carried by survivors."""
         m = s.m
         t = self.client.txn_ops
         members = dict(m.members)
         carried = {v: c for v, c in m.carried.items() if c in members and v not in vacant}  # a shrunk job's
+        if carry:
+            carried = {v: c for v, c in self._carriers(s, carry, mode).items() if v not in vacant}
         compare = [self.rdzv.gen_is(m.generation), *self._guard()]
         ops = []
         for rank, (sid, kv, info) in zip(vacant, picks, strict=True):
@@ -664,6 +684,9 @@ class Coordinator:
             ops.append(self.timeline.op(m.generation, "restart", path=restart["path"], step=restart["step"],
                                         redone=restart.get("redone"), count=m.restarts + 1,
                                         reason=restart.get("reason", "")))  # fmt: skip
+        if carry:
+            new = replace(new, kind="shrink")
+            ops.append(self._shrink_op(m, carry, carried, len(members), resume))
         ops.append(self.timeline.op(m.generation, "claim", spares=[p[0] for p in picks], ranks=vacant))
         ok, _ = self.client.txn(compare, [t.put(self.keys.membership, new.to_bytes()), *ops])
         if ok:

@@ -24,10 +24,10 @@ STEPS = 30
 SHRINK = ("--min-nproc", "2", "--shrink-wait", "0.5")
 
 
-def _run(tmp_path, job, faults=(), extra=(), steps=STEPS, nproc=3, args=()):
+def _run(tmp_path, job, faults=(), extra=(), steps=STEPS, nproc=3, args=(), spares=0):
     dump = tmp_path / f"dump-{job}"
     dump.mkdir()
-    run = livemig_run(tmp_path, nproc, faults=faults, extra=extra, script=SCRIPT, job=job,
+    run = livemig_run(tmp_path, nproc, spares=spares, faults=faults, extra=extra, script=SCRIPT, job=job,
                       workload=["--steps", str(steps), "--dump", str(dump), *args])  # fmt: skip
     return run, dump
 
@@ -100,6 +100,24 @@ def test_a_second_loss_of_a_shrunk_stateless_job_shrinks_it_again(tmp_path):
     assert _samples(dump) == _samples(ref_dump)
     finals = _finals(dump)
     assert set(finals) == {0, 2}
+    _within_bound(finals, _finals(ref_dump))
+
+
+def test_two_lost_ranks_and_one_spare_the_spare_takes_one_the_survivors_carry_the_other(tmp_path):
+    """4 ranks with local state, one warm spare, ranks 1 and 3 killed at step 8: one recovery in
+    which the spare takes rank 1 (its local state from its buddy, rank 2) and rank 0 carries
+    rank 3 (it mirrors rank 3's local state): same samples, every process within the bound."""
+    ref, ref_dump = _run(tmp_path, "ref4s", nproc=4)
+    assert ref.rc == 0, explain(ref)
+    run, dump = _run(tmp_path, "two", nproc=4, spares=1, extra=SHRINK,
+                     faults=("kill:rank=1:step=8", "kill:rank=3:step=8"))  # fmt: skip
+    assert run.rc == 0, explain(run)
+    (rec,) = run.report["recoveries"]
+    assert rec["kind"] == "shrink" and rec["carried"] == {"3": 0} and len(rec["spares"]) == 1, rec
+    assert run.report["shrunk"]["physical_world_size"] == 3 and run.report["steps_completed"] == STEPS
+    assert _samples(dump) == _samples(ref_dump)
+    finals = _finals(dump)
+    assert set(finals) == {0, 1, 2}
     _within_bound(finals, _finals(ref_dump))
 
 

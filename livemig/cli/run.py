@@ -147,7 +147,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-nproc", type=int, default=None,
                    help="with no warm spare, train on the survivors while at least this many ranks remain: "
                         "they run the lost ranks' steps too, same samples and global batch (default: the "
-                        "world size, no shrink; plain data parallel; docs/architecture.md, Shrink)")  # fmt: skip
+                        "world size, no shrink; data parallel and ZeRO-1, not FSDP2; docs/architecture.md, "
+                        "Shrink)")  # fmt: skip
     p.add_argument(
         "--shrink-wait",
         type=float,

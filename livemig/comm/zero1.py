@@ -46,7 +46,7 @@ import torch
 from livemig.comm.group import CollectiveAborted, wait_all
 from livemig.comm.reducer import GradReducer
 from livemig.config import ENV_REDUCE, buddy_stride, zero1_layout
-from livemig.errors import ConfigError
+from livemig.errors import ConfigError, RecoveryError
 
 log = logging.getLogger("livemig.zero1")
 
@@ -294,7 +294,7 @@ class Zero1:
         self.shards.update({s: sh for s, sh in self._staged.items() if s in keep})
         gone = [s for s in keep if s not in self.shards]
         if gone:
-            raise CollectiveAborted(f"rank {self.rank} holds no copy of optimizer shard(s) {gone} of its new layout")
+            raise RecoveryError(f"rank {self.rank} holds no copy of optimizer shard(s) {gone} of its new layout")
         self.shards = {s: self.shards[s] for s in keep}
         self.layout, self.carried, self._staged = layout, dict(carried), {}
         self._gather = None
@@ -353,22 +353,13 @@ class Zero1:
         and always runs, even when the gather cannot start."""
         if self.shrunk:
             return self._gather_shrunk(pg, timeout, abort, meanwhile)
-        vals, works, err = self.own.values, [], None
+        vals = self.own.values
         if self._gather is None:
             self._gather = [torch.zeros(n, dtype=v.dtype) for n, v in zip(self.red.padded, vals, strict=True)]
+        outs = self._gather
         try:
-            if pg is None:
-                raise CollectiveAborted("no process group: this member is between generations")
-            works = [pg.allgather([list(f.chunk(self.world))], [v]) for f, v in zip(self._gather, vals, strict=True)]
-        except CollectiveAborted as exc:
-            err = exc
-        except Exception as exc:  # noqa: BLE001 - a broken group refuses the launch
-            err = CollectiveAborted(f"collective failed at launch: {exc}")
-        if meanwhile is not None:
-            meanwhile()
-        try:
-            if err is not None:
-                raise err
+            works = _launch(pg, lambda: [pg.allgather([list(f.chunk(self.world))], [v])
+                                         for f, v in zip(outs, vals, strict=True)], meanwhile)  # fmt: skip
             wait_all(works, timeout, abort)
         except CollectiveAborted:
             self._gather = None  # an abandoned gloo op may still write into it
@@ -383,28 +374,40 @@ class Zero1:
         owned = {p: sorted(s for s, (o, _) in self.layout.items() if o == p) for p in members}
         k = max(len(v) for v in owned.values())
         sizes = self.red.shard_sizes
-        works, err = [], None
         outs = [[torch.empty(k * n, dtype=d) for _ in members] for n, d in zip(sizes, self.red.dtypes, strict=True)]
-        try:
-            if pg is None:
-                raise CollectiveAborted("no process group: this member is between generations")
+
+        def launch() -> list:
+            works = []
             for b, n in enumerate(sizes):
                 mine = torch.zeros(k * n, dtype=self.red.dtypes[b])
                 for j, s in enumerate(owned[self.rank]):
                     mine[j * n : (j + 1) * n].copy_(self.shards[s].values[b])
                 works.append(pg.allgather([outs[b]], [mine]))
-        except CollectiveAborted as exc:
-            err = exc
-        except Exception as exc:  # noqa: BLE001 - a broken group refuses the launch
-            err = CollectiveAborted(f"collective failed at launch: {exc}")
-        if meanwhile is not None:
-            meanwhile()
-        if err is not None:
-            raise err
-        wait_all(works, timeout, abort)
+            return works
+
+        wait_all(_launch(pg, launch, meanwhile), timeout, abort)  # fresh buffers: nothing to forget on a failure
         full = [torch.zeros(n, dtype=d) for n, d in zip(self.red.padded, self.red.dtypes, strict=True)]
         for b, n in enumerate(sizes):
             for i, p in enumerate(members):
                 for j, s in enumerate(owned[p]):
                     full[b][s * n : (s + 1) * n].copy_(outs[b][i][j * n : (j + 1) * n])
         self.red.write_params(full)
+
+
+def _launch(pg: Any, launch: Callable[[], list], meanwhile: Callable[[], None] | None) -> list:
+    """Launch an all-gather; `meanwhile` runs while it is in flight (the mirrors' update: it
+    needs no parameters) and always runs, even when the launch fails."""
+    works, err = [], None
+    try:
+        if pg is None:
+            raise CollectiveAborted("no process group: this member is between generations")
+        works = launch()
+    except CollectiveAborted as exc:
+        err = exc
+    except Exception as exc:  # noqa: BLE001 - a broken group refuses the launch
+        err = CollectiveAborted(f"collective failed at launch: {exc}")
+    if meanwhile is not None:
+        meanwhile()
+    if err is not None:
+        raise err
+    return works

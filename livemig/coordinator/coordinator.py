@@ -32,7 +32,6 @@ from livemig.config import (
     Timeouts,
     exit_with_parent,
     outage_grace_s,
-    shrink_settings,
     stride_of,
 )
 from livemig.coordinator.checks import Checks
@@ -48,8 +47,8 @@ from livemig.coordinator.sharding import (
     lost_local_state,
     lost_shards,
     sharding_of,
-    zero1_layout,
 )
+from livemig.coordinator.shrink import ShrinkPolicy
 from livemig.coordinator.snapshot import Decoded, Snapshot, _num, _safe_decode, node_of
 from livemig.coordinator.store_host import StoreHost
 from livemig.coordinator.timeline import Timeline
@@ -111,7 +110,7 @@ class Coordinator:
         self._lease_dead: dict[tuple[int, str], float] = {}  # (generation, incarnation) -> lease first seen gone
         self._in_grace = False
         # --min-nproc / --shrink-wait: train on the survivors with no spare (runtime/virtual.py)
-        self.min_nproc, self.shrink_wait_s = shrink_settings(world_size)
+        self.shrink = ShrinkPolicy(world_size)
 
     def _lost(self, reason: str) -> None:
         log.error("lost leadership; stopping", extra={"reason": reason})
@@ -531,22 +530,19 @@ class Coordinator:
             waited = time.monotonic() - since
             missing = vacant[len(picks) :]
             wait_s = self.timeouts.spare_wait.total_seconds()
-            why = ""
-            if self.min_nproc < m.world_size:  # --min-nproc: the survivors carry the lost ranks
-                if mode == "fsdp2":
-                    why = f"shrinking a sharding={mode} job is not supported yet"
-                elif len(m.members) + len(picks) < self.min_nproc:
-                    why = f"{len(m.members)} survivor(s) are fewer than --min-nproc {self.min_nproc}"
-                elif waited <= self.shrink_wait_s:
-                    return None
-                elif picks:  # fewer spares than lost ranks: the spares take the lowest, the survivors carry the rest
-                    k = len(picks)
-                    return self._claim_for(s, vacant[:k], picks, resume, sources, carry=vacant[k:], mode=mode)
-                else:
-                    return self._shrink(s, vacant, resume, sources, mode)
-                if not self._since.get((m.generation, "no-shrink")):
-                    self._since[(m.generation, "no-shrink")] = time.monotonic()
-                    log.warning("cannot shrink", extra={"generation": m.generation, "why": why})
+            # --min-nproc: the survivors carry the lost ranks no spare is left for (coordinator/shrink.py)
+            d = self.shrink.decide(m, vacant, len(picks), mode, waited)
+            if d.action == "wait":
+                return None
+            if d.action == "shrink" and picks:  # the spares take the lowest ranks, the survivors carry the rest
+                k = len(picks)
+                return self._claim_for(s, vacant[:k], picks, resume, sources, carry=d.carry, mode=mode)
+            if d.action == "shrink":
+                return self._shrink(s, vacant, resume, sources, mode)
+            why = d.why
+            if why and not self._since.get((m.generation, "no-shrink")):
+                self._since[(m.generation, "no-shrink")] = time.monotonic()
+                log.warning("cannot shrink", extra={"generation": m.generation, "why": why})
             if self.cold.dir and (not self._any_spare(s) or waited > wait_s):
                 # No spare is coming: the agents start a fresh process for each lost rank, which
                 # joins as a spare would (state streamed from the survivors, nothing redone).
@@ -567,8 +563,7 @@ class Coordinator:
         m = s.m
         if not self._any_spare(s) or not self._pick_spares(s, 1):
             return False
-        v = min(m.carried)
-        carried = {r: c for r, c in m.carried.items() if r != v}
+        v, carried = self.shrink.grow(m)
         grow = self.timeline.op(m.generation + 1, "grow", rank=v, carrier=m.carried[v])
         self._fence(s, [], more=[grow], reason=f"grow: a warm spare takes back rank {v} from rank {m.carried[v]}",
                     carried=carried, kind="grow")  # fmt: skip
@@ -593,19 +588,7 @@ class Coordinator:
                         extra={"generation": m.generation, "carried": carried, "physical": len(m.members)})  # fmt: skip
 
     def _carriers(self, s: Snapshot, vacant: list[int], mode: str) -> dict[int, int]:
-        """The carried map after `vacant` is carried: each by its buddy (rank + stride, its local
-        state's mirror), with ZeRO-1 by the holder of its shard's mirror, else the next survivor;
-        the ranks already carried keep a live carrier."""
-        m = s.m
-        n, stride = m.world_size, self._stride(s)
-        carried = {v: c for v, c in m.carried.items() if c in m.members}
-        layout = zero1_layout(n, m.carried, stride) if mode == "zero1" else {}
-        for v in vacant:
-            c = layout[v][1] if v in layout and layout[v][1] in m.members else (v + stride) % n
-            while c not in m.members:
-                c = (c + 1) % n
-            carried[v] = c
-        return carried
+        return self.shrink.carriers(s.m, vacant, self._stride(s), mode)
 
     def _shrink_op(self, m: Membership, ranks: list[int], carried: dict[int, int], physical: int,
                    resume: int) -> Any:  # fmt: skip

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from livemig.comm.reducer import GradReducer
 from livemig.comm.zero1 import Zero1, shard_pieces
 from livemig.coordinator.sharding import lost_shards, sharding_of, zero1_layout
-from livemig.errors import ConfigError
+from livemig.errors import ConfigError, RecoveryError
 
 T = timedelta(seconds=20)
 
@@ -97,6 +97,76 @@ def test_sharded_update_equals_plain_adamw_and_mirror_is_exact(scatter):
         for k in sa:
             for name in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(sa[k][name], sb[k][name]), f"mirror of shard {r} drifted in {name}"
+
+
+def run_shrunk(rank: int, store: dist.Store, steps: int, m: torch.nn.Module, out: dict) -> None:
+    """Physical rank `rank` of 2 in a 3-rank job whose rank 2 is carried by 0: the carrier owns
+    shard 2 (it mirrored it) and takes shard 1's mirror, rank 1 takes shard 2's (zero1_layout)."""
+    from livemig.comm.group import allreduce_sum
+    from livemig.comm.zero1 import ShardState
+
+    world, carried = 3, {2: 0}
+    opt, params = optimizer(m), list(m.parameters())
+    red = GradReducer(params, shard_world=world, scatter=False, world=world)
+    z = Zero1(red, params, opt, rank, world)
+    assert sorted(z.shards) == sorted([rank, (rank - 1) % world])
+    need = z.stage(carried)
+    for s in need:  # at step 0 every holder's copy is the initial one: cut it here
+        z.adopt(s, ShardState(red, z.group_of, opt, s).state())
+    z.switch(carried)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("s", store), rank, 2, T)
+    for step in range(steps):
+        for v in [v for v in (0, 1, 2) if carried.get(v, v) == rank]:  # this process's bodies
+            grads(m, v, step)
+        flats = red.flatten(world)
+        allreduce_sum(pg, flats, T, lambda: False)
+        held = z.slices_shrunk(flats)
+        z.barrier(pg, T, lambda: False)
+        z.update(held, part="owned")
+        z.gather(pg, T, lambda: False, meanwhile=lambda held=held: z.update(held, part="mirrored"))
+        for p in params:
+            p.grad = None
+    out[rank] = (m, z, need)
+
+
+def test_a_shrunk_layout_steps_every_shard_once_and_mirrors_it_on_the_other_process():
+    """2 processes run the 3 ranks of the full-width run (test above): the parameters equal it
+    within rounding (the carrier sums two gradients before the all-reduce), and every shard has
+    an exact mirror on the process that does not own it."""
+    store, out, steps = dist.HashStore(), {}, 5
+    models = [model() for _ in range(2)]
+    threads = [threading.Thread(target=run_shrunk, args=(r, store, steps, models[r], out)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(out) == {0, 1}
+    assert out[0][2] == [1] and out[1][2] == [2]  # the mirrors the new layout moved
+    assert out[0][1].owned() == [0, 2] and out[1][1].mirrored() == [0, 2]
+    ref = model()
+    opt = optimizer(ref, foreach=True)
+    for step in range(steps):
+        acc = [torch.zeros_like(p) for p in ref.parameters()]
+        for r in range(3):
+            ref.zero_grad()
+            grads(ref, r, step)
+            for a, p in zip(acc, ref.parameters(), strict=True):
+                a.add_(p.grad / 3)
+        for a, p in zip(acc, ref.parameters(), strict=True):
+            p.grad = a
+        opt.step()
+    for r in range(2):
+        for p, q in zip(out[r][0].parameters(), ref.parameters(), strict=True):
+            assert torch.allclose(p, q, rtol=0, atol=1e-6), f"process {r}: shrunk parameters off the full run's"
+        assert all(torch.equal(a, b) for a, b in zip(out[0][0].parameters(), out[r][0].parameters(), strict=True))
+    for s in range(3):
+        owner, mirror = (0, 1) if s != 1 else (1, 0)
+        a, b = out[owner][1].shards[s], out[mirror][1].shards[s]
+        assert all(torch.equal(x, y) for x, y in zip(a.values, b.values, strict=True)), f"shard {s}'s mirror"
+    out[0][1].switch({})  # back to full width: rank 0 keeps its shard and the mirror of 2, drops 1
+    assert sorted(out[0][1].shards) == [0, 2]
+    with pytest.raises(RecoveryError, match=r"holds no copy of optimizer shard\(s\) \[1\]"):
+        out[0][1].switch({2: 0})  # shard 1's mirror was dropped and nothing was staged for it
 
 
 def test_pieces_cover_every_element_once_and_split_at_param_groups():

@@ -482,7 +482,10 @@ class Launcher:
             elif why := self.watch.cannot_form(by_key):
                 result = {"state": "failed", "reason": why, "time": time.time()}
                 t = self.client.txn_ops  # every agent of the run ends on it (the coordinator writes none)
-                self.client.txn([t.version(self.keys.result) == 0], [t.put(self.keys.result, encode(result))])
+                ok, _ = self.client.txn([t.version(self.keys.result) == 0], [t.put(self.keys.result, encode(result))])
+                raw = None if ok else self.client.get(self.keys.result)
+                if raw is not None:  # the coordinator said it first (the worker reported its error): its words
+                    result = conform(raw.value, {"state": (str,)}) or result
                 break
             wake.wait(self.children, FINE_TICK_S if self.faults.busy() else IDLE_TICK_S)
         else:

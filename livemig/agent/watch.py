@@ -130,7 +130,9 @@ class ChildWatch:
                 return (f"{c.name} returned before the job formed: its training function ended without "
                         "running `for step in ctx.steps(n)` (is the @livemig.elastic function called?)")  # fmt: skip
             why = f"signal {-code}" if code < 0 else f"exit code {code}"
-            return f"{c.name} exited ({why}) before the job formed: the script fails before it trains ({c.log_path})"
+            last = _last_error(c.log_path)
+            return (f"{c.name} exited ({why}) before the job formed: the script fails before it trains"
+                    f"{': ' + last if last else ''} ({c.log_path})")  # fmt: skip
         return ""
 
     def kill_fenced(self, by_key: dict) -> None:
@@ -183,3 +185,18 @@ class ChildWatch:
             rate_s = f"  {rate:.2f} steps/s" if rate is not None else ""
             self.agent.say(f"step {low + 1:>6}{loss_s}{rate_s}  generation {gen}")
             self._last_print, self._t_print = low, now
+
+
+def _last_error(path: str) -> str:
+    """The line of a child's log that says what failed (livemig's "error:" line, else the last
+    line of a traceback), so the run's one line names the cause, not only the log."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            lines = [x.strip() for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    mine = [x for x in lines if x.startswith("livemig: error:")]
+    line = mine[-1][len("livemig: error:") :].strip() if mine else (lines[-1] if lines else "")
+    return line[:300]

@@ -27,8 +27,14 @@ SCHEMA = 1  # the version of the record's fields
 LOST_PHASES = ("detect", "fence")
 
 
+HOLD_S = 1.0  # an event is written once this much older than now: stamps of other processes arrive late
+
+
 class EventLog:
-    """Writes each event once, in time order, as the agent's watch brings it."""
+    """Writes each event once, in time order, as the agent's watch brings it. Events carry the
+    stamps of the processes they come from (a spare's warm_at, a suspect's detection) and can
+    reach this agent after a later one: each waits HOLD_S before it is written, in order with
+    whatever arrived meanwhile; the job's end writes the rest."""
 
     def __init__(self, path: str | None, job: str, keys: JobKeys) -> None:
         self.job, self.keys = job, keys
@@ -38,6 +44,7 @@ class EventLog:
         self._tables: dict[int, Membership] = {}  # generation -> the last table of it seen
         self._ended = False
         self._mark = -1  # the newest mod revision of the keys events come from, at the last emit
+        self._held: list[dict[str, Any]] = []  # read, not yet written (HOLD_S)
 
     def emit(self, by_key: dict[str, KV]) -> int:
         """Write the events not written yet; returns how many. Nothing is decoded when none of
@@ -47,7 +54,7 @@ class EventLog:
                     or key.startswith(k.spares_prefix) or key in (k.result, k.timeline_archive, k.membership)),
                    default=0)  # fmt: skip
         if mark == self._mark:
-            return 0
+            return self._write()
         self._mark = mark
         raw = by_key.get(self.keys.membership)
         m = Membership.from_bytes(raw.value if raw else None)
@@ -75,14 +82,25 @@ class EventLog:
                 new.append({"schema": SCHEMA, "job": self.job, "event": "job_state", "state": r["state"],
                             "reason": r.get("reason", ""), "time": r.get("time", time.time()),
                             "generation": m.generation, "rank": None, "host": None, "incarnation": None})  # fmt: skip
-        for rec in sorted(new, key=lambda r: r["time"]):
+        self._held += new
+        return self._write(everything=self._ended)
+
+    def _write(self, everything: bool = False) -> int:
+        """The held events older than HOLD_S (all of them at the job's end), in time order."""
+        if not self._held:
+            return 0
+        cut = float("inf") if everything else time.time() - HOLD_S
+        self._held.sort(key=lambda r: r["time"])
+        out = [r for r in self._held if r["time"] <= cut]
+        self._held = self._held[len(out) :]
+        for rec in out:
             line = json.dumps(rec, sort_keys=True, separators=(",", ":"))
             if self._out is not None:
                 self._out.write(line + "\n")
             log.info("event", extra={"event": line})
-        if new and self._out is not None:
+        if out and self._out is not None:
             self._out.flush()
-        return len(new)
+        return len(out)
 
     def record(self, ev: dict[str, Any], m: Membership) -> dict[str, Any]:
         """A timeline event with the member it concerns: the rank it names (or the first of
@@ -107,6 +125,7 @@ class EventLog:
                 "incarnation": mem.incarnation if mem else None, **details}  # fmt: skip
 
     def close(self) -> None:
+        self._write(everything=True)
         if self._out is not None:
             self._out.close()
             self._out = None

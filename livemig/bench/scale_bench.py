@@ -36,10 +36,15 @@ SIG = [["w", "float32", [4]]]
 BATCH = 60  # puts per transaction (etcd's default limit is 128 ops)
 
 
-def _put_many(client: EtcdClient, items: list[tuple[str, bytes]], lease: int | None = None) -> None:
-    t = client.txn_ops
+def _put_many(client: EtcdClient, items: list[tuple[str, bytes]], lease: int | None = None) -> float:
+    """Write `items` in batches; returns the time just before the last batch went out: the
+    coordinator can act on the writes from then on, maybe before this call returns (a phase
+    timed from the return came out negative on a loaded host)."""
+    t, last = client.txn_ops, time.time()
     for i in range(0, len(items), BATCH):
+        last = time.time()
         client.txn([], [t.put(k, v, lease) for k, v in items[i : i + BATCH]])
+    return last
 
 
 def _wait(client: EtcdClient, keys: JobKeys, pred: Any, coord: subprocess.Popen | None = None,
@@ -192,16 +197,15 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, 
             ],
         )
         m, t_fenced = _wait(client, keys, lambda m: m.generation == 2, coord)
-        _put_many(client, [(keys.report(2, r), encode({"incarnation": inc[r], "committed": 10, "avg_step": 10}))
-                           for r in range(n - 1)])  # fmt: skip
-        t_reported = time.time()
+        t_reported = _put_many(client, [(keys.report(2, r), encode({"incarnation": inc[r], "committed": 10,
+                                                                    "avg_step": 10}))
+                                        for r in range(n - 1)])  # fmt: skip
         m, t_claimed = _wait(client, keys, lambda m: m.state == GenState.BUILDING, coord)
         ready = [(keys.ready(2, r), encode({"incarnation": m.members[r].incarnation, "time": time.time()}))
                  for r in range(n)]  # fmt: skip
         client.put(keys.member(victim), encode({"incarnation": spare_inc, "host": "sim", "pid": 0, "rank": victim,
                                                 "addr": "tcp://sim:0", "state": "running"}), lease)  # fmt: skip
-        _put_many(client, ready)
-        t_ready = time.time()
+        t_ready = _put_many(client, ready)
         m, t_commit = _wait(client, keys, lambda m: m.state == GenState.COMMITTED and m.generation == 2, coord)
         table_bytes = len(client.get(keys.membership).value)
         delivery: dict[str, Any] = {}

@@ -302,38 +302,82 @@ def _abandon() -> None:
     _waiters.waiter = None
 
 
-def wait_all(works: list[Any], timeout: timedelta, should_abort: Callable[[], bool] | None = None) -> None:
-    """Wait for gloo works without spinning: the waiter thread blocks in `wait()` (GIL
-    released), the caller sleeps on an Event and wakes every 50 ms only to check
-    `should_abort` and the watchdog deadline. Works already completed are waited inline, with
-    no hand-off (two thread wake-ups, on a loaded host milliseconds each): FSDP2 waits on
-    dozens of collectives a step, its prefetched all-gathers often done. gloo's timed
-    `wait(t)` is not used to slice the wait in the caller's thread: when it runs out under
-    FSDP2's collectives gloo closes the pairs ("Application timeout caused pair closure")."""
-    if all(w.is_completed() for w in works):
-        try:
-            for w in works:
-                w.wait()  # returns at once, or raises what the collective failed with
-        except Exception as exc:  # noqa: BLE001 - reported as every failed collective is
-            first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-            raise CollectiveAborted(f"collective failed: {first}") from exc
-        return
+# How a wait looks at its works: every POLL_S[i][1] seconds once it has waited POLL_S[i][0],
+# short first (most collectives of a step finish within milliseconds); a wait still pending
+# after HANDOFF_S (a slow peer, a hang) is handed to the waiter thread, which blocks in
+# wait() and costs no CPU however long it takes. Why poll: a thread blocked in gloo's wait()
+# is woken by gloo's thread from another CPU, and that cross-CPU wake-up made a loop of
+# small all-reduces 1.8x slower than polling every 100-200 us here (2 gloo ranks on 2 vCPUs,
+# 8 all-reduces of 256 KiB with a matmul between: 19.3 ms blocked in wait(), 10.6 polling;
+# the hand-off to a waiter thread 16.3); under FSDP2's ~20 collectives a step it was most of
+# livemig's step-time overhead against torch FSDP2 (docs/benchmarks.md).
+POLL_S = ((0.0, 1e-4), (0.02, 5e-4))
+HANDOFF_S = 0.5
+CHECK_S = 0.05  # the abort check and the watchdog deadline: this often
+
+
+def wait_all(works: list[Any], timeout: timedelta, should_abort: Callable[[], bool] | None = None,
+             poll: bool = True) -> None:  # fmt: skip
+    """Wait for the works without spinning: polled from the calling thread (the GIL released
+    in each short sleep) while the wait is short, then handed to the waiter thread; either
+    way woken every CHECK_S to check `should_abort` and the watchdog deadline. Works already
+    completed are waited inline. poll=False: works that only run inside their wait() (gloo's
+    reduce-scatter and send/recv report is_completed() False until then) go to the waiter at
+    once; a work like that polled by mistake costs HANDOFF_S, never a hang. gloo's timed
+    `wait(t)` is not used to slice the wait: when it runs out under FSDP2's collectives gloo
+    closes the pairs ("Application timeout caused pair closure")."""
+    start = time.monotonic()
+    deadline, check_at = start + timeout.total_seconds(), start + CHECK_S
+    pending = [w for w in works if not w.is_completed()] if poll else list(works)
+    handoff = start + (HANDOFF_S if poll else 0.0)
+    while pending:
+        now = time.monotonic()
+        if now >= handoff:
+            _wait_in_waiter(works, deadline, timeout, should_abort)
+            return
+        if now >= check_at:
+            check_at = now + CHECK_S
+            _check(should_abort, now, deadline, timeout)
+        waited = now - start
+        time.sleep(next(every for after, every in reversed(POLL_S) if waited >= after))
+        pending = [w for w in pending if not w.is_completed()]
+    _finish(works)
+
+
+def _check(should_abort: Callable[[], bool] | None, now: float, deadline: float, timeout: timedelta) -> None:
+    if should_abort is not None and should_abort():
+        raise CollectiveAborted("collective abandoned: generation moved on")
+    if now > deadline:
+        raise CollectiveAborted(f"collective timed out after {timeout} (watchdog)")
+
+
+def _finish(works: list[Any]) -> None:
+    """wait() on completed works: returns at once, or raises what the collective failed with."""
+    try:
+        for w in works:
+            w.wait()
+    except Exception as exc:  # noqa: BLE001 - reported as every failed collective is
+        raise CollectiveAborted(f"collective failed: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+
+
+def _wait_in_waiter(works: list[Any], deadline: float, timeout: timedelta,
+                    should_abort: Callable[[], bool] | None) -> None:  # fmt: skip
+    """The waiter thread blocks in wait() (GIL released); the caller sleeps on an Event."""
     done = threading.Event()
     box: dict[str, BaseException] = {}
     _the_waiter().jobs.put((works, done, box))
-    deadline = time.monotonic() + timeout.total_seconds()
-    while not done.wait(0.05):
-        why = ""
-        if should_abort is not None and should_abort():
-            why = "collective abandoned: generation moved on"
-        elif time.monotonic() > deadline:
-            why = f"collective timed out after {timeout} (watchdog)"
-        if why:
+    while not done.wait(CHECK_S):
+        try:
+            _check(should_abort, time.monotonic(), deadline, timeout)
+        except CollectiveAborted:
             _abandon()
-            raise CollectiveAborted(why)
+            raise
     if "err" in box:
-        first = str(box["err"]).splitlines()[0][:200] if str(box["err"]) else type(box["err"]).__name__
-        raise CollectiveAborted(f"collective failed: {first}") from box["err"]
+        raise CollectiveAborted(f"collective failed: {_first_line(box['err'])}") from box["err"]
 
 
 def broadcast_tensors(
@@ -387,5 +431,5 @@ def ring_exchange(
             works = [pg.send([out], right, tag), pg.recv([dst], left, tag)]
         except Exception as exc:  # noqa: BLE001
             raise CollectiveAborted(f"collective failed at launch: {str(exc).splitlines()[0][:200]}") from exc
-        wait_all(works, timeout, should_abort)
+        wait_all(works, timeout, should_abort, poll=False)  # send/recv run in wait()
     return buf

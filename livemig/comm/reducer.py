@@ -216,7 +216,7 @@ class GradReducer:
                 ctl = [self._pg.allreduce([control])] if control is not None else []
             except Exception as exc:  # noqa: BLE001 - a broken group
                 raise CollectiveAborted(f"collective failed at launch: {exc}") from exc
-            wait_all(self._works + ctl, timeout, should_abort)
+            wait_all(self._works + ctl, timeout, should_abort, poll=not self.scatter)  # reduce-scatter runs in wait()
             flats = self._outs if self.scatter else self._flats
         if control is not None:
             control.div_(world)
@@ -247,7 +247,7 @@ class GradReducer:
             raise CollectiveAborted("no process group: this member is between generations")
         outs = self._alloc(self.shard_sizes)
         works = [pg.reduce_scatter([o], [list(f.chunk(self.shard_world))]) for o, f in zip(outs, flats, strict=True)]
-        wait_all(works, timeout, should_abort)
+        wait_all(works, timeout, should_abort, poll=False)  # a reduce-scatter runs in wait()
         return outs
 
     def write_back(self, flats: list[torch.Tensor], views: bool = False) -> None:

@@ -100,9 +100,10 @@ def set_guard(should_abort: Callable[[], bool] | None, timeout: timedelta,
 class _GuardedWork(dist._Work):
     """An inner backend's work whose wait ends early when the generation moves on."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, poll: bool) -> None:
         super().__init__()
         self.inner = inner
+        self.poll = poll  # False: the work runs only inside its wait() (gloo's reduce-scatter)
 
     def wait(self, timeout: Any = None) -> bool:
         from livemig.comm.group import CollectiveAborted, wait_all
@@ -112,7 +113,7 @@ class _GuardedWork(dist._Work):
         if told is not None:
             told(True)
         try:
-            wait_all([self.inner], GUARD.timeout, GUARD.should_abort)
+            wait_all([self.inner], GUARD.timeout, GUARD.should_abort, poll=self.poll)
         except CollectiveAborted as exc:
             GUARD.fail(str(exc))
         finally:
@@ -138,6 +139,8 @@ class _Unformed:
 
 
 def _run(kind: str, inner_call: Callable[[], Any]) -> _GuardedWork:
+    """Submit through the guard; a reduce-scatter's work is waited without polling (on gloo
+    it runs only inside its wait(): comm/group.py wait_all)."""
     GUARD.check()
     if GUARD.before is not None:
         GUARD.before(GUARD.kind or kind)
@@ -147,7 +150,7 @@ def _run(kind: str, inner_call: Callable[[], Any]) -> _GuardedWork:
         raise
     except Exception as exc:  # noqa: BLE001 - a broken pair raises at submission too
         GUARD.fail(f"collective failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}")
-    return _GuardedWork(work)
+    return _GuardedWork(work, poll=kind != "fsdp_reduce_scatter")
 
 
 class SwappableGroup(dist.ProcessGroup):

@@ -322,7 +322,7 @@ class Zero1:
         for b, (g, r) in enumerate(zip(own, got, strict=True)):
             works.append(pg.send([g], nxt, b))
             works.append(pg.recv([r], prv, b))
-        wait_all(works, timeout, abort)
+        wait_all(works, timeout, abort, poll=False)  # send/recv run in wait()
         return got
 
     @staticmethod

@@ -289,3 +289,61 @@ def test_buckets_of_an_abandoned_collective_are_never_reused():
     finally:
         woke.set()
         t.join(60)
+
+
+def test_waits_on_real_gloo_poll_short_collectives_and_hand_lazy_ones_to_the_waiter():
+    """group.wait_all on a real 2-rank gloo group (threads): an all-reduce is polled from the
+    caller's thread (no waiter thread is started for it); send/recv, which gloo runs only
+    inside wait() (pinned here: is_completed() stays False until then), complete through the
+    waiter with poll=False at once, and polled by mistake after HANDOFF_S, never a hang; the
+    abort check works while polling (a peer that never joins)."""
+    import time
+
+    import pytest
+
+    from livemig.comm import group
+    from livemig.comm.group import HANDOFF_S, CollectiveAborted, wait_all
+
+    store = dist.HashStore()
+    out: dict = {}
+    go = threading.Barrier(2)
+
+    def rank(r: int) -> None:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), r, 2, T)
+        t = torch.full((1024,), float(r + 1))
+        if r == 1:
+            time.sleep(0.05)  # rank 0 waits: not completed at its first look
+        wait_all([pg.allreduce([t])], T)
+        out[f"sum{r}"] = float(t[0])
+        out[f"waiter{r}"] = getattr(group._waiters, "waiter", None)
+        peer, buf = 1 - r, torch.zeros(4)
+        go.wait()
+        works = [pg.send([torch.full((4,), float(r))], peer, 1), pg.recv([buf], peer, 1)]
+        time.sleep(0.2)
+        out[f"lazy{r}"] = any(w.is_completed() for w in works)  # gloo: runs only in wait()
+        t0 = time.monotonic()
+        wait_all(works, T, poll=False)
+        out[f"quick{r}"] = time.monotonic() - t0
+        out[f"got{r}"] = float(buf[0])
+        go.wait()
+        t0 = time.monotonic()
+        wait_all([pg.send([torch.ones(4)], peer, 2), pg.recv([buf], peer, 2)], T)  # polled by mistake
+        out[f"mistaken{r}"] = time.monotonic() - t0
+        go.wait()
+        if r == 0:  # rank 1 never joins this one
+            t0 = time.monotonic()
+            with pytest.raises(CollectiveAborted, match="generation moved on"):
+                wait_all([pg.allreduce([t])], T, should_abort=lambda: time.monotonic() - t0 > 0.1)
+            out["aborted_after"] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert out.get("sum0") == out.get("sum1") == 3.0
+    assert out["waiter0"] is None and out["waiter1"] is None  # polled: no hand-off
+    assert out["lazy0"] is False and out["lazy1"] is False
+    assert out["got0"] == 1.0 and out["got1"] == 0.0 and out["quick0"] < HANDOFF_S
+    assert HANDOFF_S * 0.9 <= out["mistaken0"] < HANDOFF_S + 5
+    assert 0.1 <= out["aborted_after"] < HANDOFF_S

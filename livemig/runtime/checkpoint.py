@@ -239,7 +239,8 @@ class Checkpointer:
             s = self.settings
             assert s is not None
             try:
-                for rank, sd in parts:
+                meta = {"signature": signature_hash(h.signature()), "job": os.environ.get("LIVEMIG_JOB", "")}
+                for rank, sd in parts:  # one, or the ranks a shrunk job's carrier holds
                     part = layout.part_dir(s.dir, step, rank)
                     os.makedirs(part, exist_ok=True)
                     writer = dcp.FileSystemWriter(part, single_file_per_rank=True, sync_files=True)
@@ -249,7 +250,6 @@ class Checkpointer:
                     h._faults.during_checkpoint(step)  # the plan's kill:...:during=checkpoint lands here
                     layout.fsync_dir(part)
                     layout.mark_done(s.dir, step, rank, {"world": h.world_size})
-                    meta = {"signature": signature_hash(h.signature()), "job": os.environ.get("LIVEMIG_JOB", "")}
                     if layout.publish_if_complete(s.dir, step, h.world_size, meta, s.keep):
                         log.info("checkpoint complete", extra={"step": step, "dir": layout.step_dir(s.dir, step)})
                 rec[3], rec[4] = round(time.monotonic() - t0, 6), True

@@ -574,18 +574,7 @@ class Coordinator:
         lost rank is carried by its buddy (rank + stride, the holder of its local state's
         mirror) or, with no local state, by the next survivor; the world stays N. ZeRO-1:
         by the holder of its shard's mirror, which owns the shard from now on."""
-        m = s.m
-        carried = self._carriers(s, vacant, mode)
-        t = self.client.txn_ops
-        new = replace(m, state=GenState.BUILDING, kind="shrink", resume_step=resume, sources=sources,
-                      carried=carried, store=self.stores.for_generation(s, m.members), updated=time.time(),
-                      nonce=secrets.token_hex(8))  # fmt: skip
-        ops = [self._shrink_op(m, vacant, carried, len(m.members), resume)]
-        ok, _ = self.client.txn([self.rdzv.gen_is(m.generation), *self._guard()],
-                                [t.put(self.keys.membership, new.to_bytes()), *ops])  # fmt: skip
-        if ok:
-            log.warning("shrunk: the survivors carry the lost rank(s)",
-                        extra={"generation": m.generation, "carried": carried, "physical": len(m.members)})  # fmt: skip
+        self._claim_for(s, [], [], resume, sources, carry=vacant, mode=mode)
 
     def _carriers(self, s: Snapshot, vacant: list[int], mode: str) -> dict[int, int]:
         return self.shrink.carriers(s.m, vacant, self._stride(s), mode)
@@ -670,10 +659,14 @@ class Coordinator:
         if carry:
             new = replace(new, kind="shrink")
             ops.append(self._shrink_op(m, carry, carried, len(members), resume))
-        ops.append(self.timeline.op(m.generation, "claim", spares=[p[0] for p in picks], ranks=vacant))
+        if picks:
+            ops.append(self.timeline.op(m.generation, "claim", spares=[p[0] for p in picks], ranks=vacant))
         ok, _ = self.client.txn(compare, [t.put(self.keys.membership, new.to_bytes()), *ops])
-        if ok:
+        if ok and picks:
             log.info("claimed", extra={"generation": m.generation, "spares": [p[0] for p in picks]})
+        if ok and carry:
+            log.warning("shrunk: the survivors carry the lost rank(s)",
+                        extra={"generation": m.generation, "carried": carried, "physical": len(members)})  # fmt: skip
 
     # -- planned migration (docs/architecture.md, "Planned migration") ------------------------
     def _prune(self, s: Snapshot) -> None:

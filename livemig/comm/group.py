@@ -253,8 +253,9 @@ def allreduce_mean(
 
 
 class _Waiter(threading.Thread):
-    """A thread that blocks in gloo's `wait()` (GIL released) for every wait_all of one
-    calling thread, instead of a thread started per collective. One per calling thread, not
+    """A thread that blocks in gloo's `wait()` (GIL released) for the waits of one calling
+    thread that wait_all does not poll (long ones, and works that run only inside wait()),
+    instead of a thread started per collective. One per calling thread, not
     per process: waits of two threads (ranks sharing a process in tests, a side thread's
     collective) must not queue behind each other, since one may only finish after the
     other's caller goes on. A caller that gives up on a wait (timeout, generation moved on)
@@ -357,10 +358,11 @@ def _finish(works: list[Any]) -> None:
         for w in works:
             w.wait()
     except Exception as exc:  # noqa: BLE001 - reported as every failed collective is
-        raise CollectiveAborted(f"collective failed: {_first_line(exc)}") from exc
+        raise CollectiveAborted(f"collective failed: {first_line(exc)}") from exc
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """What a failed collective says, in one line a log or the run's error can carry."""
     return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
 
 
@@ -377,7 +379,7 @@ def _wait_in_waiter(works: list[Any], deadline: float, timeout: timedelta,
             _abandon()
             raise
     if "err" in box:
-        raise CollectiveAborted(f"collective failed: {_first_line(box['err'])}") from box["err"]
+        raise CollectiveAborted(f"collective failed: {first_line(box['err'])}") from box["err"]
 
 
 def broadcast_tensors(
@@ -398,7 +400,7 @@ def broadcast_tensors(
     try:
         works = [pg.broadcast([flat], opts) for _, flat in flats]
     except Exception as exc:  # noqa: BLE001 - a broken group refuses at launch
-        raise CollectiveAborted(f"collective failed at launch: {str(exc).splitlines()[0][:200]}") from exc
+        raise CollectiveAborted(f"collective failed at launch: {first_line(exc)}") from exc
     wait_all(works, timeout, should_abort)
     with torch.no_grad():
         for ts, flat in flats:
@@ -430,6 +432,6 @@ def ring_exchange(
         try:  # a broken group refuses at launch
             works = [pg.send([out], right, tag), pg.recv([dst], left, tag)]
         except Exception as exc:  # noqa: BLE001
-            raise CollectiveAborted(f"collective failed at launch: {str(exc).splitlines()[0][:200]}") from exc
+            raise CollectiveAborted(f"collective failed at launch: {first_line(exc)}") from exc
         wait_all(works, timeout, should_abort, poll=False)  # send/recv run in wait()
     return buf

@@ -149,7 +149,9 @@ def _run(kind: str, inner_call: Callable[[], Any]) -> _GuardedWork:
     except StepAborted:
         raise
     except Exception as exc:  # noqa: BLE001 - a broken pair raises at submission too
-        GUARD.fail(f"collective failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}")
+        from livemig.comm.group import first_line
+
+        GUARD.fail(f"collective failed: {first_line(exc)}")
     return _GuardedWork(work, poll=kind != "fsdp_reduce_scatter")
 
 

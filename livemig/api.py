@@ -34,7 +34,6 @@ from livemig.config import (
     ENV_ROLE,
     ENV_SPARE_ID,
     ENV_WORLD_SIZE,
-    ENV_ZERO1_MIRROR,
     Role,
     Timeouts,
     exit_with_parent,
@@ -54,14 +53,14 @@ from livemig.runtime.registry import Registry
 from livemig.runtime.self_faults import SelfFaults
 from livemig.runtime.standby import Standby
 from livemig.runtime.step_state import StepState
+from livemig.runtime.strategies import Replicated, Strategy, new_reducer, pick
 from livemig.runtime.virtual import VirtualRanks
-from livemig.runtime.zero1_step import Zero1Steps
 from livemig.sandbox.warmup import Sandbox
 
 log = logging.getLogger("livemig.api")
 
 
-class Engine(StepLoop, Zero1Steps, StatePull):
+class Engine(StepLoop, StatePull):
     """The member behind a `Context`: the step protocol (the runtime/ mixins, over the state set
     here) and its collaborators. MemberRuntime calls it back through runtime.member.Callbacks."""
 
@@ -77,15 +76,15 @@ class Engine(StepLoop, Zero1Steps, StatePull):
         self.rank = int(os.environ.get(ENV_RANK, "0"))
         self.world_size = int(os.environ.get(ENV_WORLD_SIZE, "1"))
         self.spare_id = os.environ.get(ENV_SPARE_ID, "")
-        self._joining: _Activate | None = None
-        self._standby = Standby(self)  # a spare's standby; every member's final record (runtime/standby.py)
-        self._sandbox = Sandbox(self)  # a spare's warm-up against a group of one (sandbox/warmup.py)
+        self.joining: _Activate | None = None
+        self.standby = Standby(self)  # a spare's standby; every member's final record (runtime/standby.py)
+        self.sandbox = Sandbox(self)  # a spare's warm-up against a group of one (sandbox/warmup.py)
         self._batches = Batches(self)  # ctx.batches (runtime/batches.py)
-        self._fsdp = Fsdp2(self)  # the device mesh and FSDP2's step and recovery (runtime/fsdp2.py)
-        self._no_grad_said = False  # ctx.step() with no backward: said once (loop._check_backward)
+        self.fsdp2 = Fsdp2(self)  # the device mesh and FSDP2's step and recovery (runtime/fsdp2.py)
+        self._no_grad_said = False  # ctx.step() with no backward: said once (loop.check_backward)
         self._reset_user_state()
-        self._faults = SelfFaults(self)  # test faults and the fault plan's gate (runtime/self_faults.py)
-        self._ckpt = Checkpointer(self)  # background checkpoints, --resume-from (runtime/checkpoint.py)
+        self.faults = SelfFaults(self)  # test faults and the fault plan's gate (runtime/self_faults.py)
+        self.ckpt = Checkpointer(self)  # background checkpoints, --resume-from (runtime/checkpoint.py)
         if self.role != Role.LOCAL:
             from livemig.runtime.member import MemberRuntime
 
@@ -93,23 +92,23 @@ class Engine(StepLoop, Zero1Steps, StatePull):
             self.runtime = MemberRuntime(self.incarnation, self.timeouts)
 
     def _reset_user_state(self) -> None:
-        if getattr(self, "_reducer", None) is not None:
-            self._reducer.remove()
+        if getattr(self, "reducer", None) is not None:
+            self.reducer.remove()
         self.reg = Registry()
-        self._reducer: GradReducer | None = None
-        self._gathered_gen: int | None = None  # zero1: generation whose group last gathered the parameters
+        self.reducer: GradReducer | None = None
+        self.strategy: Strategy = Replicated(self)  # the kind of parallelism; ctx.register() picks it
         self.committed = -1  # last step whose optimizer update is applied here
-        self._current: int | None = None  # step being run (between yield and ctx.step())
-        self._st = StepState()  # the step protocol's records between steps (runtime/step_state.py)
+        self.current: int | None = None  # step being run (between yield and ctx.step())
+        self.st = StepState()  # the step protocol's records between steps (runtime/step_state.py)
         self._last_metrics: dict[str, float] = {}
         self._total = 0
-        self._loaded_step: int | None = None
-        self._stream_info: dict[str, Any] = {}
-        self._migration = Migration(self)  # planned migration, both sides (runtime/migration.py)
-        self._step_t0 = 0.0
-        self._scaler: Any = None  # the GradScaler of the ctx.step() in progress
-        self._grad_views = os.environ.get(ENV_GRAD_VIEWS, "1") != "0"  # runtime/loop.py, _views_safe
-        self._virtual = VirtualRanks(self)  # the lost ranks this one runs in a shrunk job (runtime/virtual.py)
+        self.loaded_step: int | None = None
+        self.stream_info: dict[str, Any] = {}
+        self.migration = Migration(self)  # planned migration, both sides (runtime/migration.py)
+        self.step_t0 = 0.0
+        self.scaler: Any = None  # the GradScaler of the ctx.step() in progress
+        self.grad_views = os.environ.get(ENV_GRAD_VIEWS, "1") != "0"  # runtime/loop.py, _views_safe
+        self.virtual = VirtualRanks(self)  # the lost ranks this one runs in a shrunk job (runtime/virtual.py)
 
     # -- the registered state (runtime/registry.py) ------------------------------------------
     @property
@@ -125,19 +124,15 @@ class Engine(StepLoop, Zero1Steps, StatePull):
         return self.reg.extra
 
     @property
-    def _params(self) -> list[torch.nn.Parameter]:
+    def params(self) -> list[torch.nn.Parameter]:
         return self.reg.params
 
     @property
     def local(self) -> dict[str, Any]:
         return self.reg.local
 
-    @property
-    def _zero(self) -> Any:
-        return self.reg.zero
-
     def signature(self) -> list:
-        return self.reg.signature()
+        return self.reg.signature() + self.strategy.signature()
 
     def state_obj(self) -> dict[str, Any]:
         return self.reg.state_obj()
@@ -150,12 +145,13 @@ class Engine(StepLoop, Zero1Steps, StatePull):
         return self.runtime.gen if self.runtime else 0
 
     def write_final(self) -> None:  # a runtime.member.Callbacks entry: the record is the standby's
-        self._standby.write_final()
+        self.standby.write_final()
 
     # -- registration --------------------------------------------------------------------
     def register(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  sharding: str | None = None, mirror: bool | None = None,
-                 local: dict[str, Any] | None = None, sync_start: bool = True, **extra: Any) -> None:  # fmt: skip
+                 local: dict[str, Any] | None = None, sync_start: bool = True, strategy: type[Strategy] | None = None,
+                 **extra: Any) -> None:  # fmt: skip
         """Name what moves on migration: anything with state_dict/load_state_dict.
 
         Extras (`**extra`, e.g. scheduler=sched) are replicated: a spare takes them from any
@@ -166,48 +162,37 @@ class Engine(StepLoop, Zero1Steps, StatePull):
         DTensor parameters (runtime/fsdp2.py). Shards are mirrored on the next rank unless
         mirror=False, without which a lost shard cannot be recovered. At formation every
         rank takes rank 0's model and optimizer state, as DDP does, unless sync_start=False
-        (step 0 then checks the replicas are equal). What cannot stream is refused here.
+        (step 0 then checks the replicas are equal). `strategy=` a livemig.Strategy subclass
+        runs a kind of parallelism of the user's own (runtime/strategies/base.py). What cannot
+        stream is refused here.
         """
-        fsdp = self._fsdp.check_register(model, sharding, mirror)  # FSDP2: DTensor parameters
+        fsdp = self.fsdp2.check_register(model, sharding, mirror)  # FSDP2: DTensor parameters
         if sharding not in (None, "zero1"):
             raise ConfigError(f"ctx.register(sharding={sharding!r}): expected None or 'zero1'")
         if sharding and optimizer is None:
             raise ConfigError("ctx.register(sharding='zero1') needs the optimizer whose state it shards")
         self.reg.set(model, optimizer, extra, local)
         self.reg.sync_start = bool(sync_start)
-        self._fsdp.registered(fsdp)
-        if self._reducer is not None:
-            self._reducer.remove()
-        self._reducer, self.reg.zero = None, None
-        if not self._params or self.role == Role.LOCAL or fsdp:
-            return  # a local process: plain optimizer steps; FSDP2 reduces the gradients itself
-        zero = sharding == "zero1"
-        scatter = False
-        if zero:
-            from livemig.comm.zero1 import reduce_mode
-
-            scatter = reduce_mode(self.runtime.backend if self.runtime else "gloo") == "reduce_scatter"
-        self._reducer = GradReducer(self._params, shard_world=self.world_size if zero else 0, scatter=scatter,
-                                    world=self.world_size)  # fmt: skip
-        if zero:
-            from livemig.comm.zero1 import Zero1
-
-            if mirror is None:
-                mirror = os.environ.get(ENV_ZERO1_MIRROR, "1") not in ("0", "false", "no")
-            self.reg.zero = Zero1(self._reducer, self._params, optimizer, self.rank, self.world_size, mirror)
+        self.fsdp2.registered(fsdp)
+        if self.reducer is not None:
+            self.reducer.remove()
+        self.reducer, self.reg.zero = None, None
+        if self.params and self.role != Role.LOCAL and not fsdp:  # FSDP2 reduces the gradients itself
+            self.reducer = new_reducer(self.params, self.world_size, sharding, self.runtime)
+        self.strategy = pick(self, fsdp=fsdp, sharding=sharding, mirror=mirror, custom=strategy)
 
     def init_device_mesh(self, device_type: str, mesh_shape: tuple[int, ...],
                          mesh_dim_names: tuple[str, ...] | None = None) -> Any:  # fmt: skip
         """torch's `init_device_mesh` over groups livemig owns, for `fully_shard(m, mesh=mesh)`:
         (shard,) is FSDP, (replicate, shard) HSDP; the same object across recoveries (runtime/fsdp2.py)."""
-        return self._fsdp.init_device_mesh(device_type, mesh_shape, mesh_dim_names)
+        return self.fsdp2.init_device_mesh(device_type, mesh_shape, mesh_dim_names)
 
     @property
     def warming_up(self) -> bool:
         """True while a spare runs its sandboxed warm-up iterations (as rank 0 of a world
         of one; nothing survives them): guard side effects with
         `if not ctx.warming_up and ctx.rank == 0:`."""
-        return self._sandbox.active
+        return self.sandbox.active
 
     def batches(self, loader: Any) -> Iterator[Any]:
         """Iterate `loader` from the step the loop runs at: call next() on the result
@@ -219,9 +204,9 @@ class Engine(StepLoop, Zero1Steps, StatePull):
         DIR --checkpoint-every N` (or `--checkpoint-interval SECONDS`) would; call it before
         ctx.steps(). The command line wins where it gives a directory; outside `livemig run`
         nothing is written (runtime/checkpoint.py)."""
-        if self._current is not None:
+        if self.current is not None:
             raise ConfigError("ctx.checkpoints(...) is called before ctx.steps(), not inside the loop")
-        self._ckpt.set_from_script(dir, every, interval, keep, local=self.role == Role.LOCAL)
+        self.ckpt.set_from_script(dir, every, interval, keep, local=self.role == Role.LOCAL)
 
     def log(self, **metrics: float) -> None:
         """Metrics shown in `livemig run`'s progress lines (e.g. loss=...); ignored
@@ -269,7 +254,7 @@ class Context:
     busy = _verb("busy")
     checkpoints = _verb("checkpoints")
     log = _verb("log")
-    rank = property(lambda self: self._engine._virtual.rank, doc="This process's rank; a shrunk job's carried one's.")
+    rank = property(lambda self: self._engine.virtual.rank, doc="This process's rank; a shrunk job's carried one's.")
     world_size = _read("world_size", "The number of ranks training.")
     generation = _read("generation", "The membership generation whose process group this process trains in.")
     role = _read("role", "worker, spare or local (a plain process outside `livemig run`).")
@@ -295,19 +280,19 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                 user = Context(ctx)
                 while True:  # a spare: standby -> claimed -> (an aborted migration: standby again)
                     try:
-                        if ctx._fsdp.pending:  # FSDP2: a collective failed inside the function
-                            raise ctx._fsdp.recover()
+                        if ctx.fsdp2.pending:  # FSDP2: a collective failed inside the function
+                            raise ctx.fsdp2.recover()
                         result = fn(user, *args, **kwargs)
                         # the final record, then the job's end; a cold restart ordered meanwhile
                         # (a rank lost in the last steps) enters the function again from here too
-                        ctx._standby.finish()
+                        ctx.standby.finish()
                         break
                     except _Activate as act:
-                        ctx._standby.activate(act)  # entered again: claimed, a cold restart, an FSDP2 redo
+                        ctx.standby.activate(act)  # entered again: claimed, a cold restart, an FSDP2 redo
                     except _Requeue:
-                        ctx._standby.requeue()
+                        ctx.standby.requeue()
                     except (StepAborted, Exception) as exc:
-                        if not ctx._fsdp.take(exc):  # FSDP2: a failed collective unwound the function
+                        if not ctx.fsdp2.take(exc):  # FSDP2: a failed collective unwound the function
                             raise
                 clean = True
                 fast_exit(ctx.role)

@@ -62,7 +62,7 @@ class Batches:
     def batches(self, loader: Any) -> Iterator[Any]:
         _check(loader)
         ctx = self._ctx
-        if ctx.role == Role.SPARE and ctx._joining is not None:
+        if ctx.role == Role.SPARE and ctx.joining is not None:
             warm = self._warm.get(_shape(loader))
             if warm is not None:
                 log.info("using the loader warmed up in standby", extra={"workers": warm.num_workers})
@@ -75,10 +75,10 @@ class Batches:
         ctx = self._ctx
         it, expect = None, None
         while True:
-            step = ctx._current
+            step = ctx.current
             if step is None:
                 raise ConfigError("next(ctx.batches(loader)) called outside `for step in ctx.steps(...)`")
-            rank = ctx._virtual.rank  # a carried rank's body reads that rank's batch
+            rank = ctx.virtual.rank  # a carried rank's body reads that rank's batch
             if it is None or (step, rank) != expect:  # first use, or the loop moved (a replay, a warm-up, a
                 local = ctx.warming_up  # carried rank's body in a shrunk job: runtime/virtual.py)
                 loader.batch_sampler.place(step, 0 if local else rank, 1 if local else ctx.world_size)

@@ -33,13 +33,13 @@ def exit_on_bug(ctx: Any, exc: BaseException) -> None:
     tb = one_line if isinstance(exc, ConfigError) else "".join(traceback.format_exception(exc)).rstrip()
     print(f"livemig: error: {one_line}" if isinstance(exc, ConfigError) else tb, file=sys.stderr, flush=True)
     rt = getattr(ctx, "runtime", None)
-    member = ctx is not None and (ctx.role == Role.WORKER or getattr(ctx, "_joining", None) is not None)
+    member = ctx is not None and (ctx.role == Role.WORKER or getattr(ctx, "joining", None) is not None)
     if not member:  # a spare in standby (refused, or its warm-up raised): it only leaves the pool
         os._exit(getattr(exc, "exit_code", 1))
     if rt is not None and not rt.fenced.is_set():
         try:
             rt.put(rt.keys.error(ctx.incarnation), {
-                "rank": ctx.rank, "step": ctx._current, "incarnation": ctx.incarnation, "error": one_line[:500],
+                "rank": ctx.rank, "step": ctx.current, "incarnation": ctx.incarnation, "error": one_line[:500],
                 "time": time.time(), "misuse": isinstance(exc, ConfigError),
                 "traceback": tb[-4000:]})  # fmt: skip
         except Exception:  # noqa: BLE001 - etcd gone or fenced: the process exit still reports it

@@ -1,6 +1,6 @@
 """Checkpoints in the background, and loading one: what live recovery cannot cover.
 
-A collaborator of api.Engine (`engine._ckpt`). At a checkpointed step's boundary (the
+A collaborator of api.Engine (`engine.ckpt`). At a checkpointed step's boundary (the
 state when ctx.steps() yields the next step, docs/architecture.md "The boundary rule")
 the training thread stages this rank's part to fresh CPU memory, one copy per tensor,
 and a writer thread saves it with torch.distributed.checkpoint (DCP) into a directory
@@ -55,9 +55,9 @@ class CheckpointHost(Protocol):
     reg: Any
     runtime: Any
     timeouts: Any
-    _faults: Any
-    _fsdp: Any  # FSDP2 (runtime/fsdp2.py): its shards are this rank's part
-    _virtual: Any  # a shrunk job's carried ranks (runtime/virtual.py): their parts are written here too
+    faults: Any
+    fsdp2: Any  # FSDP2 (runtime/fsdp2.py): its shards are this rank's part
+    virtual: Any  # a shrunk job's carried ranks (runtime/virtual.py): their parts are written here too
 
     def signature(self) -> list: ...
 
@@ -146,8 +146,8 @@ class Checkpointer:
         started = time.time()  # staged_at: when staging began (the report adds staged_s and written_s)
         try:
             parts = [(self._host.rank, self._state_dict(step))]
-            for v in self._host._virtual.carried():  # shrunk: the carrier writes the ranks it runs
-                with self._host._virtual.as_rank(v, step):
+            for v in self._host.virtual.carried():  # shrunk: the carrier writes the ranks it runs
+                with self._host.virtual.as_rank(v, step):
                     parts.append((v, self._state_dict(step, v)))
         except Exception as exc:  # what cannot be staged is said, and training goes on
             self._failed(step, started, 0.0, exc)
@@ -189,7 +189,7 @@ class Checkpointer:
         keep = list(model_sd) if rank == 0 and not fsdp else list(reg.buffer_names)
         sections: dict[str, Any] = {"local": {k: v.state_dict() for k, v in reg.local.items()}}
         if fsdp:
-            sections["fsdp"] = h._fsdp.shards()
+            sections["fsdp"] = h.fsdp2.shards()
         if rank == 0:
             if reg.optimizer is not None and reg.zero is None and not fsdp:
                 sections["optimizer"] = reg.optimizer.state_dict()
@@ -217,7 +217,7 @@ class Checkpointer:
             for i, t in enumerate(tensors):
                 key = f"state.{name}.{i}"
                 state[name][str(i)] = staged[key] = _stage(t, old.get(key))
-        self._staged = {r: v for r, v in self._staged.items() if r in (h.rank, *h._virtual.carried())}
+        self._staged = {r: v for r, v in self._staged.items() if r in (h.rank, *h.virtual.carried())}
         self._staged[rank] = staged
         meta = {"format": layout.FORMAT, "step": step, "rank": rank, "world": h.world_size,
                 "signature": signature_hash(h.signature()), "skeletons": skeletons,
@@ -247,7 +247,7 @@ class Checkpointer:
                     dcp.save(sd, storage_writer=writer, no_dist=True)
                     if self._fail_at == (rank, step):
                         raise OSError(f"test hook {layout.ENV_FAIL_WRITE}: the write of step {step} fails")
-                    h._faults.during_checkpoint(step)  # the plan's kill:...:during=checkpoint lands here
+                    h.faults.during_checkpoint(step)  # the plan's kill:...:during=checkpoint lands here
                     layout.fsync_dir(part)
                     layout.mark_done(s.dir, step, rank, {"world": h.world_size})
                     if layout.publish_if_complete(s.dir, step, h.world_size, meta, s.keep):
@@ -368,7 +368,7 @@ def load(h: CheckpointHost, step_root: str) -> tuple[int, int]:
                 def part_of(r: int) -> dict[str, Any]:
                     return _read_part(layout.part_dir(root, step, r), {}, ["fsdp"])[1]["fsdp"]
 
-                h._fsdp.load_shards(mine["fsdp"], part_of)
+                h.fsdp2.load_shards(mine["fsdp"], part_of)
             if reg.zero is not None:
                 reg.zero.own.load(mine["shard"])
                 if reg.zero.mirror is not None:

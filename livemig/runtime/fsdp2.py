@@ -90,7 +90,7 @@ class Fsdp2:
                               "((shard,) for FSDP, (replicate, shard) for HSDP)")  # fmt: skip
         names = tuple(mesh_dim_names) if mesh_dim_names else None
         # A spare in standby and a local run train as a world of one (sandbox/warmup.py)
-        one = h.role == Role.LOCAL or (h.role == Role.SPARE and h._joining is None)
+        one = h.role == Role.LOCAL or (h.role == Role.SPARE and h.joining is None)
         if not one and math.prod(shape) != h.world_size:
             raise ConfigError(f"ctx.init_device_mesh({shape}): the mesh has {math.prod(shape)} ranks but the job "
                               f"has {h.world_size}: make the sizes multiply to --nproc")  # fmt: skip
@@ -114,7 +114,7 @@ class Fsdp2:
         """A wait inside FSDP2's collectives: the hang detection's input, as the plain path's
         wait in its average (runtime/member.py enter_collective). A rank whose training thread
         is stuck never waits, so its peers' waits name it."""
-        rt, t = self.h.runtime, self.h._current
+        rt, t = self.h.runtime, self.h.current
         if rt is None or t is None or self.h.warming_up:
             return
         if begins:
@@ -125,8 +125,8 @@ class Fsdp2:
     def _before_collective(self, kind: str) -> None:
         """The fault plan's `during=fsdp_allgather|fsdp_reduce_scatter|replicate_allreduce|clip_norm`."""
         h = self.h
-        if h._current is not None and not h.warming_up:
-            h._faults.at(h._current, kind)
+        if h.current is not None and not h.warming_up:
+            h.faults.at(h.current, kind)
 
     # -- registration -----------------------------------------------------------------------
     def check_register(self, model: torch.nn.Module | None, sharding: str | None, mirror: bool | None) -> bool:
@@ -231,7 +231,7 @@ class Fsdp2:
         torch_group.GUARD.check()
         torch_group.GUARD.kind = "clip_norm"
         try:
-            return torch.nn.utils.clip_grad_norm_(self.h._params, max_norm, norm_type)
+            return torch.nn.utils.clip_grad_norm_(self.h.params, max_norm, norm_type)
         finally:
             torch_group.GUARD.kind = ""
 
@@ -241,9 +241,9 @@ class Fsdp2:
         h = self.h
         torch_group.GUARD.check()  # a collective of this step failed: never commit it
         if h.runtime is None or h.world_size == 1:
-            h._commit(t, None)
+            h.commit(t, None)
             return
-        ctl = torch.tensor([1.0, h._migration.vote()])  # [commit, planned migration: switch after t]
+        ctl = torch.tensor([1.0, h.migration.vote()])  # [commit, planned migration: switch after t]
         try:
             h.runtime.check_fenced()
             h.runtime.enter_collective(t)
@@ -252,24 +252,24 @@ class Fsdp2:
                                     h.timeouts.collective, h.runtime.moved_on)  # fmt: skip
                 self.mirror.hold(t, got)
             self.voted = t
-            h._faults.at(t, "allreduce")
+            h.faults.at(t, "allreduce")
             allreduce_sum(h.runtime.pg, [ctl], h.timeouts.collective, h.runtime.moved_on)
-            h._faults.at_commit_point(t, "the commit vote")
+            h.faults.at_commit_point(t, "the commit vote")
             h.runtime.leave_collective()
         except CollectiveAborted as exc:
-            h._join_recovery(t, exc)
+            h.join_recovery(t, exc)
             if h.committed == t:  # a peer committed: finished from the shards held here (catch_up)
                 return
             raise _Activate(h.runtime.gen, h.rank, redo=True) from None
         switch = float(ctl[1]) == h.world_size
-        if h._migration.serving(t):  # a leaving rank: what its optimizer steps with, to the spare catching up
+        if h.migration.serving(t):  # a leaving rank: what its optimizer steps with, to the spare catching up
             left = self.mirror.grads[1] if self.mirror is not None and self.mirror.grads is not None else None
-            h._migration.serve_shard(t, grads_blob(h.reg.params), left, switch)
-        self._commit(t)
-        h._migration.after_commit(t, switch)
+            h.migration.serve_shard(t, grads_blob(h.reg.params), left, switch)
+        self._commit_shards(t)
+        h.migration.after_commit(t, switch)
 
-    def _commit(self, t: int) -> None:
-        self.h._commit(t, None)
+    def _commit_shards(self, t: int) -> None:
+        self.h.commit(t, None)
         if self.mirror is not None:
             self.mirror.step(t, self.h.reg.hparams())
 
@@ -279,7 +279,7 @@ class Fsdp2:
         boundary starts from it, with no replay (the replay of the plain path would need the
         mesh's collectives)."""
         h = self.h
-        st = h._st
+        st = h.st
         st.boundaries[step] = h.reg.pack_boundary()
         st.boundaries.pop(step - 2, None)
         if not h.reg.has_local:
@@ -291,7 +291,7 @@ class Fsdp2:
             got = ring_exchange(h.runtime.pg, st.local_blob.blob, h.rank, h.world_size, h.timeouts.collective,
                                 h.runtime.moved_on)  # fmt: skip
         except CollectiveAborted as exc:  # between steps: nothing to redo, go on in the new group
-            h._join_recovery(None, exc)
+            h.join_recovery(None, exc)
             return
         st.mirrored[step] = got
         st.mirrored.pop(step - 2, None)
@@ -321,21 +321,21 @@ class Fsdp2:
         enter the function again to redo the step from the boundary held here."""
         h = self.h
         why, self.pending = self.pending, ""
-        t = h._current
+        t = h.current
         log.warning("a collective of the step failed; redoing the step in the new group",
                     extra={"step": t, "generation": h.runtime.gen, "why": why})  # fmt: skip
-        h._join_recovery(t, CollectiveAborted(why))
+        h.join_recovery(t, CollectiveAborted(why))
         return _Activate(h.runtime.gen, h.rank, redo=True)
 
     def keep(self) -> tuple:
         """What survives the re-entry: the previous registry (its state moves into the new
         one), the step records and the last commit."""
         h = self.h
-        return h.reg, h._st, h.committed, h._loaded_step
+        return h.reg, h.st, h.committed, h.loaded_step
 
     def restore(self, kept: tuple) -> None:
         h = self.h
-        self.stash, h._st, h.committed, h._loaded_step = kept
+        self.stash, h.st, h.committed, h.loaded_step = kept
 
     def load_stash(self) -> None:
         """The re-entered function registered a new model and optimizer: give them the state
@@ -362,11 +362,11 @@ class Fsdp2:
 
     def _load_boundary(self, c: int) -> None:
         h = self.h
-        blob = h._st.boundaries.get(c)
+        blob = h.st.boundaries.get(c)
         if blob is not None:
             h.reg.load_boundary(unpack(blob))
-        if h.reg.has_local and h._st.local_blob is not None and h._st.local_blob.step == c:
-            h.reg.load_local(unpack(h._st.local_blob.blob))
+        if h.reg.has_local and h.st.local_blob is not None and h.st.local_blob.step == c:
+            h.reg.load_local(unpack(h.st.local_blob.blob))
 
     def state(self) -> dict[str, Any]:
         """This rank's shards (parameters, optimizer) and its boundary: what a spare taking a
@@ -375,7 +375,7 @@ class Fsdp2:
         reg = h.reg
         opt = to_local(reg.optimizer.state_dict()) if reg.optimizer is not None else {}
         return {"params": [p.to_local() for p in reg.params], "optimizer": opt,
-                "boundary": h._st.boundaries.get(h.committed)}  # fmt: skip
+                "boundary": h.st.boundaries.get(h.committed)}  # fmt: skip
 
     def serve(self, m: Membership) -> None:
         h = self.h
@@ -385,7 +385,7 @@ class Fsdp2:
         c, state = h.committed, self.state()
         srv.publish(m.generation, items.STATE, lambda: (c + 1, state))
         left = self._left()
-        blob = h._st.mirrored.get(c)
+        blob = h.st.mirrored.get(c)
         if blob is not None:
             srv.publish(m.generation, items.local(left), lambda: (c + 1, {"blob": blob}))
         if self.mirror is not None:
@@ -396,11 +396,11 @@ class Fsdp2:
         h = self.h
         target = m.resume_step - 1
         if h.committed_step() == target:
-            return h._stream_info if h.role == Role.SPARE else None
-        if h.committed_step() is None or (h.role == Role.SPARE and h._current is None):
+            return h.stream_info if h.role == Role.SPARE else None
+        if h.committed_step() is None or (h.role == Role.SPARE and h.current is None):
             return self._pull(m)
-        if h.committed == target - 1 and h._current == target and self.voted == target:
-            self._commit(target)  # every collective of it completed here; a peer committed it
+        if h.committed == target - 1 and h.current == target and self.voted == target:
+            self._commit_shards(target)  # every collective of it completed here; a peer committed it
             log.info("finished a step a peer committed, from the shards held here", extra={"step": target})
             return None
         raise RecoveryError(f"rank {h.rank} committed step {h.committed} and cannot reach the agreed resume "
@@ -415,39 +415,35 @@ class Fsdp2:
         stride = buddy_stride(h.world_size)
         buddy, left = (h.rank + stride) % h.world_size, (h.rank - stride) % h.world_size
         if peers:  # HSDP: a replica of the same shard
-            addr, got = h._pull_any(m, items.STATE, ranks=peers)
+            addr, got = h.pull_any(m, items.STATE, ranks=peers)
         elif self.want_mirror and buddy in m.sources:  # its mirror, on the right neighbour
-            addr, got = h._pull_any(m, items.fshard(h.rank), ranks=[buddy])
-            _, rest = h._pull_any(m, items.STATE, ranks=[buddy])  # the boundary (extras, hyperparameters)
+            addr, got = h.pull_any(m, items.fshard(h.rank), ranks=[buddy])
+            _, rest = h.pull_any(m, items.STATE, ranks=[buddy])  # the boundary (extras, hyperparameters)
             got.state["boundary"] = rest.state.get("boundary")
         else:
             raise RecoveryError(f"no survivor holds FSDP2 shard {shard_of(h.rank, self.shape)} of rank {h.rank}")
         self.load_state(got.state)
         h.committed = got.step - 1
-        h._loaded_step = got.step
+        h.loaded_step = got.step
         nbytes = got.nbytes
         if self.want_mirror:  # our own mirror: the left neighbour's shard, from it
-            where, own = h._pull_any(m, items.STATE, ranks=[left])
+            where, own = h.pull_any(m, items.STATE, ranks=[left])
             if own.step != got.step:
                 raise RecoveryError(f"rank {left}'s shard is of boundary {own.step - 1}, need {got.step - 1}")
             self._make_mirror(own.state)
             nbytes += own.nbytes
             addr += f",{where}"
         if h.reg.has_local and h.world_size > 1:
-            buddy = (h.rank + buddy_stride(h.world_size)) % h.world_size
-            where, part = h._pull_any(m, items.local(h.rank), ranks=[buddy])
-            if part.step != got.step:
-                raise RecoveryError(f"the local state of rank {h.rank} on rank {buddy} is of boundary "
-                                    f"{part.step - 1}, the spare needs {got.step - 1}")  # fmt: skip
+            where, part = h.pull_buddy_local(m, got.step, "the spare", 1)
             h.reg.load_local(unpack(part.state["blob"]))
             nbytes += part.nbytes
             addr += f",{where}"
-        h._st.boundaries[h.committed] = h.reg.pack_boundary()
+        h.st.boundaries[h.committed] = h.reg.pack_boundary()
         if h.reg.has_local:
-            h._st.local_blob = LocalBlob(h.committed, h.reg.pack_local())
-        h._stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
+            h.st.local_blob = LocalBlob(h.committed, h.reg.pack_local())
+        h.stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
         log.info("shards loaded", extra={"resume_step": got.step, "bytes": nbytes, "source": addr})
-        return h._stream_info
+        return h.stream_info
 
     # -- planned migration (runtime/migration.py) ---------------------------------------------
     def migration_state(self) -> dict[str, Any]:
@@ -455,7 +451,7 @@ class Fsdp2:
         neighbour's, the boundary. The spare replays the following steps on copies of them
         (no collectives: it is not in the group yet)."""
         return {"own": self._own(), "mirror": self.mirror.state() if self.mirror is not None else None,
-                "boundary": self.h._st.boundaries.get(self.h.committed)}  # fmt: skip
+                "boundary": self.h.st.boundaries.get(self.h.committed)}  # fmt: skip
 
     def replayers(self, snap: dict[str, Any]) -> list[ShardMirror | None]:
         """The spare's copies of the leaving rank's shard and of its mirror, stepped as the
@@ -492,11 +488,11 @@ class Fsdp2:
         self.mirror = mirror
         self.voted = None
         c = h.committed
-        h._st.boundaries[c] = h.reg.pack_boundary()
+        h.st.boundaries[c] = h.reg.pack_boundary()
         if h.reg.has_local:
-            h._st.local_blob = LocalBlob(c, h.reg.pack_local())
+            h.st.local_blob = LocalBlob(c, h.reg.pack_local())
             if tail.get("mirrored") is not None:
-                h._st.mirrored[c] = tail["mirrored"]
+                h.st.mirrored[c] = tail["mirrored"]
 
     def load_state(self, state: dict[str, Any]) -> None:
         """A peer's shards into this rank's (the same shard of the same model)."""

@@ -5,7 +5,7 @@ while training goes on; the spare loads the snapshot, replays the averages,
 and both switch at a step voted inside the gradient collective
 (docs/architecture.md, "Planned migration").
 
-A collaborator of api.Engine (`engine._migration`, made anew when the user's function is
+A collaborator of api.Engine (`engine.migration`, made anew when the user's function is
 entered again): it owns the leaving worker's side (`Outgoing`); what it uses of the Engine
 is named in `MigrationHost`.
 """
@@ -44,25 +44,22 @@ class MigrationHost(Protocol):
     timeouts: Any
     reg: Any
     committed: int
-    _reducer: Any
-    _joining: Any
-    _faults: Any
-    _st: StepState
-    _loaded_step: int | None
-    _stream_info: dict[str, Any]
-
-    @property
-    def _zero(self) -> Any: ...
+    reducer: Any
+    joining: Any
+    faults: Any
+    st: StepState
+    loaded_step: int | None
+    stream_info: dict[str, Any]
 
     def state_obj(self) -> dict: ...
 
-    def _into_model(self) -> Callable: ...
+    def into_model(self) -> Callable: ...
 
-    def _ensure_grads(self) -> None: ...
+    def ensure_grads(self) -> None: ...
 
-    def _commit(self, t: int, flats: Any, replay: bool = False) -> None: ...
+    def commit(self, t: int, flats: Any, replay: bool = False) -> None: ...
 
-    def _join_recovery(self, t: int | None, exc: BaseException) -> None: ...
+    def join_recovery(self, t: int | None, exc: BaseException) -> None: ...
 
 
 class Migration:
@@ -89,7 +86,7 @@ class Migration:
     def tick(self) -> None:
         """At a step boundary: the leaving worker takes its snapshot once the spare
         asks for it; every staying member starts building the new group."""
-        if self.e.role == Role.LOCAL or self.e._zero is not None:
+        if self.e.role == Role.LOCAL or not self.e.strategy.migrates:
             return
         self.at_boundary()
         rt = self.e.runtime
@@ -98,8 +95,8 @@ class Migration:
             if self.out.gen is not None and rt.m.generation != self.out.gen:
                 rt.server.withdraw()  # the migration was resolved: stop serving its items
                 self.out = Outgoing()
-                if self.e._reducer is not None:
-                    self.e._reducer.keep(2)
+                if self.e.reducer is not None:
+                    self.e.reducer.keep(2)
             return
         m, mig = plan
         if mig.get("leaving") == self.e.incarnation:
@@ -115,14 +112,13 @@ class Migration:
                 if self.out.gen == m.generation and self.out.snap:
                     rt.server.withdraw(self.out.snap)  # the spare asked for a newer one: free the old copy
                 tensors: list[torch.Tensor] = []
-                fsdp = self.e.reg.fsdp is not None  # FSDP2: this rank's shards and its mirror's
-                skel = flatten(self.e._fsdp.migration_state() if fsdp else self.e.state_obj(), tensors)
+                skel = flatten(self.e.strategy.migration_snapshot(), tensors)  # FSDP2: its shards and its mirror's
                 snap = unflatten(skel, [x.clone() for x in tensors])  # training goes on: serve a copy
                 step = self.e.committed + 1
                 rt.server.publish(m.generation, want, lambda: (step, snap))
                 self.out = Outgoing(m.generation, step, want)
-                if self.e._reducer is not None:
-                    self.e._reducer.keep(AVG_KEEP + 1)  # serve averages straight from the buckets
+                if self.e.reducer is not None:
+                    self.e.reducer.keep(AVG_KEEP + 1)  # serve averages straight from the buckets
                 log.info("migration: snapshot served", extra={"step": step, "generation": m.generation,
                                                               "item": want})  # fmt: skip
         elif m.rank_of(self.e.incarnation) is not None:
@@ -188,7 +184,7 @@ class Migration:
         if mig.get("leaving") == self.e.incarnation:
             self.out.leaving = m.generation  # leave at the next boundary
             return
-        if self.e.reg.fsdp is not None:
+        if self.e.strategy.switch_at_boundary:
             self.switch_at = (m.generation, t)  # at the boundary (at_boundary)
             return
         self._switch(m.generation, t)
@@ -210,7 +206,7 @@ class Migration:
         self.out.leaving = None
         # and this rank's commit times so far: the spare's final record replaces ours, and the run
         # report reads every recovery's downtime from them (an earlier one's would be lost)
-        st = self.e._st
+        st = self.e.st
         tail = {"local": self.e.reg.pack_local(), "boundary": self.e.reg.pack_boundary(),
                 "commits": [list(c) for c in st.commits], "gen_steps": list(st.gen_steps)}  # fmt: skip
         if st.mirrored.get(t) is not None:  # FSDP2: our copy of the left neighbour's local state
@@ -222,11 +218,11 @@ class Migration:
             log.info("released: rank handed over to a spare (planned migration)", extra={"generation": g})
             raise _Released()
         # The migration failed during its switch: recovery decides whether we stay.
-        self.e._join_recovery(self.e.committed, RuntimeError("migration failed during the switch"))
+        self.e.join_recovery(self.e.committed, RuntimeError("migration failed during the switch"))
 
     def _inherit_commits(self, tail: dict) -> None:
         """The leaving worker's commit times become the start of ours (the final record is the rank's)."""
-        st = self.e._st
+        st = self.e.st
         num = (int, float)
         old = [list(c) for c in tail.get("commits") or [] if isinstance(c, list) and len(c) == 2
                and all(isinstance(x, num) for x in c)]  # fmt: skip
@@ -237,7 +233,7 @@ class Migration:
     def migrate_in(self) -> None:
         """A spare claimed for a planned migration: load the leaving worker's snapshot,
         replay the group's averaged gradients until the switch step, then switch."""
-        rt, act = self.e.runtime, self.e._joining
+        rt, act = self.e.runtime, self.e.joining
         assert act is not None
         g, rank = act.generation, act.rank
         m = rt.wait_membership(lambda x: x.generation >= g, f"generation {g}")
@@ -262,13 +258,12 @@ class Migration:
                         raise RecoveryError(f"migration: could not pull {item} from {addr}: {exc}") from exc
                 time.sleep(0.005)
 
-        fsdp = self.e.reg.fsdp is not None
-        reps: list = []  # FSDP2: the leaving rank's shard and its mirror, replayed here (runtime/fsdp2.py)
+        strategy = self.e.strategy
 
         def group_at(k: int, seconds: float) -> None:
             """Until the source serves the average of the k-th step past the snapshot (the
             group committed it) or has withdrawn it, at most `seconds`."""
-            end, item = time.monotonic() + seconds, items.step_avg(self.e._loaded_step + k - 1)
+            end, item = time.monotonic() + seconds, items.step_avg(self.e.loaded_step + k - 1)
             while time.monotonic() < end and not rt.moved_to_other(g)():
                 try:
                     pull(addr, rt.job, secret, g, item, self.e.timeouts.collective.total_seconds())
@@ -280,20 +275,17 @@ class Migration:
 
         def load_snapshot(item: str, resyncs: int = 0) -> dict:
             t0 = time.monotonic()
-            got = fetch(item, None if fsdp else self.e._into_model())
-            if fsdp:
-                reps[:] = self.e._fsdp.replayers(got.state)
-            else:
-                self.e.reg.load_state(got.state)
-            self.e.committed, self.e._loaded_step = got.step - 1, got.step
-            self.e._stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
-            self.e._faults.stall_after_snapshot(group_at)  # a test fault (spare-hang:during=snapshot), before we report
-            rec = {"incarnation": self.e.incarnation, "loaded": got.step, "resyncs": resyncs, **self.e._stream_info}
+            got = fetch(item, strategy.snapshot_alloc())
+            strategy.load_snapshot(got.state)  # FSDP2: copies of the shard and its mirror, replayed here
+            self.e.committed, self.e.loaded_step = got.step - 1, got.step
+            self.e.stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
+            self.e.faults.stall_after_snapshot(group_at)  # a test fault (spare-hang:during=snapshot), before we report
+            rec = {"incarnation": self.e.incarnation, "loaded": got.step, "resyncs": resyncs, **self.e.stream_info}
             rt.put(rt.keys.catchup(g), {**rec, "applied": self.e.committed, "time": time.time()})
             return rec
 
         rec = load_snapshot(items.snapshot())
-        red, resyncs = self.e._reducer, 0
+        resyncs = 0
         while True:
             t = self.e.committed + 1
             try:
@@ -307,24 +299,13 @@ class Migration:
                 rec = load_snapshot(items.snapshot(resyncs), resyncs)
                 continue
             self.e.reg.set_hparams(got.state["hparams"])
-            if fsdp:  # the shard's update, from the gradient shard the leaving rank stepped with
-                self.e._fsdp.replay(reps, t, got.state)
-                self.e.committed = t
-            elif "stepped" in got.state:  # the update as applied (clipped, unscaled, or skipped)
-                self.e.reg.apply_step(got.state)
-                self.e.committed, self.e._st.avg = t, None
-            else:  # the average is what the optimizer stepped with
-                self.e._ensure_grads()
-                if red is not None:
-                    red.write_back(got.state["flat"])
-                self.e._commit(t, None, replay=True)
+            strategy.replay_update(t, got.state)
             if got.state["final"]:
                 tail = fetch(items.tail(t)).state
                 self.e.reg.load_local(unpack(tail["local"]))  # buffers and local= at the switch boundary
                 self.e.reg.load_boundary(unpack(tail["boundary"]))  # extras, hyperparameters
                 self._inherit_commits(tail)
-                if fsdp:
-                    self.e._fsdp.take_over(reps, tail)
+                strategy.take_over(tail)
                 break
             rt.put(rt.keys.catchup(g), {**rec, "applied": t, "time": time.time()})
         while rt.prebuilt(g) is None:  # the group is built once every member joined it
@@ -336,5 +317,5 @@ class Migration:
         rt.register(rank)
         rt.switch_to(g)
         rt.put(rt.keys.ready(g, rank), {"incarnation": self.e.incarnation, "switched": self.e.committed,
-                                        "time": time.time(), **self.e._stream_info})  # fmt: skip
+                                        "time": time.time(), **self.e.stream_info})  # fmt: skip
         log.info("migration: switched in", extra={"rank": rank, "generation": g, "step": self.e.committed})

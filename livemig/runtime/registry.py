@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from livemig.config import ENV_LOCAL_MAX_MB, LOCAL_STATE_ENTRY, SHARDING_ENTRY
+from livemig.config import ENV_LOCAL_MAX_MB, LOCAL_STATE_ENTRY
 from livemig.errors import ConfigError
 from livemig.state import digest, flatten, pack, signature, to_local
 
@@ -93,13 +93,7 @@ class Registry:
         sig += [["<local>", k, []] for k in sorted(self.local)]
         if self.has_local:  # the coordinator checks each lost rank's local state has a live mirror
             sig.append([LOCAL_STATE_ENTRY, "mirrored", []])
-        if self.zero is not None:  # a spare must shard the same way as the job
-            sig.append([SHARDING_ENTRY, "zero1", [int(self.zero.mirroring)]])
-        if self.fsdp is not None:  # the mesh the script asked for (a spare's standby mesh is all ones)
-            sig.append([SHARDING_ENTRY, "fsdp2", list(self.fsdp)])
-            sig.append(["<fsdp2-units>", "fully_shard", list(self.fsdp_units)])  # the same wrapping
-            sig.append(["<fsdp2-mirror>", "mirrored" if self.fsdp_mirror else "unmirrored", []])
-        return sig
+        return sig  # the strategy adds how the state is laid out (api.Engine.signature)
 
     def _model_sd(self, skip: set[str] | None = None) -> dict[str, Any]:
         """The model's state_dict; under FSDP2 this rank's local shards of it."""

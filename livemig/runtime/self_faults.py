@@ -117,3 +117,15 @@ class SelfFaults:
                 group_at(f.ahead, f.seconds)
             else:
                 time.sleep(f.seconds)
+
+    def corrupt_next_serve(self, server: Any) -> None:
+        """`livemig inject corrupt --rank R`: the first chunk this survivor serves in the
+        recovery being served is corrupted, so the spare's checksum refuses it and pulls from
+        another peer. Asked through etcd; read once per served recovery, never in a step."""
+        rt = self._ctx.runtime
+        key = rt.keys.inject_corrupt(self._ctx.rank)
+        if rt.client.get(key) is None:
+            return
+        rt.client.delete(key)
+        server.hooks.corrupt_next = True
+        log.warning("fault injection: the first chunk served will be corrupted", extra={"rank": self._ctx.rank})

@@ -4,7 +4,7 @@ A warm spare registers under its spare key and waits for a claim; a claim
 unwinds the user's function (`_Activate`) so it is entered again with the
 assigned rank. An aborted migration puts it back to standby (`requeue`).
 
-A collaborator of api.Engine (`engine._standby`): it owns what the standby
+A collaborator of api.Engine (`engine.standby`): it owns what the standby
 measured (when the process or its last requeue started, how the spare waited);
 what it uses of the Engine is named in `StandbyHost`.
 """
@@ -24,7 +24,6 @@ from livemig.rdzv.client import decode, through_outage
 from livemig.rdzv.watch import PrefixWatch, wait_for
 from livemig.runtime.control import _Activate, _Stop
 from livemig.runtime.step_state import StepState
-from livemig.state import digest
 from livemig.transfer.channel import verifiers
 
 log = logging.getLogger("livemig.runtime.standby")
@@ -47,13 +46,10 @@ class StandbyHost(Protocol):
     role: Role
     committed: int
     reg: Any
-    _st: StepState
-    _loaded_step: int | None
-    _joining: Any
-    _ckpt: Any
-
-    @property
-    def _zero(self) -> Any: ...
+    st: StepState
+    loaded_step: int | None
+    joining: Any
+    ckpt: Any
 
     def signature(self) -> list: ...
 
@@ -74,7 +70,7 @@ class Standby:
     def register_signature(self) -> None:
         h = self._host
         rt = h.runtime
-        ckpt = h._ckpt.settings.dir if h._ckpt.settings else None  # the cold path's (ctx.checkpoints)
+        ckpt = h.ckpt.settings.dir if h.ckpt.settings else None  # the cold path's (ctx.checkpoints)
         rec = {"incarnation": h.incarnation, "signature": h.signature(), "checkpoint_dir": ckpt}
         rt.put(rt.keys.signature(h.rank), rec)
 
@@ -151,7 +147,7 @@ class Standby:
         retire(rt.pg)
         rt.pg, rt.rank, rt.gen, rt._pre = None, None, 0, None
         h._reset_user_state()
-        h._joining = None
+        h.joining = None
         h.rank = int(os.environ.get(ENV_RANK, "0"))
         self.started = time.monotonic()
 
@@ -164,39 +160,30 @@ class Standby:
                                    "migration": act.migration, "restart": act.restart, "redo": act.redo})  # fmt: skip
         if act.restart:
             self.withdraw_final()  # the job is not done until it is written again
-        commits = (h._st.commits, h._st.gen_steps) if act.restart else None
-        kept = h._fsdp.keep() if act.redo else None
+        commits = (h.st.commits, h.st.gen_steps) if act.restart else None
+        kept = h.fsdp2.keep() if act.redo else None
         h._reset_user_state()
-        h.rank, h._joining = act.rank, act
+        h.rank, h.joining = act.rank, act
         if commits is not None:
-            h._st.commits, h._st.gen_steps = commits
+            h.st.commits, h.st.gen_steps = commits
         if kept is not None:
-            h._fsdp.restore(kept)
+            h.fsdp2.restore(kept)
 
     def write_final(self) -> None:
         h = self._host
         rt = h.runtime
         rec = {"incarnation": h.incarnation, "steps": h.committed + 1, "digest": h.state_digest(),
                "digests": h.reg.digests(),
-               "commits": h._st.commits, "generation": rt.gen, "role": h.role,
-               "joined_at_step": h._loaded_step}  # fmt: skip
+               "commits": h.st.commits, "generation": rt.gen, "role": h.role,
+               "joined_at_step": h.loaded_step}  # fmt: skip
         if self.info:
             rec["standby"] = self.info
-        if h._st.inherited_to >= 0:  # commits up to this step are the leaving worker's (planned migration)
-            rec["inherited_to"] = h._st.inherited_to
+        if h.st.inherited_to >= 0:  # commits up to this step are the leaving worker's (planned migration)
+            rec["inherited_to"] = h.st.inherited_to
         rec["peak_rss_mb"] = _peak_rss_mb()
-        if h._ckpt.settings is not None or h._ckpt.resumed is not None:
-            rec["checkpoints"] = h._ckpt.final()
-        if h.reg.fsdp is not None:  # the report compares replicas within each shard's group
-            from livemig.runtime.fsdp2 import shard_of
-
-            rec["fsdp_shard"] = shard_of(h.rank, h.reg.fsdp)
-            rec.update(h._fsdp.final())  # its mirror against the shard it mirrors, in the report
-        if h._zero is not None:  # the report checks each mirror against its owner's shard
-            rec["shard_digest"] = digest(h._zero.own.tensors_for_digest())
-            if h._zero.mirror is not None:
-                rec["mirror_of"] = h._zero.mirror.shard
-                rec["mirror_digest"] = digest(h._zero.mirror.tensors_for_digest())
+        if h.ckpt.settings is not None or h.ckpt.resumed is not None:
+            rec["checkpoints"] = h.ckpt.final()
+        rec.update(h.strategy.final_record())  # shard and mirror digests, for the report's checks
         rt.put(rt.keys.final(h.rank), rec)
         self._final_written = True
 
@@ -219,7 +206,7 @@ class Standby:
                 "the training function returned without running `for step in ctx.steps(n)`: a worker "
                 "trains inside that loop (is the loop there, and reached?)"
             )
-        h._ckpt.wait()  # a part half-written when the process ends would never complete
+        h.ckpt.wait()  # a part half-written when the process ends would never complete
         self.write_final()
         h.runtime.wait_result(h)
 

@@ -45,7 +45,7 @@ log = logging.getLogger("livemig.runtime.virtual")
 
 
 class VirtualRanks:
-    """Owned by api.Engine (`engine._virtual`): the ranks this process carries in a shrunk
+    """Owned by api.Engine (`engine.virtual`): the ranks this process carries in a shrunk
     job, their local state, the gradient stashed between the bodies of a step."""
 
     def __init__(self, engine: Any) -> None:
@@ -97,10 +97,10 @@ class VirtualRanks:
             if not e.reg.has_local:
                 self.states[v] = (e.committed, None)
                 continue
-            held = sorted(b for b in e._st.mirrored if b <= e.committed)
+            held = sorted(b for b in e.st.mirrored if b <= e.committed)
             if not held:
                 raise RecoveryError(f"rank {e.rank} carries rank {v} but holds none of its local state")
-            self.states[v] = (held[-1], e._st.mirrored[held[-1]])
+            self.states[v] = (held[-1], e.st.mirrored[held[-1]])
             log.warning("carrying a lost rank", extra={"rank": e.rank, "carries": v, "from_boundary": held[-1]})
 
     def order(self) -> list[int]:
@@ -121,7 +121,7 @@ class VirtualRanks:
     def stash(self, t: int) -> None:
         """Keep this body's gradient for the step's last body; .grad is cleared (the next
         body's zero_grad() cannot touch it). A replayed body's gradient is dropped."""
-        params = self.e._params
+        params = self.e.params
         if self.replaying != t and self.stashed != t:
             self.acc[self.rank] = [None if p.grad is None else p.grad.detach().clone() for p in params]
         for p in params:
@@ -135,7 +135,7 @@ class VirtualRanks:
         if not self.acc:
             return
         keep = {self.e.rank, *self.carried()}
-        params = self.e._params
+        params = self.e.params
         if self.base is None:  # kept: an attempt that fails (a grow) is summed again from it
             self.base = [p.grad.detach().clone() for p in params]
         for p, b in zip(params, self.base, strict=True):
@@ -192,19 +192,19 @@ class VirtualRanks:
     def _replicated_before(self, step: int) -> torch.Tensor:
         """The replicated state (extras, hyperparameters) of boundary step-1, to put back
         after each body but the last."""
-        blob = self.e._st.boundaries.get(step - 1)
+        blob = self.e.st.boundaries.get(step - 1)
         return blob if blob is not None else self.e.reg.pack_boundary()
 
     def _body(self, step: int, v: int) -> Iterator[int]:
         e = self.e
-        e._current = step
+        e.current = step
         self.stashed = None
         carried = v != e.rank
         own = self._swap_in(v) if carried else None
         seed_step(step_seed(e.seed, step, v))
         e._step_t0 = time.monotonic()
         if not carried:
-            e._faults.at(step, "compute")  # the fault plan's points are this process's own rank's
+            e.faults.at(step, "compute")  # the fault plan's points are this process's own rank's
         try:
             yield step
         finally:
@@ -242,8 +242,8 @@ class VirtualRanks:
         blob = e.reg.pack_local() if e.reg.has_local else None
         self.states[v] = (step, blob)
         if blob is not None and (v + buddy_stride(e.world_size)) % e.world_size == e.rank:
-            e._st.mirrored[step] = blob  # its buddy's mirror slot: served to a spare that takes it back (grow)
-            e._st.mirrored.pop(step - 3, None)
+            e.st.mirrored[step] = blob  # its buddy's mirror slot: served to a spare that takes it back (grow)
+            e.st.mirrored.pop(step - 3, None)
         if own is not None:
             e.reg.load_local(unpack(own))
 
@@ -255,7 +255,7 @@ class VirtualRanks:
         for v in self.carried():
             while self.states[v][0] < boundary:
                 k = self.states[v][0] + 1
-                before, rep = e._st.before.get(k), e._st.boundaries.get(k - 1)
+                before, rep = e.st.before.get(k), e.st.boundaries.get(k - 1)
                 if before is None or rep is None:
                     raise RecoveryError(f"rank {e.rank} cannot replay step {k} for rank {v}: it kept no "
                                         "parameters or replicated state of it")  # fmt: skip
@@ -265,12 +265,12 @@ class VirtualRanks:
         e = self.e
         own_rep = e.reg.pack_boundary()
         with torch.no_grad():
-            now = [p.detach().clone() for p in e._params]
-            for p, b in zip(e._params, before, strict=True):
+            now = [p.detach().clone() for p in e.params]
+            for p, b in zip(e.params, before, strict=True):
                 p.copy_(b)
         e.reg.load_boundary(unpack(rep))
         own = self._swap_in(v)
-        e._current, self.replaying = k, k
+        e.current, self.replaying = k, k
         seed_step(step_seed(e.seed, k, v))
         log.info("replaying a step for a carried rank", extra={"rank": e.rank, "carries": v, "step": k})
         try:
@@ -279,8 +279,8 @@ class VirtualRanks:
             self.active, self.replaying = None, None
         self._swap_out(v, k, own)
         with torch.no_grad():
-            for p, x in zip(e._params, now, strict=True):
+            for p, x in zip(e.params, now, strict=True):
                 p.copy_(x)
                 p.grad = None
         e.reg.load_boundary(unpack(own_rep))
-        e._current = back_to
+        e.current = back_to

@@ -1,6 +1,6 @@
 """The spare's sandboxed warm-up: the user's real loop body against a group of one.
 
-A collaborator of api.Engine (`engine._sandbox`): it owns the world-of-one group
+A collaborator of api.Engine (`engine.sandbox`): it owns the world-of-one group
 while the warm-up runs; what it reads and resets of the step's state is named in
 `SandboxHost`, the part of the Engine it may touch.
 """
@@ -13,7 +13,6 @@ from typing import Any, Protocol
 
 import torch
 
-from livemig.comm.group import allreduce_mean
 from livemig.config import Timeouts
 from livemig.data import step_seed
 from livemig.errors import ConfigError
@@ -33,18 +32,17 @@ class SandboxHost(Protocol):
     world_size: int
     reg: Registry
     committed: int
-    _current: int | None
-    _st: StepState
-    _reducer: Any
-    _scaler: Any
+    current: int | None
+    st: StepState
+    reducer: Any
+    scaler: Any
+
+    strategy: Any  # the kind of parallelism (runtime/strategies/): its warm-up update
 
     @property
-    def _zero(self) -> Any: ...
+    def params(self) -> list[torch.nn.Parameter]: ...
 
-    @property
-    def _params(self) -> list[torch.nn.Parameter]: ...
-
-    def _ensure_grads(self) -> None: ...
+    def ensure_grads(self) -> None: ...
 
 
 class Sandbox:
@@ -73,34 +71,18 @@ class Sandbox:
         self.pg = world_of_one(h.timeouts.collective)
         try:
             for step in range(k):
-                h._current = step
+                h.current = step
                 torch.manual_seed(step_seed(h.seed, step, h.rank))
                 yield step
                 if h.committed != step:
                     raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
         finally:
             self.pg = None
-            h._current, h.committed, h._st.commits = None, -1, []
-            h._st.avg = None
+            h.current, h.committed, h.st.commits = None, -1, []
+            h.st.avg = None
 
     def step(self, t: int) -> None:
         """ctx.step() of a shadow iteration: the update of a world of one."""
         h = self._host
-        h._ensure_grads()
-        zero = h._zero
-        if zero is not None:  # no peers: this rank's slices of the local gradient
-            flats = h._reducer.flatten()
-            allreduce_mean(self.pg, flats, 1, h.timeouts.collective)
-            own = [f.chunk(h.world_size)[zero.own.shard].clone() for f in flats]
-            mirror = [f.chunk(h.world_size)[zero.mirror.shard].clone() for f in flats] if zero.mirror else None
-            zero.update(own, mirror)
-            for p in h._params:
-                p.grad = None
-            h.committed = t
-            return
-        if h._reducer is not None:
-            flats = h._reducer.flatten()
-            allreduce_mean(self.pg, flats, 1, h.timeouts.collective)
-            h._reducer.write_back(flats)
-        h.reg.step_optimizer(h._scaler)
-        h.committed = t
+        h.ensure_grads()
+        h.strategy.warmup_step(t, self.pg)

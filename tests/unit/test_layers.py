@@ -190,13 +190,20 @@ def test_no_import_circles():
 def test_the_module_map_lists_every_module():
     text = (PKG.parent / "docs" / "architecture.md").read_text()
     block = text[text.index("## Module map") :].split("```text", 1)[1].split("```", 1)[0]
-    listed, folder = set(), ""
+    listed: set[str] = set()
+    folders: list[tuple[int, str]] = []  # (indent, path) of the folders open above the line
     for line in block.splitlines()[1:]:  # the first line is livemig/
         name = line.strip().split()[0] if line.strip() else ""
+        if not name or name == "livemig/":
+            continue
+        indent = len(line) - len(line.lstrip())
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        prefix = folders[-1][1] if folders else ""
         if name.endswith("/"):
-            folder = name
+            folders.append((indent, prefix + name))
         elif name.endswith(".py"):
-            listed.add((folder if line.startswith("    ") else "") + name)
+            listed.add(prefix + name)
     files = {str(f.relative_to(PKG)) for f in PKG.rglob("*.py")}
     files -= {str(f.relative_to(PKG)) for f in (PKG / "bench").rglob("*.py")}  # one line: bench/
     files -= {"spare_pool/__init__.py", "sandbox/__init__.py", "comm/__init__.py", "transfer/__init__.py",

@@ -98,7 +98,7 @@ def test_warming_up_and_log_during_warm_up(monkeypatch):
     ctx = Context(eng)
     assert ctx.warming_up is False and ctx.role == "local" and ctx.rank == 0 and ctx.world_size == 1
     ctx.log(loss=1.0)
-    eng._sandbox.pg = object()  # as inside a spare's shadow iterations
+    eng.sandbox.pg = object()  # as inside a spare's shadow iterations
     assert ctx.warming_up is True
     ctx.log(loss=2.0)
     assert eng._last_metrics == {"loss": 1.0}
@@ -114,13 +114,13 @@ def test_final_record_commit_times_stay_bounded():
     from livemig.runtime.step_state import StepState
 
     rt = SimpleNamespace(gen=1)
-    f = SimpleNamespace(runtime=rt, _st=StepState())
+    f = SimpleNamespace(runtime=rt, st=StepState())
     for t in range(100_000):
         if t in (40_000, 70_000):
             rt.gen += 1
-        f._st.commits.append([t, t * 0.1])
+        f.st.commits.append([t, t * 0.1])
         StepLoop._trim_commits(f)
-    steps = [c[0] for c in f._st.commits]
+    steps = [c[0] for c in f.st.commits]
     assert len(steps) <= 2 * COMMITS_KEPT + 33 and steps[-1] == 99_999
     assert {39_999, 40_000, 40_001, 70_000, 70_001}.issubset(steps)
-    assert len(encode({"commits": f._st.commits})) < 20_000
+    assert len(encode({"commits": f.st.commits})) < 20_000

@@ -1,0 +1,163 @@
+"""The protocol of a kind of parallelism: what the member's step loop, its recovery and its
+planned migration ask of the way the registered state is laid out and kept in step.
+
+`ctx.register()` picks one strategy (runtime/strategies/__init__.py, `pick`); every place that
+used to ask "is this ZeRO-1? FSDP2?" asks the strategy instead. Each hook's docstring is the
+contract; `Replicated` (plain data parallel) is the reference implementation, `Zero1`
+(sharded optimizer state) and `Fsdp2` (parameters sharded by `fully_shard`) override what
+their layout changes. A new kind of parallelism is one more subclass: registered through
+`ctx.register(..., strategy=MyStrategy)`, it needs no edit elsewhere.
+
+The device (CPU or GPU) is not a kind of parallelism: every strategy runs on either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from livemig.rdzv.membership import Membership
+
+
+class Strategy:
+    """One kind of parallelism over one member (`host`: the Engine behind `Context`).
+
+    The hooks fall into five groups, in the order a run meets them: registration and start-up,
+    the step (average, clip, update, commit), the boundary, recovery (report, serve, catch up,
+    change the layout), planned migration, and the final record. A hook a kind does not need
+    keeps the base's behaviour, which is plain data parallel's."""
+
+    #: The name in the job's signature (what a spare must match) and in logs.
+    name: ClassVar[str] = "abstract"
+    #: Can a rank of this kind move to a spare by planned migration (runtime/migration.py)?
+    migrates: ClassVar[bool] = True
+    #: Does a staying member move to the migration's group at the boundary after the switch
+    #: step (True: collectives user code runs after ctx.step() still meet the leaving rank) or
+    #: right after the switch step's commit (False)?
+    switch_at_boundary: ClassVar[bool] = False
+    #: Does this kind own a gradient reducer (comm/reducer.py)? FSDP2 reduces inside backward.
+    uses_reducer: ClassVar[bool] = True
+
+    def __init__(self, host: Any) -> None:
+        self.h = host
+
+    # -- registration and start-up ---------------------------------------------------------
+    def signature(self) -> list[list]:
+        """Entries added to the registered state's signature: a spare must lay out the state
+        the same way as the job (coordinator/sharding.py reads them)."""
+        return []
+
+    def sync_start(self) -> None:
+        """DDP's start-up broadcast: every replica takes rank 0's state as the job forms."""
+        raise NotImplementedError
+
+    def formed(self) -> None:
+        """The job formed and the start-up sync ran: set up what is mirrored from now on."""
+
+    # -- the step ----------------------------------------------------------------------------
+    def sync_gradients(self, t: int) -> None:
+        """ctx.sync_gradients() at step t: the averaged gradient written to `.grad`."""
+        raise NotImplementedError
+
+    def step(self, t: int) -> None:
+        """ctx.step() at step t for a member of a group of several: average (unless done),
+        update, commit. Fault-aware: a failed collective joins the recovery and either
+        finishes step t or redoes it, so user code around ctx.step() runs once."""
+        raise NotImplementedError
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """ctx.clip_grad_norm_(): clip the averaged gradient by its global norm."""
+        self.h.sync_gradients()
+        return torch.nn.utils.clip_grad_norm_(self.h.reg.params, max_norm, norm_type)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally (DDP's no_sync)."""
+        red = self.h.reducer
+        if red is None:
+            yield
+            return
+        red.sync = True
+        try:
+            yield
+        finally:
+            red.sync = False
+
+    def apply_update(self, avg: list | None, mirror_only: bool, applied: list | None) -> None:
+        """The optimizer update of a commit, from the step's averaged gradient `avg`."""
+        self.h.reg.step_optimizer(self.h.scaler, applied)
+
+    def regather(self) -> None:
+        """Before a step and after a switch outside one: make the parameters whole again if
+        this kind keeps them in pieces between collectives (ZeRO-1)."""
+
+    def warmup_step(self, t: int, pg: Any) -> None:
+        """ctx.step() of a spare's sandboxed shadow iteration, against a world-of-one group `pg`."""
+        from livemig.comm.group import allreduce_mean
+
+        h = self.h
+        if h.reducer is not None:
+            flats = h.reducer.flatten()
+            allreduce_mean(pg, flats, 1, h.timeouts.collective)
+            h.reducer.write_back(flats)
+        h.reg.step_optimizer(h.scaler)
+        h.committed = t
+
+    # -- the boundary ------------------------------------------------------------------------
+    def at_boundary(self, step: int) -> None:
+        """All user code of `step` ran: keep what a spare resuming after it needs."""
+        raise NotImplementedError
+
+    def after_migrate_in(self, step: int) -> None:
+        """A spare switched in by planned migration at boundary `step`: the leaving worker's
+        boundary records (handed over at the switch) become this member's."""
+        self.h.keep_boundary(step)
+
+    # -- recovery ------------------------------------------------------------------------------
+    def redo_from_stash(self) -> None:
+        """The function was entered again to redo a step whose collective failed inside user
+        code (FSDP2): the state of the last boundary moves into the re-registered objects."""
+        from livemig.errors import RecoveryError
+
+        raise RecoveryError(f"a {self.name} job never redoes a step by entering the function again")
+
+    def avg_step(self) -> int | None:
+        """The step whose completed average (or reduced gradient shards) is held here: the
+        coordinator's agreement reads it to tell whether a peer can finish a step."""
+        avg = self.h.st.avg
+        return avg.step if avg else None
+
+    def catch_up(self, m: Membership) -> dict[str, Any] | None:
+        """Reach generation m's agreed boundary (m.resume_step - 1 committed here): a spare
+        pulls the state, a survivor that missed the last commit finishes it. Returns what
+        streamed (a spare's) or None."""
+        raise NotImplementedError
+
+    def serve(self, m: Membership) -> None:
+        """Publish what generation m's new members may pull from this survivor."""
+        raise NotImplementedError
+
+    def stage_layout(self, m: Membership) -> None:
+        """Pull the pieces generation m's layout gives this member that it does not hold (kept
+        aside until m commits): nothing unless this kind shards state over the ranks."""
+
+    def switch_layout(self, m: Membership) -> None:
+        """Generation m committed: hold its layout's pieces from now on."""
+
+    def shrink_refusal(self) -> str:
+        """Why a shrunk job cannot run this kind ("" when it can)."""
+        return ""
+
+    # -- planned migration -----------------------------------------------------------------
+    def migration_snapshot(self) -> dict[str, Any]:
+        """The leaving worker's snapshot at a boundary: what the catching-up spare loads."""
+        return self.h.reg.state_obj()
+
+    # -- the final record -------------------------------------------------------------------
+    def final_record(self) -> dict[str, Any]:
+        """What the final record adds for the run report's checks (shard and mirror digests)."""
+        return {}

@@ -13,9 +13,9 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # pragma: no cover
     from livemig.api import Context, elastic
     from livemig.data import batch_generator
-    from livemig.runtime.strategies import Strategy
+    from livemig.runtime.strategies import Replicated, Strategy
 
-__all__ = ["Context", "Strategy", "elastic", "batch_generator", "__version__"]
+__all__ = ["Context", "Replicated", "Strategy", "elastic", "batch_generator", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,10 +23,10 @@ def __getattr__(name: str) -> Any:
         from livemig import api
 
         return getattr(api, name)
-    if name == "Strategy":  # ctx.register(strategy=...): a kind of parallelism of the user's own
-        from livemig.runtime.strategies import Strategy
+    if name in ("Strategy", "Replicated"):  # ctx.register(strategy=...): a kind of parallelism of one's own
+        from livemig.runtime import strategies
 
-        return Strategy
+        return getattr(strategies, name)
     if name == "batch_generator":
         from livemig.data import batch_generator
 

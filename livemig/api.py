@@ -44,7 +44,7 @@ from livemig.rdzv.membership import new_incarnation
 from livemig.runtime.batches import Batches
 from livemig.runtime.bugs import exit_on_bug
 from livemig.runtime.checkpoint import Checkpointer
-from livemig.runtime.control import _Activate, _Released, _Requeue, _Stop
+from livemig.runtime.control import Activate, Released, Requeue, Stop
 from livemig.runtime.fsdp2 import Fsdp2
 from livemig.runtime.loop import StepLoop
 from livemig.runtime.migration import Migration
@@ -53,14 +53,14 @@ from livemig.runtime.registry import Registry
 from livemig.runtime.self_faults import SelfFaults
 from livemig.runtime.standby import Standby
 from livemig.runtime.step_state import StepState
-from livemig.runtime.strategies import Replicated, Strategy, new_reducer, pick
+from livemig.runtime.strategies import Replicated, Strategy, check_sharding, new_reducer, pick
 from livemig.runtime.virtual import VirtualRanks
 from livemig.sandbox.warmup import Sandbox
 
 log = logging.getLogger("livemig.api")
 
 
-class Engine(StepLoop, StatePull):
+class Engine(StepLoop, StatePull):  # both are MemberFields (runtime/member_fields.py)
     """The member behind a `Context`: the step protocol (the runtime/ mixins, over the state set
     here) and its collaborators. MemberRuntime calls it back through runtime.member.Callbacks."""
 
@@ -76,13 +76,13 @@ class Engine(StepLoop, StatePull):
         self.rank = int(os.environ.get(ENV_RANK, "0"))
         self.world_size = int(os.environ.get(ENV_WORLD_SIZE, "1"))
         self.spare_id = os.environ.get(ENV_SPARE_ID, "")
-        self.joining: _Activate | None = None
+        self.joining: Activate | None = None
         self.standby = Standby(self)  # a spare's standby; every member's final record (runtime/standby.py)
         self.sandbox = Sandbox(self)  # a spare's warm-up against a group of one (sandbox/warmup.py)
         self._batches = Batches(self)  # ctx.batches (runtime/batches.py)
         self.fsdp2 = Fsdp2(self)  # the device mesh and FSDP2's step and recovery (runtime/fsdp2.py)
         self._no_grad_said = False  # ctx.step() with no backward: said once (loop.check_backward)
-        self._reset_user_state()
+        self.reset_user_state()
         self.faults = SelfFaults(self)  # test faults and the fault plan's gate (runtime/self_faults.py)
         self.ckpt = Checkpointer(self)  # background checkpoints, --resume-from (runtime/checkpoint.py)
         if self.role != Role.LOCAL:
@@ -91,9 +91,10 @@ class Engine(StepLoop, StatePull):
             exit_with_parent()
             self.runtime = MemberRuntime(self.incarnation, self.timeouts)
 
-    def _reset_user_state(self) -> None:
-        if getattr(self, "reducer", None) is not None:
-            self.reducer.remove()
+    def reset_user_state(self) -> None:
+        old = getattr(self, "reducer", None)  # unset on the first call, from __init__
+        if old is not None:
+            old.remove()
         self.reg = Registry()
         self.reducer: GradReducer | None = None
         self.strategy: Strategy = Replicated(self)  # the kind of parallelism; ctx.register() picks it
@@ -109,36 +110,6 @@ class Engine(StepLoop, StatePull):
         self.scaler: Any = None  # the GradScaler of the ctx.step() in progress
         self.grad_views = os.environ.get(ENV_GRAD_VIEWS, "1") != "0"  # runtime/loop.py, _views_safe
         self.virtual = VirtualRanks(self)  # the lost ranks this one runs in a shrunk job (runtime/virtual.py)
-
-    # -- the registered state (runtime/registry.py) ------------------------------------------
-    @property
-    def model(self) -> torch.nn.Module | None:
-        return self.reg.model
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        return self.reg.optimizer
-
-    @property
-    def extra(self) -> dict[str, Any]:
-        return self.reg.extra
-
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        return self.reg.params
-
-    @property
-    def local(self) -> dict[str, Any]:
-        return self.reg.local
-
-    def signature(self) -> list:
-        return self.reg.signature() + self.strategy.signature()
-
-    def state_obj(self) -> dict[str, Any]:
-        return self.reg.state_obj()
-
-    def state_digest(self) -> str:
-        return self.reg.state_digest()
 
     @property
     def generation(self) -> int:
@@ -166,17 +137,14 @@ class Engine(StepLoop, StatePull):
         runs a kind of parallelism of the user's own (runtime/strategies/base.py). What cannot
         stream is refused here.
         """
-        fsdp = self.fsdp2.check_register(model, sharding, mirror)  # FSDP2: DTensor parameters
-        if sharding not in (None, "zero1"):
-            raise ConfigError(f"ctx.register(sharding={sharding!r}): expected None or 'zero1'")
-        if sharding and optimizer is None:
-            raise ConfigError("ctx.register(sharding='zero1') needs the optimizer whose state it shards")
+        check_sharding(sharding, optimizer, fsdp=self.fsdp2.sharded(model))
+        fsdp = self.fsdp2.check_register(model, mirror)  # FSDP2: DTensor parameters
         self.reg.set(model, optimizer, extra, local)
         self.reg.sync_start = bool(sync_start)
         self.fsdp2.registered(fsdp)
         if self.reducer is not None:
             self.reducer.remove()
-        self.reducer, self.reg.zero = None, None
+        self.reducer = None
         if self.params and self.role != Role.LOCAL and not fsdp:  # FSDP2 reduces the gradients itself
             self.reducer = new_reducer(self.params, self.world_size, sharding, self.runtime)
         self.strategy = pick(self, fsdp=fsdp, sharding=sharding, mirror=mirror, custom=strategy)
@@ -186,13 +154,6 @@ class Engine(StepLoop, StatePull):
         """torch's `init_device_mesh` over groups livemig owns, for `fully_shard(m, mesh=mesh)`:
         (shard,) is FSDP, (replicate, shard) HSDP; the same object across recoveries (runtime/fsdp2.py)."""
         return self.fsdp2.init_device_mesh(device_type, mesh_shape, mesh_dim_names)
-
-    @property
-    def warming_up(self) -> bool:
-        """True while a spare runs its sandboxed warm-up iterations (as rank 0 of a world
-        of one; nothing survives them): guard side effects with
-        `if not ctx.warming_up and ctx.rank == 0:`."""
-        return self.sandbox.active
 
     def batches(self, loader: Any) -> Iterator[Any]:
         """Iterate `loader` from the step the loop runs at: call next() on the result
@@ -287,9 +248,9 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                         # (a rank lost in the last steps) enters the function again from here too
                         ctx.standby.finish()
                         break
-                    except _Activate as act:
+                    except Activate as act:
                         ctx.standby.activate(act)  # entered again: claimed, a cold restart, an FSDP2 redo
-                    except _Requeue:
+                    except Requeue:
                         ctx.standby.requeue()
                     except (StepAborted, Exception) as exc:
                         if not ctx.fsdp2.take(exc):  # FSDP2: a failed collective unwound the function
@@ -298,7 +259,7 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                 fast_exit(ctx.role)
                 exit_past_abandoned_builds()
                 return result
-            except (_Released, _Stop):
+            except (Released, Stop):
                 exit_past_abandoned_builds()
                 return None
             except FencedError as exc:

@@ -163,7 +163,7 @@ ENV_PREFORK = "LIVEMIG_PREFORK"
 # "1": members add to their progress records what the agent's --metrics-port reads (the first
 # commit of their group and the last before it, the median step); set by the agent, off by default
 ENV_METRICS = "LIVEMIG_METRICS"
-# checkpoints (livemig/checkpoints.py, runtime/checkpoint.py, coordinator/cold.py)
+# checkpoints (livemig/checkpoint_dir.py, runtime/checkpoint.py, coordinator/cold.py)
 ENV_CHECKPOINT_DIR = "LIVEMIG_CHECKPOINT_DIR"
 ENV_CHECKPOINT_EVERY = "LIVEMIG_CHECKPOINT_EVERY"
 ENV_CHECKPOINT_KEEP = "LIVEMIG_CHECKPOINT_KEEP"

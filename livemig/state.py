@@ -79,7 +79,7 @@ def digest(tensors: list[torch.Tensor]) -> str:
         t = t.detach().cpu().contiguous()
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         if t.numel():
-            h.update(as_bytes(t).numpy())  # the tensor's memory, no copy
+            h.update(as_bytes(t).numpy())  # type: ignore[arg-type]  # the tensor's memory, no copy (numpy's stubs omit __buffer__)
     return h.hexdigest()
 
 

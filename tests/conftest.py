@@ -91,3 +91,10 @@ def procs() -> Iterator[Procs]:
         yield p
     finally:
         p.cleanup()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test under tests/e2e/ and tests/faults/ runs real jobs: marked `e2e`."""
+    for item in items:
+        if {"e2e", "faults"} & set(item.path.parent.parts[-1:]):
+            item.add_marker(pytest.mark.e2e)

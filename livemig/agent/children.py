@@ -74,6 +74,7 @@ class Child:
     rank: int | None = None
     died_at: float | None = None  # when the agent first saw it dead (reported once etcd answers)
     started: float = field(default_factory=time.monotonic)
+    stopped: bool = False  # SIGSTOPped by the fault plan's `slow` (agent/fault_driver.py)
 
 
 class Agent(Protocol):
@@ -88,8 +89,8 @@ class Agent(Protocol):
     partition: Any
     faults: Any
     watch: Any
-    _spares_started: bool
+    spares_started: bool
 
     def say(self, msg: str) -> None: ...
 
-    def _spawn_spares(self) -> None: ...
+    def spawn_spares(self) -> None: ...

@@ -68,7 +68,7 @@ class FaultDriver:
         # a link cut still sees etcd: only a partition hides the fence
         cut_off = (self.agent.partition is not None and c.name == self.partition_target()
                    and any(f.kind == "partition" for f in self.agent.cfg.faults))  # fmt: skip
-        return any(t is c for _, t in self._resumes) or getattr(c, "_stopped", False) or cut_off
+        return any(t is c for _, t in self._resumes) or c.stopped or cut_off
 
     def inject_requests(self, by_key: dict) -> None:
         """`livemig inject` from another host (inject.py): kill, hang, resume or slow one of our children."""
@@ -164,18 +164,18 @@ class FaultDriver:
                 self._slow.remove(entry)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(target.proc.pid, signal.SIGCONT)
-                target._stopped = False  # type: ignore[attr-defined]
+                target.stopped = False
                 continue
             # Duty cycle of 100 ms: run 100/factor ms, stopped the rest.
             phase = (now * 10) % 1.0
             want_stopped = phase >= 1.0 / factor
-            if want_stopped != getattr(target, "_stopped", False):
+            if want_stopped != target.stopped:
                 try:  # the slowed worker may end (the job done) between the poll above and here
                     os.killpg(target.proc.pid, signal.SIGSTOP if want_stopped else signal.SIGCONT)
                 except ProcessLookupError:
                     self._slow.remove(entry)
                     continue
-                target._stopped = want_stopped  # type: ignore[attr-defined]
+                target.stopped = want_stopped
 
     def _release_gates(self, by_key: dict, now: float) -> None:
         """Answer the gates no pending fault waits on, and a migration's gate once the
@@ -277,8 +277,8 @@ class FaultDriver:
                 record_fault(self.agent.client, self.agent.keys, f.kind, f.rank, step, now)
             except EtcdUnavailableError:
                 self._unrecorded.append((f.kind, f.rank, step, now))
-        if self.agent.cfg.cold_spares and not self.agent._spares_started:
-            self.agent._spawn_spares()  # a cold start: a fresh process at the moment of failure
+        if self.agent.cfg.cold_spares and not self.agent.spares_started:
+            self.agent.spawn_spares()  # a cold start: a fresh process at the moment of failure
         self.injected.append({"kind": f.kind, "rank": f.rank, "step": step, "during": f.during, "time": now,
                               "target": what})  # fmt: skip
         when = f" during {f.during}" if f.phase else ""

@@ -19,6 +19,7 @@ from typing import Any
 
 from livemig import logs
 from livemig.agent import report
+from livemig.agent.child_watch import FINE_TICK_S, IDLE_TICK_S, PROBE_S, ChildWatch, Wakeup
 from livemig.agent.children import Child
 from livemig.agent.events import EventLog
 from livemig.agent.fault_driver import FaultDriver
@@ -31,9 +32,8 @@ from livemig.agent.jobs import (
     state_dir,
 )
 from livemig.agent.nodes import default_host
-from livemig.agent.watch import FINE_TICK_S, IDLE_TICK_S, PROBE_S, ChildWatch, Wakeup
 from livemig.agent.zygote import forkable
-from livemig.checkpoints import ENV_RESUME
+from livemig.checkpoint_dir import ENV_RESUME
 from livemig.config import (
     ENV_BUDDY_STRIDE,
     ENV_ETCD,
@@ -154,7 +154,7 @@ class Launcher:
         self.logdir = os.path.join(state_dir(), "runs", f"{cfg.job}-{int(time.time())}")
         self.partition: Any = None
         self.net_env: dict[str, str] = {}
-        self._spares_started = False
+        self.spares_started = False
         self._outage = False  # etcd unreachable at the last look
         self._by_key: dict = {}  # the last snapshot of the job's keys (faults due during an outage)
         self.node_keeper: Any = None  # this agent's lease: holds its node key
@@ -162,7 +162,7 @@ class Launcher:
         self.run_id = ""
         # etcd credentials of this run: the embedded etcd's own, else the environment's
         self.security = EtcdSecurity.from_env()
-        self._wake = Wakeup()  # what the agent loop sleeps on (agent/watch.py Wakeup)
+        self._wake = Wakeup()  # what the agent loop sleeps on (agent/child_watch.py Wakeup)
         self._mirror: PrefixMirror | None = None  # the job's keys, watch-fed (supervise)
         self.tmpdir = ""  # the children's TMPDIR (start)
         self._t0 = time.time()
@@ -275,7 +275,7 @@ class Launcher:
         if early:
             self._spawn_job(host, part_rank)
             if not cfg.cold_spares:  # with the workers: warm before a short job's first faults
-                self._spawn_spares()
+                self.spawn_spares()
         if self.cluster is not None:
             self.cluster.wait_started()
         self.client = EtcdClient(self.etcd, cfg.timeouts.etcd, self.security)
@@ -291,8 +291,8 @@ class Launcher:
             self._spawn_job(host, part_rank)
         elif self.node_rank != 0:  # pragma: no cover - a fresh etcd of our own has no other node
             raise LivemigError(f"node rank {self.node_rank} on a job's own etcd: expected 0")
-        if not cfg.cold_spares and not self._spares_started:  # a spare guards the job from its first step
-            self._spawn_spares()
+        if not cfg.cold_spares and not self.spares_started:  # a spare guards the job from its first step
+            self.spawn_spares()
         self.faults.pending = [f for f in cfg.faults if not f.in_process]
         where = f" (node {self.node_rank} of {cfg.nnodes}, {host})" if cfg.nnodes > 1 else ""
         self.say(f"livemig: job {cfg.job}: {cfg.nproc} workers, {cfg.spares} spare(s), etcd {self.etcd}; "
@@ -336,7 +336,7 @@ class Launcher:
         not is skipped with a line naming it), chosen once so every worker loads the same."""
         if not self.cfg.resume_from:
             return ""
-        from livemig.checkpoints import choose, step_dir
+        from livemig.checkpoint_dir import choose, step_dir
 
         got = choose(self.cfg.resume_from)
         if got is None:
@@ -360,7 +360,7 @@ class Launcher:
             rec = conform(kv.value, {}, {"metrics": (bool,)}) if kv else None
             self._metrics_env = bool((rec or {}).get("metrics"))
 
-    def _spawn_spares(self) -> None:
+    def spawn_spares(self) -> None:
         cfg = self.cfg
         cold = {ENV_SHADOW_STEPS: "0"} if cfg.cold_spares else {}
         cold.update((ENV_SELF_FAULT, f.self_spec()) for f in cfg.faults if f.kind == "spare-hang" and f.in_process)
@@ -369,7 +369,7 @@ class Launcher:
             self._spawn(f"spare-{i}", Role.SPARE, [sys.executable, cfg.script, *cfg.args],
                         {ENV_ROLE: Role.SPARE, ENV_SPARE_ID: f"{pre}spare-{i}", ENV_WORLD_SIZE: str(cfg.nproc),
                          **self.net_env, **cold})  # fmt: skip
-        self._spares_started = True
+        self.spares_started = True
 
     def _fresh_requests(self, by_key: dict[str, Any]) -> None:
         """The coordinator asks for a fresh process for each lost rank it has no spare for

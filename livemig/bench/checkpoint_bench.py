@@ -59,7 +59,7 @@ def _ms(xs: list[float]) -> str:
 
 
 def run(a: argparse.Namespace) -> int:
-    from livemig.checkpoints import Settings
+    from livemig.checkpoint_dir import Settings
 
     if a.every < 1 or a.steps < 2 * a.every:
         raise SystemExit("livemig bench checkpoint: need --every >= 1 and --steps >= 2 x --every")

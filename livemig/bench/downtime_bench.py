@@ -102,7 +102,7 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
     }  # fmt: skip
 
 
-def _commits(out: str) -> list[tuple[int, float, int]]:
+def commit_times(out: str) -> list[tuple[int, float, int]]:
     rows = []
     for path in glob.glob(os.path.join(out, "progress-*")):
         rank = int(path.rsplit("-", 1)[1])
@@ -132,7 +132,7 @@ def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str], ckpt_every:
     try:
         while p.poll() is None and time.monotonic() < deadline:
             if fault and kill_t is None:
-                rows = [r for r in _commits(out) if r[2] == 1 and r[0] >= a.fail_at]
+                rows = [r for r in commit_times(out) if r[2] == 1 and r[0] >= a.fail_at]
                 if rows:
                     kill_t = time.time()
                     try:
@@ -145,7 +145,7 @@ def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str], ckpt_every:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
     wall = time.monotonic() - t0
-    rows = _commits(out)
+    rows = commit_times(out)
     by_step: dict[int, list[float]] = {}
     for step, t, _, _ in rows:
         by_step.setdefault(step, []).append(t)
@@ -353,7 +353,7 @@ def summarise(samples: dict[str, list[dict]], width: int = 13) -> dict[str, dict
 def _cold_row(a: argparse.Namespace, workload: list[str]) -> dict[str, Any]:
     """livemig with live recovery off: the kill restarts the job from its newest background
     checkpoint (every --ckpt-every steps, as restart's), the survivors in place."""
-    from livemig.checkpoints import Settings
+    from livemig.checkpoint_dir import Settings
 
     d = tempfile.mkdtemp(prefix="livemig-bench-cold-")
     try:
@@ -422,11 +422,11 @@ def _scrape_every(port: int, period: float, stop: threading.Event) -> None:
             pass  # not up yet, or gone
 
 
-def _row(name: str, xs: list[float]) -> str:
+def table_row(name: str, xs: list[float]) -> str:
     return f"  {name:<24} {statistics.median(xs) * 1e3:7.1f} ms  ({min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f})"
 
 
-def _ratio(name: str, num: list[float], den: list[float]) -> tuple[str, float]:
+def ratio_line(name: str, num: list[float], den: list[float]) -> tuple[str, float]:
     rs = [x / y if y else float("nan") for x, y in zip(num, den, strict=True)]
     med = statistics.median(rs)
     return f"  {name:<24} {med:7.3f}     ({min(rs):.3f}-{max(rs):.3f})", med
@@ -458,7 +458,7 @@ def run_overhead(a: argparse.Namespace) -> int:
     print(f"steady-state step time, {a.workers} workers, {a.steps} steps, {a.repeat} interleaved rounds, "
           "median (min-max)")  # fmt: skip
     for name, xs in times.items():
-        print(_row(name, xs))
+        print(table_row(name, xs))
     out: dict[str, Any] = {"step_s": times, "ratios": {}}
     pairs = [("livemig / DDP", "livemig", "plain DDP")]
     if a.metrics:
@@ -469,7 +469,7 @@ def run_overhead(a: argparse.Namespace) -> int:
                   ("zero1 / DDP+ZeRO", "livemig zero1, no mirror", "DDP + ZeroRedundancyOpt")]  # fmt: skip
     print("ratios")
     for label, x, y in pairs:
-        line, med = _ratio(label, times[x], times[y])
+        line, med = ratio_line(label, times[x], times[y])
         print(line)
         out["ratios"][label] = med
     measured = {k: statistics.median(v) for k, v in rss.items() if v}

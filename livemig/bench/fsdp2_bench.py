@@ -17,7 +17,7 @@ import os
 import statistics
 from typing import Any
 
-from livemig.bench.downtime_bench import ROOT, _ratio, _row, run_ddp, run_livemig, summarise
+from livemig.bench.downtime_bench import ROOT, ratio_line, run_ddp, run_livemig, summarise, table_row
 
 LM = os.path.join(ROOT, "examples", "fsdp2_lm.py")
 BASELINE = os.path.join(ROOT, "examples", "fsdp2_baseline.py")
@@ -64,7 +64,7 @@ def run_overhead(a: argparse.Namespace) -> int:
     print(f"steady-state step time, examples/fsdp2_lm.py {' '.join(base)} on {a.workers} workers, "
           f"{a.repeat} interleaved rounds, median (min-max)")  # fmt: skip
     for name, xs in times.items():
-        print(_row(name, xs))
+        print(table_row(name, xs))
     pairs = [("livemig / FSDP2 (<= 1.05)", "livemig", "torch FSDP2"),
              ("mirror / FSDP2", "livemig + mirror", "torch FSDP2"),
              ("mirror / livemig", "livemig + mirror", "livemig"),
@@ -73,7 +73,7 @@ def run_overhead(a: argparse.Namespace) -> int:
     out: dict[str, Any] = {"step_s": times, "ratios": {}, "workload": base}
     print("ratios (median of the rounds' pairs)")
     for label, x, y in pairs:
-        line, med = _ratio(label, times[x], times[y])
+        line, med = ratio_line(label, times[x], times[y])
         print(line)
         out["ratios"][label] = med
     if mirror_mb:

@@ -47,7 +47,7 @@ def _put_many(client: EtcdClient, items: list[tuple[str, bytes]], lease: int | N
     return last
 
 
-def _wait(client: EtcdClient, keys: JobKeys, pred: Any, coord: subprocess.Popen | None = None,
+def wait_until(client: EtcdClient, keys: JobKeys, pred: Any, coord: subprocess.Popen | None = None,
           timeout: float = 120) -> tuple[Membership, float]:  # fmt: skip
     """Poll the table as a member would see it: decoded once per change (its mod revision),
     not on every poll; at 10,000 ranks a decode is ~20 ms of the bench's CPU, which the
@@ -175,9 +175,9 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, 
                 for r in range(n)]  # fmt: skip
         _put_many(client, regs, lease)
         _put_many(client, sigs)
-        m, _ = _wait(client, keys, lambda m: m.generation == 1, coord)
+        m, _ = wait_until(client, keys, lambda m: m.generation == 1, coord)
         _put_many(client, [(keys.ready(1, r), encode({"incarnation": inc[r], "time": time.time()})) for r in range(n)])
-        _wait(client, keys, lambda m: m.state == GenState.COMMITTED, coord)
+        wait_until(client, keys, lambda m: m.state == GenState.COMMITTED, coord)
         progress = _Progress(etcd, keys, inc, progress_hz)
         progress.start()
         cpu0, w0 = proc_cpu_s(coord.pid), time.monotonic()
@@ -196,17 +196,17 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, 
                 client.txn_ops.put(keys.suspect(inc[victim]), encode({"time": t_fault, "reason": "sim"})),
             ],
         )
-        m, t_fenced = _wait(client, keys, lambda m: m.generation == 2, coord)
+        m, t_fenced = wait_until(client, keys, lambda m: m.generation == 2, coord)
         t_reported = _put_many(client, [(keys.report(2, r), encode({"incarnation": inc[r], "committed": 10,
                                                                     "avg_step": 10}))
                                         for r in range(n - 1)])  # fmt: skip
-        m, t_claimed = _wait(client, keys, lambda m: m.state == GenState.BUILDING, coord)
+        m, t_claimed = wait_until(client, keys, lambda m: m.state == GenState.BUILDING, coord)
         ready = [(keys.ready(2, r), encode({"incarnation": m.members[r].incarnation, "time": time.time()}))
                  for r in range(n)]  # fmt: skip
         client.put(keys.member(victim), encode({"incarnation": spare_inc, "host": "sim", "pid": 0, "rank": victim,
                                                 "addr": "tcp://sim:0", "state": "running"}), lease)  # fmt: skip
         t_ready = _put_many(client, ready)
-        m, t_commit = _wait(client, keys, lambda m: m.state == GenState.COMMITTED and m.generation == 2, coord)
+        m, t_commit = wait_until(client, keys, lambda m: m.state == GenState.COMMITTED and m.generation == 2, coord)
         table_bytes = len(client.get(keys.membership).value)
         delivery: dict[str, Any] = {}
         if watch is not None:  # the commit reaching members: latency to k of them, bytes to all n

@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Any
 
-from livemig.bench.downtime_bench import DDP, MLP, _commits, add_workload_arguments, workload_args
+from livemig.bench.downtime_bench import DDP, MLP, add_workload_arguments, commit_times, workload_args
 from livemig.rdzv.embedded import free_port
 
 
@@ -78,8 +78,8 @@ def run_torchrun(a: argparse.Namespace) -> dict[str, Any]:
     t0 = time.time()
     p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     end = _wait(p, a.run_timeout)
-    times = [t for _, t, _, _ in _commits(out)]
-    steps = len({s for s, _, _, _ in _commits(out)})
+    times = [t for _, t, _, _ in commit_times(out)]
+    steps = len({s for s, _, _, _ in commit_times(out)})
     res: dict[str, Any] = {"ok": steps == a.steps, "rc": p.returncode, "wall_s": end - t0, "steps": steps}
     if times:
         res["startup_s"], res["teardown_s"] = min(times) - t0, end - max(times)

@@ -92,7 +92,7 @@ def _etcd_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _report_parser(sub: argparse._SubParsersAction) -> None:
-    from livemig.cli.report import add_parser
+    from livemig.cli.show_report import add_parser
 
     add_parser(sub)
 

@@ -167,7 +167,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def checkpoint_settings(a: argparse.Namespace) -> Any:
     """--checkpoint-dir/-every/-keep as checkpoints.Settings (None: no checkpoints); refused
     with one line where the directory cannot be one."""
-    from livemig.checkpoints import Settings
+    from livemig.checkpoint_dir import Settings
 
     every, interval = a.checkpoint_every, a.checkpoint_interval
     if a.checkpoint_dir is None:

@@ -49,7 +49,7 @@ class CollectiveAborted(RuntimeError):
     """A collective or build was abandoned: peer failure, timeout, or a new generation."""
 
 
-def _store_for(addr: str, gen: int, timeout: timedelta) -> dist.Store:
+def store_for(addr: str, gen: int, timeout: timedelta) -> dist.Store:
     if not is_host_port(addr):
         raise CollectiveAborted(f"generation {gen}'s store address {addr!r} is not host:port")
     host, port = addr.rsplit(":", 1)
@@ -63,7 +63,7 @@ def _gloo(store: dist.Store, rank: int, world: int, timeout: timedelta) -> Any:
     host = os.environ.get(ENV_HOST, "")
     if not host or os.environ.get("GLOO_SOCKET_IFNAME"):
         return dist.ProcessGroupGloo(store, rank, world, timeout)
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's own, not in its stubs
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, world, opts)
@@ -96,7 +96,7 @@ def exit_past_abandoned_builds() -> None:
         failed.append(True)
         previous(*exc)
 
-    def record_exit(arg: object = None) -> None:
+    def record_exit(arg: Any = None) -> None:
         status[:] = [arg]
         previous_exit(arg)
 
@@ -131,7 +131,7 @@ def build_group(
     """Build the group of generation `gen`; raises CollectiveAborted if aborted."""
 
     def make() -> Any:
-        store = _store_for(store_addr, gen, timeout)
+        store = store_for(store_addr, gen, timeout)
         if backend == "nccl":  # pragma: no cover - needs GPUs
             opts = dist.ProcessGroupNCCL.Options()
             return dist.ProcessGroupNCCL(store, rank, world, opts)
@@ -156,7 +156,7 @@ def build_subgroup(
 
 def generation_store(store_addr: str, gen: int, timeout: timedelta) -> dist.Store:
     """Generation `gen`'s store, as its group's build sees it."""
-    return _store_for(store_addr, gen, timeout)
+    return store_for(store_addr, gen, timeout)
 
 
 def _abortable(make: Callable[[], Any], what: str, timeout: timedelta,

@@ -29,7 +29,7 @@ overlapped buckets would otherwise hold half an accumulation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -39,7 +39,7 @@ from livemig.comm.group import BUCKET_BYTES, FIRST_BUCKET_BYTES, CollectiveAbort
 from livemig.errors import ConfigError
 
 
-def bucket_layout(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES,
+def bucket_layout(params: Sequence[torch.Tensor], bucket_bytes: int = BUCKET_BYTES,
                   first_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:  # fmt: skip
     """Buckets in parameter order, one dtype each: a bucket of mixed fp32 and bf16
     gradients would be averaged in one of the two (losing precision, or bits that
@@ -60,6 +60,15 @@ def bucket_layout(params: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES,
             open_[p.dtype] = (cur, size)
     layout += [cur for cur, _ in open_.values()]
     return layout
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """The parameter's gradient, which the caller made sure exists (the post-accumulate hook
+    fired, or ensure_grads() gave zeros to a parameter backward did not reach)."""
+    g = p.grad
+    if g is None:
+        raise RuntimeError("a parameter in the gradient buckets has no .grad (ensure_grads() was not called)")
+    return g
 
 
 class GradReducer:
@@ -97,14 +106,16 @@ class GradReducer:
         self._armed = pg is not None
         self._flip = (self._flip + 1) % 2 if self.scatter else (self._flip + 1) % len(self._sets)
         fi = 0 if self.scatter else self._flip  # scattered: the kept average is the slice, not the bucket
-        if self._sets[fi] is None:
-            self._sets[fi] = self._alloc(self.padded)
-        self._flats = self._sets[fi]
+        flats = self._sets[fi]
+        if flats is None:
+            flats = self._sets[fi] = self._alloc(self.padded)
+        self._flats: list[torch.Tensor] = flats
         if self.scatter:
             # the averaged slices are kept until the next step's commit: double-buffered too
-            if self._out_sets[self._flip] is None:
-                self._out_sets[self._flip] = self._alloc(self.shard_sizes)
-            self._outs = self._out_sets[self._flip]
+            outs = self._out_sets[self._flip]
+            if outs is None:
+                outs = self._out_sets[self._flip] = self._alloc(self.shard_sizes)
+            self._outs: list[torch.Tensor] = outs
         self._filled = [False] * len(self.params)
         self._count = [0] * len(self.layout)
         self._works = [None] * len(self.layout)
@@ -166,9 +177,9 @@ class GradReducer:
         off = self.offset[i]
         dst = self._flats[b][off : off + p.numel()]
         if self.world > 1:
-            torch.div(p.grad.reshape(-1), self.world, out=dst)  # pre-divided, as DDP's buckets
+            torch.div(_grad(p).reshape(-1), self.world, out=dst)  # pre-divided, as DDP's buckets
         else:
-            dst.copy_(p.grad.reshape(-1))
+            dst.copy_(_grad(p).reshape(-1))
         if not self._filled[i]:
             self._filled[i] = True
             self._count[b] += 1
@@ -226,7 +237,7 @@ class GradReducer:
     def flatten(self, world: int = 1) -> list[torch.Tensor]:
         """The local gradients in the bucket layout, divided by `world` as the overlapped
         path fills its buckets (the same bits: a retry sums what the first attempt would)."""
-        flats = self._padded([torch.cat([self.params[i].grad.reshape(-1) for i in idx]) for idx in self.layout])
+        flats = self._padded([torch.cat([_grad(self.params[i]).reshape(-1) for i in idx]) for idx in self.layout])
         if world > 1:
             for f in flats:
                 f.div_(world)
@@ -263,7 +274,8 @@ class GradReducer:
                 if views and p.is_contiguous():  # (a channels-last weight keeps its own layout)
                     p.grad = flat[off : off + n].view_as(p)
                 else:
-                    p.grad.copy_(flat[off : off + n].view_as(p.grad))
+                    grad = _grad(p)
+                    grad.copy_(flat[off : off + n].view_as(grad))
                 off += n
 
     def write_params(self, flats: list[torch.Tensor]) -> None:

@@ -159,7 +159,7 @@ class SwappableGroup(dist.ProcessGroup):
     """A torch process group with a replaceable communicator underneath."""
 
     def __init__(self, rank: int, size: int, ranks: list[int], name: str, inner: Any) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # torch's (rank, size) constructor, absent from its stubs
         self.ranks = ranks  # global ranks, in group-rank order
         self.inner = inner
         self._name = name
@@ -214,7 +214,7 @@ class SwappableGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
         o = dist.ReduceScatterOptions()
-        o.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        o.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM  # type: ignore[assignment]  # SUM converts
         return _run("fsdp_reduce_scatter", lambda: self.inner._reduce_scatter_base(out, inp, o))
 
     def broadcast(self, *a: Any, **k: Any) -> Any:

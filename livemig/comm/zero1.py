@@ -118,7 +118,8 @@ class ShardState:
             if hp.get("foreach") is None and not hp.get("fused"):
                 hp["foreach"] = True  # few large flat pieces: the multi-tensor path is 2.5x faster on CPU
             groups.append({"params": [t for t, p in zip(self.tensors, self.pieces, strict=True) if p.group == g], **hp})
-        self.opt = type(template)(groups) if groups else None
+        cls: Any = type(template)  # the template's class: its hyperparameters come with each group
+        self.opt = cls(groups) if groups else None
 
     def update(self, grads: list[torch.Tensor]) -> None:
         """Apply one step with the averaged slices `grads` (one per bucket)."""
@@ -234,7 +235,7 @@ class Zero1:
         self.shards = {s: ShardState(red, self.group_of, template, s) for s in self._held(self.layout)}
         self._staged: dict[int, ShardState] = {}
         self._gather: list[torch.Tensor] | None = None
-        template.step = _forbid_step  # type: ignore[method-assign]
+        template.step = _forbid_step  # type: ignore[method-assign,assignment]  # the template never steps
 
     def reset_values(self) -> None:
         """Every held shard's master values from the parameters as they are now: after the

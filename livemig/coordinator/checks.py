@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any
 
 from livemig.config import on_error_policy, straggler_settings
-from livemig.coordinator.snapshot import Snapshot, _num
+from livemig.coordinator.snapshot import Snapshot, as_number
 from livemig.rdzv.client import encode
 
 log = logging.getLogger("livemig.coordinator")
@@ -28,9 +28,9 @@ def compute_times(progress: dict[str, Any]) -> dict[int, float]:
     out: dict[int, float] = {}
     for pair in progress.get("compute_recent") or []:
         if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int):
-            out[pair[0]] = _num(pair[1])
+            out[pair[0]] = as_number(pair[1])
     if isinstance(progress.get("step"), int) and "compute_s" in progress:
-        out[progress["step"]] = _num(progress["compute_s"])
+        out[progress["step"]] = as_number(progress["compute_s"])
     return out
 
 
@@ -203,11 +203,11 @@ class Checks:
             seen = {r: v[1] for r, v in reports.items()}
             log.warning("broken link: rank(s) suspected", extra={"ranks": victims, "reports": seen})
             return True
-        failed = {r: p for r, (f, _, p) in reports.items() if f}
-        if not failed:
+        failing = {r: p for r, (f, _, p) in reports.items() if f}
+        if not failing:
             return False  # waits with every peer reachable: the hang check judges them
-        step = max(p["failed_step"] for p in failed.values())
-        error = next(iter(failed.values())).get("error", "")
+        step = max(p["failed_step"] for p in failing.values())
+        error = next(iter(failing.values())).get("error", "")
         n = self._rebuilds.get(step, 0)
         if n >= MAX_REBUILDS:
             self.coord._fail(m, f"the collective of step {step} failed {n + 1} times with every peer reachable "
@@ -246,9 +246,9 @@ class Checks:
         for r in waiters:
             key = (m.generation, r, w)
             if key not in self._waits:
-                self._waits[key] = now - _num(waiting[r].get("waited_s"))
+                self._waits[key] = now - as_number(waiting[r].get("waited_s"))
             started.append(self._waits[key])
-        limit = max(_num(waiting[r].get("hang_timeout"), 5.0) for r in waiters)
+        limit = max(as_number(waiting[r].get("hang_timeout"), 5.0) for r in waiters)
         waited = now - max(started)
         suspects = [r for r in m.members if r not in waiters and not prog[r].get("busy")
                     and now - self._busy_seen.get((m.generation, r), -1e18) >= limit]  # fmt: skip

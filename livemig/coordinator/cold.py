@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Any
 
-from livemig.checkpoints import ENV_DIR, CheckpointError, choose, step_dir
+from livemig.checkpoint_dir import ENV_DIR, CheckpointError, choose, step_dir
 from livemig.config import ENV_MAX_RESTARTS, ENV_RECOVERY
 from livemig.errors import ConfigError
 from livemig.rdzv.membership import Membership

@@ -36,7 +36,7 @@ from livemig.config import (
 )
 from livemig.coordinator.checks import Checks
 from livemig.coordinator.cold import ColdPath
-from livemig.coordinator.migration import Migrations
+from livemig.coordinator.migrations import Migrations
 from livemig.coordinator.prune import stale_ops
 from livemig.coordinator.sharding import (
     first_mismatch,
@@ -49,7 +49,7 @@ from livemig.coordinator.sharding import (
     sharding_of,
 )
 from livemig.coordinator.shrink import ShrinkPolicy
-from livemig.coordinator.snapshot import Decoded, Snapshot, _num, _safe_decode, node_of
+from livemig.coordinator.snapshot import Decoded, Snapshot, as_number, node_of, safe_decode
 from livemig.coordinator.store_host import StoreHost
 from livemig.coordinator.timeline import Timeline
 from livemig.errors import CorruptStateError, EtcdUnavailableError, LivemigError, NotLeaderError
@@ -179,7 +179,7 @@ class Coordinator:
                     log.warning("the leader key is no longer ours; stepping down")
                     return "deposed"
                 try:
-                    self.step(snap)
+                    self.run_pass(snap)
                 except NotLeaderError:
                     return "deposed"
                 except Exception:  # noqa: BLE001 - a bad pass (odd input, etcd failover) must not end the job
@@ -253,7 +253,9 @@ class Coordinator:
             self.timeline.record(new.generation, "takeover", [self.election.guard()], leader=self.id)
 
     # -- one pass ----------------------------------------------------------------------------
-    def step(self, s: Snapshot) -> None:
+    def run_pass(self, s: Snapshot) -> None:
+        """One pass of the leader over a snapshot of the job's keys (not a training step): see
+        what changed since the last pass and drive the generation's state machine one move on."""
         m = s.m
         key = (m.generation, m.state)
         first_seen = self._since.setdefault(key, time.monotonic())
@@ -414,8 +416,8 @@ class Coordinator:
                         self.timeline.op(
                             m.generation,
                             "stream",
-                            at=_num(x.get("time"), time.time()) - _num(x.get("build_s")),
-                            seconds=_num(x["stream_s"]),
+                            at=as_number(x.get("time"), time.time()) - as_number(x.get("build_s")),
+                            seconds=as_number(x["stream_s"]),
                             bytes=x.get("bytes", 0),
                             source=x.get("source", ""),
                         )
@@ -502,7 +504,7 @@ class Coordinator:
         )
         for kv in spares:
             sid = kv.key[len(self.keys.spares_prefix) :]
-            info = _safe_decode(kv.key, kv.value)
+            info = safe_decode(kv.key, kv.value)
             if not info or "incarnation" not in info:
                 continue
             if info.get("state") != "warm" or s.kv.get(self.keys.assignment(sid)) is not None:

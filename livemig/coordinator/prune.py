@@ -15,7 +15,7 @@ migration is open, so nothing in flight is touched), in one guarded transaction:
   is consumed by its fence before a generation can be COMMITTED.
 
 fenced/<incarnation> keys stay: they are what refuses a zombie's writes. The agent
-that started a process removes its key once it has reaped it (agent/watch.py), as only
+that started a process removes its key once it has reaped it (agent/child_watch.py), as only
 it knows that the process can no longer write.
 """
 

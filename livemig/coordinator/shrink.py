@@ -49,7 +49,8 @@ class ShrinkPolicy:
         carried = {v: c for v, c in m.carried.items() if c in m.members}
         layout = zero1_layout(n, m.carried, stride) if mode == "zero1" else {}
         for v in vacant:
-            c = layout[v][1] if v in layout and layout[v][1] in m.members else (v + stride) % n
+            mirror = layout[v][1] if v in layout else None
+            c = mirror if mirror is not None and mirror in m.members else (v + stride) % n
             while c not in m.members:
                 c = (c + 1) % n
             carried[v] = c

@@ -38,7 +38,7 @@ _REQUIRED: dict[str, dict[str, tuple]] = {
 _logged: set[tuple[str, int]] = set()  # (key, length) of ignored values: logged once each
 
 
-def _num(v: Any, default: float = 0.0) -> float:
+def as_number(v: Any, default: float = 0.0) -> float:
     """A number read from a member's record, or `default` for anything else."""
     return float(v) if isinstance(v, _NUM) and not isinstance(v, bool) else default
 
@@ -52,7 +52,7 @@ def _kind(key: str) -> str:
     return parts[3]
 
 
-def _safe_decode(key: str, raw: bytes) -> Any:
+def safe_decode(key: str, raw: bytes) -> Any:
     """A malformed value under the job's prefix, or one that decodes but lacks a field the
     coordinator reads, is logged once and ignored, never fatal."""
     try:
@@ -121,10 +121,10 @@ class Snapshot:
 
     def get(self, key: str) -> Any:
         kv = self.kv.get(key)
-        return self._cache.get(kv, _safe_decode) if kv else None
+        return self._cache.get(kv, safe_decode) if kv else None
 
     def under(self, prefix: str) -> dict[str, Any]:
-        out = {k[len(prefix) :]: self._cache.get(self.kv[k], _safe_decode) for k in self.keys_under(prefix)}
+        out = {k[len(prefix) :]: self._cache.get(self.kv[k], safe_decode) for k in self.keys_under(prefix)}
         return {k: v for k, v in out.items() if isinstance(v, dict)}
 
     def keys_under(self, prefix: str) -> list[str]:
@@ -154,7 +154,7 @@ class Snapshot:
                 out.append(r)
                 continue
             kv = self.kv.get(self.keys.member(r))
-            reg = self._cache.get(kv, _safe_decode) if kv is not None else None
+            reg = self._cache.get(kv, safe_decode) if kv is not None else None
             if reg is not None and reg.get("incarnation") == inc:
                 continue
             if not self.alive(r, mem, grace):

@@ -81,7 +81,8 @@ def conform(raw: bytes | Any, need: dict[str, tuple], may: dict[str, tuple] | No
 
     if any(f not in value or not ok(value[f], t) for f, t in need.items()):
         return None
-    return {k: v for k, v in value.items() if isinstance(k, str) and (k not in (may or {}) or ok(v, may[k]))}
+    opt = may or {}
+    return {k: v for k, v in value.items() if isinstance(k, str) and (k not in opt or ok(v, opt[k]))}
 
 
 def through_outage(call: Callable[[], T], budget_s: float, what: str, give_up: Callable[[], bool] = lambda: False) -> T:

@@ -83,7 +83,7 @@ class Member:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-_ROLES = [Role.WORKER, Role.SPARE]
+_ROLES: list[str] = [Role.WORKER, Role.SPARE]
 
 
 def _pack_members(members: dict[int, Member]) -> dict:

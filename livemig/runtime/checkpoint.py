@@ -4,7 +4,7 @@ A collaborator of api.Engine (`engine.ckpt`). At a checkpointed step's boundary 
 state when ctx.steps() yields the next step, docs/architecture.md "The boundary rule")
 the training thread stages this rank's part to fresh CPU memory, one copy per tensor,
 and a writer thread saves it with torch.distributed.checkpoint (DCP) into a directory
-of its own (livemig/checkpoints.py has the layout), fsyncs it, writes its marker and
+of its own (livemig/checkpoint_dir.py has the layout), fsyncs it, writes its marker and
 publishes the checkpoint once every rank's marker is there. Training goes on meanwhile;
 a write that fails is logged once and counted, never a failure of the job.
 
@@ -39,8 +39,7 @@ from typing import Any, Protocol
 import msgpack
 import torch
 
-from livemig import checkpoints as layout
-from livemig.config import buddy_stride
+from livemig import checkpoint_dir as layout
 from livemig.errors import ConfigError
 from livemig.state import flatten, unflatten
 
@@ -56,7 +55,7 @@ class CheckpointHost(Protocol):
     runtime: Any
     timeouts: Any
     faults: Any
-    fsdp2: Any  # FSDP2 (runtime/fsdp2.py): its shards are this rank's part
+    strategy: Any  # the kind of parallelism (runtime/strategies/): the sections it adds to a part
     virtual: Any  # a shrunk job's carried ranks (runtime/virtual.py): their parts are written here too
 
     def signature(self) -> list: ...
@@ -72,7 +71,7 @@ def _model_sd(reg: Any) -> dict[str, Any]:
     next backward with freed parameter storage."""
     if reg.model is None:
         return {}
-    if reg.fsdp is None:
+    if not reg.layout.params_sharded:
         return reg.model.state_dict()
     names = set(reg.buffer_names)
     return {k: v for k, v in reg.model.named_buffers() if k in names}
@@ -184,19 +183,16 @@ class Checkpointer:
         h = self._host
         reg = h.reg
         rank = h.rank if rank is None else rank
-        fsdp = reg.fsdp is not None  # every rank writes its own shards; no rank holds the whole model
+        sharded = reg.layout.params_sharded  # every rank writes its own shards; no rank holds the whole model
         model_sd = _model_sd(reg)
-        keep = list(model_sd) if rank == 0 and not fsdp else list(reg.buffer_names)
+        keep = list(model_sd) if rank == 0 and not sharded else list(reg.buffer_names)
         sections: dict[str, Any] = {"local": {k: v.state_dict() for k, v in reg.local.items()}}
-        if fsdp:
-            sections["fsdp"] = h.fsdp2.shards()
         if rank == 0:
-            if reg.optimizer is not None and reg.zero is None and not fsdp:
+            if reg.optimizer is not None and not reg.layout.optimizer_sharded:
                 sections["optimizer"] = reg.optimizer.state_dict()
             sections["boundary"] = {"extra": {k: v.state_dict() for k, v in reg.extra.items()},
                                     "hparams": reg.hparams()}  # fmt: skip
-        if reg.zero is not None:
-            sections["shard"] = reg.zero.shards[rank].state()  # a carried rank's: its carrier owns it
+        sections.update(h.strategy.checkpoint_part(rank))  # shards: a carried rank's, its carrier owns it
         skeletons: dict[str, Any] = {}
         state: dict[str, dict[str, torch.Tensor]] = {}
         old = self._staged.get(rank, {})
@@ -267,6 +263,10 @@ class Checkpointer:
                     "(the previous checkpoint stays the newest)",
                     extra={"step": step, "failed": self.failed})  # fmt: skip
 
+    def load(self, step_root: str) -> tuple[int, int]:
+        """This rank's boundary state from the complete checkpoint at `step_root` (`load` below)."""
+        return load(self._host, step_root)
+
     def wait(self, timeout: float | None = None) -> None:
         """The last write finished (or `timeout` passed): a process that ends with a write in
         flight would leave its part half-written."""
@@ -291,7 +291,7 @@ class Checkpointer:
         return step
 
 
-def _read_part(part: str, want_model: dict[str, torch.Tensor], sections: list[str]) -> tuple[dict, dict]:
+def read_part(part: str, want_model: dict[str, torch.Tensor], sections: list[str]) -> tuple[dict, dict]:
     """Load `want_model` in place from the part at `part`, and the named sections (allocated
     from the part's metadata); (meta, {section: object})."""
     import torch.distributed.checkpoint as dcp
@@ -334,10 +334,8 @@ def load(h: CheckpointHost, step_root: str) -> tuple[int, int]:
     step = int(name.removeprefix("step_"))
     man = layout.read_manifest(root, step)
     world = int(man["world"])
-    if world != h.world_size and reg.fsdp is not None:
-        raise ConfigError(f"checkpoint {step_root} holds the FSDP2 shards of {world} ranks; this run has "
-                          f"{h.world_size}, and FSDP2 shards are not resharded to another world size yet: "
-                          f"resume it with --nproc {world} and the same mesh")  # fmt: skip
+    if world != h.world_size:
+        h.strategy.check_resume_world(step_root, world)
     if man.get("signature") not in (None, signature_hash(h.signature())):
         raise ConfigError(f"checkpoint {step_root} was written by a script whose registered state differs "
                           "(another model or optimizer): resume it with the script that wrote it")  # fmt: skip
@@ -347,39 +345,30 @@ def load(h: CheckpointHost, step_root: str) -> tuple[int, int]:
                           f"another world size: resume it with --nproc {world}")  # fmt: skip
     model_sd = _model_sd(reg)
     buffers = set(reg.buffer_names)
-    fsdp = reg.fsdp is not None  # its parameters (DTensors) come from this rank's own part, below
-    params = {} if fsdp else {k: v for k, v in model_sd.items() if k not in buffers and isinstance(v, torch.Tensor)}
+    sharded = reg.layout.params_sharded  # its parameters (DTensors) come from this rank's own part, below
+    params = {} if sharded else {k: v for k, v in model_sd.items() if k not in buffers and isinstance(v, torch.Tensor)}
     own_buffers = {k: v for k, v in model_sd.items() if k in buffers and isinstance(v, torch.Tensor)}
     with torch.no_grad():
         zero = [params | (own_buffers if h.rank == 0 or world != h.world_size else {})]
-        whole_opt = reg.optimizer is not None and reg.zero is None and not fsdp
+        whole_opt = reg.optimizer is not None and not reg.layout.optimizer_sharded
         sections = ["boundary"] + (["optimizer"] if whole_opt else [])
-        _, got = _read_part(layout.part_dir(root, step, 0), zero[0], sections)
+        _, got = read_part(layout.part_dir(root, step, 0), zero[0], sections)
         if whole_opt:
             reg.optimizer.load_state_dict(got["optimizer"])
         reg.load_boundary(got["boundary"])
+
+        def section_of(r: int, name: str) -> Any:
+            """Section `name` of rank r's part: the shards a strategy mirrors or re-splits."""
+            return read_part(layout.part_dir(root, step, r), {}, [name])[1][name]
+
         if world == h.world_size:
-            own = ["local"] + (["shard"] if reg.zero is not None else []) + (["fsdp"] if fsdp else [])
-            _, mine = _read_part(layout.part_dir(root, step, h.rank), own_buffers if h.rank else {}, own)
+            own = ["local", *h.strategy.checkpoint_sections()]
+            _, mine = read_part(layout.part_dir(root, step, h.rank), own_buffers if h.rank else {}, own)
             for k, v in reg.local.items():
                 v.load_state_dict(mine["local"][k])
-            if fsdp:  # this rank's shards, and the shards it mirrors from their owner's part
-
-                def part_of(r: int) -> dict[str, Any]:
-                    return _read_part(layout.part_dir(root, step, r), {}, ["fsdp"])[1]["fsdp"]
-
-                h.fsdp2.load_shards(mine["fsdp"], part_of)
-            if reg.zero is not None:
-                reg.zero.own.load(mine["shard"])
-                if reg.zero.mirror is not None:
-                    src = (h.rank - buddy_stride(world)) % world
-                    _, theirs = _read_part(layout.part_dir(root, step, src), {}, ["shard"])
-                    reg.zero.mirror.load(theirs["shard"])
-        elif reg.zero is not None:  # the shards re-split over this world size (comm/zero1.py)
-            shards = [_read_part(layout.part_dir(root, step, r), {}, ["shard"])[1]["shard"] for r in range(world)]
-            reg.zero.own.load_resharded(shards)
-            if reg.zero.mirror is not None:
-                reg.zero.mirror.load_resharded(shards)
+            h.strategy.load_checkpoint_part(mine, section_of)  # its shards, and those it mirrors
+        else:
+            h.strategy.load_resharded(world, section_of)  # ZeRO-1: the shards re-split over this world size
     log.info("state loaded from a checkpoint", extra={"step": step, "dir": step_root, "rank": h.rank,
                                                        "written_by_ranks": world})  # fmt: skip
     return step, world

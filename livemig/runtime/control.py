@@ -4,7 +4,7 @@ user's `except Exception` never swallows them)."""
 from __future__ import annotations
 
 
-class _Activate(BaseException):
+class Activate(BaseException):
     """Unwinds the user's function in a spare once it is claimed, and in every survivor of
     a cold restart (restart=True: it is entered again to load the checkpoint in place), and in a
     survivor of an FSDP2 recovery (redo=True: the failed step is redone from the boundary held
@@ -16,13 +16,13 @@ class _Activate(BaseException):
         self.redo = redo
 
 
-class _Stop(BaseException):
+class Stop(BaseException):
     """A standby spare was asked to exit (`livemig-spare stop`)."""
 
 
-class _Released(BaseException):
+class Released(BaseException):
     """This worker's rank moved to a spare (planned migration): exit cleanly."""
 
 
-class _Requeue(BaseException):
+class Requeue(BaseException):
     """The migration this spare was claimed for was aborted: back to standby."""

@@ -36,7 +36,7 @@ from livemig.comm.group import CollectiveAborted, allreduce_sum, ring_exchange
 from livemig.config import ENV_FSDP2_MIRROR, Role, buddy_stride
 from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import Membership
-from livemig.runtime.control import _Activate
+from livemig.runtime.control import Activate
 from livemig.runtime.fsdp2_mirror import ShardMirror, grads_blob, shard_digest
 from livemig.runtime.step_state import LocalBlob
 from livemig.state import is_dtensor, to_local, unpack
@@ -76,6 +76,7 @@ class Fsdp2:
         self.pending = ""  # a StepAborted caught above the function: the recovery to join
         self.want_mirror = False  # mirror the left neighbour's shard (fsdp2_mirror.py)
         self.mirror: ShardMirror | None = None  # kept across re-entries, as the shards are
+        self.units: list[str] = []  # the modules fully_shard wrapped ("" is the root)
 
     # -- the mesh ---------------------------------------------------------------------------
     def init_device_mesh(self, device_type: str, mesh_shape: tuple[int, ...],
@@ -129,17 +130,19 @@ class Fsdp2:
             h.faults.at(h.current, kind)
 
     # -- registration -----------------------------------------------------------------------
-    def check_register(self, model: torch.nn.Module | None, sharding: str | None, mirror: bool | None) -> bool:
+    @staticmethod
+    def sharded(model: torch.nn.Module | None) -> bool:
+        """Are the model's parameters DTensors (sharded by fully_shard)?"""
+        return model is not None and any(is_dtensor(p) for p in model.parameters())
+
+    def check_register(self, model: torch.nn.Module | None, mirror: bool | None) -> bool:
         """Is `model` sharded by fully_shard (DTensor parameters)? Refuses what cannot be served."""
-        if model is None or not any(is_dtensor(p) for p in model.parameters()):
+        if not self.sharded(model):
             return False
         if mirror is None:  # plain FSDP keeps one copy of each shard: mirrored unless turned off
             raw = os.environ.get(ENV_FSDP2_MIRROR, "")  # (a 1-D mesh, or one whose replicate size is 1)
             mirror = raw not in ("0", "false", "no") if raw else (len(self.shape) == 1 or self.shape[0] == 1)
         self.want_mirror = bool(mirror) and self.h.world_size > 1
-        if sharding is not None:
-            raise ConfigError(f"ctx.register(sharding={sharding!r}): the model is already sharded by fully_shard; "
-                              "leave sharding unset")  # fmt: skip
         if not self.shape:
             raise ConfigError(
                 "ctx.register: the model is sharded (DTensor parameters) on a mesh livemig does not "
@@ -148,11 +151,9 @@ class Fsdp2:
         return True
 
     def registered(self, fsdp: bool) -> None:
-        """What the registry records of the sharding (its signature: what a spare must match)."""
+        """The modules fully_shard wrapped, for the signature (a spare must wrap the same)."""
         reg = self.h.reg
-        reg.fsdp = list(self.shape) if fsdp else None
-        reg.fsdp_units = units(reg.model) if fsdp else []
-        reg.fsdp_mirror = fsdp and self.want_mirror
+        self.units = units(reg.model) if fsdp else []  # the strategy's signature (runtime/strategies/fsdp2.py)
 
     # -- start-up ---------------------------------------------------------------------------
     def sync_start(self) -> None:
@@ -260,7 +261,7 @@ class Fsdp2:
             h.join_recovery(t, exc)
             if h.committed == t:  # a peer committed: finished from the shards held here (catch_up)
                 return
-            raise _Activate(h.runtime.gen, h.rank, redo=True) from None
+            raise Activate(h.runtime.gen, h.rank, redo=True) from None
         switch = float(ctl[1]) == h.world_size
         if h.migration.serving(t):  # a leaving rank: what its optimizer steps with, to the spare catching up
             left = self.mirror.grads[1] if self.mirror is not None and self.mirror.grads is not None else None
@@ -316,7 +317,7 @@ class Fsdp2:
         self.pending = str(exc).splitlines()[0][:200] if str(exc) else "a collective failed"
         return True
 
-    def recover(self) -> _Activate:
+    def recover(self) -> Activate:
         """Above the user's function, after a failed collective: join the recovery, then
         enter the function again to redo the step from the boundary held here."""
         h = self.h
@@ -325,7 +326,7 @@ class Fsdp2:
         log.warning("a collective of the step failed; redoing the step in the new group",
                     extra={"step": t, "generation": h.runtime.gen, "why": why})  # fmt: skip
         h.join_recovery(t, CollectiveAborted(why))
-        return _Activate(h.runtime.gen, h.rank, redo=True)
+        return Activate(h.runtime.gen, h.rank, redo=True)
 
     def keep(self) -> tuple:
         """What survives the re-entry: the previous registry (its state moves into the new
@@ -394,6 +395,7 @@ class Fsdp2:
 
     def catch_up(self, m: Membership) -> dict[str, Any] | None:
         h = self.h
+        assert m.resume_step is not None  # the caller (runtime/pull.py catch_up) returned before otherwise
         target = m.resume_step - 1
         if h.committed_step() == target:
             return h.stream_info if h.role == Role.SPARE else None

@@ -19,6 +19,7 @@ checkpoint path).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -51,10 +52,11 @@ class ShardMirror:
             n = len(g["params"])
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": self.params[i : i + n]})
             i += n
+        cls: Any = type(template)  # the template's class, whatever its constructor takes
         try:
-            self.opt = type(template)(groups, **template.defaults)
+            self.opt = cls(groups, **template.defaults)
         except TypeError:  # an optimizer whose defaults are not all constructor arguments
-            self.opt = type(template)(groups)
+            self.opt = cls(groups)
         if state.get("optimizer"):
             self.opt.load_state_dict(state["optimizer"])
         self.grads: tuple[int, torch.Tensor] | None = None  # (step, the neighbour's gradient blob) held
@@ -89,7 +91,7 @@ class ShardMirror:
         return shard_digest(self.params, self.opt)
 
 
-def shard_digest(params: list[torch.Tensor], opt: torch.optim.Optimizer | None) -> str:
+def shard_digest(params: Sequence[torch.Tensor], opt: torch.optim.Optimizer | None) -> str:
     """One digest over a shard's parameters and optimizer state (an owner's DTensors by their
     local shards, a mirror's plain tensors): equal when the mirror is exact."""
     tensors = [p.to_local() if hasattr(p, "to_local") else p for p in params]

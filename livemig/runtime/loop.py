@@ -22,6 +22,7 @@ from livemig.config import Role
 from livemig.data import seed_step, step_seed
 from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import GenState
+from livemig.runtime.member_fields import MemberFields
 from livemig.runtime.start_sync import check_replicas
 from livemig.runtime.step_state import Averaged
 
@@ -29,8 +30,8 @@ log = logging.getLogger("livemig.runtime.loop")
 COMMITS_KEPT = 200  # commit times in the final record, besides those around generation changes
 
 
-class StepLoop:
-    """Mixed into api.Engine; relies on the attributes Engine.__init__ sets."""
+class StepLoop(MemberFields):
+    """Mixed into api.Engine, over the member's fields (runtime/member_fields.py)."""
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices, from the agreed resume step after a recovery."""
@@ -59,7 +60,7 @@ class StepLoop:
         elif self.role == Role.SPARE:
             if self.joining is None:
                 yield from self.sandbox.shadow(total)  # sandboxed warm-up of the real loop body
-                self.standby.wait_for_claim()  # raises _Activate
+                self.standby.wait_for_claim()  # raises Activate
             if self.joining.migration:
                 self.migration.migrate_in()
                 start = self.committed + 1
@@ -84,8 +85,7 @@ class StepLoop:
                 yield from self.virtual.run_step(step, own_ran=False)
             else:
                 seed_step(step_seed(self.seed, step, self.rank))
-                if self.reducer is not None:
-                    self.reducer.arm(self.runtime.pg)
+                self.strategy.begin_step()  # the average overlapped with backward is armed
                 self.step_t0 = time.monotonic()
                 self.faults.at(step, "compute")
                 yield step
@@ -235,7 +235,7 @@ class StepLoop:
         gen = self.runtime.gen if self.runtime is not None else 0
         if gen != self.st.commit_gen:
             self.st.commit_gen = gen
-            self.st.gen_steps.append(self.st.commits[-1][0])
+            self.st.gen_steps.append(int(self.st.commits[-1][0]))
         if len(self.st.commits) <= 2 * COMMITS_KEPT:
             return
         st = self.st

@@ -178,7 +178,11 @@ class MemberRuntime:
                 pass  # the command then says it was not acknowledged; the fault lands anyway
         return kind
 
-    def _on_lost(self, reason: str) -> None:
+    def back_to_standby(self) -> None:
+        """A spare whose migration was aborted: no group, no rank, no background build."""
+        self.pg, self.rank, self.gen, self._pre = None, None, 0, None
+
+    def on_lost(self, reason: str) -> None:
         self.mark_fenced(f"lease lost ({reason})")
 
     def mark_fenced(self, reason: str) -> None:
@@ -284,7 +288,7 @@ class MemberRuntime:
         if self.keeper is not None:
             self.keeper.stop(revoke=True)
         try:
-            self.keeper = self.rdzv.register(self.keys.member(rank), info, self.incarnation, self._on_lost)
+            self.keeper = self.rdzv.register(self.keys.member(rank), info, self.incarnation, self.on_lost)
         except FencedError as exc:
             self.mark_fenced(str(exc))
             raise
@@ -472,6 +476,7 @@ class MemberRuntime:
             if m.state == GenState.RECOVERING:
                 if m.generation not in reported:
                     rank = m.rank_of(self.incarnation)
+                    assert rank is not None  # a member of m: the branch above returned or raised otherwise
                     self.put(self.keys.report(m.generation, rank), {
                         "incarnation": self.incarnation, "committed": member.committed_step(),
                         "avg_step": member.avg_step(), "mirrors": member.mirrored_steps(),

@@ -15,15 +15,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from livemig.config import Role
 from livemig.errors import RecoveryError, TransferError, WithdrawnError
 from livemig.rdzv.membership import GenState, Membership
-from livemig.runtime.control import _Released, _Requeue
+from livemig.runtime.control import Released, Requeue
 from livemig.runtime.step_state import Outgoing, StepState
+
+if TYPE_CHECKING:
+    from livemig.runtime.strategies.base import Strategy
 from livemig.state import flatten, unflatten, unpack
 from livemig.transfer import items
 from livemig.transfer.client import pull
@@ -36,7 +39,8 @@ log = logging.getLogger("livemig.runtime.migration")
 
 class MigrationHost(Protocol):
     """What a planned migration uses of its Engine: the member runtime, the registered state,
-    the step counter it advances while catching up, and the step protocol's commit."""
+    the step counter it advances while catching up, and the strategy that snapshots and
+    replays the state of its kind of parallelism."""
 
     runtime: Any
     role: Role
@@ -50,14 +54,7 @@ class MigrationHost(Protocol):
     st: StepState
     loaded_step: int | None
     stream_info: dict[str, Any]
-
-    def state_obj(self) -> dict: ...
-
-    def into_model(self) -> Callable: ...
-
-    def ensure_grads(self) -> None: ...
-
-    def commit(self, t: int, flats: Any, replay: bool = False) -> None: ...
+    strategy: Strategy
 
     def join_recovery(self, t: int | None, exc: BaseException) -> None: ...
 
@@ -216,7 +213,7 @@ class Migration:
                                "the spare to take over this rank")  # fmt: skip
         if m.generation == g and m.state == GenState.COMMITTED:
             log.info("released: rank handed over to a spare (planned migration)", extra={"generation": g})
-            raise _Released()
+            raise Released()
         # The migration failed during its switch: recovery decides whether we stay.
         self.e.join_recovery(self.e.committed, RuntimeError("migration failed during the switch"))
 
@@ -238,7 +235,7 @@ class Migration:
         g, rank = act.generation, act.rank
         m = rt.wait_membership(lambda x: x.generation >= g, f"generation {g}")
         if m.generation != g or m.state != GenState.MIGRATING:
-            raise _Requeue()
+            raise Requeue()
         addr, secret = m.migration["addr"], rt.secret()
         rt.prebuild(m, rank)  # phase 1 in the background, while we catch up
         deadline = time.monotonic() + self.e.timeouts.recovery.total_seconds()
@@ -247,7 +244,7 @@ class Migration:
             while True:
                 moved = rt.moved_to_other(g)
                 if moved():
-                    raise _Requeue()
+                    raise Requeue()
                 try:
                     return pull(addr, rt.job, secret, g, item, self.e.timeouts.collective.total_seconds(), alloc,
                                 abort=moved)  # fmt: skip
@@ -263,6 +260,7 @@ class Migration:
         def group_at(k: int, seconds: float) -> None:
             """Until the source serves the average of the k-th step past the snapshot (the
             group committed it) or has withdrawn it, at most `seconds`."""
+            assert self.e.loaded_step is not None  # a snapshot was loaded before the stall (load_snapshot)
             end, item = time.monotonic() + seconds, items.step_avg(self.e.loaded_step + k - 1)
             while time.monotonic() < end and not rt.moved_to_other(g)():
                 try:
@@ -310,7 +308,7 @@ class Migration:
             rt.put(rt.keys.catchup(g), {**rec, "applied": t, "time": time.time()})
         while rt.prebuilt(g) is None:  # the group is built once every member joined it
             if rt.moved_to_other(g)():
-                raise _Requeue()
+                raise Requeue()
             if time.monotonic() > deadline:
                 raise RecoveryError(f"migration: the group of generation {g} was not built in time")
             time.sleep(0.005)

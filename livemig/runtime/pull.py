@@ -18,15 +18,16 @@ from livemig.comm.group import CollectiveAborted
 from livemig.config import Role, buddy_stride
 from livemig.errors import RecoveryError, TransferError
 from livemig.rdzv.membership import Membership
-from livemig.runtime.control import _Activate
+from livemig.runtime.control import Activate
+from livemig.runtime.member_fields import MemberFields
 from livemig.transfer import items
 from livemig.transfer.client import pull
 
 log = logging.getLogger("livemig.runtime.pull")
 
 
-class StatePull:
-    """Mixed into api.Engine; relies on the attributes Engine.__init__ sets."""
+class StatePull(MemberFields):
+    """Mixed into api.Engine, over the member's fields (runtime/member_fields.py)."""
 
     def committed_step(self) -> int | None:
         if self.role == Role.SPARE and self.loaded_step is None:
@@ -116,7 +117,7 @@ class StatePull:
         and enters the function again (as a claimed spare does), so the code before the loop
         and the loop itself start from the checkpoint's boundary; this runs again then."""
         if self.joining is None or self.joining.generation != m.generation:
-            raise _Activate(m.generation, self.rank, restart=True)
+            raise Activate(m.generation, self.rank, restart=True)
         if self.ckpt.resumed is not None and self.ckpt.resume_path == m.restart["path"] and \
                 self.committed == self.ckpt.resumed:  # fmt: skip
             return self.stream_info

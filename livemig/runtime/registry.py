@@ -12,6 +12,8 @@ all read it from here (docs/architecture.md, "Exact state, rank by rank").
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +45,17 @@ def _streamable(name: str, obj: Any) -> None:
         raise ConfigError(f"ctx.register: {exc}") from None
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How a kind of parallelism lays the registered state out over the ranks, as facts the
+    registry's streamable forms and digests depend on (each strategy declares its own:
+    runtime/strategies/). Plain data parallel is the default: everything replicated."""
+
+    params_sharded: bool = False  # each rank holds local shards of the parameters (DTensors: FSDP2)
+    optimizer_sharded: bool = False  # the optimizer's state differs from rank to rank (ZeRO-1, FSDP2)
+    optimizer_in_shards: bool = False  # ... and lives outside the optimizer, in shards served apart (ZeRO-1)
+
+
 class Registry:
     def __init__(self) -> None:
         self.model: torch.nn.Module | None = None
@@ -52,11 +65,8 @@ class Registry:
         self.params: list[torch.nn.Parameter] = []
         self.buffer_names: list[str] = []  # the model's persistent buffers: per-rank state
         self._model_sig: list | None = None  # the model's entries of the signature (its structure is fixed)
-        self.zero: Any = None  # comm.zero1.Zero1 when registered with sharding="zero1"
         self.sync_start = True  # make the replicas rank 0's when the job forms (runtime/start_sync.py)
-        self.fsdp: list[int] | None = None  # FSDP2: the mesh shape the parameters are sharded on (runtime/fsdp2.py)
-        self.fsdp_units: list[str] = []  # FSDP2: the modules fully_shard wrapped ("" is the root)
-        self.fsdp_mirror = False  # FSDP2: each shard mirrored on the right neighbour (runtime/fsdp2_mirror.py)
+        self.layout = Layout()  # set by the strategy ctx.register() picks
 
     def set(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
             extra: dict[str, Any], local: dict[str, Any] | None = None) -> None:  # fmt: skip
@@ -95,25 +105,25 @@ class Registry:
             sig.append([LOCAL_STATE_ENTRY, "mirrored", []])
         return sig  # the strategy adds how the state is laid out (api.Engine.signature)
 
-    def _model_sd(self, skip: set[str] | None = None) -> dict[str, Any]:
+    def _model_sd(self, skip: Collection[str] | None = None) -> dict[str, Any]:
         """The model's state_dict; under FSDP2 this rank's local shards of it."""
         if self.model is None:
             return {}
         sd = self.model.state_dict()
-        if self.fsdp is not None:
+        if self.layout.params_sharded:
             sd = to_local(sd)
         return {k: v for k, v in sd.items() if not skip or k not in skip}
 
     def _opt_sd(self) -> dict[str, Any]:
         if self.optimizer is None:
             return {}
-        if self.fsdp is not None:
+        if self.layout.params_sharded:  # the optimizer's state is DTensors too
             return to_local(self.optimizer.state_dict())
         return self.optimizer.state_dict()
 
     def state_obj(self) -> dict[str, Any]:
         """What every replica holds alike (with zero1 the optimizer lives in the shards)."""
-        opt = self._opt_sd() if self.zero is None else {}
+        opt = self._opt_sd() if not self.layout.optimizer_in_shards else {}
         return {
             "model": self._model_sd(),
             "optimizer": opt,
@@ -143,8 +153,8 @@ class Registry:
         """Digests of what must be equal on every rank: the parameters (`<parameters>`), the
         optimizer's state and hyperparameters (`<optimizer>`, unless sharded), each extra."""
         rep = self.replicated()
-        out = {PARAMS_CHECK: _digest_of(rep["model"])} if self.fsdp is None else {}  # FSDP2: shards differ
-        if self.zero is None and self.fsdp is None and self.optimizer is not None:
+        out = {PARAMS_CHECK: _digest_of(rep["model"])} if not self.layout.params_sharded else {}
+        if not self.layout.optimizer_sharded and self.optimizer is not None:
             out[OPTIMIZER_CHECK] = _digest_of(rep["optimizer"])
         return {**out, **{k: _digest_of(v) for k, v in rep["extra"].items()}}
 
@@ -187,7 +197,7 @@ class Registry:
     def load_state(self, state: dict[str, Any]) -> None:
         if self.model is not None:
             self.model.load_state_dict(state["model"])
-        if self.optimizer is not None and self.zero is None:
+        if self.optimizer is not None and not self.layout.optimizer_in_shards:
             self.optimizer.load_state_dict(state["optimizer"])
         for k, v in self.extra.items():
             v.load_state_dict(state["extra"][k])

@@ -1,7 +1,7 @@
 """The spare's standby and activation, and the member's final record.
 
 A warm spare registers under its spare key and waits for a claim; a claim
-unwinds the user's function (`_Activate`) so it is entered again with the
+unwinds the user's function (`Activate`) so it is entered again with the
 assigned rank. An aborted migration puts it back to standby (`requeue`).
 
 A collaborator of api.Engine (`engine.standby`): it owns what the standby
@@ -15,15 +15,18 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from livemig.comm.group import retire
 from livemig.config import ENV_RANK, Role, node_host, node_rank
 from livemig.errors import ConfigError, EtcdUnavailableError
 from livemig.rdzv.client import decode, through_outage
 from livemig.rdzv.watch import PrefixWatch, wait_for
-from livemig.runtime.control import _Activate, _Stop
+from livemig.runtime.control import Activate, Stop
 from livemig.runtime.step_state import StepState
+
+if TYPE_CHECKING:
+    from livemig.runtime.strategies.base import Strategy
 from livemig.transfer.channel import verifiers
 
 log = logging.getLogger("livemig.runtime.standby")
@@ -50,12 +53,14 @@ class StandbyHost(Protocol):
     loaded_step: int | None
     joining: Any
     ckpt: Any
+    fsdp2: Any  # the FSDP2 mesh owner: what survives a redo's re-entry (runtime/fsdp2.py)
+    strategy: Strategy
 
     def signature(self) -> list: ...
 
     def state_digest(self) -> str: ...
 
-    def _reset_user_state(self) -> None: ...
+    def reset_user_state(self) -> None: ...
 
 
 class Standby:
@@ -74,8 +79,8 @@ class Standby:
         rec = {"incarnation": h.incarnation, "signature": h.signature(), "checkpoint_dir": ckpt}
         rt.put(rt.keys.signature(h.rank), rec)
 
-    def wait_for_claim(self) -> None:
-        """Register as warm and wait for a claim: raises _Activate (or _Stop when the job
+    def wait_for_claim(self) -> NoReturn:
+        """Register as warm and wait for a claim: raises Activate (or Stop when the job
         ended or asked this spare to stop)."""
         import psutil
 
@@ -90,7 +95,7 @@ class Standby:
         }  # fmt: skip
         budget = rt.timeouts.etcd_outage.total_seconds()  # warm during an outage: register once etcd is back
         keeper = rt.spare_keeper = through_outage(
-            lambda: rt.rdzv.register(rt.keys.spare(h.spare_id), info, h.incarnation, rt._on_lost),
+            lambda: rt.rdzv.register(rt.keys.spare(h.spare_id), info, h.incarnation, rt.on_lost),
             budget, "spare registration", rt.fenced.is_set)  # fmt: skip
         rt.start_server()
         log.info("spare warm", extra={"spare": h.spare_id, "warmup_s": round(warm_s, 3)})
@@ -112,7 +117,7 @@ class Standby:
                     if ended.is_set() or _result_exists(rt):
                         keeper.stop(revoke=True)
                         log.info("the job ended: spare exits", extra={"spare": h.spare_id})
-                        raise _Stop() from None
+                        raise Stop() from None
                 except EtcdUnavailableError:  # an outage: stay warm, the lease rides it through
                     time.sleep(0.5)
         finally:
@@ -126,11 +131,11 @@ class Standby:
         if a.get("stop"):
             keeper.stop(revoke=True)
             log.info("spare stopped on request", extra={"spare": h.spare_id})
-            raise _Stop()
+            raise Stop()
         if a.get("refused"):
             keeper.stop(revoke=True)
             raise ConfigError(f"spare {h.spare_id} refused by the job: {a['refused']}")
-        raise _Activate(int(a["generation"]), int(a["rank"]), bool(a.get("migration")))
+        raise Activate(int(a["generation"]), int(a["rank"]), bool(a.get("migration")))
 
     def requeue(self) -> None:
         """Back to standby after an aborted migration: drop the claim, warm up again."""
@@ -145,13 +150,13 @@ class Standby:
             rt.keeper.stop(revoke=True)
             rt.keeper = None
         retire(rt.pg)
-        rt.pg, rt.rank, rt.gen, rt._pre = None, None, 0, None
-        h._reset_user_state()
+        rt.back_to_standby()
+        h.reset_user_state()
         h.joining = None
         h.rank = int(os.environ.get(ENV_RANK, "0"))
         self.started = time.monotonic()
 
-    def activate(self, act: _Activate) -> None:
+    def activate(self, act: Activate) -> None:
         """The function is entered again with `act`'s rank: a claimed spare, a survivor of a cold
         restart (its commits stay its own) or of an FSDP2 redo (the boundary's state moves
         into the rebuilt model: runtime/fsdp2.py)."""
@@ -162,7 +167,7 @@ class Standby:
             self.withdraw_final()  # the job is not done until it is written again
         commits = (h.st.commits, h.st.gen_steps) if act.restart else None
         kept = h.fsdp2.keep() if act.redo else None
-        h._reset_user_state()
+        h.reset_user_state()
         h.rank, h.joining = act.rank, act
         if commits is not None:
             h.st.commits, h.st.gen_steps = commits

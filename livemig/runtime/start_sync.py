@@ -39,7 +39,7 @@ def _start_state(reg: Registry) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """What the sync overwrites: the live tensors (writing them writes the model and the
     optimizer), with their skeleton so every rank can check it holds the same layout."""
     tree: dict[str, Any] = {"model": reg.model.state_dict() if reg.model is not None else {}}
-    if reg.optimizer is not None and reg.zero is None:
+    if reg.optimizer is not None and not reg.layout.optimizer_in_shards:
         tree["optimizer"] = reg.optimizer.state_dict()["state"]
     tensors: list[torch.Tensor] = []
     skel = flatten(tree, tensors)

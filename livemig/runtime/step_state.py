@@ -76,7 +76,7 @@ class Outgoing:
 
 @dataclass
 class StepState:
-    """What the step protocol (runtime/loop.py, zero1_step.py, pull.py) keeps between steps,
+    """What the step protocol (runtime/loop.py, pull.py, strategies/) keeps between steps,
     owned by the Engine and made anew when the user's function is entered again. The
     boundary rule (docs/architecture.md): snapshots of step boundaries, newest last."""
 

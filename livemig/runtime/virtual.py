@@ -202,7 +202,7 @@ class VirtualRanks:
         carried = v != e.rank
         own = self._swap_in(v) if carried else None
         seed_step(step_seed(e.seed, step, v))
-        e._step_t0 = time.monotonic()
+        e.step_t0 = time.monotonic()
         if not carried:
             e.faults.at(step, "compute")  # the fault plan's points are this process's own rank's
         try:

@@ -33,8 +33,8 @@ from livemig import logs
 from livemig.agent.children import Child
 from livemig.agent.jobs import resolve, state_dir
 from livemig.agent.nodes import default_host
-from livemig.agent.standby import StandbyAgent
-from livemig.checkpoints import run_checkpoint_env
+from livemig.agent.spare_agent import StandbyAgent
+from livemig.checkpoint_dir import run_checkpoint_env
 from livemig.config import (
     ENV_BUDDY_STRIDE,
     ENV_ETCD,
@@ -176,7 +176,7 @@ def cmd_start(a: argparse.Namespace) -> int:
         logs.say(f"livemig-spare: metrics of job {a.job} on port {server.port}")
     old = signal.signal(signal.SIGTERM, stop)  # a SIGTERM stops the spares as Ctrl-C does
     try:
-        return StandbyAgent(client, keys, children).run()  # agent/standby.py
+        return StandbyAgent(client, keys, children).run()  # agent/spare_agent.py
     finally:
         signal.signal(signal.SIGTERM, old)
         if server is not None:

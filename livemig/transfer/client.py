@@ -77,7 +77,7 @@ def pull(
     addrs = [addrs] if isinstance(addrs, str) else list(dict.fromkeys(addrs))
     if not addrs:
         raise TransferError("no source to pull from")
-    ctx = zmq.Context.instance()
+    ctx: Any = zmq.Context.instance()
     stall_s = min(timeout, 3.0) if stall is None else stall
     sources = [Source(ctx, a, secret, stall_s) for a in addrs]
     dropped: list[str] = []
@@ -231,22 +231,24 @@ def _stream(alive: list[Source], chunks: list[P.Chunk], auth: P.ChunkAuth, views
             if s.inflight and now - s.last_reply > timeout:
                 drop(s, f"source {s.addr} stalled for {timeout:.1f}s")
         for sock, _ in poller.poll(50):
-            s = by_sock.get(sock)
-            if s is None:
+            got = by_sock.get(sock)
+            if got is None:
                 continue
+            s = got
             meta, more = s.reply(key)
             s.last_reply = time.monotonic()
-            seq = meta.get("seq") if meta is not None else None
-            if meta is None or (meta.get("ok") and not (isinstance(seq, int) and 0 <= seq < len(chunks))):
+            said = meta.get("seq") if meta is not None else None
+            if meta is None or (meta.get("ok") and not (isinstance(said, int) and 0 <= said < len(chunks))):
                 _drain(sock, more)  # the rest of a forged reply: never written anywhere
                 s.bad += 1
                 log.error("unauthenticated transfer reply dropped", extra={"source": s.addr})
                 if s.bad >= MAX_BAD_CHUNKS:
                     drop(s, f"source {s.addr} sent {s.bad} replies that failed authentication")
                 continue
-            if not meta.get("ok"):
+            if not meta.get("ok") or not isinstance(said, int):
                 drop(s, f"source {s.addr} refused: {meta.get('error')}")
                 continue
+            seq = said
             c = chunks[seq]
             if done[seq] or seq not in s.inflight:  # a duplicate, or a chunk not asked of s: never into place
                 _drain(sock, more)  # (its bytes would overwrite a verified chunk)

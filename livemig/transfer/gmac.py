@@ -53,7 +53,7 @@ def _load() -> Any:
 
 
 _lib = _load()
-_update = _lib.EVP_EncryptUpdate if _lib is not None else None
+_update: Any = _lib.EVP_EncryptUpdate if _lib is not None else None  # a ctypes function, or None
 
 
 def address(buf: Any) -> int:

@@ -44,7 +44,7 @@ class _Snapshot:
         self.bytes = [as_bytes(t.contiguous()) for t in self.tensors]
         self.chunks = P.plan([b.numel() for b in self.bytes])
         keys = [P.chunk_key(key, gen, item, step, i) for i in range(len(self.chunks))]
-        views = [self._view(c) for c in self.chunks]
+        views = [self.view(c) for c in self.chunks]
         threads = min(SNAPSHOT_THREADS, os.cpu_count() or 1, len(self.chunks)) if gmac.releases_gil() else 1
         if threads > 1:  # the recovery waits for these MACs: hash on the cores a paused worker leaves idle
             with concurrent.futures.ThreadPoolExecutor(threads, "livemig-snapshot") as ex:
@@ -52,8 +52,8 @@ class _Snapshot:
         else:
             self.macs = [P.chunk_mac(k, v) for k, v in zip(keys, views, strict=True)]
 
-    def _view(self, c: P.Chunk) -> memoryview:
-        return memoryview(self.bytes[c.tensor][c.offset : c.offset + c.length].numpy())
+    def view(self, c: P.Chunk) -> memoryview:
+        return memoryview(self.bytes[c.tensor][c.offset : c.offset + c.length].numpy())  # type: ignore[arg-type]  # numpy's stubs omit __buffer__
 
 
 GONE_KEEP = 64  # withdrawn item names remembered
@@ -76,7 +76,7 @@ class StateServer:
         self.secret = secret
         self.key = P.reply_key(secret)
         self._seen: dict[bytes, float] = {}  # request nonces within the skew window: replays are refused
-        self._ctx = zmq.Context.instance()
+        self._ctx: Any = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_REQUEST_BYTES)  # a larger frame drops its sender
@@ -212,11 +212,11 @@ class StateServer:
             self.served_chunks += 1
             if self.hooks.die_after is not None and self.served_chunks > self.hooks.die_after:
                 os._exit(9)  # test hook: a source dying mid-transfer
-            data: object = snap._view(snap.chunks[seq])
+            data: memoryview | bytes = snap.view(snap.chunks[seq])
             if seq in self.hooks.corrupt or self.hooks.corrupt_next:
                 self.hooks.corrupt.discard(seq)
                 self.hooks.corrupt_next = False
-                flipped = bytearray(data)  # type: ignore[arg-type]
+                flipped = bytearray(data)
                 flipped[len(flipped) // 2] ^= 0xFF
                 data = bytes(flipped)
             return self._reply(nonce, {"ok": True, "seq": seq}, data)

@@ -31,7 +31,7 @@ import shutil
 import torch
 
 from tests.e2e.conftest import MLP_ZERO1, STEPS, WORKLOAD, explain, livemig_run, rank_files, reference_of
-from tests.e2e.test_real_scripts import PORT, _work, assert_same_run
+from tests.e2e.test_real_scripts import PORT, assert_same_run, port_work
 from tests.e2e.test_real_scripts import STEPS as PORT_STEPS
 
 
@@ -82,12 +82,12 @@ def _port_module():
 
 
 def test_resume_a_ddp_port_from_a_middle_checkpoint_skipping_a_corrupt_one(tmp_path, references):
-    got = reference_of(references, 2, PORT, _work((), 0, "{out}"))  # shared with test_real_scripts
+    got = reference_of(references, 2, PORT, port_work((), 0, "{out}"))  # shared with test_real_scripts
     ref = (got.report, rank_files(got.out))
     d = tmp_path / "ck"
     full_out = tmp_path / "out-full"
     full_out.mkdir()
-    full = livemig_run(tmp_path, 2, script=PORT, job="full", workload=_work((), 0, str(full_out)),
+    full = livemig_run(tmp_path, 2, script=PORT, job="full", workload=port_work((), 0, str(full_out)),
                        extra=_ckpt(d, 10, keep=4))  # fmt: skip
     assert_same_run(full, rank_files(full_out), ref)  # checkpoints change nothing
     assert _steps(d) == [f"step_{s:010d}" for s in (9, 19, 29, 39)], explain(full)
@@ -115,7 +115,7 @@ def test_resume_a_ddp_port_from_a_middle_checkpoint_skipping_a_corrupt_one(tmp_p
     # Rank 1 wedged in the first step after the load (no rank commits it): the spare takes rank 1
     # at the boundary the job resumed at, from its own part of the checkpoint (runtime/pull.py).
     run = livemig_run(tmp_path, 2, spares=1, faults=("wedge:rank=1:step=20",), script=PORT,
-                      job="resumed", workload=_work((), 0, str(out)), extra=("--resume-from", str(d)))  # fmt: skip
+                      job="resumed", workload=port_work((), 0, str(out)), extra=("--resume-from", str(d)))  # fmt: skip
     assert_same_run(run, rank_files(out), ref)
     assert "skipping checkpoint" in run.stdout + run.stderr and "step_0000000029" in run.stdout + run.stderr
     assert "resuming from" in run.stdout and "step_0000000019" in run.stdout, explain(run)
@@ -125,7 +125,7 @@ def test_resume_a_ddp_port_from_a_middle_checkpoint_skipping_a_corrupt_one(tmp_p
 
 
 def test_checkpoints_set_by_the_script_on_an_interval_and_a_cold_restart_with_no_spare(tmp_path, references):
-    got = reference_of(references, 2, PORT, _work((), 0, "{out}"))
+    got = reference_of(references, 2, PORT, port_work((), 0, "{out}"))
     ref = (got.report, rank_files(got.out))
     d, out = tmp_path / "ck-script", tmp_path / "out-cold"
     out.mkdir()
@@ -133,7 +133,7 @@ def test_checkpoints_set_by_the_script_on_an_interval_and_a_cold_restart_with_no
     # learns the directory from rank 0's registration; --recovery cold: no live recovery
     # rank 1 killed in the last step: rank 0 has left the training function (its final record
     # written) and enters it again to redo the steps since the checkpoint
-    work = [*_work((), 20, str(out)), "--ckpt-dir", str(d), "--ckpt-interval", "0.15"]
+    work = [*port_work((), 20, str(out)), "--ckpt-dir", str(d), "--ckpt-interval", "0.15"]
     last = PORT_STEPS - 1
     run = livemig_run(tmp_path, 2, faults=(f"kill:rank=1:step={last}",), script=PORT, job="cold", workload=work,
                       extra=("--recovery", "cold"), env={"LIVEMIG_CHECKPOINT_PROBE_STEPS": "4"})  # fmt: skip
@@ -159,11 +159,11 @@ def _whole_shards(step_dir, world: int) -> dict[str, list]:
     shard's slice of ceil(n / world) elements, its optimizer state covering the real elements
     only): what every world size must agree on."""
     from livemig.comm.reducer import bucket_layout
-    from livemig.runtime.checkpoint import _read_part
+    from livemig.runtime.checkpoint import read_part
 
     params = [torch.empty(1024), torch.empty(1024, 1024)] * 2  # examples/mlp.py's --layers 2, reversed
     sizes = [sum(params[i].numel() for i in idx) for idx in bucket_layout(params)]
-    parts = [_read_part(str(step_dir / f"rank_{r:05d}"), {}, ["shard"])[1]["shard"] for r in range(world)]
+    parts = [read_part(str(step_dir / f"rank_{r:05d}"), {}, ["shard"])[1]["shard"] for r in range(world)]
     out: dict[str, list] = {"values": [], "exp_avg": [], "exp_avg_sq": [], "step": []}
     for b, n in enumerate(sizes):
         out["values"].append(torch.cat([p["values"][b] for p in parts])[:n])  # without the padding

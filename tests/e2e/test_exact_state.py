@@ -20,7 +20,7 @@ from tests.e2e.conftest import REPO, STATEFUL, explain, livemig_run, rank_files
 STEPS = 16
 
 
-def _run(tmp_path, nproc, spares=0, faults=(), args=(), env=None, job="s", steps=STEPS):
+def run_script(tmp_path, nproc, spares=0, faults=(), args=(), env=None, job="s", steps=STEPS):
     dump = tmp_path / f"dump-{job}"
     dump.mkdir()
     # 50 ms a step: an agent's kill "after step S" lands while the job still runs (a CNN step is ~10 ms)
@@ -62,7 +62,7 @@ CASES = [
 
 @pytest.mark.parametrize("nproc,fault,args", CASES, ids=[f"{n}-{f}-{'-'.join(a) or 'cnn'}" for n, f, a in CASES])
 def test_recovery_is_exact_rank_by_rank(tmp_path, reference, nproc, fault, args):
-    run, ranks = _run(tmp_path, nproc, spares=1, faults=(fault,), args=args)
+    run, ranks = run_script(tmp_path, nproc, spares=1, faults=(fault,), args=args)
     assert_rank_by_rank(run, ranks, reference(nproc, args))
 
 
@@ -73,7 +73,7 @@ MIGRATIONS = [(3, "migrate:rank=0:step=2", ())]  # the kill grid's shape on the 
 def test_planned_migration_is_exact_rank_by_rank(tmp_path, reference, nproc, fault, args):
     """BatchNorm buffers, local= sampler and meter, LR and weight-decay schedules after ctx.step():
     the migration starts at step 2 (the fault gate holds rank 0 until a spare is claimed)."""
-    run, ranks = _run(tmp_path, nproc, spares=1, faults=(fault,), args=args, job="mg")
+    run, ranks = run_script(tmp_path, nproc, spares=1, faults=(fault,), args=args, job="mg")
     assert [m["outcome"] for m in run.report["migrations"]] == ["done"], explain(run)
     assert_rank_by_rank(run, ranks, reference(nproc, args))
 
@@ -81,7 +81,7 @@ def test_planned_migration_is_exact_rank_by_rank(tmp_path, reference, nproc, fau
 def test_planned_migration_carries_local_state(tmp_path, reference):
     # Enough steps left that the migration completes before the job does, even on a loaded machine.
     args, steps = ("--model", "transformer"), 150
-    run, ranks = _run(tmp_path, 2, spares=1, faults=("migrate:rank=1:step=3",), args=args, steps=steps)
+    run, ranks = run_script(tmp_path, 2, spares=1, faults=("migrate:rank=1:step=3",), args=args, steps=steps)
     assert [m["outcome"] for m in run.report["migrations"]] == ["done"], explain(run)
     assert_rank_by_rank(run, ranks, reference(2, args, steps))
 
@@ -91,7 +91,7 @@ def test_verify_names_the_rank_whose_local_state_differs(tmp_path):
     import subprocess
     import sys
 
-    # 50 ms a step, as _run: the agent's kill "after step 5" must land before a 10-step job ends
+    # 50 ms a step, as run_script: the agent's kill "after step 5" must land before a 10-step job ends
     env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path), STATEFUL_PLANT="1", STATEFUL_STEP_SLEEP="0.05")
     p = subprocess.run([sys.executable, "-m", "livemig.cli", "run", "--nproc", "2", "--spares", "1", "--job", "pl",
                         "--lease-ttl", "2", "--fault", "kill:rank=1:step=5", "--verify", STATEFUL, "--steps", "10"],
@@ -104,7 +104,7 @@ def test_per_rank_state_registered_as_an_extra_is_refused(tmp_path):
     """A metric accumulator registered as a replicated extra differs per rank: the job
     fails after step 0 saying to register it under local=, instead of a spare silently
     taking another rank's."""
-    run, _ = _run(tmp_path, 2, args=("--steps", "6"), env={"STATEFUL_METER_AS_EXTRA": "1"}, job="x")
+    run, _ = run_script(tmp_path, 2, args=("--steps", "6"), env={"STATEFUL_METER_AS_EXTRA": "1"}, job="x")
     res = run.report["result"]
     assert run.rc != 0 and res["state"] == "failed", explain(run)
     assert "the extra 'meter' differs between rank 0 and rank 1" in res["reason"] and "local=" in res["reason"]
@@ -112,7 +112,7 @@ def test_per_rank_state_registered_as_an_extra_is_refused(tmp_path):
 
 def test_a_rank_and_its_local_mirror_lost_together_fails_naming_it(tmp_path):
     """Ranks 1 and 2 of 3 killed together: rank 1's local state lived on rank 2 only."""
-    run, _ = _run(tmp_path, 3, spares=2, faults=("kill:rank=1:step=6", "kill:rank=2:step=6"), job="lost")
+    run, _ = run_script(tmp_path, 3, spares=2, faults=("kill:rank=1:step=6", "kill:rank=2:step=6"), job="lost")
     res = run.report["result"]
     assert run.rc != 0 and res["state"] == "failed", explain(run)
     assert "rank 1's local state (buffers, local=) of step" in res["reason"], res["reason"]

@@ -93,9 +93,9 @@ def test_inject_kinds_do_what_they_say_and_a_second_run_of_the_name_is_refused(t
         proc = psutil.Process(pid)
         assert proc.status() == psutil.STATUS_STOPPED, proc.status()
         from livemig.rdzv.keys import JobKeys
-        from tests.e2e.test_hangs import _etcd_of
+        from tests.e2e.test_hangs import etcd_of
 
-        pool, _ = _etcd_of("sh", tmp_path).get_prefix(JobKeys("sh").spares_prefix)
+        pool, _ = etcd_of("sh", tmp_path).get_prefix(JobKeys("sh").spares_prefix)
         assert pid in {decode(kv.value).get("pid") for kv in pool}  # the job's spare, not a rank
         os.kill(pid, signal.SIGCONT)
         # one job name, one job (item 2): a second run of "sh" is refused before it starts,
@@ -111,7 +111,7 @@ def test_inject_kinds_do_what_they_say_and_a_second_run_of_the_name_is_refused(t
         r = inject("break", "--rank", "0")
         assert r.returncode == 0 and "injected break into rank 0" in r.stdout, r.stderr
         at = int(r.stdout.rsplit("after step ", 1)[1])
-        client = _etcd_of("sh", tmp_path)
+        client = etcd_of("sh", tmp_path)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             kv = client.get(JobKeys("sh").progress(0))

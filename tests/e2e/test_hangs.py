@@ -66,7 +66,7 @@ def test_livemig_spare_kills_its_fenced_spare(tmp_path, procs):
     spare = procs.spawn([sys.executable, "-m", "livemig.spare_pool.cli", "start", "--job", "agent", "--id", "s1",
                          "--metrics-port", str(port), mlp, "--steps", "2000", "--layers", "2", "--batch", "32"],
                         env=env)  # fmt: skip
-    client = _etcd_of("agent", tmp_path)
+    client = etcd_of("agent", tmp_path)
     keys = JobKeys("agent")
     deadline = time.time() + 90
     while client.get(keys.spare("s1")) is None and time.time() < deadline:
@@ -89,7 +89,7 @@ def test_livemig_spare_kills_its_fenced_spare(tmp_path, procs):
     assert client.get(keys.fenced(inc)) is None  # reaped: the fence key goes
 
 
-def _etcd_of(job: str, tmp_path):  # -> EtcdClient
+def etcd_of(job: str, tmp_path):  # -> EtcdClient
     from livemig.agent.jobs import connect
 
     os.environ["LIVEMIG_STATE_DIR"] = str(tmp_path)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import REPO, explain, livemig_run, reference_of
-from tests.e2e.test_exact_state import _run, assert_rank_by_rank
+from tests.e2e.test_exact_state import assert_rank_by_rank, run_script
 from tests.e2e.test_exact_state import reference as reference  # noqa: F401 - the shared fixture
 from tests.helpers import clip_proc
 
@@ -99,5 +99,5 @@ def test_char_lm_killed_rank_by_rank_with_loader_workers(tmp_path, references):
     ids=["fp32+bf16", "gradscaler"],
 )
 def test_mixed_precision_exact_across_a_kill(tmp_path, reference, nproc, fault, args):  # noqa: F811
-    run, ranks = _run(tmp_path, nproc, spares=1, faults=(fault,), args=args)
+    run, ranks = run_script(tmp_path, nproc, spares=1, faults=(fault,), args=args)
     assert_rank_by_rank(run, ranks, reference(nproc, args))

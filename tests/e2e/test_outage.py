@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.conftest import explain
-from tests.e2e.test_exact_state import _run
+from tests.e2e.test_exact_state import run_script
 
 TTL = 2  # livemig_run passes --lease-ttl 2
 STEPS = 100
@@ -23,7 +23,7 @@ def reference(stateful_reference):
 
 
 def _outage_run(tmp_path, faults):
-    return _run(tmp_path, 2, spares=1, faults=faults, args=ARGS, job="o", steps=STEPS,
+    return run_script(tmp_path, 2, spares=1, faults=faults, args=ARGS, job="o", steps=STEPS,
                 env={"STATEFUL_STEP_SLEEP": "0.1"})  # fmt: skip
 
 

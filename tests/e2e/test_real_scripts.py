@@ -26,7 +26,7 @@ AMP = ["--amp", "--inf-every", "3"]  # an overflow every 3rd step: one inside an
 CLIP = 0.5  # examples/ddp_port.py's default --clip
 
 
-def _work(args: tuple, step_ms: int, out: str) -> list[str]:
+def port_work(args: tuple, step_ms: int, out: str) -> list[str]:
     if "--amp" not in args:  # 2 ranks: a torch scheduler; 3 ranks (amp): the lr set by hand
         args = ("--scheduler", *args)
     return ["--steps", str(STEPS), "--step-ms", str(step_ms), *args, "--out", out]
@@ -37,14 +37,14 @@ def _run(tmp_path, nproc, spares=0, faults=(), args=(), job="p", step_ms=5):
     out = tmp_path / f"out-{job}"
     out.mkdir()
     run = livemig_run(tmp_path, nproc, spares=spares, faults=faults, script=PORT, job=job,
-                      workload=_work(args, step_ms, str(out)))  # fmt: skip
+                      workload=port_work(args, step_ms, str(out)))  # fmt: skip
     return run, rank_files(out)
 
 
 @pytest.fixture(scope="session")
 def reference(references):
     def get(nproc: int, args: tuple = ()):
-        ref = reference_of(references, nproc, PORT, _work(args, 0, "{out}"))
+        ref = reference_of(references, nproc, PORT, port_work(args, 0, "{out}"))
         # the per-rank seed of the script: equal replicas only through the start-up sync (checked by the cache)
         ranks = rank_files(ref.out)
         assert len(ranks) == nproc

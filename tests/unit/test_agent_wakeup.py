@@ -1,6 +1,6 @@
-"""The agent loop's sleep (agent/watch.py Wakeup): a child's exit and a poke end it at
+"""The agent loop's sleep (agent/child_watch.py Wakeup): a child's exit and a poke end it at
 once; otherwise it lasts its tick. And the standby host's agent built on it
-(agent/standby.py). Real child processes and a real etcd, no fakes."""
+(agent/spare_agent.py). Real child processes and a real etcd, no fakes."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from datetime import timedelta
 
 import pytest
 
+from livemig.agent.child_watch import Wakeup
 from livemig.agent.children import Child
-from livemig.agent.standby import StandbyAgent
-from livemig.agent.watch import Wakeup
+from livemig.agent.spare_agent import StandbyAgent
 from livemig.config import Role
 from livemig.rdzv.client import EtcdClient, encode
 from livemig.rdzv.keys import JobKeys
@@ -89,7 +89,7 @@ def test_without_events_the_wait_lasts_its_tick(kids, w):
     assert 0.35 <= took < 2.0 if w.exits_seen else took < 2.0
 
 
-# -- the standby host's agent (agent/standby.py): real etcd, real child processes --------------
+# -- the standby host's agent (agent/spare_agent.py): real etcd, real child processes --------------
 
 
 def _spare(name: str, code: str) -> Child:

@@ -103,7 +103,7 @@ FLOORS = [
     {"runtime", "sandbox"},
     {"comm", "transfer"},
     {"rdzv"},
-    {"fault_gate", "faults", "state", "data", "checkpoints"},
+    {"fault_gate", "faults", "state", "data", "checkpoint_dir"},
     {"config", "logs", "errors"},
 ]
 
@@ -210,3 +210,107 @@ def test_the_module_map_lists_every_module():
               "rdzv/__init__.py", "runtime/__init__.py", "coordinator/__init__.py", "agent/__init__.py"}  # fmt: skip
     assert not files - listed, f"modules missing from the module map: {sorted(files - listed)}"
     assert not listed - files, f"the module map lists modules that do not exist: {sorted(listed - files)}"
+
+
+# -- one strategy a kind of parallelism (livemig/runtime/strategies/) ----------------------------
+STRATEGIES = PKG / "runtime" / "strategies"
+STRATEGY_CLASSES = {"Strategy", "Replicated", "Zero1", "Fsdp2"}
+KIND_NAMES = {"zero1", "fsdp2", "replicated"}
+# The member side: what runs in a worker or spare. The coordinator reads a job's layout from its
+# signature (coordinator/sharding.py) in a process with no strategy object; bench/ and cli/ take
+# --sharding as an option of their own.
+MEMBER_SIDE = ("api.py", "runtime", "sandbox", "comm", "transfer")
+
+
+def _member_files() -> list[pathlib.Path]:
+    out: list[pathlib.Path] = []
+    for part in MEMBER_SIDE:
+        p = PKG / part
+        out += [p] if p.is_file() else sorted(p.rglob("*.py"))
+    return [f for f in out if STRATEGIES not in f.parents]
+
+
+def _kind_branches(tree: ast.AST) -> list[tuple[int, str]]:
+    """Where code outside the strategies asks which kind of parallelism runs."""
+    hits = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and n.attr in ("fsdp", "zero", "sharding") and isinstance(n.ctx, ast.Load):
+            hits.append((n.lineno, ast.unparse(n)))
+        elif isinstance(n, ast.Compare):
+            names = {c.value for c in ast.walk(n) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+            if names & KIND_NAMES or any(isinstance(x, ast.Name) and x.id == "sharding"
+                                         for x in (n.left, *n.comparators)):  # fmt: skip
+                hits.append((n.lineno, ast.unparse(n)))
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("isinstance", "issubclass"):
+            classes = {c.id for c in ast.walk(n.args[1]) if isinstance(c, ast.Name)} if len(n.args) > 1 else set()
+            if classes & STRATEGY_CLASSES:
+                hits.append((n.lineno, ast.unparse(n)))
+    return hits
+
+
+def test_no_branch_on_the_kind_of_parallelism_outside_the_strategies():
+    offenders = [f"{f.relative_to(PKG.parent)}:{line}: {src}"
+                 for f in _member_files() for line, src in _kind_branches(ast.parse(f.read_text()))]  # fmt: skip
+    assert not offenders, "branch on the kind of parallelism: ask the strategy instead\n" + "\n".join(offenders)
+
+
+def test_the_kind_check_finds_a_branch():
+    """The rule above can fail: each shape of branch it forbids is found."""
+    src = ("if reg.fsdp is not None: pass\nif sharding == 'zero1': pass\nif isinstance(s, Zero1): pass\n"
+           "if self.reg.zero is None: pass\nx = 'fsdp2' if a == 'fsdp2' else 1\n")  # fmt: skip
+    assert sorted(line for line, _ in _kind_branches(ast.parse(src))) == [1, 2, 3, 4, 5]
+
+
+def _defined_private_names() -> set[str]:
+    """Underscore names livemig itself defines (attributes it sets, methods, functions)."""
+    names: set[str] = set()
+    for f in PKG.rglob("*.py"):
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and n.name.startswith("_"):
+                names.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr.startswith("_"):
+                names.add(n.attr)
+            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id.startswith("_"):
+                names.add(n.target.id)
+    return {n for n in names if not n.startswith("__")}
+
+
+# The coordinator's collaborators still call its privates: they go when checks and migrations
+# return decisions to a planner (the member floor issue's coordinator part). Nothing else may join.
+PRIVATE_ACCESS_LEFT = {"coordinator/checks.py", "coordinator/migrations.py"}
+THEIRS = {"_allgather_base", "_reduce_scatter_base", "_timeout", "_devices"}  # torch's ProcessGroup and Options
+
+
+def _modules_imported(tree: ast.AST) -> set[str]:
+    names: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in n.names}
+    return names
+
+
+def test_no_object_reads_another_objects_underscore_attributes():
+    """Only `self._x` (and `cls._x`): a collaborator receives what it uses under a public name.
+    Third-party privates (torch's, pyetcd's) are not livemig's to rename."""
+    ours = _defined_private_names()
+    offenders = []
+    for f in sorted(PKG.rglob("*.py")):
+        if str(f.relative_to(PKG)) in PRIVATE_ACCESS_LEFT:
+            continue
+        tree = ast.parse(f.read_text())
+        mods = _modules_imported(tree)  # os._exit, threading._shutdown: a module's, not an object's
+        for n in ast.walk(tree):
+            if (isinstance(n, ast.Attribute) and n.attr in ours - THEIRS
+                    and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls", *mods))):  # fmt: skip
+                offenders.append(f"{f.relative_to(PKG.parent)}:{n.lineno}: {ast.unparse(n)}")
+    assert not offenders, "another object's underscore attribute:\n" + "\n".join(offenders)
+
+
+def test_no_underscore_name_is_imported_across_modules():
+    offenders = []
+    for f in sorted([*PKG.rglob("*.py"), *PKG.parent.joinpath("tests").rglob("*.py")]):
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith(("livemig", "tests")):
+                offenders += [f"{f.relative_to(PKG.parent)}: {n.module}.{a.name}" for a in n.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]  # fmt: skip
+    assert not offenders, "a module's private name imported elsewhere:\n" + "\n".join(offenders)

@@ -119,13 +119,13 @@ def test_a_pass_decodes_only_what_changed_and_under_matches_a_scan():
 
     cache = S.Decoded()
     calls = []
-    real = S._safe_decode
+    real = S.safe_decode
 
     def counting(key, raw):
         calls.append(key)
         return real(key, raw)
 
-    with mock.patch.object(S, "_safe_decode", counting):
+    with mock.patch.object(S, "safe_decode", counting):
         a = S.Snapshot(kvs(10, 1), rdzv, cache)
         assert a.get(keys.progress(7))["step"] == 1 and a.get(keys.member(3))["pid"] == 3
         first = len(calls)
@@ -178,13 +178,13 @@ def test_dead_agrees_with_alive_member_by_member():
 
 
 def test_store_addresses_read_from_etcd_are_validated():
-    from livemig.comm.group import CollectiveAborted, _store_for
+    from livemig.comm.group import CollectiveAborted, store_for
     from livemig.config import is_host_port
 
     assert is_host_port("127.0.0.1:29500") and is_host_port("[::1]:5")
     assert not any(is_host_port(v) for v in ("host", "h:0", ":5", "h:99999", "h:x", 5, None))
     with pytest.raises(CollectiveAborted, match="not host:port"):
-        _store_for("no-port", 3, timedelta(seconds=1))
+        store_for("no-port", 3, timedelta(seconds=1))
 
 
 def test_progress_writes_keep_to_the_job_budget_and_the_newest_record_wins(monkeypatch):
@@ -373,7 +373,7 @@ def test_checkpoint_settings_round_trip_and_what_a_run_record_may_carry(tmp_path
     """Settings go to the children as environment and come back equal; a run record's
     settings (for `livemig-spare start` on another host) pass only under their own names and
     only when valid; every/interval are one or the other."""
-    from livemig.checkpoints import ENV_DIR, Settings, run_checkpoint_env
+    from livemig.checkpoint_dir import ENV_DIR, Settings, run_checkpoint_env
 
     for s in (Settings(str(tmp_path), 5, 3), Settings(str(tmp_path), 0, 2, 30.0, probe=4)):
         assert Settings.from_env(s.to_env()) == s
@@ -393,7 +393,7 @@ def test_a_checkpoint_of_another_format_is_refused_a_damaged_one_skipped(tmp_pat
     previous one; one of another format version stops the choice with one line."""
     import json
 
-    from livemig.checkpoints import FORMAT, FormatError, choose, mark_done, publish_if_complete
+    from livemig.checkpoint_dir import FORMAT, FormatError, choose, mark_done, publish_if_complete
 
     for step in (4, 9):
         part = tmp_path / f"step_{step:010d}" / "rank_00000"

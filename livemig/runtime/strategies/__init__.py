@@ -12,12 +12,24 @@ from typing import Any
 
 from livemig.config import ENV_ZERO1_MIRROR
 from livemig.errors import ConfigError
-from livemig.runtime.strategies.base import Strategy
+from livemig.runtime.strategies.base import Strategy, StrategyHost
 from livemig.runtime.strategies.fsdp2 import Fsdp2
 from livemig.runtime.strategies.replicated import Replicated
 from livemig.runtime.strategies.zero1 import Zero1
 
-__all__ = ["Fsdp2", "Replicated", "Strategy", "Zero1", "new_reducer", "pick"]
+__all__ = ["Fsdp2", "Replicated", "Strategy", "StrategyHost", "Zero1", "check_sharding", "new_reducer", "pick"]
+
+
+def check_sharding(sharding: str | None, optimizer: Any, fsdp: bool) -> None:
+    """ctx.register(sharding=...) names a kind this package has (before anything is registered);
+    `fsdp`: the model is sharded by fully_shard already."""
+    if fsdp and sharding is not None:
+        raise ConfigError(f"ctx.register(sharding={sharding!r}): the model is already sharded by fully_shard; "
+                          "leave sharding unset")  # fmt: skip
+    if sharding not in (None, "zero1"):
+        raise ConfigError(f"ctx.register(sharding={sharding!r}): expected None or 'zero1'")
+    if sharding and optimizer is None:
+        raise ConfigError("ctx.register(sharding='zero1') needs the optimizer whose state it shards")
 
 
 def new_reducer(params: list, world: int, sharding: str | None, runtime: Any) -> Any:
@@ -34,11 +46,17 @@ def new_reducer(params: list, world: int, sharding: str | None, runtime: Any) ->
     return GradReducer(params, shard_world=world if zero else 0, scatter=scatter, world=world)
 
 
-def pick(host: Any, *, fsdp: bool, sharding: str | None, mirror: bool | None, custom: Any = None) -> Strategy:
+def pick(host: StrategyHost, *, fsdp: bool, sharding: str | None, mirror: bool | None, custom: Any = None) -> Strategy:
     """The strategy of a registration: FSDP2 if `fsdp` (the model is sharded by fully_shard),
     ZeRO-1 for sharding="zero1" where the member averages gradients (`host.reducer`), the
     user's `custom` Strategy subclass, else plain data parallel. ZeRO-1's shards are the
-    registry's too (`reg.zero`: its replicated state leaves the optimizer out)."""
+    registry's layout is the strategy's (runtime/registry.py, Layout)."""
+    strategy = _pick(host, fsdp, sharding, mirror, custom)
+    host.reg.layout = strategy.layout
+    return strategy
+
+
+def _pick(host: StrategyHost, fsdp: bool, sharding: str | None, mirror: bool | None, custom: Any) -> Strategy:
     if custom is not None:
         if not (isinstance(custom, type) and issubclass(custom, Strategy)):
             raise ConfigError(f"ctx.register(strategy={custom!r}): expected a subclass of livemig.Strategy")
@@ -53,6 +71,6 @@ def pick(host: Any, *, fsdp: bool, sharding: str | None, mirror: bool | None, cu
         if mirror is None:
             mirror = os.environ.get(ENV_ZERO1_MIRROR, "1") not in ("0", "false", "no")
         reg = host.reg
-        reg.zero = Shards(host.reducer, reg.params, reg.optimizer, host.rank, host.world_size, mirror)
-        return Zero1(host, reg.zero)
+        assert reg.optimizer is not None  # check_sharding refused sharding="zero1" without one
+        return Zero1(host, Shards(host.reducer, reg.params, reg.optimizer, host.rank, host.world_size, mirror))
     return Replicated(host)

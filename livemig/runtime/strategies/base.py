@@ -14,13 +14,100 @@ The device (CPU or GPU) is not a kind of parallelism: every strategy runs on eit
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from livemig.runtime.registry import Layout
+
 if TYPE_CHECKING:
+    from livemig.comm.reducer import GradReducer
+    from livemig.config import Role, Timeouts
     from livemig.rdzv.membership import Membership
+    from livemig.runtime.checkpoint import Checkpointer
+    from livemig.runtime.fsdp2 import Fsdp2 as MeshOwner
+    from livemig.runtime.registry import Registry
+    from livemig.runtime.self_faults import SelfFaults
+    from livemig.runtime.step_state import StepState
+    from livemig.runtime.virtual import VirtualRanks
+    from livemig.sandbox.warmup import Sandbox
+
+
+class MigrationSide(Protocol):
+    """What a step asks of the planned migration in progress (runtime/migration.py, Migration):
+    the switch vote, and the leaving worker's serving of each step's update."""
+
+    def vote(self) -> float: ...
+
+    def serving(self, t: int) -> bool: ...
+
+    def serve_avg(self, t: int, flats: list[torch.Tensor], final: bool) -> None: ...
+
+    def serve_applied(self, t: int, applied: list, final: bool) -> None: ...
+
+    def after_commit(self, t: int, switch: bool) -> None: ...
+
+
+class StrategyHost(Protocol):
+    """What a strategy uses of its member (api.Engine): its fields (runtime/member_fields.py),
+    its collaborators, and the shared parts of the step protocol (runtime/loop.py StepLoop,
+    runtime/pull.py StatePull). Checked by mypy where ctx.register() hands the Engine over."""
+
+    role: Role
+    rank: int
+    world_size: int
+    incarnation: str
+    timeouts: Timeouts
+    runtime: Any  # runtime.member.MemberRuntime (None outside `livemig run`)
+    reg: Registry
+    reducer: GradReducer | None
+    scaler: Any
+    grad_views: bool
+    committed: int
+    current: int | None
+    loaded_step: int | None
+    stream_info: dict[str, Any]
+    step_t0: float
+    st: StepState
+    virtual: VirtualRanks
+
+    @property
+    def migration(self) -> MigrationSide: ...
+
+    faults: SelfFaults
+    sandbox: Sandbox
+    ckpt: Checkpointer
+    fsdp2: MeshOwner
+
+    @property
+    def replays(self) -> bool: ...
+
+    def sync_gradients(self) -> None: ...
+
+    def check_backward(self, step: int) -> None: ...
+
+    def ensure_grads(self) -> None: ...
+
+    def keep_before(self, t: int) -> None: ...
+
+    def mirror_local(self, t: int) -> None: ...
+
+    def keep_boundary(self, step: int) -> None: ...
+
+    def commit(self, t: int, avg: list | None, replay: bool = False, mirror_only: bool = False,
+               applied: list | None = None, **info: float) -> None: ...  # fmt: skip
+
+    def join_recovery(self, t: int | None, exc: BaseException) -> None: ...
+
+    def committed_step(self) -> int | None: ...
+
+    def pull_any(self, m: Membership, item: str, alloc: Callable | None = None,
+                 ranks: list[int] | None = None) -> Any: ...  # fmt: skip
+
+    def pull_buddy_local(self, m: Membership, step: int, who: str, back: int) -> tuple[str, Any]: ...
+
+    def into_model(self) -> Callable[[int, dict], torch.Tensor | None]: ...
 
 
 class Strategy:
@@ -39,10 +126,12 @@ class Strategy:
     #: step (True: collectives user code runs after ctx.step() still meet the leaving rank) or
     #: right after the switch step's commit (False)?
     switch_at_boundary: ClassVar[bool] = False
+    #: How the registered state is laid out over the ranks (runtime/registry.py).
+    layout: ClassVar[Layout] = Layout()
     #: Does this kind own a gradient reducer (comm/reducer.py)? FSDP2 reduces inside backward.
     uses_reducer: ClassVar[bool] = True
 
-    def __init__(self, host: Any) -> None:
+    def __init__(self, host: StrategyHost) -> None:
         self.h = host
 
     # -- registration and start-up ---------------------------------------------------------
@@ -59,6 +148,13 @@ class Strategy:
         """The job formed and the start-up sync ran: set up what is mirrored from now on."""
 
     # -- the step ----------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Before the user's body of a step: arm what overlaps with its backward (the gradient
+        buckets' average, launched as each bucket fills)."""
+        h = self.h
+        if h.reducer is not None:
+            h.reducer.arm(h.runtime.pg)
+
     def sync_gradients(self, t: int) -> None:
         """ctx.sync_gradients() at step t: the averaged gradient written to `.grad`."""
         raise NotImplementedError
@@ -156,6 +252,50 @@ class Strategy:
     def migration_snapshot(self) -> dict[str, Any]:
         """The leaving worker's snapshot at a boundary: what the catching-up spare loads."""
         return self.h.reg.state_obj()
+
+    def snapshot_alloc(self) -> Any:
+        """Where a migrating spare receives the snapshot's tensors (the model's: in place)."""
+        return self.h.into_model()
+
+    def load_snapshot(self, state: dict[str, Any]) -> None:
+        """A migrating spare loads the leaving worker's snapshot."""
+        self.h.reg.load_state(state)
+
+    def replay_update(self, t: int, item: dict[str, Any]) -> None:
+        """A migrating spare applies the leaving worker's update of step t: the update as it
+        was applied (clipped, unscaled or skipped), or the average the optimizer stepped with."""
+        h = self.h
+        if "stepped" in item:
+            h.reg.apply_step(item)
+            h.committed, h.st.avg = t, None
+            return
+        h.ensure_grads()
+        if h.reducer is not None:
+            h.reducer.write_back(item["flat"])
+        h.commit(t, None, replay=True)
+
+    def take_over(self, tail: dict[str, Any]) -> None:
+        """At the switch, after the leaving worker's local state and boundary are loaded."""
+
+    # -- checkpoints (runtime/checkpoint.py) ------------------------------------------------
+    def checkpoint_part(self, rank: int) -> dict[str, Any]:
+        """The sections this kind adds to rank `rank`'s checkpoint part (its shards)."""
+        return {}
+
+    def checkpoint_sections(self) -> list[str]:
+        """The names of those sections, read back from this rank's own part."""
+        return []
+
+    def load_checkpoint_part(self, mine: dict[str, Any], section_of: Callable[[int, str], Any]) -> None:
+        """This rank's sections of a checkpoint of the same world size (`section_of(r, name)`
+        reads another rank's, for what this rank mirrors)."""
+
+    def check_resume_world(self, path: str, world: int) -> None:
+        """A checkpoint written by `world` ranks is resumed at another world size: refuse it
+        with one line if this kind cannot map its layout."""
+
+    def load_resharded(self, world: int, section_of: Callable[[int, str], Any]) -> None:
+        """This rank's sections cut from a checkpoint of `world` ranks (another world size)."""
 
     # -- the final record -------------------------------------------------------------------
     def final_record(self) -> dict[str, Any]:

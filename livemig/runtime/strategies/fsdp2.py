@@ -9,13 +9,15 @@ mesh across the function's re-entries and does the work this strategy is asked f
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from livemig.config import SHARDING_ENTRY
-from livemig.runtime.strategies.base import Strategy
+from livemig.errors import ConfigError
+from livemig.runtime.registry import Layout
+from livemig.runtime.strategies.base import Strategy, StrategyHost
 
 if TYPE_CHECKING:
     from livemig.rdzv.membership import Membership
@@ -26,18 +28,20 @@ class Fsdp2(Strategy):
     """Parameters sharded by fully_shard (DTensor), on a 1-D (FSDP) or 2-D (HSDP) mesh."""
 
     name = "fsdp2"
+    layout = Layout(params_sharded=True, optimizer_sharded=True)
     switch_at_boundary = True  # collectives user code runs after ctx.step() on the mesh meet the leaving rank
     uses_reducer = False  # FSDP2 reduces the gradients in backward
 
-    def __init__(self, host: Any, mesh: MeshOwner) -> None:
+    def __init__(self, host: StrategyHost, mesh: MeshOwner) -> None:
         super().__init__(host)
         self.mesh = mesh
+        self._reps: list = []  # a migrating spare's replayed copies of the shard and its mirror
 
     def signature(self) -> list[list]:
-        reg = self.h.reg
+        mirrored = "mirrored" if self.mesh.want_mirror else "unmirrored"
         return [[SHARDING_ENTRY, "fsdp2", list(self.mesh.shape)],  # the mesh the script asked for
-                ["<fsdp2-units>", "fully_shard", list(reg.fsdp_units)],  # the same wrapping
-                ["<fsdp2-mirror>", "mirrored" if reg.fsdp_mirror else "unmirrored", []]]  # fmt: skip
+                ["<fsdp2-units>", "fully_shard", list(self.mesh.units)],  # the same wrapping
+                ["<fsdp2-mirror>", mirrored, []]]  # fmt: skip
 
     def sync_start(self) -> None:
         self.mesh.sync_start()
@@ -111,6 +115,22 @@ class Fsdp2(Strategy):
 
     def take_over(self, tail: dict[str, Any]) -> None:
         self.mesh.take_over(self._reps, tail)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def checkpoint_part(self, rank: int) -> dict[str, Any]:
+        return {"fsdp": self.mesh.shards()}
+
+    def checkpoint_sections(self) -> list[str]:
+        return ["fsdp"]
+
+    def load_checkpoint_part(self, mine: dict[str, Any], section_of: Callable[[int, str], Any]) -> None:
+        """This rank's shards, and the shards it mirrors from their owner's part."""
+        self.mesh.load_shards(mine["fsdp"], lambda r: section_of(r, "fsdp"))
+
+    def check_resume_world(self, path: str, world: int) -> None:
+        raise ConfigError(f"checkpoint {path} holds the FSDP2 shards of {world} ranks; this run has "
+                          f"{self.h.world_size}, and FSDP2 shards are not resharded to another world size yet: "
+                          f"resume it with --nproc {world} and the same mesh")  # fmt: skip
 
     # -- the final record -------------------------------------------------------------------
     def final_record(self) -> dict[str, Any]:

@@ -65,12 +65,13 @@ class Replicated(Strategy):
         return (h.grad_views and h.scaler is None and opt is not None
                 and type(opt).__module__.startswith("torch.optim."))  # fmt: skip
 
-    def reduce(self, flats: list[torch.Tensor], ctl: torch.Tensor, first: bool) -> list[torch.Tensor]:
+    def reduce(self, ctl: torch.Tensor, first: bool) -> list[torch.Tensor]:
         """The step's average of the gradient buckets, with the planned-migration vote `ctl`
         summed alongside; `first`: the overlapped reduction launched during backward is
         finished, else the buckets are flattened again (a retry, or a shrunk job's bodies)."""
         h = self.h
         red, rt = h.reducer, h.runtime
+        assert red is not None  # a kind that averages buckets registered a reducer (strategies.pick)
         if first:
             return red.finish(h.world_size, h.timeouts.collective, rt.moved_on, ctl)
         h.virtual.add_stashed()
@@ -94,6 +95,7 @@ class Replicated(Strategy):
             if avg is None:
                 raise RecoveryError(f"the spare replaying step {t} holds no averaged gradient of it")
             h.ensure_grads()
+            assert h.reducer is not None
             h.reducer.write_back(avg)
             st.synced = Synced(t, avg)
             return
@@ -114,7 +116,7 @@ class Replicated(Strategy):
                 h.keep_before(t)
                 h.mirror_local(t)  # before the vote: nobody commits t unless our mirror holds it
                 h.faults.at(t, "allreduce")
-                flats = self.reduce([], ctl, first)
+                flats = self.reduce(ctl, first)
                 h.faults.at_commit_point(t, "average")
             except CollectiveAborted as exc:
                 first = False
@@ -148,13 +150,14 @@ class Replicated(Strategy):
         synced = h.st.synced
         assert synced is not None
         flats, switch, compute_s = synced.flats, synced.switch, synced.compute_s
+        assert flats is not None  # a world of one committed before the strategy (runtime/loop.py step)
         # A leaving worker serves each step's update to the spare catching up. The average
         # itself only when it is what the optimizer stepped with (nothing could change .grad),
         # before our optimizer step so the spare applies it meanwhile; otherwise (clipping,
         # a GradScaler's unscale and skip, any code between sync_gradients() and step())
         # the gradients the optimizer really stepped with, captured at its step.
         raw = views and h.st.user_synced != t
-        applied = [] if h.migration.serving(t) and not raw else None
+        applied: list | None = [] if h.migration.serving(t) and not raw else None
         if applied is None:
             h.migration.serve_avg(t, flats, switch)
         h.commit(t, flats, compute_s=compute_s, applied=applied)
@@ -178,6 +181,7 @@ class Replicated(Strategy):
     # -- recovery ------------------------------------------------------------------------------
     def catch_up(self, m: Membership) -> dict[str, Any] | None:
         h = self.h
+        assert m.resume_step is not None  # the caller (runtime/pull.py catch_up) returned before otherwise
         target = m.resume_step - 1  # last step that must be committed here
         if h.committed_step() == target:
             return h.stream_info if h.role == Role.SPARE else None
@@ -256,9 +260,7 @@ class Replicated(Strategy):
         if h.committed >= 0 and h.replays and got.state.get("resumed"):
             # The job resumed from a checkpoint of this very boundary and no step ran since:
             # rank r's own state of it is its part there (runtime/checkpoint.py), no replay.
-            from livemig.runtime.checkpoint import load
-
-            load(h, got.state["resumed"])
+            h.ckpt.load(got.state["resumed"])
             h.keep_boundary(h.committed)
         elif h.committed >= 0 and h.replays:  # replay step resume-1 (runtime/loop.py, replay_step)
             st = got.state
@@ -282,27 +284,3 @@ class Replicated(Strategy):
         log.info("state loaded", extra={"resume_step": got.step, "bytes": got.nbytes,
                                         "seconds": round(got.seconds, 4)})  # fmt: skip
         return h.stream_info
-
-    # -- planned migration -----------------------------------------------------------------
-    def snapshot_alloc(self) -> Any:
-        """Where a migrating spare receives the snapshot's tensors (the model's: in place)."""
-        return self.h.into_model()
-
-    def load_snapshot(self, state: dict[str, Any]) -> None:
-        """A migrating spare loads the leaving worker's snapshot."""
-        self.h.reg.load_state(state)
-
-    def replay_update(self, t: int, item: dict[str, Any]) -> None:
-        """A migrating spare applies the leaving worker's update of step t."""
-        h = self.h
-        if "stepped" in item:  # the update as applied (clipped, unscaled, or skipped)
-            h.reg.apply_step(item)
-            h.committed, h.st.avg = t, None
-            return
-        h.ensure_grads()  # the average is what the optimizer stepped with
-        if h.reducer is not None:
-            h.reducer.write_back(item["flat"])
-        h.commit(t, None, replay=True)
-
-    def take_over(self, tail: dict[str, Any]) -> None:
-        """At the switch, after the leaving worker's local state and boundary are loaded."""

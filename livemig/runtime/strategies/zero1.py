@@ -10,13 +10,16 @@ all-gathers the parameters (`regather`), then goes on with the step it is at.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from livemig.comm.group import CollectiveAborted, allreduce_mean, allreduce_sum
-from livemig.config import SHARDING_ENTRY
+from livemig.config import SHARDING_ENTRY, buddy_stride
 from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import GenState
+from livemig.runtime.registry import Layout
 from livemig.runtime.step_state import Averaged
+from livemig.runtime.strategies.base import StrategyHost
 from livemig.runtime.strategies.replicated import Replicated
 from livemig.state import digest
 from livemig.transfer import items
@@ -32,9 +35,10 @@ class Zero1(Replicated):
     """Sharded optimizer state (see the module doc); `shards` is comm.zero1.Zero1."""
 
     name = "zero1"
-    migrates = False  # refused by the coordinator (coordinator/migration.py) and never ticked here
+    layout = Layout(optimizer_sharded=True, optimizer_in_shards=True)
+    migrates = False  # refused by the coordinator (coordinator/migrations.py) and never ticked here
 
-    def __init__(self, host: Any, shards: Shards) -> None:
+    def __init__(self, host: StrategyHost, shards: Shards) -> None:
         super().__init__(host)
         self.shards = shards
         self.gathered_gen: int | None = None  # the generation whose group last gathered the parameters
@@ -117,8 +121,11 @@ class Zero1(Replicated):
             self.gathered_gen = None
             try:
                 h.faults.at(t, "gather")
-                z.gather(rt.pg, timeout, rt.moved_on,
-                         meanwhile=lambda held=held: h.commit(t, held, mirror_only=True))  # fmt: skip
+
+                def mirror_update(held: list = held) -> None:  # overlapped with the gather
+                    h.commit(t, held, mirror_only=True)
+
+                z.gather(rt.pg, timeout, rt.moved_on, meanwhile=mirror_update)
                 self.gathered_gen = rt.gen
             except CollectiveAborted as exc:  # step t is committed; the new group repeats the gather
                 h.join_recovery(t, exc)
@@ -149,6 +156,7 @@ class Zero1(Replicated):
     def warmup_step(self, t: int, pg: Any) -> None:
         """No peers: this rank's slices of the local gradient."""
         h, zero = self.h, self.shards
+        assert h.reducer is not None
         flats = h.reducer.flatten()
         allreduce_mean(pg, flats, 1, h.timeouts.collective)
         own = [f.chunk(h.world_size)[zero.own.shard].clone() for f in flats]
@@ -207,6 +215,27 @@ class Zero1(Replicated):
 
     def switch_layout(self, m: Membership) -> None:
         self.shards.switch(m.carried)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def checkpoint_part(self, rank: int) -> dict[str, Any]:
+        return {"shard": self.shards.shards[rank].state()}  # a carried rank's: its carrier owns it
+
+    def checkpoint_sections(self) -> list[str]:
+        return ["shard"]
+
+    def load_checkpoint_part(self, mine: dict[str, Any], section_of: Callable[[int, str], Any]) -> None:
+        z, h = self.shards, self.h
+        z.own.load(mine["shard"])
+        if z.mirror is not None:
+            z.mirror.load(section_of((h.rank - buddy_stride(h.world_size)) % h.world_size, "shard"))
+
+    def load_resharded(self, world: int, section_of: Callable[[int, str], Any]) -> None:
+        """The shards re-split over this world size (comm/zero1.py)."""
+        z = self.shards
+        shards = [section_of(r, "shard") for r in range(world)]
+        z.own.load_resharded(shards)
+        if z.mirror is not None:
+            z.mirror.load_resharded(shards)
 
     # -- the final record -------------------------------------------------------------------
     def final_record(self) -> dict[str, Any]:

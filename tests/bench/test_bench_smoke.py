@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from livemig.bench.scale_bench import _wait
+from livemig.bench.scale_bench import wait_until
 from livemig.rdzv.client import EtcdClient
 from livemig.rdzv.keys import JobKeys
 
@@ -142,7 +142,7 @@ def test_bench_scale_wait_ends_when_the_coordinator_exits(etcd):
     try:
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=r"coordinator exited \(code 3\)"):
-            _wait(client, JobKeys("bench-wait"), lambda m: False, coord, timeout=30)
+            wait_until(client, JobKeys("bench-wait"), lambda m: False, coord, timeout=30)
         assert time.monotonic() - t0 < 5
     finally:
         client.close()

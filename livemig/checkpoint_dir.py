@@ -40,7 +40,7 @@ from livemig.config import (
 )
 from livemig.errors import ConfigError, LivemigError
 
-log = logging.getLogger("livemig.checkpoints")
+log = logging.getLogger("livemig.checkpoint_dir")
 
 FORMAT = 1  # bumped only on an incompatible change of the layout or the parts' contents
 LATEST = "latest"

@@ -1,8 +1,8 @@
 """The agent of a standby host's spares (`livemig-spare start`): the same watch as
-`livemig run`'s agent (agent/watch.py ChildWatch), over only the keys a spare's
+`livemig run`'s agent (agent/child_watch.py ChildWatch), over only the keys a spare's
 agent needs.
 
-It sleeps on what can change its work (agent/watch.py Wakeup): a spare's exit (a
+It sleeps on what can change its work (agent/child_watch.py Wakeup): a spare's exit (a
 pidfd each), a fence key written or removed, the job's result. A dead spare is
 reported at once, a fenced spare that does not exit is killed after FENCED_KILL_S,
 its fence key goes once it is reaped, and every spare stops when the job was
@@ -21,8 +21,8 @@ import subprocess
 import time
 from typing import Any
 
+from livemig.agent.child_watch import IDLE_TICK_S, ChildWatch, Wakeup
 from livemig.agent.children import Child, kill_group
-from livemig.agent.watch import IDLE_TICK_S, ChildWatch, Wakeup
 from livemig.config import Timeouts
 from livemig.errors import EtcdUnavailableError
 from livemig.logs import say

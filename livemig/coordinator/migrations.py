@@ -14,7 +14,7 @@ from typing import Any
 
 from livemig.config import Role
 from livemig.coordinator.sharding import sharding_of
-from livemig.coordinator.snapshot import Snapshot, _num
+from livemig.coordinator.snapshot import Snapshot, as_number
 from livemig.rdzv.client import encode
 from livemig.rdzv.membership import GenState, Member, Membership
 
@@ -59,7 +59,7 @@ class Migrations:
             reject = "a job of one rank has no group to keep training while the spare catches up"
         picks = [] if reject else self.coord._pick_spares(s, 1)
         if not reject and not picks:
-            if time.time() - _num(req.get("time")) > self.coord.timeouts.spare_wait.total_seconds():
+            if time.time() - as_number(req.get("time")) > self.coord.timeouts.spare_wait.total_seconds():
                 reject = (f"no warm spare within {self.coord.timeouts.spare_wait.total_seconds():.0f}s "
                           "(LIVEMIG_SPARE_WAIT): start one with `livemig-spare start`")  # fmt: skip
             else:
@@ -78,7 +78,7 @@ class Migrations:
         g = m.generation + 1
         mig = {"id": rid, "rank": rank, "from_gen": m.group_gen, "leaving": leaving.incarnation,
                "leaving_member": asdict(leaving), "addr": leaving.addr, "phase": "catchup",
-               "requested": _num(req.get("time"), time.time()), "reason": str(req.get("reason", "")),
+               "requested": as_number(req.get("time"), time.time()), "reason": str(req.get("reason", "")),
                "spare": sid}  # fmt: skip
         new = Membership(state=GenState.MIGRATING, world_size=m.world_size, members=members,
                          store=self.coord.stores.for_generation(s, members),
@@ -158,13 +158,13 @@ class Migrations:
             new = replace(m, migration=dict(mig, phase="switch", lag_at_switch=lag))
             events = [self.coord.timeline.op(g, "stream", at=cu["time"], seconds=cu.get("stream_s", 0.0),
                                        bytes=cu.get("bytes", 0), source=cu.get("source", ""), loaded=cu["loaded"],
-                                       resyncs=_num(cu.get("resyncs"))),
+                                       resyncs=as_number(cu.get("resyncs"))),
                       self.coord.timeline.op(g, "catchup", lag=lag, applied=cu["applied"])]  # fmt: skip
             if self.coord.rdzv.update(new, guard=self.coord._guard(), extra=events):
                 log.info("migration: spare caught up; members vote the switch", extra={"generation": g, "lag": lag})
             return None
         if switched == set(m.members):
-            at = min(_num(ready[str(r)].get("time"), time.time()) for r in m.members)
+            at = min(as_number(ready[str(r)].get("time"), time.time()) for r in m.members)
             step = min(ready[str(r)]["switched"] for r in m.members)
             # The spare registered its address at the switch: the table a later recovery
             # pulls from must hold it (an empty one left nothing to pull from).

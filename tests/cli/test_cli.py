@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "livemig.cli", *args], capture_output=True, text=True, timeout=timeout)
@@ -158,7 +160,9 @@ def test_inject_and_migrate_for_a_missing_job_end_at_once(etcd, cmd):
 def test_livemig_spare_start_announces_its_wait_once_and_ends_in_one_line(etcd, tmp_path):
     """A spare may start before its job (a batch script): the wait stays, but is said once,
     with its bound, and ends naming what was not found. --count 0 is refused before it."""
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "mlp.py")
+    script = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "mlp.py"
+    )
     spare = [sys.executable, "-m", "livemig.spare_pool.cli", "start", "--etcd", etcd.endpoints, "--job", "later"]
     t0 = time.monotonic()
     r = subprocess.run([*spare, "--count", "0", script], capture_output=True, text=True, timeout=60)
@@ -218,7 +222,9 @@ def _kinds_missing(kinds, command: str, start: str, end: str) -> list[str]:
     import re
 
     help_text = " ".join(run_cli(command, "--help").stdout.split())
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    readme = open(
+        os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
+    ).read()
     part = " ".join(readme[readme.index(start) :].split(end)[0].split())
     out = []
     for kind in kinds:
@@ -286,7 +292,9 @@ def test_prune_runs_keeps_the_newest_and_the_recent(tmp_path):
     ids=["negative-resume", "etcd-member"],
 )
 def test_a_fault_plan_is_refused_whole_before_anything_starts(plan, line, tmp_path):
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "mlp.py")
+    script = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "mlp.py"
+    )
     env = dict(os.environ, LIVEMIG_STATE_DIR=str(tmp_path))
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "livemig.cli", "run", "--nproc", "2", "--fault", plan, script],

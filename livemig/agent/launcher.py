@@ -373,7 +373,7 @@ class Launcher:
 
     def _fresh_requests(self, by_key: dict[str, Any]) -> None:
         """The coordinator asks for a fresh process for each lost rank it has no spare for
-        (coordinator.py, _fresh): this agent starts one for each of those ranks it launched, a
+        (coordinator.py, _request_fresh): this agent starts one for each of those ranks it launched, a
         spare without warm-up iterations, which the coordinator claims for the rank."""
         pre, first = self.keys.recoveries_prefix, self.node_rank * self.cfg.nproc_per_node
         for key, kv in by_key.items():

@@ -12,6 +12,9 @@ continues from the state in etcd.
     BUILDING --all ready (spare streamed, groups built)--> COMMITTED (phase 2)
     COMMITTED --every member wrote its final record--> DONE
     no warm spare within spare_wait, no state left, timeouts --> FAILED
+
+What a RECOVERING generation does next is decided by coordinator/recovery.py's pure `plan`
+(unit-tested on views) and written here by `_apply`.
 """
 
 from __future__ import annotations
@@ -38,22 +41,17 @@ from livemig.coordinator.checks import Checks
 from livemig.coordinator.cold import ColdPath
 from livemig.coordinator.migrations import Migrations
 from livemig.coordinator.prune import stale_ops
+from livemig.coordinator.recovery import Plan, Policy, Spare, View, matching, plan, plan_cold
 from livemig.coordinator.sharding import (
     first_mismatch,
-    fsdp_mirrored,
-    fsdp_shape,
     has_local_state,
-    lost_fsdp_shards,
-    lost_local_state,
-    lost_shards,
-    sharding_of,
 )
 from livemig.coordinator.shrink import ShrinkPolicy
 from livemig.coordinator.snapshot import Decoded, Snapshot, as_number, node_of, safe_decode
 from livemig.coordinator.store_host import StoreHost
 from livemig.coordinator.timeline import Timeline
 from livemig.errors import CorruptStateError, EtcdUnavailableError, LivemigError, NotLeaderError
-from livemig.rdzv.client import KV, EtcdClient, encode
+from livemig.rdzv.client import EtcdClient, encode
 from livemig.rdzv.election import LeaderElection
 from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, new_incarnation
 from livemig.rdzv.watch import PrefixMirror
@@ -275,7 +273,7 @@ class Coordinator:
         if m.state in (GenState.FORMING, GenState.BUILDING):
             return self._phase2(s, first_seen)
         if m.state == GenState.RECOVERING:
-            return self._agree_and_claim(s, first_seen)
+            return self._recover(s, first_seen)
         if m.state == GenState.COMMITTED:
             self.stores.start()  # training runs: the store's import competes with no start-up now
             differ = self.checks.extras_differ(s)
@@ -428,81 +426,64 @@ class Coordinator:
         if self.rdzv.update(new, guard=self._guard(), extra=events):
             log.info("committed", extra={"generation": m.generation})
 
-    def _agree_and_claim(self, s: Snapshot, since: float) -> None:
+    def _recover(self, s: Snapshot, since: float) -> None:
+        """A RECOVERING generation: decide (coordinator/recovery.py, `plan`), then write."""
         m = s.m
-        reports = s.under(self.keys.recovery_prefix(m.generation) + "report/")
-        waiting = [r for r, mem in m.members.items()
-                   if reports.get(str(r), {}).get("incarnation") != mem.incarnation]  # fmt: skip
-        if waiting:
-            if time.monotonic() - since > self.timeouts.recovery.total_seconds():
-                self._fence(s, waiting)  # silent survivors are treated as failed
-            return
-        holding = {r: reports[str(r)]["committed"] for r in m.members
-                   if reports[str(r)]["committed"] is not None}  # fmt: skip
-        if not holding:
-            return self._cold(s, "no surviving member holds the training state", since)
-        if self.cold.forced:
-            return self._cold(s, "live recovery is off (--recovery cold)", since)
-        resume = max(holding.values()) + 1
-        behind = [r for r, c in holding.items() if c < resume - 2]
-        if behind:
-            return self._fail(m, f"rank(s) {behind} are more than one step behind (invariant broken)")
-        sources = sorted(r for r, c in holding.items() if c == resume - 1)
-        sig = (s.get(self.keys.config) or {}).get("signature", [])
-        mode, mirrored = sharding_of(sig)
-        # a rank a survivor carries (a shrunk job) is not vacant: the carrier runs it
-        live_carried = {v: c for v, c in m.carried.items() if c in m.members}
-        vacant = [r for r in range(m.world_size) if r not in m.members and r not in live_carried]
-        if has_local_state(sig):
-            orphans = [v for v in vacant if v in m.carried]
-            if orphans:  # its local state lived only in its carrier's memory (no mirror while shrunk)
-                return self._cold(s, f"rank(s) {orphans}'s local state (buffers, local=) was carried by a lost "
-                                     "survivor of the shrunk job and has no other copy", since)  # fmt: skip
-        if mode in ("zero1", "fsdp2"):  # every shard needs a live holder; a rank behind finishes from its own
-            if mode == "zero1":
-                lost = lost_shards(m.world_size, mirrored, set(holding), self._stride(s), m.carried)
-            else:
-                lost = lost_fsdp_shards(fsdp_shape(sig), vacant, set(holding), fsdp_mirrored(sig), self._stride(s))
-            if lost:
-                return self._cold(s, "; ".join(lost), since)
-            short = [r for r, c in holding.items()
-                     if c == resume - 2 and reports[str(r)].get("avg_step") != resume - 1]  # fmt: skip
-            if short:
-                return self._fail(m, f"rank(s) {short} lack the gradient slices of step {resume - 1}")
-        # the replay starts at boundary resume-2; after a load of boundary resume-1 there is none
-        # (each rank's own state of it is its part of the checkpoint: runtime/pull.py); FSDP2
-        # mirrors each boundary as it ends and a spare starts from resume-1 (runtime/fsdp2.py)
-        resumed = any(reports[str(r)].get("resumed") == resume - 1 for r in sources)
-        if has_local_state(sig) and m.world_size > 1 and resume >= 1 and not resumed:
-            boundary = resume - 1 if mode == "fsdp2" else resume - 2
-            lost = lost_local_state(m.world_size, vacant, reports, boundary, self._stride(s))
-            if lost and m.carried:
-                lost = [f"{x} (a shrunk job mirrors no local state)" for x in lost]
-            if lost:
-                return self._cold(s, "; ".join(lost), since)
-        # A source must hold the average of step resume-1 for members one step behind.
-        if (
-            mode not in ("zero1", "fsdp2")
-            and any(c == resume - 2 for c in holding.values())
-            and not any(reports[str(r)].get("avg_step") == resume - 1 for r in sources)
-        ):
-            return self._fail(m, f"no member holds the averaged gradient of step {resume - 1}")
-        if not self._since.get((m.generation, "agreed")):
-            self._since[(m.generation, "agreed")] = time.monotonic()
-            self.timeline.record(m.generation, "agree", self._guard(), resume_step=resume, sources=sources)
-        self._claim(s, vacant, resume, sources, since, mode)
-
-    def _pick_spares(self, s: Snapshot, n: int) -> list[tuple[str, KV, dict]]:
-        """Up to n warm, unclaimed spares, oldest first; spares whose model differs are refused."""
-        t = self.client.txn_ops
         cfg = s.get(self.keys.config) or {}
-        refusals: list[Any] = []
-        picks: list[tuple[str, KV, dict]] = []
-        spares = sorted(
-            (kv for k, kv in s.kv.items() if k.startswith(self.keys.spares_prefix)),
-            key=lambda kv: kv.create_revision,
-        )
-        for kv in spares:
+        self.cold.use_job_config(cfg)
+        view = View(m, s.under(self.keys.recovery_prefix(m.generation) + "report/"), cfg.get("signature", []),
+                    self._stride(s), self._spares(s), self._any_spare(s), time.monotonic() - since,
+                    bool(self.cold.dir))  # fmt: skip
+        self._apply(s, plan(view, self._policy()), since)
+
+    def _policy(self) -> Policy:
+        return Policy(self.timeouts.recovery.total_seconds(), self.timeouts.spare_wait.total_seconds(), self.shrink,
+                      self.cold.forced, self.job)  # fmt: skip
+
+    def _apply(self, s: Snapshot, p: Plan, since: float) -> None:
+        """Write what a plan decided: the one place a recovery's decisions reach etcd."""
+        m = s.m
+        if p.agreed and not self._since.get((m.generation, "agreed")):
+            self._since[(m.generation, "agreed")] = time.monotonic()
+            self.timeline.record(m.generation, "agree", self._guard(), resume_step=p.resume, sources=list(p.sources))
+        if p.refuse:
+            t = self.client.txn_ops
+            for sid, reason in p.refuse:
+                log.error("spare refused", extra={"spare": sid, "reason": reason})
+            self.client.txn(self._guard(), [t.put(self.keys.assignment(sid), encode({"refused": reason}))
+                                            for sid, reason in p.refuse])  # fmt: skip
+        if p.no_shrink and not self._since.get((m.generation, "no-shrink")):
+            self._since[(m.generation, "no-shrink")] = time.monotonic()
+            log.warning("cannot shrink", extra={"generation": m.generation, "why": p.no_shrink})
+        if p.action == "fence":
+            self._fence(s, list(p.ranks))
+        elif p.action == "fail":
+            self._fail(m, p.reason)
+        elif p.action == "cold":
+            self._restart_cold(s, p.reason, since)
+        elif p.action == "fresh":
+            self._request_fresh(s, list(p.ranks), since, p.reason)
+        elif p.action == "claim":
+            assert p.resume is not None
+            self._write_claim(s, list(p.vacant), [(sp.sid, sp.kv, sp.info) for sp in p.picks], p.resume,
+                            list(p.sources), restart=p.restart, carry=None if p.carry is None else list(p.carry),
+                            mode=p.mode)  # fmt: skip
+
+    def pick_spare(self, s: Snapshot) -> Spare | None:
+        """The oldest warm spare whose model matches the job's, refusing (in etcd) those whose
+        model differs: a planned migration's or a grow's spare."""
+        ok, refuse = matching(self._spares(s))
+        if refuse:
+            self._apply(s, Plan("wait", refuse=refuse), 0.0)
+        return ok[0] if ok else None
+
+    def _spares(self, s: Snapshot) -> tuple[Spare, ...]:
+        """The warm spares nobody claimed or fenced, oldest first, each with how its model
+        differs from the job's (a plan refuses those)."""
+        cfg = s.get(self.keys.config) or {}
+        out = []
+        for kv in sorted((kv for k, kv in s.kv.items() if k.startswith(self.keys.spares_prefix)),
+                         key=lambda kv: kv.create_revision):  # fmt: skip
             sid = kv.key[len(self.keys.spares_prefix) :]
             info = safe_decode(kv.key, kv.value)
             if not info or "incarnation" not in info:
@@ -511,51 +492,8 @@ class Coordinator:
                 continue
             if s.kv.get(self.keys.fenced(info["incarnation"])) is not None:
                 continue
-            diff = first_mismatch(cfg.get("signature", []), info.get("signature", []))
-            if diff:
-                reason = f"its model differs from the job's: {diff}"
-                refusals.append(t.put(self.keys.assignment(sid), encode({"refused": reason})))
-                log.error("spare refused", extra={"spare": sid, "reason": reason})
-                continue
-            if len(picks) < n:
-                picks.append((sid, kv, info))
-        if refusals:
-            self.client.txn(self._guard(), refusals)
-        return picks
-
-    def _claim(self, s: Snapshot, vacant: list[int], resume: int, sources: list[int], since: float,
-               mode: str = "") -> None:  # fmt: skip
-        m = s.m
-        picks = self._pick_spares(s, len(vacant))
-        if len(picks) < len(vacant):
-            self.cold.use_job_config(s.get(self.keys.config))
-            waited = time.monotonic() - since
-            missing = vacant[len(picks) :]
-            wait_s = self.timeouts.spare_wait.total_seconds()
-            # --min-nproc: the survivors carry the lost ranks no spare is left for (coordinator/shrink.py)
-            d = self.shrink.decide(m, vacant, len(picks), mode, waited)
-            if d.action == "wait":
-                return None
-            if d.action == "shrink" and picks:  # the spares take the lowest ranks, the survivors carry the rest
-                k = len(picks)
-                return self._claim_for(s, vacant[:k], picks, resume, sources, carry=d.carry, mode=mode)
-            if d.action == "shrink":
-                return self._shrink(s, vacant, resume, sources, mode)
-            why = d.why
-            if why and not self._since.get((m.generation, "no-shrink")):
-                self._since[(m.generation, "no-shrink")] = time.monotonic()
-                log.warning("cannot shrink", extra={"generation": m.generation, "why": why})
-            if self.cold.dir and (not self._any_spare(s) or waited > wait_s):
-                # No spare is coming: the agents start a fresh process for each lost rank, which
-                # joins as a spare would (state streamed from the survivors, nothing redone).
-                return self._fresh(s, missing, since, f"no spare for rank(s) {missing}")
-            if waited > wait_s:
-                self._fail(m, f"no warm spare for rank(s) {missing} within {wait_s:.0f}s: start one with "
-                              f"`livemig-spare start --job {self.job} SCRIPT` (LIVEMIG_SPARE_WAIT), or run "
-                              "with --checkpoint-dir to have the agents start fresh processes"
-                              + (f" (no shrink: {why})" if why else ""))  # fmt: skip
-            return
-        self._claim_for(s, vacant, picks, resume, sources)
+            out.append(Spare(sid, kv, info, first_mismatch(cfg.get("signature", []), info.get("signature", [])) or ""))
+        return tuple(out)
 
     def _grow(self, s: Snapshot) -> bool:
         """A warm spare while shrunk: hand it a carried rank back (the lowest), through a
@@ -563,20 +501,13 @@ class Coordinator:
         the rank with its state streamed (its local state from the carrier, its buddy), and
         the job runs one process wider from the agreed step (runtime/virtual.py)."""
         m = s.m
-        if not self._any_spare(s) or not self._pick_spares(s, 1):
+        if self.pick_spare(s) is None:
             return False
         v, carried = self.shrink.grow(m)
         grow = self.timeline.op(m.generation + 1, "grow", rank=v, carrier=m.carried[v])
         self._fence(s, [], more=[grow], reason=f"grow: a warm spare takes back rank {v} from rank {m.carried[v]}",
                     carried=carried, kind="grow")  # fmt: skip
         return True
-
-    def _shrink(self, s: Snapshot, vacant: list[int], resume: int, sources: list[int], mode: str = "") -> None:
-        """No spare within --shrink-wait: train on the survivors (runtime/virtual.py). Each
-        lost rank is carried by its buddy (rank + stride, the holder of its local state's
-        mirror) or, with no local state, by the next survivor; the world stays N. ZeRO-1:
-        by the holder of its shard's mirror, which owns the shard from now on."""
-        self._claim_for(s, [], [], resume, sources, carry=vacant, mode=mode)
 
     def _carriers(self, s: Snapshot, vacant: list[int], mode: str) -> dict[int, int]:
         return self.shrink.carriers(s.m, vacant, self._stride(s), mode)
@@ -589,7 +520,7 @@ class Coordinator:
     def _any_spare(self, s: Snapshot) -> bool:
         return any(k.startswith(self.keys.spares_prefix) for k in s.kv)
 
-    def _fresh(self, s: Snapshot, ranks: list[int], since: float, why: str) -> None:
+    def _request_fresh(self, s: Snapshot, ranks: list[int], since: float, why: str) -> None:
         """Ask the agents, once per generation, for a fresh process for each of `ranks` (each
         agent starts those of the ranks it launched; they register as spares); fail the job
         with one line if they are not warm within the recovery timeout."""
@@ -608,7 +539,7 @@ class Coordinator:
             self._fail(m, f"{why}; no fresh process for rank(s) {ranks} was warm within {limit:.0f}s "
                           "(is the agent of their node alive?)")  # fmt: skip
 
-    def _cold(self, s: Snapshot, why: str, since: float) -> None:
+    def _restart_cold(self, s: Snapshot, why: str, since: float) -> None:
         """The cold path (docs/reliability.md): live recovery cannot serve this failure (the
         state it needs died with the lost ranks), so the job restarts from its newest complete
         checkpoint at the same world size: survivors load it in place, each lost rank is taken
@@ -619,20 +550,15 @@ class Coordinator:
         done = [x.get("committed") for x in reports.values() if isinstance(x.get("committed"), int)]
         cfg = s.get(self.keys.config) or {}
         self.cold.use_job_config(cfg)
-        plan = self.cold.plan(m, why, max(done, default=None), has_local_state(cfg.get("signature", [])))
-        if isinstance(plan, str):
-            return self._fail(m, plan)
-        vacant = [r for r in range(m.world_size) if r not in m.members]
-        picks = self._pick_spares(s, len(vacant))
-        if len(picks) < len(vacant):
-            return self._fresh(s, vacant[len(picks) :], since, why)
-        if not self._since.get((m.generation, "cold")):
+        checkpoint = self.cold.plan(m, why, max(done, default=None), has_local_state(cfg.get("signature", [])))
+        p = plan_cold(View(m, reports, cfg.get("signature", []), spares=self._spares(s)), why, checkpoint)
+        if p.action == "claim" and not self._since.get((m.generation, "cold")):
             self._since[(m.generation, "cold")] = time.monotonic()
             log.warning("cold path: restarting from a checkpoint",
-                        extra={"generation": m.generation, "why": why, "step": plan["step"]})  # fmt: skip
-        self._claim_for(s, vacant, picks, plan["step"] + 1, [], restart={**plan, "reason": why})
+                        extra={"generation": m.generation, "why": why, "step": p.resume})  # fmt: skip
+        self._apply(s, p, since)
 
-    def _claim_for(self, s: Snapshot, vacant: list[int], picks: list, resume: int, sources: list[int],
+    def _write_claim(self, s: Snapshot, vacant: list[int], picks: list, resume: int, sources: list[int],
                    restart: dict | None = None, carry: list[int] | None = None, mode: str = "") -> None:  # fmt: skip
         """Spares for `vacant`; `carry`: lost ranks no spare is left for, carried by survivors."""
         m = s.m

@@ -2,7 +2,7 @@
 migration"): take a request (`livemig migrate`, a fault plan, the straggler hook),
 claim a warm spare, let it stream and catch up while the group trains, vote the
 switch step, commit, or abort and leave the group as it was. A collaborator of
-the Coordinator: it acts through its _guard, _pick_spares and the timeline.
+the Coordinator: it acts through its _guard, pick_spare and the timeline.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class Migrations:
             reject = "planned migration of a shrunk job (survivors carrying lost ranks) is not supported yet"
         elif m.world_size < 2:
             reject = "a job of one rank has no group to keep training while the spare catches up"
-        picks = [] if reject else self.coord._pick_spares(s, 1)
-        if not reject and not picks:
+        spare = None if reject else self.coord.pick_spare(s)
+        if not reject and spare is None:
             if time.time() - as_number(req.get("time")) > self.coord.timeouts.spare_wait.total_seconds():
                 reject = (f"no warm spare within {self.coord.timeouts.spare_wait.total_seconds():.0f}s "
                           "(LIVEMIG_SPARE_WAIT): start one with `livemig-spare start`")  # fmt: skip
@@ -70,7 +70,8 @@ class Migrations:
             self.coord.client.txn(self.coord._guard(), [t.delete(self.coord.keys.migrate_request),
                                             t.put(self.coord.keys.migrate_result, encode(res))])  # fmt: skip
             return True
-        sid, kv, info = picks[0]
+        assert spare is not None
+        sid, kv, info = spare.sid, spare.kv, spare.info
         leaving = m.members[rank]
         members = dict(m.members)
         members[rank] = Member(rank, info["incarnation"], info.get("host", ""), info.get("pid", 0), "",

@@ -256,7 +256,9 @@ class FaultDriver:
                 if f.resume_after is not None:
                     self._resumes.append((time.monotonic() + f.resume_after, target))
             elif f.kind == "corrupt":
-                self.agent.client.put(self.agent.keys.inject_corrupt(f.rank), encode({"time": time.time()}))  # type: ignore[arg-type]
+                # asked of the process holding the rank, through the watch it keeps for injections
+                self.agent.client.put(self.agent.keys.inject_self(target.incarnation),
+                                      encode({"kind": "corrupt", "time": time.time()}))  # fmt: skip
             elif f.kind == "migrate":
                 from livemig.rdzv.requests import request_migration
 

@@ -181,7 +181,10 @@ def cmd_inject(a: argparse.Namespace) -> int:
     if a.kind == "corrupt":
         if a.rank is None:
             raise ConfigError("inject corrupt needs --rank (the member whose next served chunk is altered)")
-        client.put(keys.inject_corrupt(a.rank), encode({"time": time.time()}))
+        mem = rdzv.read().members.get(a.rank)
+        if mem is None:
+            raise ConfigError(f"job {a.job} has no member with rank {a.rank}")
+        client.put(keys.inject_self(mem.incarnation), encode({"kind": "corrupt", "time": time.time()}))
         print(f"rank {a.rank} will corrupt the next chunk it serves")
         return 0
     if a.kind in ("kill", "hang", "resume", "slow") and a.pid is None and a.rank is not None:

@@ -184,13 +184,10 @@ class JobKeys:
         """`livemig inject` for a process on another host: its agent carries it out, then deletes this."""
         return f"{self.inject_requests_prefix}{rid}"
 
-    def inject_corrupt(self, rank: int) -> str:
-        """Fault injection: the member holding `rank` corrupts the next chunk it serves."""
-        return f"{self.prefix}inject/corrupt/{rank}"
-
     def inject_self(self, incarnation: str) -> str:
-        """Fault injection (`livemig inject wedge|break`): the process `incarnation` (never a
-        later holder of its rank) takes the fault at its next step boundary, then deletes this."""
+        """Fault injection (`livemig inject wedge|break|corrupt`): the process `incarnation` (never
+        a later holder of its rank) takes the fault at its next step boundary (corrupt: when it
+        next serves a recovery), then deletes this."""
         return f"{self.prefix}inject/self/{incarnation}"
 
     @property

@@ -135,6 +135,7 @@ class MemberRuntime:
         self._watch = PrefixWatch(self.client, self.keys.membership, self._on_membership, rev + 1)
         # `livemig inject wedge|break` asks this process (keys.inject_self): taken at a boundary
         self.injected: str | None = None
+        self.corrupt_asked = False  # `livemig inject corrupt`: the next chunk this member serves is altered
         inject_key = self.keys.inject_self(incarnation)
         self._inject_watch = PrefixWatch(self.client, inject_key, lambda ev: self._on_inject(inject_key, ev), rev + 1)
         threading.Thread(target=self._progress_loop, daemon=True, name="livemig-progress").start()
@@ -166,6 +167,8 @@ class MemberRuntime:
                 req = conform(e.value, {"kind": (str,)})
                 if req is not None and req["kind"] in ("wedge", "break"):
                     self.injected = req["kind"]
+                elif req is not None and req["kind"] == "corrupt":
+                    self.corrupt_asked = True  # taken when this member next serves (runtime/self_faults.py)
 
     def take_injected(self) -> str | None:
         """The fault `livemig inject` asked of this process, once; its key goes, which is the

@@ -119,13 +119,14 @@ class SelfFaults:
                 time.sleep(f.seconds)
 
     def corrupt_next_serve(self, server: Any) -> None:
-        """`livemig inject corrupt --rank R`: the first chunk this survivor serves in the
-        recovery being served is corrupted, so the spare's checksum refuses it and pulls from
-        another peer. Asked through etcd; read once per served recovery, never in a step."""
+        """`livemig inject corrupt --rank R` (or the plan's `corrupt:rank=R`): the first chunk
+        this survivor serves in the recovery being served is corrupted, so the spare's checksum
+        refuses it and pulls from another peer. Asked through the watch the member keeps for
+        injections (runtime/member.py), so a run without one reads nothing from etcd here."""
         rt = self._ctx.runtime
-        key = rt.keys.inject_corrupt(self._ctx.rank)
-        if rt.client.get(key) is None:
+        if not rt.corrupt_asked:
             return
-        rt.client.delete(key)
+        rt.corrupt_asked = False
+        rt.client.delete(rt.keys.inject_self(self._ctx.incarnation))  # the command's acknowledgement
         server.hooks.corrupt_next = True
         log.warning("fault injection: the first chunk served will be corrupted", extra={"rank": self._ctx.rank})

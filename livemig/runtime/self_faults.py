@@ -1,9 +1,11 @@
 """Faults a worker injects into itself, for tests and `--fault ...:during=...`.
 
-The one seam for test hooks: the step protocol calls `SelfFaults` at named points
-(`at`, `at_commit_point`, `at_boundary`, `stall_after_snapshot`) and nothing else of
-it knows about faults. The fault plan's gate (livemig/fault_gate.py) lives here too:
-both are the plan reaching into the step.
+The member's one seam for test faults: the step protocol calls `SelfFaults` at named points
+(`at`, `at_commit_point`, `at_boundary`, `stall_after_snapshot`, `during_checkpoint`,
+`corrupt_next_serve`) and nothing else of the member knows about faults. The fault plan's gate
+(livemig/fault_gate.py) lives here too: both are the plan reaching into the step. Outside the
+member, the state server's `Hooks` (transfer/server.py) is the seam a test or this class sets,
+and the agent's FaultDriver (agent/fault_driver.py) carries out the plan's process-level faults.
 """
 
 from __future__ import annotations

@@ -60,12 +60,14 @@ GONE_KEEP = 64  # withdrawn item names remembered
 
 
 class Hooks:
-    """Test-only fault hooks (set by tests on a server object, never by env)."""
+    """The state server's fault hooks, the one place a fault reaches the server: set by tests on
+    a server object and by the member's SelfFaults (`livemig inject corrupt`, runtime/
+    self_faults.py), never by the environment. All off, they cost one check per chunk."""
 
     def __init__(self) -> None:
         self.corrupt: set[int] = set()  # chunk seqs sent once with one byte flipped
         self.corrupt_next = False  # the next chunk served, whichever it is
-        self.die_after: int | None = None  # exit the process after serving N chunks
+        self.after_chunk: Callable[[int], None] | None = None  # called with the count of chunks served
 
 
 class StateServer:
@@ -210,8 +212,8 @@ class StateServer:
             if not 0 <= seq < len(snap.chunks):
                 return self._reply(nonce, {"ok": False, "error": f"no chunk {seq}"})
             self.served_chunks += 1
-            if self.hooks.die_after is not None and self.served_chunks > self.hooks.die_after:
-                os._exit(9)  # test hook: a source dying mid-transfer
+            if self.hooks.after_chunk is not None:
+                self.hooks.after_chunk(self.served_chunks)  # a test's source dying mid-transfer
             data: memoryview | bytes = snap.view(snap.chunks[seq])
             if seq in self.hooks.corrupt or self.hooks.corrupt_next:
                 self.hooks.corrupt.discard(seq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -35,7 +36,13 @@ def main() -> None:
     a = p.parse_args()
     state = make_state(a.mb)
     srv = StateServer("job", a.secret.encode())
-    srv.hooks.die_after = a.die_after
+    if a.die_after is not None:  # a source dying mid-transfer, after serving --die-after chunks
+
+        def die(served: int, limit: int = a.die_after) -> None:
+            if served > limit:
+                os._exit(9)
+
+        srv.hooks.after_chunk = die
     srv.publish(a.gen, "state", lambda: (7, state))
     print(srv.addr, flush=True)
     time.sleep(3600)

@@ -45,7 +45,7 @@ from livemig.runtime.batches import Batches
 from livemig.runtime.bugs import exit_on_bug
 from livemig.runtime.checkpoint import Checkpointer
 from livemig.runtime.control import Activate, Released, Requeue, Stop
-from livemig.runtime.fsdp2 import Fsdp2
+from livemig.runtime.fsdp2_mesh import Fsdp2
 from livemig.runtime.loop import StepLoop
 from livemig.runtime.migration import Migration
 from livemig.runtime.pull import StatePull
@@ -80,7 +80,7 @@ class Engine(StepLoop, StatePull):  # both are MemberFields (runtime/member_fiel
         self.standby = Standby(self)  # a spare's standby; every member's final record (runtime/standby.py)
         self.sandbox = Sandbox(self)  # a spare's warm-up against a group of one (sandbox/warmup.py)
         self._batches = Batches(self)  # ctx.batches (runtime/batches.py)
-        self.fsdp2 = Fsdp2(self)  # the device mesh and FSDP2's step and recovery (runtime/fsdp2.py)
+        self.fsdp2 = Fsdp2(self)  # the device mesh and FSDP2's step and recovery (runtime/strategies/fsdp2.py)
         self._no_grad_said = False  # ctx.step() with no backward: said once (loop.check_backward)
         self.reset_user_state()
         self.faults = SelfFaults(self)  # test faults and the fault plan's gate (runtime/self_faults.py)
@@ -130,7 +130,7 @@ class Engine(StepLoop, StatePull):  # both are MemberFields (runtime/member_fiel
         mirrored on the next rank every step so a spare taking rank r gets r's own; buffers
         are rank-local too. sharding="zero1" shards the optimizer state (comm/zero1.py; the
         optimizer is a template); a model sharded by fully_shard is recognised by its
-        DTensor parameters (runtime/fsdp2.py). Shards are mirrored on the next rank unless
+        DTensor parameters (runtime/strategies/fsdp2.py). Shards are mirrored on the next rank unless
         mirror=False, without which a lost shard cannot be recovered. At formation every
         rank takes rank 0's model and optimizer state, as DDP does, unless sync_start=False
         (step 0 then checks the replicas are equal). `strategy=` a livemig.Strategy subclass
@@ -152,7 +152,7 @@ class Engine(StepLoop, StatePull):  # both are MemberFields (runtime/member_fiel
     def init_device_mesh(self, device_type: str, mesh_shape: tuple[int, ...],
                          mesh_dim_names: tuple[str, ...] | None = None) -> Any:  # fmt: skip
         """torch's `init_device_mesh` over groups livemig owns, for `fully_shard(m, mesh=mesh)`:
-        (shard,) is FSDP, (replicate, shard) HSDP; the same object across recoveries (runtime/fsdp2.py)."""
+        (shard,) is FSDP, (replicate, shard) HSDP; the same object across recoveries (runtime/strategies/fsdp2.py)."""
         return self.fsdp2.init_device_mesh(device_type, mesh_shape, mesh_dim_names)
 
     def batches(self, loader: Any) -> Iterator[Any]:

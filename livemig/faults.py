@@ -65,7 +65,12 @@ from livemig.errors import ConfigError
 RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition", "link", "migrate", "wedge", "break")
 UNRANKED = ("etcd-kill", "etcd-stop", "coordinator-kill", "spare-kill", "spare-hang")
 KINDS = RANKED + UNRANKED
-FSDP_DURING = ("fsdp_allgather", "fsdp_reduce_scatter", "replicate_allreduce", "clip_norm")  # runtime/fsdp2.py
+FSDP_DURING = (
+    "fsdp_allgather",
+    "fsdp_reduce_scatter",
+    "replicate_allreduce",
+    "clip_norm",
+)  # runtime/strategies/fsdp2.py
 IN_PROCESS_DURING = ("allreduce", "before_commit", "gather", "after_step", "checkpoint", *FSDP_DURING)
 WEDGE_DURING = ("compute", "before_commit")
 PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit", "snapshot", "catchup")

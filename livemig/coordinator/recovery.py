@@ -150,7 +150,7 @@ def plan(view: View, policy: Policy) -> Plan:
             return Plan("fail", reason=f"rank(s) {short} lack the gradient slices of step {resume - 1}")
     # the replay starts at boundary resume-2; after a load of boundary resume-1 there is none
     # (each rank's own state of it is its part of the checkpoint: runtime/pull.py); FSDP2
-    # mirrors each boundary as it ends and a spare starts from resume-1 (runtime/fsdp2.py)
+    # mirrors each boundary as it ends and a spare starts from resume-1 (runtime/strategies/fsdp2.py)
     resumed = any(reports[str(r)].get("resumed") == resume - 1 for r in sources)
     if local and m.world_size > 1 and resume >= 1 and not resumed:
         boundary = resume - 1 if mode == "fsdp2" else resume - 2

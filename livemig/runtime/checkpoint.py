@@ -362,7 +362,7 @@ def load(h: CheckpointHost, step_root: str) -> tuple[int, int]:
             return read_part(layout.part_dir(root, step, r), {}, [name])[1][name]
 
         if world == h.world_size:
-            own = ["local", *h.strategy.checkpoint_sections()]
+            own = ["local", *h.strategy.checkpoint_sections]
             _, mine = read_part(layout.part_dir(root, step, h.rank), own_buffers if h.rank else {}, own)
             for k, v in reg.local.items():
                 v.load_state_dict(mine["local"][k])

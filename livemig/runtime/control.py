@@ -8,7 +8,7 @@ class Activate(BaseException):
     """Unwinds the user's function in a spare once it is claimed, and in every survivor of
     a cold restart (restart=True: it is entered again to load the checkpoint in place), and in a
     survivor of an FSDP2 recovery (redo=True: the failed step is redone from the boundary held
-    in memory, runtime/fsdp2.py)."""
+    in memory, runtime/strategies/fsdp2.py)."""
 
     def __init__(self, generation: int, rank: int, migration: bool = False, restart: bool = False,
                  redo: bool = False) -> None:  # fmt: skip

@@ -26,10 +26,10 @@ import torch
 
 from livemig.state import digest
 
-log = logging.getLogger("livemig.runtime.fsdp2")
+log = logging.getLogger("livemig.runtime.fsdp2_mesh")
 
 
-def grads_blob(params: list[torch.Tensor]) -> torch.Tensor:
+def grads_blob(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """The local gradient shards, as one uint8 tensor (any dtypes), zeros where none."""
     parts = []
     for p in params:

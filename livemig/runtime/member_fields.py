@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from livemig.config import Role, Timeouts
     from livemig.runtime.checkpoint import Checkpointer
     from livemig.runtime.control import Activate
-    from livemig.runtime.fsdp2 import Fsdp2
+    from livemig.runtime.fsdp2_mesh import Fsdp2
     from livemig.runtime.migration import Migration
     from livemig.runtime.registry import Registry
     from livemig.runtime.self_faults import SelfFaults

@@ -125,7 +125,7 @@ class Migration:
         """After the switch step and all its user code: the leaving worker hands over and
         exits; a staying member of an FSDP2 job moves to the new group here rather than at the
         commit, so that collectives user code runs after ctx.step() on the mesh still meet the
-        leaving rank, and the boundary's local-state exchange (runtime/fsdp2.py) includes it."""
+        leaving rank, and the boundary's local-state exchange (runtime/strategies/fsdp2.py) includes it."""
         if self.out.leaving is not None:
             self.leave(self.out.leaving)  # the switch step is done, user code after ctx.step() too
         if self.switch_at is not None:

@@ -53,7 +53,7 @@ class StandbyHost(Protocol):
     loaded_step: int | None
     joining: Any
     ckpt: Any
-    fsdp2: Any  # the FSDP2 mesh owner: what survives a redo's re-entry (runtime/fsdp2.py)
+    fsdp2: Any  # the FSDP2 mesh owner: what survives a redo's re-entry (runtime/strategies/fsdp2.py)
     strategy: Strategy
 
     def signature(self) -> list: ...
@@ -159,7 +159,7 @@ class Standby:
     def activate(self, act: Activate) -> None:
         """The function is entered again with `act`'s rank: a claimed spare, a survivor of a cold
         restart (its commits stay its own) or of an FSDP2 redo (the boundary's state moves
-        into the rebuilt model: runtime/fsdp2.py)."""
+        into the rebuilt model: runtime/strategies/fsdp2.py)."""
         h = self._host
         log.info("claimed", extra={"rank": act.rank, "generation": act.generation,
                                    "migration": act.migration, "restart": act.restart, "redo": act.redo})  # fmt: skip

@@ -15,7 +15,7 @@ from livemig.errors import ConfigError
 from livemig.runtime.strategies.base import Strategy, StrategyHost
 from livemig.runtime.strategies.fsdp2 import Fsdp2
 from livemig.runtime.strategies.replicated import Replicated
-from livemig.runtime.strategies.zero1 import Zero1
+from livemig.runtime.strategies.zero1_sharded import Zero1
 
 __all__ = ["Fsdp2", "Replicated", "Strategy", "StrategyHost", "Zero1", "check_sharding", "new_reducer", "pick"]
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from livemig.config import Role, Timeouts
     from livemig.rdzv.membership import Membership
     from livemig.runtime.checkpoint import Checkpointer
-    from livemig.runtime.fsdp2 import Fsdp2 as MeshOwner
+    from livemig.runtime.fsdp2_mesh import Fsdp2 as MeshOwner
     from livemig.runtime.registry import Registry
     from livemig.runtime.self_faults import SelfFaults
     from livemig.runtime.step_state import StepState
@@ -45,6 +45,8 @@ class MigrationSide(Protocol):
     def serve_avg(self, t: int, flats: list[torch.Tensor], final: bool) -> None: ...
 
     def serve_applied(self, t: int, applied: list, final: bool) -> None: ...
+
+    def serve_shard(self, t: int, own: torch.Tensor, left: torch.Tensor | None, final: bool) -> None: ...
 
     def after_commit(self, t: int, switch: bool) -> None: ...
 
@@ -82,6 +84,9 @@ class StrategyHost(Protocol):
 
     @property
     def replays(self) -> bool: ...
+
+    @property
+    def warming_up(self) -> bool: ...
 
     def sync_gradients(self) -> None: ...
 
@@ -128,6 +133,8 @@ class Strategy:
     switch_at_boundary: ClassVar[bool] = False
     #: How the registered state is laid out over the ranks (runtime/registry.py).
     layout: ClassVar[Layout] = Layout()
+    #: The sections its checkpoint_part adds, read back from a rank's own part.
+    checkpoint_sections: ClassVar[tuple[str, ...]] = ()
     #: Does this kind own a gradient reducer (comm/reducer.py)? FSDP2 reduces inside backward.
     uses_reducer: ClassVar[bool] = True
 
@@ -244,10 +251,6 @@ class Strategy:
     def switch_layout(self, m: Membership) -> None:
         """Generation m committed: hold its layout's pieces from now on."""
 
-    def shrink_refusal(self) -> str:
-        """Why a shrunk job cannot run this kind ("" when it can)."""
-        return ""
-
     # -- planned migration -----------------------------------------------------------------
     def migration_snapshot(self) -> dict[str, Any]:
         """The leaving worker's snapshot at a boundary: what the catching-up spare loads."""
@@ -281,10 +284,6 @@ class Strategy:
     def checkpoint_part(self, rank: int) -> dict[str, Any]:
         """The sections this kind adds to rank `rank`'s checkpoint part (its shards)."""
         return {}
-
-    def checkpoint_sections(self) -> list[str]:
-        """The names of those sections, read back from this rank's own part."""
-        return []
 
     def load_checkpoint_part(self, mine: dict[str, Any], section_of: Callable[[int, str], Any]) -> None:
         """This rank's sections of a checkpoint of the same world size (`section_of(r, name)`

@@ -2,26 +2,40 @@
 
 The step communicates inside the user's code (forward all-gathers, backward reduce-scatters),
 so the strategy's own step is only the commit vote; a failure inside FSDP2's collectives
-unwinds the user's function and redoes the step (runtime/fsdp2.py, `Fsdp2`, which owns the
+unwinds the user's function and redoes the step (runtime/strategies/fsdp2.py, `Fsdp2`, which owns the
 mesh across the function's re-entries and does the work this strategy is asked for).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
-from livemig.config import SHARDING_ENTRY
-from livemig.errors import ConfigError
+from livemig.comm import torch_group
+from livemig.comm.group import CollectiveAborted, allreduce_sum, ring_exchange
+from livemig.config import SHARDING_ENTRY, Role, buddy_stride
+from livemig.errors import ConfigError, RecoveryError
+from livemig.runtime.control import Activate
+from livemig.runtime.fsdp2_mesh import shard_of, shard_peers
+from livemig.runtime.fsdp2_mirror import grads_blob
 from livemig.runtime.registry import Layout
+from livemig.runtime.step_state import LocalBlob
 from livemig.runtime.strategies.base import Strategy, StrategyHost
+from livemig.runtime.strategies.fsdp2_shards import Shards, dtensors
+from livemig.state import is_dtensor, unpack
+from livemig.transfer import items
 
 if TYPE_CHECKING:
     from livemig.rdzv.membership import Membership
-    from livemig.runtime.fsdp2 import Fsdp2 as MeshOwner
+    from livemig.runtime.fsdp2_mesh import Fsdp2 as MeshOwner
+
+log = logging.getLogger("livemig.runtime.strategies.fsdp2")
 
 
 class Fsdp2(Strategy):
@@ -31,44 +45,39 @@ class Fsdp2(Strategy):
     layout = Layout(params_sharded=True, optimizer_sharded=True)
     switch_at_boundary = True  # collectives user code runs after ctx.step() on the mesh meet the leaving rank
     uses_reducer = False  # FSDP2 reduces the gradients in backward
+    checkpoint_sections = ("fsdp",)
 
-    def __init__(self, host: StrategyHost, mesh: MeshOwner) -> None:
+    def __init__(self, host: StrategyHost, owner: MeshOwner) -> None:
         super().__init__(host)
-        self.mesh = mesh
+        self.owner = owner
+        self.shards = Shards(host, owner)  # where this rank's shards are and how they move
         self._reps: list = []  # a migrating spare's replayed copies of the shard and its mirror
 
     def signature(self) -> list[list]:
-        mirrored = "mirrored" if self.mesh.want_mirror else "unmirrored"
-        return [[SHARDING_ENTRY, "fsdp2", list(self.mesh.shape)],  # the mesh the script asked for
-                ["<fsdp2-units>", "fully_shard", list(self.mesh.units)],  # the same wrapping
+        mirrored = "mirrored" if self.owner.want_mirror else "unmirrored"
+        return [[SHARDING_ENTRY, "fsdp2", list(self.owner.shape)],  # the mesh the script asked for
+                ["<fsdp2-units>", "fully_shard", list(self.owner.units)],  # the same wrapping
                 ["<fsdp2-mirror>", mirrored, []]]  # fmt: skip
 
-    def sync_start(self) -> None:
-        self.mesh.sync_start()
-
     def formed(self) -> None:
-        self.mesh.setup_mirror()  # each rank's shard mirrored on its right neighbour
+        self.shards.setup_mirror()  # each rank's shard mirrored on its right neighbour
 
     # -- the step ----------------------------------------------------------------------------
     def sync_gradients(self, t: int) -> None:
         """FSDP2 reduced the gradients in backward already."""
 
     def step(self, t: int) -> None:
-        self.mesh.step(t)
+        self._vote_and_commit(t)
         self.h.faults.at(t, "after_step")
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """DTensor gradients: torch's clip all-reduces the norm over the mesh."""
-        return self.mesh.clip_grad_norm_(max_norm, norm_type)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """FSDP2's set_requires_gradient_sync(False)."""
-        self.mesh.no_sync(True)
+        self._requires_sync(True)
         try:
             yield
         finally:
-            self.mesh.no_sync(False)
+            self._requires_sync(False)
 
     def warmup_step(self, t: int, pg: Any) -> None:
         h = self.h
@@ -76,56 +85,41 @@ class Fsdp2(Strategy):
         h.committed = t
 
     # -- the boundary ------------------------------------------------------------------------
-    def at_boundary(self, step: int) -> None:
-        self.mesh.at_boundary(step)
-
     def after_migrate_in(self, step: int) -> None:
         """Kept by the take-over: its boundary exchange ran without this member."""
 
-    # -- recovery ------------------------------------------------------------------------------
     def redo_from_stash(self) -> None:
-        self.mesh.load_stash()
+        self.shards.load_stash()
 
+    # -- recovery ------------------------------------------------------------------------------
     def avg_step(self) -> int | None:
-        return self.mesh.voted  # the step whose reduced gradient shards are complete here
-
-    def catch_up(self, m: Membership) -> dict[str, Any] | None:
-        return self.mesh.catch_up(m)
-
-    def serve(self, m: Membership) -> None:
-        self.mesh.serve(m)
-
-    def shrink_refusal(self) -> str:
-        return "shrinking an FSDP2 job is not supported yet"
+        return self.owner.voted  # the step whose reduced gradient shards are complete here
 
     # -- planned migration -----------------------------------------------------------------
     def migration_snapshot(self) -> dict[str, Any]:
-        return self.mesh.migration_state()
+        return self.shards.migration_state()
 
     def snapshot_alloc(self) -> Any:
         return None
 
     def load_snapshot(self, state: dict[str, Any]) -> None:
-        self._reps = self.mesh.replayers(state)
+        self._reps = self.shards.replayers(state)
 
     def replay_update(self, t: int, item: dict[str, Any]) -> None:
         """The shard's update, from the gradient shard the leaving rank stepped with."""
-        self.mesh.replay(self._reps, t, item)
+        self.shards.replay(self._reps, t, item)
         self.h.committed = t
 
     def take_over(self, tail: dict[str, Any]) -> None:
-        self.mesh.take_over(self._reps, tail)
+        self.shards.take_over(self._reps, tail)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint_part(self, rank: int) -> dict[str, Any]:
-        return {"fsdp": self.mesh.shards()}
-
-    def checkpoint_sections(self) -> list[str]:
-        return ["fsdp"]
+        return {"fsdp": self.shards.part()}
 
     def load_checkpoint_part(self, mine: dict[str, Any], section_of: Callable[[int, str], Any]) -> None:
         """This rank's shards, and the shards it mirrors from their owner's part."""
-        self.mesh.load_shards(mine["fsdp"], lambda r: section_of(r, "fsdp"))
+        self.shards.load_part(mine["fsdp"], lambda r: section_of(r, "fsdp"))
 
     def check_resume_world(self, path: str, world: int) -> None:
         raise ConfigError(f"checkpoint {path} holds the FSDP2 shards of {world} ranks; this run has "
@@ -136,6 +130,164 @@ class Fsdp2(Strategy):
     def final_record(self) -> dict[str, Any]:
         """The report compares replicas within each shard's group, and the mirror against the
         shard it mirrors."""
-        from livemig.runtime.fsdp2 import shard_of
+        return {"fsdp_shard": shard_of(self.h.rank, list(self.owner.shape)), **self.shards.final()}
 
-        return {"fsdp_shard": shard_of(self.h.rank, list(self.mesh.shape)), **self.mesh.final()}
+    # -- the work, over the state the mesh owner keeps across re-entries (runtime/strategies/fsdp2.py) -----
+    def sync_start(self) -> None:
+        """Replicas along `replicate` start from replica 0's shards (as DDP's broadcast), the
+        buffers from rank 0: a script that seeds per rank still trains one model."""
+        reg = self.h.reg
+        with torch.no_grad():
+            if len(self.owner.shape) == 2 and self.owner.shape[0] > 1:
+                rep = self.owner.mesh.get_group(0)
+                for p in dtensors(reg.params):
+                    dist.broadcast(p.to_local(), group=rep, group_src=0)
+            if reg.model is not None:
+                for b in reg.model.buffers():
+                    if not is_dtensor(b):
+                        dist.broadcast(b, src=0)
+
+    def _requires_sync(self, on: bool) -> None:
+        model: Any = self.h.reg.model  # FSDPModule(s): set_requires_gradient_sync is FSDP2's
+        mods = [model] if hasattr(model, "set_requires_gradient_sync") else [
+            m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]  # fmt: skip
+        for m in mods:
+            m.set_requires_gradient_sync(not on)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        torch_group.GUARD.check()
+        torch_group.GUARD.kind = "clip_norm"
+        try:
+            return torch.nn.utils.clip_grad_norm_(self.h.reg.params, max_norm, norm_type)
+        finally:
+            torch_group.GUARD.kind = ""
+
+    def _vote_and_commit(self, t: int) -> None:
+        """The commit point: one vote over the job's group that every rank's collectives of
+        step t completed, then the local optimizer step on this rank's shards."""
+        h = self.h
+        torch_group.GUARD.check()  # a collective of this step failed: never commit it
+        if h.runtime is None or h.world_size == 1:
+            h.commit(t, None)
+            return
+        ctl = torch.tensor([1.0, h.migration.vote()])  # [commit, planned migration: switch after t]
+        try:
+            h.runtime.check_fenced()
+            h.runtime.enter_collective(t)
+            if self.owner.mirror is not None:  # the gradient shard to its mirror, before anyone commits
+                got = ring_exchange(h.runtime.pg, grads_blob(h.reg.params), h.rank, h.world_size,
+                                    h.timeouts.collective, h.runtime.moved_on)  # fmt: skip
+                self.owner.mirror.hold(t, got)
+            self.owner.voted = t
+            h.faults.at(t, "allreduce")
+            allreduce_sum(h.runtime.pg, [ctl], h.timeouts.collective, h.runtime.moved_on)
+            h.faults.at_commit_point(t, "the commit vote")
+            h.runtime.leave_collective()
+        except CollectiveAborted as exc:
+            h.join_recovery(t, exc)
+            if h.committed == t:  # a peer committed: finished from the shards held here (catch_up)
+                return
+            raise Activate(h.runtime.gen, h.rank, redo=True) from None
+        switch = float(ctl[1]) == h.world_size
+        if h.migration.serving(t):  # a leaving rank: what its optimizer steps with, to the spare catching up
+            mirror = self.owner.mirror
+            left = mirror.grads[1] if mirror is not None and mirror.grads is not None else None
+            h.migration.serve_shard(t, grads_blob(h.reg.params), left, switch)
+        self._commit_shards(t)
+        h.migration.after_commit(t, switch)
+
+    def _commit_shards(self, t: int) -> None:
+        self.h.commit(t, None)
+        if self.owner.mirror is not None:
+            self.owner.mirror.step(t, self.h.reg.hparams())
+
+    def at_boundary(self, step: int) -> None:
+        """Keep the boundary (extras, hyperparameters, this rank's local state) and send the
+        local state to the right neighbour now: a spare taking a rank lost before the next
+        boundary starts from it, with no replay (the replay of the plain path would need the
+        mesh's collectives)."""
+        h = self.h
+        st = h.st
+        st.boundaries[step] = h.reg.pack_boundary()
+        st.boundaries.pop(step - 2, None)
+        if not h.reg.has_local:
+            return
+        st.local_blob = LocalBlob(step, h.reg.pack_local())
+        if h.runtime is None or h.world_size < 2 or h.runtime.pg is None or h.warming_up:
+            return
+        try:
+            got = ring_exchange(h.runtime.pg, st.local_blob.blob, h.rank, h.world_size, h.timeouts.collective,
+                                h.runtime.moved_on)  # fmt: skip
+        except CollectiveAborted as exc:  # between steps: nothing to redo, go on in the new group
+            h.join_recovery(None, exc)
+            return
+        st.mirrored[step] = got
+        st.mirrored.pop(step - 2, None)
+
+    def serve(self, m: Membership) -> None:
+        h = self.h
+        srv = h.runtime.server
+        if srv is None or m.resume_step is None or h.committed_step() != m.resume_step - 1:
+            return
+        c, state = h.committed, self.shards.state()
+        srv.publish(m.generation, items.STATE, lambda: (c + 1, state))
+        left = self.shards.left()
+        blob = h.st.mirrored.get(c)
+        if blob is not None:
+            srv.publish(m.generation, items.local(left), lambda: (c + 1, {"blob": blob}))
+        if self.owner.mirror is not None:
+            mstate = self.owner.mirror.state()
+            srv.publish(m.generation, items.fshard(self.owner.mirror.of), lambda: (c + 1, mstate))
+
+    def catch_up(self, m: Membership) -> dict[str, Any] | None:
+        h = self.h
+        assert m.resume_step is not None  # the caller (runtime/pull.py catch_up) returned before otherwise
+        target = m.resume_step - 1
+        if h.committed_step() == target:
+            return h.stream_info if h.role == Role.SPARE else None
+        if h.committed_step() is None or (h.role == Role.SPARE and h.current is None):
+            return self._pull(m)
+        if h.committed == target - 1 and h.current == target and self.owner.voted == target:
+            self._commit_shards(target)  # every collective of it completed here; a peer committed it
+            log.info("finished a step a peer committed, from the shards held here", extra={"step": target})
+            return None
+        raise RecoveryError(f"rank {h.rank} committed step {h.committed} and cannot reach the agreed resume "
+                            f"step {m.resume_step}")  # fmt: skip
+
+    def _pull(self, m: Membership) -> dict[str, Any]:
+
+        h = self.h
+        t0 = time.monotonic()
+        peers = [r for r in shard_peers(h.rank, self.owner.shape) if r in m.sources]
+        stride = buddy_stride(h.world_size)
+        buddy, left = (h.rank + stride) % h.world_size, (h.rank - stride) % h.world_size
+        if peers:  # HSDP: a replica of the same shard
+            addr, got = h.pull_any(m, items.STATE, ranks=peers)
+        elif self.owner.want_mirror and buddy in m.sources:  # its mirror, on the right neighbour
+            addr, got = h.pull_any(m, items.fshard(h.rank), ranks=[buddy])
+            _, rest = h.pull_any(m, items.STATE, ranks=[buddy])  # the boundary (extras, hyperparameters)
+            got.state["boundary"] = rest.state.get("boundary")
+        else:
+            raise RecoveryError(f"no survivor holds FSDP2 shard {shard_of(h.rank, self.owner.shape)} of rank {h.rank}")
+        self.shards.load(got.state)
+        h.committed = got.step - 1
+        h.loaded_step = got.step
+        nbytes = got.nbytes
+        if self.owner.want_mirror:  # our own mirror: the left neighbour's shard, from it
+            where, own = h.pull_any(m, items.STATE, ranks=[left])
+            if own.step != got.step:
+                raise RecoveryError(f"rank {left}'s shard is of boundary {own.step - 1}, need {got.step - 1}")
+            self.shards.make_mirror(own.state)
+            nbytes += own.nbytes
+            addr += f",{where}"
+        if h.reg.has_local and h.world_size > 1:
+            where, part = h.pull_buddy_local(m, got.step, "the spare", 1)
+            h.reg.load_local(unpack(part.state["blob"]))
+            nbytes += part.nbytes
+            addr += f",{where}"
+        h.st.boundaries[h.committed] = h.reg.pack_boundary()
+        if h.reg.has_local:
+            h.st.local_blob = LocalBlob(h.committed, h.reg.pack_local())
+        h.stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
+        log.info("shards loaded", extra={"resume_step": got.step, "bytes": nbytes, "source": addr})
+        return h.stream_info

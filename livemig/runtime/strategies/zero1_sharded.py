@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from livemig.comm.zero1 import Zero1 as Shards
     from livemig.rdzv.membership import Membership
 
-log = logging.getLogger("livemig.runtime.strategies.zero1")
+log = logging.getLogger("livemig.runtime.strategies.zero1_sharded")
 
 
 class Zero1(Replicated):
@@ -36,6 +36,7 @@ class Zero1(Replicated):
 
     name = "zero1"
     layout = Layout(optimizer_sharded=True, optimizer_in_shards=True)
+    checkpoint_sections = ("shard",)
     migrates = False  # refused by the coordinator (coordinator/migrations.py) and never ticked here
 
     def __init__(self, host: StrategyHost, shards: Shards) -> None:
@@ -219,9 +220,6 @@ class Zero1(Replicated):
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint_part(self, rank: int) -> dict[str, Any]:
         return {"shard": self.shards.shards[rank].state()}  # a carried rank's: its carrier owns it
-
-    def checkpoint_sections(self) -> list[str]:
-        return ["shard"]
 
     def load_checkpoint_part(self, mine: dict[str, Any], section_of: Callable[[int, str], Any]) -> None:
         z, h = self.shards, self.h

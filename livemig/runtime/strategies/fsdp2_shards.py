@@ -1,0 +1,203 @@
+"""An FSDP2 rank's shards and how they move: this rank's part (parameters and optimizer state as
+local shards), the mirror of its left neighbour's, what a spare or a migrating spare loads, a
+checkpoint's part, and the boundary a redo moves into the re-registered objects. The FSDP2
+strategy (strategies/fsdp2.py) decides when; this says how, over the state the mesh owner keeps
+across the function's re-entries (runtime/strategies/fsdp2.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from livemig.comm.group import ring_exchange
+from livemig.config import buddy_stride
+from livemig.errors import RecoveryError
+from livemig.runtime.fsdp2_mirror import ShardMirror, shard_digest
+from livemig.runtime.step_state import LocalBlob
+from livemig.state import to_local, unpack
+
+if TYPE_CHECKING:
+    from livemig.runtime.fsdp2_mesh import Fsdp2 as MeshOwner
+    from livemig.runtime.strategies.base import StrategyHost
+
+log = logging.getLogger("livemig.runtime.strategies.fsdp2")
+
+
+def dtensors(params: Sequence[torch.Tensor]) -> list[Any]:
+    """The registered parameters as what they are under FSDP2: DTensors (`to_local`,
+    `device_mesh`, `placements`), which torch's stubs type as plain Parameters."""
+    return list(params)
+
+
+class Shards:
+    """This rank's FSDP2 shards (see the module doc)."""
+
+    def __init__(self, host: StrategyHost, owner: MeshOwner) -> None:
+        self.h = host
+        self.owner = owner
+
+    def part(self) -> dict[str, Any]:
+        """This rank's part of a checkpoint (runtime/checkpoint.py): its local shards of the
+        parameters and of the optimizer state, at the boundary."""
+        return self.own()
+
+    def load_part(self, mine: dict[str, Any], part_of: Callable[[int], dict[str, Any]]) -> None:
+        """A checkpoint's shards into this rank's (the same mesh, the same rank), and a fresh
+        mirror of the left neighbour's from its part: a mirror kept from before the restart
+        holds a later boundary than the one loaded."""
+        self.load({"params": mine["params"], "optimizer": mine["optimizer"]})
+        self.owner.mirror = None
+        if self.owner.want_mirror:
+            self.make_mirror(part_of(self.left()))
+
+    def setup_mirror(self) -> None:
+        """Each rank takes a copy of its left neighbour's shard as the job forms (ring exchange)."""
+        h = self.h
+        if not self.owner.want_mirror or self.owner.mirror is not None or h.runtime is None or h.runtime.pg is None:
+            return
+        from livemig.state import pack
+
+        got = ring_exchange(h.runtime.pg, pack(self.own()), h.rank, h.world_size, h.timeouts.collective,
+                            h.runtime.moved_on)  # fmt: skip
+        self.make_mirror(unpack(got))
+
+    def make_mirror(self, state: dict[str, Any]) -> None:
+        h = self.h
+        left = self.left()
+        assert h.reg.optimizer is not None  # a mirror is of the optimizer's shard too
+        self.owner.mirror = ShardMirror(left, state, h.reg.optimizer)
+        log.info("mirroring the shard of the left neighbour",
+                 extra={"of": left, "mib": round(self.owner.mirror.nbytes() / 2**20, 2)})  # fmt: skip
+
+    def left(self) -> int:
+        """The rank whose shard (and local state) this rank mirrors (its right neighbour mirrors ours)."""
+        h = self.h
+        return (h.rank - buddy_stride(h.world_size)) % h.world_size
+
+    def own(self) -> dict[str, Any]:
+        reg = self.h.reg
+        return {"params": [p.to_local() for p in dtensors(reg.params)],
+                "optimizer": to_local(reg.optimizer.state_dict()) if reg.optimizer is not None else {}}  # fmt: skip
+
+    def final(self) -> dict[str, Any]:
+        """What the final record adds: this rank's shard digest, and its mirror's."""
+        if self.owner.mirror is None:
+            return {}
+        return {"shard_digest": shard_digest(self.h.reg.params, self.h.reg.optimizer),
+                "mirror_of": self.owner.mirror.of, "mirror_digest": self.owner.mirror.digest(),
+                "mirror_mb": round(self.owner.mirror.nbytes() / 2**20, 3)}  # fmt: skip
+
+    def load_stash(self) -> None:
+        """The re-entered function registered a new model and optimizer: give them the state
+        of the last boundary, held by the previous ones (nothing of the failed step was
+        applied: the optimizer steps only after the vote)."""
+        h, old = self.h, self.owner.stash
+        self.owner.stash = None
+        new = h.reg
+        if old is None:
+            raise RecoveryError("the step is redone but the state of its boundary is gone")
+        with torch.no_grad():
+            for po, pn in zip(dtensors(old.params), dtensors(new.params), strict=True):
+                pn.to_local().copy_(po.to_local())
+                pn.grad = None
+        if old.optimizer is not None and new.optimizer is not None:
+            olds = old.opt_params()
+            for i, pn in enumerate(new.opt_params()):
+                st = old.optimizer.state.get(olds[i])
+                if st:
+                    new.optimizer.state[pn] = st
+        self.load_boundary(h.committed)
+        self.owner.voted = None
+        log.info("state of the boundary moved into the re-entered function", extra={"step": h.committed})
+
+    def load_boundary(self, c: int) -> None:
+        h = self.h
+        blob = h.st.boundaries.get(c)
+        if blob is not None:
+            h.reg.load_boundary(unpack(blob))
+        if h.reg.has_local and h.st.local_blob is not None and h.st.local_blob.step == c:
+            h.reg.load_local(unpack(h.st.local_blob.blob))
+
+    def state(self) -> dict[str, Any]:
+        """This rank's shards (parameters, optimizer) and its boundary: what a spare taking a
+        rank of the same shard loads."""
+        h = self.h
+        reg = h.reg
+        opt = to_local(reg.optimizer.state_dict()) if reg.optimizer is not None else {}
+        return {"params": [p.to_local() for p in dtensors(reg.params)], "optimizer": opt,
+                "boundary": h.st.boundaries.get(h.committed)}  # fmt: skip
+
+    def migration_state(self) -> dict[str, Any]:
+        """The leaving rank's snapshot at a boundary: its shards, its mirror of the left
+        neighbour's, the boundary. The spare replays the following steps on copies of them
+        (no collectives: it is not in the group yet)."""
+        return {"own": self.own(), "mirror": self.owner.mirror.state() if self.owner.mirror is not None else None,
+                "boundary": self.h.st.boundaries.get(self.h.committed)}  # fmt: skip
+
+    def replayers(self, snap: dict[str, Any]) -> list[ShardMirror | None]:
+        """The spare's copies of the leaving rank's shard and of its mirror, stepped as the
+        mirror steps (fsdp2_mirror.py: bit-identical to the owner's update)."""
+        h = self.h
+        assert h.reg.optimizer is not None  # a migration replays the optimizer's update
+        own = ShardMirror(h.rank, snap["own"], h.reg.optimizer)
+        left = self.left()
+        mirror = ShardMirror(left, snap["mirror"], h.reg.optimizer) if snap.get("mirror") else None
+        if snap.get("boundary") is not None:
+            h.reg.load_boundary(unpack(snap["boundary"]))
+        return [own, mirror]
+
+    def replay(self, reps: list[ShardMirror | None], t: int, item: dict[str, Any]) -> None:
+        """Step t of the leaving rank, from the gradient shard it stepped with (after its
+        clip) and its hyperparameters; its mirror's from the left neighbour's gradient."""
+        own, mirror = reps
+        assert own is not None
+        own.hold(t, item["own"])
+        own.step(t, item["hparams"])
+        if mirror is not None:
+            if item.get("left") is None:
+                raise RecoveryError(f"the leaving rank served no gradient of step {t} for its shard mirror")
+            mirror.hold(t, item["left"])
+            mirror.step(t, item["hparams"])
+
+    def take_over(self, reps: list[ShardMirror | None], tail: dict[str, Any]) -> None:
+        """At the switch: the replayed shard into the model and optimizer, the replayed mirror
+        kept, and the boundary's records (the leaving rank's local state, and its copy of the
+        left neighbour's) so that a failure right after the switch still finds them."""
+        h = self.h
+        own, mirror = reps
+        assert own is not None
+        self.load({**own.state(), "boundary": None})
+        self.owner.mirror = mirror
+        self.owner.voted = None
+        c = h.committed
+        h.st.boundaries[c] = h.reg.pack_boundary()
+        if h.reg.has_local:
+            h.st.local_blob = LocalBlob(c, h.reg.pack_local())
+            if tail.get("mirrored") is not None:
+                h.st.mirrored[c] = tail["mirrored"]
+
+    def load(self, state: dict[str, Any]) -> None:
+        """A peer's shards into this rank's (the same shard of the same model)."""
+        from torch.distributed.tensor import DTensor
+
+        reg = self.h.reg
+        with torch.no_grad():
+            for p, v in zip(dtensors(reg.params), state["params"], strict=True):
+                p.to_local().copy_(v)
+        if reg.optimizer is not None and state["optimizer"]:
+            sd = state["optimizer"]
+            params = dtensors(reg.opt_params())
+            per: dict[Any, Any] = {}
+            for i, st in sd["state"].items():
+                p = params[int(i)]
+                loc = p.to_local()
+                per[int(i)] = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                               if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == loc.shape else v
+                               for k, v in st.items()}  # fmt: skip
+            reg.optimizer.load_state_dict({"state": per, "param_groups": sd["param_groups"]})
+        if state.get("boundary") is not None:
+            reg.load_boundary(unpack(state["boundary"]))

@@ -53,7 +53,7 @@ class StandbyHost(Protocol):
     loaded_step: int | None
     joining: Any
     ckpt: Any
-    fsdp2: Any  # the FSDP2 mesh owner: what survives a redo's re-entry (runtime/strategies/fsdp2.py)
+    fsdp2: Any  # the FSDP2 mesh owner: what survives a redo's re-entry (runtime/fsdp2_mesh.py)
     strategy: Strategy
 
     def signature(self) -> list: ...

@@ -2,8 +2,9 @@
 
 The step communicates inside the user's code (forward all-gathers, backward reduce-scatters),
 so the strategy's own step is only the commit vote; a failure inside FSDP2's collectives
-unwinds the user's function and redoes the step (runtime/strategies/fsdp2.py, `Fsdp2`, which owns the
-mesh across the function's re-entries and does the work this strategy is asked for).
+unwinds the user's function and redoes the step (runtime/fsdp2_mesh.py, `Fsdp2`, owns the mesh
+and what must survive the function's re-entries). Where the rank's shards are and how they move
+(its part, its mirror, what a spare or a checkpoint loads) is `Shards` (strategies/fsdp2_shards.py).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class Fsdp2(Strategy):
         shard it mirrors."""
         return {"fsdp_shard": shard_of(self.h.rank, list(self.owner.shape)), **self.shards.final()}
 
-    # -- the work, over the state the mesh owner keeps across re-entries (runtime/strategies/fsdp2.py) -----
+    # -- the work, over the state the mesh owner keeps across re-entries (runtime/fsdp2_mesh.py) -----
     def sync_start(self) -> None:
         """Replicas along `replicate` start from replica 0's shards (as DDP's broadcast), the
         buffers from rank 0: a script that seeds per rank still trains one model."""

@@ -2,7 +2,7 @@
 local shards), the mirror of its left neighbour's, what a spare or a migrating spare loads, a
 checkpoint's part, and the boundary a redo moves into the re-registered objects. The FSDP2
 strategy (strategies/fsdp2.py) decides when; this says how, over the state the mesh owner keeps
-across the function's re-entries (runtime/strategies/fsdp2.py).
+across the function's re-entries (runtime/fsdp2_mesh.py).
 """
 
 from __future__ import annotations

@@ -198,7 +198,7 @@ def test_a_checkpoint_written_while_shrunk_holds_the_carried_rank(tmp_path, zero
 
 @pytest.mark.parametrize("args", [(), ("--zero1",)], ids=["plain", "zero1"])
 def test_a_spare_started_later_takes_the_carried_rank_back(tmp_path, etcd, procs, args):
-    """60 steps on 3 ranks, rank 2 lost at step 10 with no spare: shrunk, then a spare started by
+    """80 steps on 3 ranks, rank 2 lost at step 10 with no spare: shrunk, then a spare started by
     `livemig-spare start` once the job runs shrunk takes rank 2 back (its local state from its
     carrier, rank 0; with ZeRO-1 its optimizer shard too) and the job ends at full width; every
     (step, rank) read the fault-free run's samples, and every rank, the grown-back one included,
@@ -210,7 +210,8 @@ def test_a_spare_started_later_takes_the_carried_rank_back(tmp_path, etcd, procs
     from livemig.rdzv.keys import JobKeys
     from livemig.rdzv.membership import Membership
 
-    steps, work = 60, ["--steps", "60", "--sleep", "0.1", *args]
+    steps = 80  # the spare starts only once the job runs shrunk: its warm-up (2-5 s on a loaded host) is degraded time
+    work = ["--steps", str(steps), "--sleep", "0.1", *args]
     ref, ref_dump = _run(tmp_path, "gref", steps=steps, args=("--sleep", "0.1", *args))
     assert ref.rc == 0, explain(ref)
     dump = tmp_path / "dump-grow"
@@ -239,7 +240,7 @@ def test_a_spare_started_later_takes_the_carried_rank_back(tmp_path, etcd, procs
     assert rep["recoveries"][1]["rank"] == 2 and rep["recoveries"][1]["spares"], rep["recoveries"]
     sh = rep["shrunk"]
     assert sh["grew_back"] and sh["physical_world_size"] == 3 and sh["carried"] == {}, sh
-    assert 0 < sh["degraded_steps"] <= steps - 20, sh  # grown back with >= 20 steps at full width
+    assert 0 < sh["degraded_steps"] <= steps - 10, sh  # grown back with >= 10 steps at full width
     assert rep["steps_completed"] == steps
     assert _samples(dump) == _samples(ref_dump)
     finals = _finals(dump)

@@ -80,7 +80,7 @@ class Engine(StepLoop, StatePull):  # both are MemberFields (runtime/member_fiel
         self.standby = Standby(self)  # a spare's standby; every member's final record (runtime/standby.py)
         self.sandbox = Sandbox(self)  # a spare's warm-up against a group of one (sandbox/warmup.py)
         self._batches = Batches(self)  # ctx.batches (runtime/batches.py)
-        self.fsdp2 = Fsdp2(self)  # the device mesh and FSDP2's step and recovery (runtime/strategies/fsdp2.py)
+        self.fsdp2 = Fsdp2(self)  # FSDP2's mesh and what survives the function's re-entries (runtime/fsdp2_mesh.py)
         self._no_grad_said = False  # ctx.step() with no backward: said once (loop.check_backward)
         self.reset_user_state()
         self.faults = SelfFaults(self)  # test faults and the fault plan's gate (runtime/self_faults.py)
@@ -108,7 +108,7 @@ class Engine(StepLoop, StatePull):  # both are MemberFields (runtime/member_fiel
         self.migration = Migration(self)  # planned migration, both sides (runtime/migration.py)
         self.step_t0 = 0.0
         self.scaler: Any = None  # the GradScaler of the ctx.step() in progress
-        self.grad_views = os.environ.get(ENV_GRAD_VIEWS, "1") != "0"  # runtime/loop.py, _views_safe
+        self.grad_views = os.environ.get(ENV_GRAD_VIEWS, "1") != "0"  # strategies/replicated.py, views_safe
         self.virtual = VirtualRanks(self)  # the lost ranks this one runs in a shrunk job (runtime/virtual.py)
 
     @property
@@ -152,7 +152,7 @@ class Engine(StepLoop, StatePull):  # both are MemberFields (runtime/member_fiel
     def init_device_mesh(self, device_type: str, mesh_shape: tuple[int, ...],
                          mesh_dim_names: tuple[str, ...] | None = None) -> Any:  # fmt: skip
         """torch's `init_device_mesh` over groups livemig owns, for `fully_shard(m, mesh=mesh)`:
-        (shard,) is FSDP, (replicate, shard) HSDP; the same object across recoveries (runtime/strategies/fsdp2.py)."""
+        (shard,) is FSDP, (replicate, shard) HSDP; the same object across recoveries (runtime/fsdp2_mesh.py)."""
         return self.fsdp2.init_device_mesh(device_type, mesh_shape, mesh_dim_names)
 
     def batches(self, loader: Any) -> Iterator[Any]:

@@ -431,9 +431,10 @@ class Coordinator:
         m = s.m
         cfg = s.get(self.keys.config) or {}
         self.cold.use_job_config(cfg)
-        view = View(m, s.under(self.keys.recovery_prefix(m.generation) + "report/"), cfg.get("signature", []),
-                    self._stride(s), self._spares(s), self._any_spare(s), time.monotonic() - since,
-                    bool(self.cold.dir))  # fmt: skip
+        sig = cfg.get("signature", [])
+        reports = s.under(self.keys.recovery_prefix(m.generation) + "report/")
+        view = View(m, reports, sig, self._stride(s), self._spares(s, sig), self._any_spare(s),
+                    time.monotonic() - since, bool(self.cold.dir))  # fmt: skip
         self._apply(s, plan(view, self._policy()), since)
 
     def _policy(self) -> Policy:
@@ -446,12 +447,7 @@ class Coordinator:
         if p.agreed and not self._since.get((m.generation, "agreed")):
             self._since[(m.generation, "agreed")] = time.monotonic()
             self.timeline.record(m.generation, "agree", self._guard(), resume_step=p.resume, sources=list(p.sources))
-        if p.refuse:
-            t = self.client.txn_ops
-            for sid, reason in p.refuse:
-                log.error("spare refused", extra={"spare": sid, "reason": reason})
-            self.client.txn(self._guard(), [t.put(self.keys.assignment(sid), encode({"refused": reason}))
-                                            for sid, reason in p.refuse])  # fmt: skip
+        self._refuse(p.refuse)
         if p.no_shrink and not self._since.get((m.generation, "no-shrink")):
             self._since[(m.generation, "no-shrink")] = time.monotonic()
             log.warning("cannot shrink", extra={"generation": m.generation, "why": p.no_shrink})
@@ -472,15 +468,23 @@ class Coordinator:
     def pick_spare(self, s: Snapshot) -> Spare | None:
         """The oldest warm spare whose model matches the job's, refusing (in etcd) those whose
         model differs: a planned migration's or a grow's spare."""
-        ok, refuse = matching(self._spares(s))
-        if refuse:
-            self._apply(s, Plan("wait", refuse=refuse), 0.0)
+        ok, refuse = matching(self._spares(s, (s.get(self.keys.config) or {}).get("signature", [])))
+        self._refuse(refuse)
         return ok[0] if ok else None
 
-    def _spares(self, s: Snapshot) -> tuple[Spare, ...]:
+    def _refuse(self, refuse: tuple[tuple[str, str], ...]) -> None:
+        """Tell each spare whose model differs from the job's why it is refused (its assignment key)."""
+        if not refuse:
+            return
+        t = self.client.txn_ops
+        for sid, reason in refuse:
+            log.error("spare refused", extra={"spare": sid, "reason": reason})
+        self.client.txn(self._guard(), [t.put(self.keys.assignment(sid), encode({"refused": reason}))
+                                        for sid, reason in refuse])  # fmt: skip
+
+    def _spares(self, s: Snapshot, signature: list) -> tuple[Spare, ...]:
         """The warm spares nobody claimed or fenced, oldest first, each with how its model
-        differs from the job's (a plan refuses those)."""
-        cfg = s.get(self.keys.config) or {}
+        differs from the job's `signature` (a plan refuses those)."""
         out = []
         for kv in sorted((kv for k, kv in s.kv.items() if k.startswith(self.keys.spares_prefix)),
                          key=lambda kv: kv.create_revision):  # fmt: skip
@@ -492,7 +496,7 @@ class Coordinator:
                 continue
             if s.kv.get(self.keys.fenced(info["incarnation"])) is not None:
                 continue
-            out.append(Spare(sid, kv, info, first_mismatch(cfg.get("signature", []), info.get("signature", [])) or ""))
+            out.append(Spare(sid, kv, info, first_mismatch(signature, info.get("signature", [])) or ""))
         return tuple(out)
 
     def _grow(self, s: Snapshot) -> bool:
@@ -550,8 +554,9 @@ class Coordinator:
         done = [x.get("committed") for x in reports.values() if isinstance(x.get("committed"), int)]
         cfg = s.get(self.keys.config) or {}
         self.cold.use_job_config(cfg)
-        checkpoint = self.cold.plan(m, why, max(done, default=None), has_local_state(cfg.get("signature", [])))
-        p = plan_cold(View(m, reports, cfg.get("signature", []), spares=self._spares(s)), why, checkpoint)
+        sig = cfg.get("signature", [])
+        checkpoint = self.cold.plan(m, why, max(done, default=None), has_local_state(sig))
+        p = plan_cold(View(m, reports, sig, spares=self._spares(s, sig)), why, checkpoint)
         if p.action == "claim" and not self._since.get((m.generation, "cold")):
             self._since[(m.generation, "cold")] = time.monotonic()
             log.warning("cold path: restarting from a checkpoint",

@@ -49,8 +49,8 @@ def new_reducer(params: list, world: int, sharding: str | None, runtime: Any) ->
 def pick(host: StrategyHost, *, fsdp: bool, sharding: str | None, mirror: bool | None, custom: Any = None) -> Strategy:
     """The strategy of a registration: FSDP2 if `fsdp` (the model is sharded by fully_shard),
     ZeRO-1 for sharding="zero1" where the member averages gradients (`host.reducer`), the
-    user's `custom` Strategy subclass, else plain data parallel. ZeRO-1's shards are the
-    registry's layout is the strategy's (runtime/registry.py, Layout)."""
+    user's `custom` Strategy subclass, else plain data parallel. The registry's layout becomes
+    the strategy's (runtime/registry.py, Layout)."""
     strategy = _pick(host, fsdp, sharding, mirror, custom)
     host.reg.layout = strategy.layout
     return strategy

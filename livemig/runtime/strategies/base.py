@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from livemig.config import Role
+from livemig.errors import RecoveryError
 from livemig.runtime.registry import Layout
 
 if TYPE_CHECKING:
     from livemig.comm.reducer import GradReducer
-    from livemig.config import Role, Timeouts
+    from livemig.config import Timeouts
     from livemig.rdzv.membership import Membership
     from livemig.runtime.checkpoint import Checkpointer
     from livemig.runtime.fsdp2_mesh import Fsdp2 as MeshOwner
@@ -135,8 +137,6 @@ class Strategy:
     layout: ClassVar[Layout] = Layout()
     #: The sections its checkpoint_part adds, read back from a rank's own part.
     checkpoint_sections: ClassVar[tuple[str, ...]] = ()
-    #: Does this kind own a gradient reducer (comm/reducer.py)? FSDP2 reduces inside backward.
-    uses_reducer: ClassVar[bool] = True
 
     def __init__(self, host: StrategyHost) -> None:
         self.h = host
@@ -224,8 +224,6 @@ class Strategy:
     def redo_from_stash(self) -> None:
         """The function was entered again to redo a step whose collective failed inside user
         code (FSDP2): the state of the last boundary moves into the re-registered objects."""
-        from livemig.errors import RecoveryError
-
         raise RecoveryError(f"a {self.name} job never redoes a step by entering the function again")
 
     def avg_step(self) -> int | None:
@@ -236,8 +234,29 @@ class Strategy:
 
     def catch_up(self, m: Membership) -> dict[str, Any] | None:
         """Reach generation m's agreed boundary (m.resume_step - 1 committed here): a spare
-        pulls the state, a survivor that missed the last commit finishes it. Returns what
-        streamed (a spare's) or None."""
+        pulls the state (`pull_state`), a survivor that missed the last commit finishes it
+        (`finish_missed`). Returns what streamed (a spare's) or None."""
+        h = self.h
+        assert m.resume_step is not None  # the caller (runtime/pull.py catch_up) returned before otherwise
+        target = m.resume_step - 1  # last step that must be committed here
+        if h.committed_step() == target:
+            return h.stream_info if h.role == Role.SPARE else None
+        if h.committed_step() is None or (h.role == Role.SPARE and h.current is None):
+            return self.pull_state(m)
+        if h.committed == target - 1 and h.current == target and self.finish_missed(m, target):
+            return None
+        raise RecoveryError(
+            f"rank {h.rank} committed step {h.committed} and cannot reach the agreed resume step {m.resume_step}"
+        )
+
+    def pull_state(self, m: Membership) -> dict[str, Any]:
+        """A spare's pull of the state at m's boundary (and what its first step needs); returns
+        what streamed (the report's stream phase)."""
+        raise NotImplementedError
+
+    def finish_missed(self, m: Membership, t: int) -> bool:
+        """A peer committed step t, this member did not: finish it from what is held here or
+        fetched (True), or say it cannot (False: the catch-up fails with its line)."""
         raise NotImplementedError
 
     def serve(self, m: Membership) -> None:

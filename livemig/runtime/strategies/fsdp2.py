@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from livemig.comm import torch_group
 from livemig.comm.group import CollectiveAborted, allreduce_sum, ring_exchange
-from livemig.config import SHARDING_ENTRY, Role, buddy_stride
+from livemig.config import SHARDING_ENTRY, buddy_stride
 from livemig.errors import ConfigError, RecoveryError
 from livemig.runtime.control import Activate
 from livemig.runtime.fsdp2_mesh import shard_of, shard_peers
@@ -45,7 +45,6 @@ class Fsdp2(Strategy):
     name = "fsdp2"
     layout = Layout(params_sharded=True, optimizer_sharded=True)
     switch_at_boundary = True  # collectives user code runs after ctx.step() on the mesh meet the leaving rank
-    uses_reducer = False  # FSDP2 reduces the gradients in backward
     checkpoint_sections = ("fsdp",)
 
     def __init__(self, host: StrategyHost, owner: MeshOwner) -> None:
@@ -240,28 +239,20 @@ class Fsdp2(Strategy):
             mstate = self.owner.mirror.state()
             srv.publish(m.generation, items.fshard(self.owner.mirror.of), lambda: (c + 1, mstate))
 
-    def catch_up(self, m: Membership) -> dict[str, Any] | None:
-        h = self.h
-        assert m.resume_step is not None  # the caller (runtime/pull.py catch_up) returned before otherwise
-        target = m.resume_step - 1
-        if h.committed_step() == target:
-            return h.stream_info if h.role == Role.SPARE else None
-        if h.committed_step() is None or (h.role == Role.SPARE and h.current is None):
-            return self._pull(m)
-        if h.committed == target - 1 and h.current == target and self.owner.voted == target:
-            self._commit_shards(target)  # every collective of it completed here; a peer committed it
-            log.info("finished a step a peer committed, from the shards held here", extra={"step": target})
-            return None
-        raise RecoveryError(f"rank {h.rank} committed step {h.committed} and cannot reach the agreed resume "
-                            f"step {m.resume_step}")  # fmt: skip
+    def finish_missed(self, m: Membership, t: int) -> bool:
+        if self.owner.voted != t:  # some collective of step t did not complete here
+            return False
+        self._commit_shards(t)  # every collective of it completed here; a peer committed it
+        log.info("finished a step a peer committed, from the shards held here", extra={"step": t})
+        return True
 
-    def _pull(self, m: Membership) -> dict[str, Any]:
-
+    def pull_state(self, m: Membership) -> dict[str, Any]:
+        """A replica's shard (HSDP) or this rank's mirror (plain FSDP), then its own mirror of
+        the left neighbour's shard and its local state from its buddy."""
         h = self.h
         t0 = time.monotonic()
         peers = [r for r in shard_peers(h.rank, self.owner.shape) if r in m.sources]
-        stride = buddy_stride(h.world_size)
-        buddy, left = (h.rank + stride) % h.world_size, (h.rank - stride) % h.world_size
+        buddy, left = (h.rank + buddy_stride(h.world_size)) % h.world_size, self.shards.left()
         if peers:  # HSDP: a replica of the same shard
             addr, got = h.pull_any(m, items.STATE, ranks=peers)
         elif self.owner.want_mirror and buddy in m.sources:  # its mirror, on the right neighbour

@@ -179,22 +179,7 @@ class Replicated(Strategy):
             h.st.local_blob = LocalBlob(step, h.reg.pack_local())
 
     # -- recovery ------------------------------------------------------------------------------
-    def catch_up(self, m: Membership) -> dict[str, Any] | None:
-        h = self.h
-        assert m.resume_step is not None  # the caller (runtime/pull.py catch_up) returned before otherwise
-        target = m.resume_step - 1  # last step that must be committed here
-        if h.committed_step() == target:
-            return h.stream_info if h.role == Role.SPARE else None
-        if h.committed_step() is None or (h.role == Role.SPARE and h.current is None):
-            return self.pull_state(m)
-        if h.committed == target - 1 and h.current == target:
-            self.finish_missed(m, target)
-            return None
-        raise RecoveryError(
-            f"rank {h.rank} committed step {h.committed} and cannot reach the agreed resume step {m.resume_step}"
-        )
-
-    def finish_missed(self, m: Membership, t: int) -> None:
+    def finish_missed(self, m: Membership, t: int) -> bool:
         """A peer committed step t, this member did not: fetch its average; ctx.sync_gradients()
         or ctx.step() takes it from there, so the user's code between the two still runs once
         and the commit is the usual one."""
@@ -206,6 +191,7 @@ class Replicated(Strategy):
         h.reducer.write_back(got.state["flat"])  # same canonical bucket layout as the source
         log.info("fetched the averaged gradient of a step a peer completed", extra={"step": t})
         h.st.fetched = Averaged(t, got.state["flat"])
+        return True
 
     def serve(self, m: Membership) -> None:
         h = self.h

@@ -168,12 +168,13 @@ class Zero1(Replicated):
         h.committed = t
 
     # -- recovery ------------------------------------------------------------------------------
-    def finish_missed(self, m: Membership, t: int) -> None:
+    def finish_missed(self, m: Membership, t: int) -> bool:
         h = self.h
         if h.st.avg is None or h.st.avg.step != t:
             raise RecoveryError(f"rank {h.rank} does not hold the gradient slices of step {t}")
         h.commit(t, h.st.avg.flats)  # a peer passed the barrier: finish the step alone
         log.info("finished a step a peer committed, from the slices held here", extra={"step": t})
+        return True
 
     def serve_step(self, m: Membership) -> None:
         """Every shard held: a spare's, and a survivor's whose layout changes."""

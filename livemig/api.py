@@ -9,7 +9,8 @@ started with that rank would have; the streamed state is loaded and the loop
 starts at the agreed step.
 
 This file is the facade: `Context` holds the user's verbs only; the `Engine` behind
-it assembles the protocols of livemig/runtime/ and livemig/sandbox/.
+it is the step loop (runtime/loop.py) over the member's fields, and assembles its
+collaborators from livemig/runtime/ and livemig/sandbox/.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from livemig.config import (
 from livemig.errors import ConfigError, FencedError, LivemigError
 from livemig.rdzv.membership import new_incarnation
 from livemig.runtime.batches import Batches
+from livemig.runtime.boundary import Boundary
 from livemig.runtime.bugs import exit_on_bug
 from livemig.runtime.checkpoint import Checkpointer
 from livemig.runtime.control import Activate, Released, Requeue, Stop
@@ -60,9 +62,9 @@ from livemig.sandbox.warmup import Sandbox
 log = logging.getLogger("livemig.api")
 
 
-class Engine(StepLoop, StatePull):  # both are MemberFields (runtime/member_fields.py)
-    """The member behind a `Context`: the step protocol (the runtime/ mixins, over the state set
-    here) and its collaborators. MemberRuntime calls it back through runtime.member.Callbacks."""
+class Engine(StepLoop):  # over the member's fields (runtime/member_fields.py)
+    """The member behind a `Context`: the step loop over the state set here, and its
+    collaborators. MemberRuntime calls back its state pull (runtime/pull.py, Callbacks)."""
 
     def __init__(self, seed: int = 0, timeouts: Timeouts | None = None) -> None:
         self.seed = seed
@@ -85,6 +87,9 @@ class Engine(StepLoop, StatePull):  # both are MemberFields (runtime/member_fiel
         self.reset_user_state()
         self.faults = SelfFaults(self)  # test faults and the fault plan's gate (runtime/self_faults.py)
         self.ckpt = Checkpointer(self)  # background checkpoints, --resume-from (runtime/checkpoint.py)
+        self.boundary = Boundary(self)  # the boundary rule and a spare's replay (runtime/boundary.py)
+        self.boundary.listeners += [self.ckpt.at_boundary, self.faults.at_boundary]  # after the kept records
+        self.pull = StatePull(self)  # a recovery's state movement: MemberRuntime's callbacks (runtime/pull.py)
         if self.role != Role.LOCAL:
             from livemig.runtime.member import MemberRuntime
 
@@ -114,9 +119,6 @@ class Engine(StepLoop, StatePull):  # both are MemberFields (runtime/member_fiel
     @property
     def generation(self) -> int:
         return self.runtime.gen if self.runtime else 0
-
-    def write_final(self) -> None:  # a runtime.member.Callbacks entry: the record is the standby's
-        self.standby.write_final()
 
     # -- registration --------------------------------------------------------------------
     def register(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,

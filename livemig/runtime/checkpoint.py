@@ -192,7 +192,7 @@ class Checkpointer:
                 sections["optimizer"] = reg.optimizer.state_dict()
             sections["boundary"] = {"extra": {k: v.state_dict() for k, v in reg.extra.items()},
                                     "hparams": reg.hparams()}  # fmt: skip
-        sections.update(h.strategy.checkpoint_part(rank))  # shards: a carried rank's, its carrier owns it
+        sections.update(h.strategy.parts.checkpoint_part(rank))  # shards: a carried rank's, its carrier owns it
         skeletons: dict[str, Any] = {}
         state: dict[str, dict[str, torch.Tensor]] = {}
         old = self._staged.get(rank, {})
@@ -335,7 +335,7 @@ def load(h: CheckpointHost, step_root: str) -> tuple[int, int]:
     man = layout.read_manifest(root, step)
     world = int(man["world"])
     if world != h.world_size:
-        h.strategy.check_resume_world(step_root, world)
+        h.strategy.parts.check_resume_world(step_root, world)
     if man.get("signature") not in (None, signature_hash(h.signature())):
         raise ConfigError(f"checkpoint {step_root} was written by a script whose registered state differs "
                           "(another model or optimizer): resume it with the script that wrote it")  # fmt: skip
@@ -362,13 +362,13 @@ def load(h: CheckpointHost, step_root: str) -> tuple[int, int]:
             return read_part(layout.part_dir(root, step, r), {}, [name])[1][name]
 
         if world == h.world_size:
-            own = ["local", *h.strategy.checkpoint_sections]
+            own = ["local", *h.strategy.parts.sections]
             _, mine = read_part(layout.part_dir(root, step, h.rank), own_buffers if h.rank else {}, own)
             for k, v in reg.local.items():
                 v.load_state_dict(mine["local"][k])
-            h.strategy.load_checkpoint_part(mine, section_of)  # its shards, and those it mirrors
+            h.strategy.parts.load_checkpoint_part(mine, section_of)  # its shards, and those it mirrors
         else:
-            h.strategy.load_resharded(world, section_of)  # ZeRO-1: the shards re-split over this world size
+            h.strategy.parts.load_resharded(world, section_of)  # ZeRO-1: the shards re-split over this world size
     log.info("state loaded from a checkpoint", extra={"step": step, "dir": step_root, "rank": h.rank,
                                                        "written_by_ranks": world})  # fmt: skip
     return step, world

@@ -117,9 +117,9 @@ class Fsdp2:
         if rt is None or t is None or self.h.warming_up:
             return
         if begins:
-            rt.enter_collective(t)
+            rt.report.enter_collective(t)
         else:
-            rt.leave_collective()
+            rt.report.leave_collective()
 
     def _before_collective(self, kind: str) -> None:
         """The fault plan's `during=fsdp_allgather|fsdp_reduce_scatter|replicate_allreduce|clip_norm`."""

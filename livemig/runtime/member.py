@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -33,32 +31,21 @@ from livemig.comm.group import CollectiveAborted, build_group, build_subgroup, g
 from livemig.config import (
     ENV_BACKEND,
     ENV_ETCD,
-    ENV_HANG_TIMEOUT,
     ENV_HOST,
     ENV_JOB,
-    ENV_PROBE_TIMEOUT,
     Timeouts,
-    metrics_on,
     node_host,
     node_rank,
-    progress_budget,
-    straggler_settings,
 )
 from livemig.errors import ConfigError, EtcdUnavailableError, FencedError, RecoveryError
 from livemig.rdzv.client import EtcdClient, conform, encode, through_outage
 from livemig.rdzv.lease import LeaseKeeper
 from livemig.rdzv.membership import GenState, Membership, Rendezvous
 from livemig.rdzv.watch import PrefixWatch, wait_for
+from livemig.runtime.progress import Progress
 from livemig.transfer.server import StateServer
 
 log = logging.getLogger("livemig.member")
-COMPUTE_KEPT = 8  # steps of compute times in each progress record: the coordinator may be this far behind
-
-
-def _urgent(item: dict) -> bool:
-    """A failed collective, a long wait or a busy flag: the coordinator acts on these (a
-    recovery, the hang check), so they go out at once, outside the progress budget."""
-    return "failed_step" in item or "waiting_step" in item or "busy" in item
 
 
 class Callbacks(Protocol):
@@ -117,19 +104,6 @@ class MemberRuntime:
         self.spare_keeper: LeaseKeeper | None = None  # a spare's registration while in standby
         self.server: StateServer | None = None
         self.store: Any = None  # rank 0's c10d store for the first generation (register)
-        self._progress: queue.Queue = queue.Queue(maxsize=1)
-        self._progress_budget = progress_budget()  # a bad LIVEMIG_PROGRESS_BUDGET fails the member here
-        self._last_item: dict | None = None  # the last progress record (a commit)
-        self._step_times: list[float] = []  # seconds between the last commits
-        # [step, forward+backward s] of the last COMPUTE_KEPT steps, only for a straggler hook that is on: it
-        # would near double every progress write of a job that has none (a bad setting fails here, as above)
-        self._compute_recent: list[list[float]] | None = [] if straggler_settings()[0] > 0 else None
-        # the metrics endpoint's figures (agent/metrics.py), only when it is on: [generation, the last
-        # commit before this group as [step, time] or None, this group's first commit]
-        self._metrics = metrics_on()
-        self._around: list | None = None
-        self._waiting: tuple[int, float, bool] | None = None  # (step, since, reported) in a collective
-        self._busy = False
         kv, rev = self.client.get_with_revision(self.keys.membership)
         self.m = Membership.from_bytes(kv.value if kv else None)
         self._watch = PrefixWatch(self.client, self.keys.membership, self._on_membership, rev + 1)
@@ -138,7 +112,8 @@ class MemberRuntime:
         self.corrupt_asked = False  # `livemig inject corrupt`: the next chunk this member serves is altered
         inject_key = self.keys.inject_self(incarnation)
         self._inject_watch = PrefixWatch(self.client, inject_key, lambda ev: self._on_inject(inject_key, ev), rev + 1)
-        threading.Thread(target=self._progress_loop, daemon=True, name="livemig-progress").start()
+        # what the coordinator reads between generations: commits, waits, busy flags (runtime/progress.py)
+        self.report = Progress(incarnation, self._write_progress, lambda: (self.rank, self.gen, self.m))
 
     # -- etcd plumbing -----------------------------------------------------------------
     def secret(self) -> bytes:
@@ -315,138 +290,10 @@ class MemberRuntime:
             self.mark_fenced(str(exc))
             raise
 
-    def progress(self, step: int, **info: Any) -> None:
-        """Publish the last committed step off the training thread (latest wins)."""
-        now = time.time()
-        if self._last_item is not None:
-            self._step_times = [*self._step_times[-19:], now - self._last_item["time"]]
-        item = {"step": step, "time": now, "incarnation": self.incarnation, **info}
-        if self._compute_recent is not None and "compute_s" in info:  # the straggler hook judges each step
-            self._compute_recent = [*self._compute_recent[-(COMPUTE_KEPT - 1) :], [step, round(info["compute_s"], 6)]]
-            item["compute_recent"] = self._compute_recent
-        if self._metrics:
-            if self._around is None or self._around[0] != self.gen:
-                prev = self._last_item
-                self._around = [self.gen, [prev["step"], prev["time"]] if prev else None, [step, now]]
-            item["around"] = self._around
-            if self._step_times:
-                item["step_s"] = round(sorted(self._step_times)[len(self._step_times) // 2], 6)
-        self._last_item = item
-        self._queue(item)
-
-    def _queue(self, item: dict) -> None:
-        try:
-            self._progress.get_nowait()
-        except queue.Empty:
-            pass
-        self._progress.put_nowait(item)
-
-    # -- what the coordinator's hang detection reads (docs/reliability.md) -----------------
-    def hang_timeout(self) -> float:
-        """LIVEMIG_HANG_TIMEOUT, else max(5 s, 10 x this member's median step time)."""
-        raw = os.environ.get(ENV_HANG_TIMEOUT, "")
-        if raw:
-            return float(raw)
-        times = sorted(self._step_times)
-        return max(5.0, 10 * times[len(times) // 2]) if times else 5.0
-
-    def enter_collective(self, step: int) -> None:
-        """The training thread waits in step `step`'s collective from now on."""
-        if self._waiting is None or self._waiting[0] != step:
-            self._waiting = (step, time.monotonic(), False)
-
-    def leave_collective(self) -> None:
-        self._waiting = None
-
-    def set_busy(self, busy: bool) -> None:
-        """`with ctx.busy():` a legitimately long pause (a checkpoint): never a hang."""
-        self._busy = busy
-        if self._last_item is not None or busy:
-            self._queue({**(self._last_item or {"step": -1, "time": time.time(), "incarnation": self.incarnation}),
-                         "busy": busy})  # fmt: skip
-
-    def _anomaly(self) -> dict | None:
-        """A wait in a collective longer than a quarter of the hang timeout: reported once."""
-        w = self._waiting
-        if w is None or w[2]:
-            return None
-        waited = time.monotonic() - w[1]
-        limit = self.hang_timeout()
-        if waited < limit / 4:
-            return None
-        self._waiting = (w[0], w[1], True)
-        base = self._last_item or {"step": w[0] - 1, "time": time.time(), "incarnation": self.incarnation}
-        return {**base, "waiting_step": w[0], "waited_s": waited, "hang_timeout": limit, "busy": self._busy,
-                "group": self.gen, "unreachable": self.unreachable_peers()}  # fmt: skip
-
-    # -- what the coordinator's link attribution reads (docs/reliability.md) -------------
-    def unreachable_peers(self) -> list[int]:
-        """Ranks of our group whose state server does not accept a TCP connection within
-        LIVEMIG_PROBE_TIMEOUT (default 1 s): every peer in a world of up to 64, else the
-        32 nearest on each side of the ring. Each peer is probed from its own thread."""
-        m, me = self.m, self.rank
-        if me is None or m.group_gen != self.gen:
-            return []
-        ranks = sorted(r for r in m.members if r != me)
-        if len(ranks) > 64:
-            n = m.world_size
-            near = {(me + d) % n for d in range(-32, 33) if d}
-            ranks = [r for r in ranks if r in near]
-        timeout = float(os.environ.get(ENV_PROBE_TIMEOUT, "") or 1.0)
-        down: list[int] = []
-
-        def probe(r: int) -> None:
-            host, _, port = m.members[r].addr.removeprefix("tcp://").rpartition(":")
-            try:
-                socket.create_connection((host, int(port)), timeout=timeout).close()
-            except (OSError, ValueError):
-                down.append(r)
-
-        threads = [threading.Thread(target=probe, args=(r,), daemon=True) for r in ranks if m.members[r].addr]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout + 0.5)
-        return sorted(down)
-
-    def collective_failed(self, step: int | None, why: str) -> None:
-        """Our collective failed while the job did not move on: tell the coordinator what we
-        know (the peers we cannot reach), off the training thread, which goes on to wait for
-        the recovery (the coordinator decides who is replaced, or rebuilds the group)."""
-        if step is None:
-            return
-        gen = self.gen
-        base = self._last_item or {"step": step - 1, "time": time.time(), "incarnation": self.incarnation}
-
-        def report() -> None:
-            self._queue({**base, "failed_step": step, "group": gen, "error": why[:200],
-                         "unreachable": self.unreachable_peers()})  # fmt: skip
-
-        threading.Thread(target=report, daemon=True, name="livemig-probe").start()
-
-    def _progress_loop(self) -> None:
-        next_at = 0.0
-        while True:
-            try:
-                item = self._progress.get(timeout=0.25)
-            except queue.Empty:
-                item = self._anomaly()
-                if item is None:
-                    continue
-            if self.rank is None or self.fenced.is_set():
-                continue
-            rest = next_at - time.monotonic()
-            while rest > 0 and not _urgent(item):  # the job's write budget (config.progress_budget)
-                try:  # a newer record replaces this one; an urgent one ends the wait
-                    item = self._progress.get(timeout=rest)
-                except queue.Empty:
-                    break
-                rest = next_at - time.monotonic()
-            try:
-                self.put(self.keys.progress(self.rank), item, retry=False)
-            except Exception:  # noqa: BLE001 - progress is advisory
-                log.debug("progress write failed", exc_info=True)
-            next_at = time.monotonic() + max(self.m.world_size, 1) / self._progress_budget
+    def _write_progress(self, item: dict) -> None:
+        """One progress record out (no retry: the next one replaces it); never once fenced."""
+        if self.rank is not None and not self.fenced.is_set():
+            self.put(self.keys.progress(self.rank), item, retry=False)
 
     # -- the protocol ---------------------------------------------------------------------
     def follow(self, min_gen: int, member: Callbacks) -> Membership:

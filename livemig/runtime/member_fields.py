@@ -1,9 +1,9 @@
-"""What a member is made of: the fields api.Engine sets and the step protocol's mixins
-(runtime/loop.py StepLoop, runtime/pull.py StatePull) and the strategies read.
+"""What a member is made of: the fields api.Engine sets, which the step loop (runtime/loop.py
+StepLoop) reads and its collaborators see through their typed *Host protocols.
 
-Declared once, here, so that a type checker checks every use in the mixins (each used to
-rely on "the attributes Engine.__init__ sets", which no tool could see), and so that a
-reader finds in one place what state a member carries between steps.
+Declared once, here, so that a type checker checks every use (each used to rely on "the
+attributes Engine.__init__ sets", which no tool could see), and so that a reader finds in one
+place what state a member carries between steps.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import torch
 if TYPE_CHECKING:
     from livemig.comm.reducer import GradReducer
     from livemig.config import Role, Timeouts
+    from livemig.runtime.boundary import Boundary
     from livemig.runtime.checkpoint import Checkpointer
     from livemig.runtime.control import Activate
     from livemig.runtime.fsdp2_mesh import Fsdp2
     from livemig.runtime.migration import Migration
+    from livemig.runtime.pull import StatePull
     from livemig.runtime.registry import Registry
     from livemig.runtime.self_faults import SelfFaults
     from livemig.runtime.standby import Standby
@@ -58,6 +60,8 @@ class MemberFields:
     _total: int
     _no_grad_said: bool
     # its collaborators
+    boundary: Boundary
+    pull: StatePull
     migration: Migration
     virtual: VirtualRanks
     sandbox: Sandbox
@@ -65,11 +69,6 @@ class MemberFields:
     faults: SelfFaults
     ckpt: Checkpointer
     fsdp2: Fsdp2
-
-    def keep_boundary(self, step: int) -> None:
-        """All user code of `step` ran: keep what a spare resuming after it needs (the loop's:
-        runtime/loop.py; declared here because the state pull calls it too)."""
-        raise NotImplementedError
 
     # -- the registered state (runtime/registry.py) ------------------------------------------
     @property
@@ -86,12 +85,6 @@ class MemberFields:
 
     def signature(self) -> list:
         return self.reg.signature() + self.strategy.signature()
-
-    def state_obj(self) -> dict[str, Any]:
-        return self.reg.state_obj()
-
-    def state_digest(self) -> str:
-        return self.reg.state_digest()
 
     @property
     def warming_up(self) -> bool:

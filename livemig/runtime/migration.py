@@ -109,7 +109,7 @@ class Migration:
                 if self.out.gen == m.generation and self.out.snap:
                     rt.server.withdraw(self.out.snap)  # the spare asked for a newer one: free the old copy
                 tensors: list[torch.Tensor] = []
-                skel = flatten(self.e.strategy.migration_snapshot(), tensors)  # FSDP2: its shards and its mirror's
+                skel = flatten(self.e.strategy.handover.snapshot(), tensors)  # FSDP2: its shards and its mirror's
                 snap = unflatten(skel, [x.clone() for x in tensors])  # training goes on: serve a copy
                 step = self.e.committed + 1
                 rt.server.publish(m.generation, want, lambda: (step, snap))
@@ -273,8 +273,8 @@ class Migration:
 
         def load_snapshot(item: str, resyncs: int = 0) -> dict:
             t0 = time.monotonic()
-            got = fetch(item, strategy.snapshot_alloc())
-            strategy.load_snapshot(got.state)  # FSDP2: copies of the shard and its mirror, replayed here
+            got = fetch(item, strategy.handover.snapshot_alloc())
+            strategy.handover.load_snapshot(got.state)  # FSDP2: copies of the shard and its mirror, replayed here
             self.e.committed, self.e.loaded_step = got.step - 1, got.step
             self.e.stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
             self.e.faults.stall_after_snapshot(group_at)  # a test fault (spare-hang:during=snapshot), before we report
@@ -297,13 +297,13 @@ class Migration:
                 rec = load_snapshot(items.snapshot(resyncs), resyncs)
                 continue
             self.e.reg.set_hparams(got.state["hparams"])
-            strategy.replay_update(t, got.state)
+            strategy.handover.replay_update(t, got.state)
             if got.state["final"]:
                 tail = fetch(items.tail(t)).state
                 self.e.reg.load_local(unpack(tail["local"]))  # buffers and local= at the switch boundary
                 self.e.reg.load_boundary(unpack(tail["boundary"]))  # extras, hyperparameters
                 self._inherit_commits(tail)
-                strategy.take_over(tail)
+                strategy.handover.take_over(tail)
                 break
             rt.put(rt.keys.catchup(g), {**rec, "applied": t, "time": time.time()})
         while rt.prebuilt(g) is None:  # the group is built once every member joined it

@@ -1,8 +1,11 @@
-"""State to and from peers at a step boundary, during a recovery.
+"""State to and from peers at a step boundary, during a recovery: the member's side of
+runtime.member.Callbacks, which MemberRuntime calls back as it follows a generation.
 
 A survivor reports its last committed step, reaches the agreed boundary
 (fetching a peer's completed average if it missed it) and serves its state;
-a claimed spare pulls the state (and ZeRO-1 shards from their holders).
+a claimed spare pulls the state (and ZeRO-1 shards from their holders). What is
+pulled, and from whom, is the strategy's (runtime/strategies/); the transfer
+itself (striped over the sources, retried until the recovery deadline) is here.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -19,34 +22,70 @@ from livemig.config import Role, buddy_stride
 from livemig.errors import RecoveryError, TransferError
 from livemig.rdzv.membership import Membership
 from livemig.runtime.control import Activate
-from livemig.runtime.member_fields import MemberFields
 from livemig.transfer import items
 from livemig.transfer.client import pull
+
+if TYPE_CHECKING:
+    from livemig.config import Timeouts
+    from livemig.runtime.boundary import Boundary
+    from livemig.runtime.checkpoint import Checkpointer
+    from livemig.runtime.registry import Registry
+    from livemig.runtime.standby import Standby
+    from livemig.runtime.step_state import StepState
+    from livemig.runtime.strategies.base import Strategy
 
 log = logging.getLogger("livemig.runtime.pull")
 
 
-class StatePull(MemberFields):
-    """Mixed into api.Engine, over the member's fields (runtime/member_fields.py)."""
+class PullHost(Protocol):
+    """What the state pull reads and sets of its member (api.Engine's fields, runtime/member_fields.py)."""
+
+    role: Role
+    rank: int
+    world_size: int
+    timeouts: Timeouts
+    runtime: Any  # runtime.member.MemberRuntime
+    joining: Activate | None
+    reg: Registry
+    strategy: Strategy
+    committed: int
+    current: int | None
+    loaded_step: int | None
+    stream_info: dict[str, Any]
+    st: StepState
+    ckpt: Checkpointer
+    standby: Standby
+    boundary: Boundary
+    faults: Any  # these two and signature(): the cold path's load takes a checkpoint.CheckpointHost
+    virtual: Any
+
+    def signature(self) -> list: ...
+
+
+class StatePull:
+    """One member's side of a recovery's state movement (runtime.member.Callbacks)."""
+
+    def __init__(self, host: PullHost) -> None:
+        self.h = host
 
     def committed_step(self) -> int | None:
-        if self.role == Role.SPARE and self.loaded_step is None:
+        if self.h.role == Role.SPARE and self.h.loaded_step is None:
             return None  # holds no state yet
-        return self.committed
+        return self.h.committed
 
     def mirrored_steps(self) -> list[int]:
         """Boundaries of the left neighbour's local state held here (the coordinator checks
         that a lost rank's replay can find its boundary)."""
-        return sorted(self.st.mirrored)
+        return sorted(self.h.st.mirrored)
 
     def resumed_step(self) -> int | None:
         """The checkpoint boundary this member loaded, while it is still its last commit: every
         rank's own state of that boundary is then in the checkpoint (a spare needs no mirror)."""
-        r = self.ckpt.resumed
-        return r if r is not None and r == self.committed else None
+        r = self.h.ckpt.resumed
+        return r if r is not None and r == self.h.committed else None
 
     def avg_step(self) -> int | None:
-        return self.strategy.avg_step()
+        return self.h.strategy.avg_step()
 
     def catch_up(self, m: Membership) -> dict[str, Any] | None:
         """Reach the agreed boundary (resume_step) of generation m."""
@@ -54,32 +93,40 @@ class StatePull(MemberFields):
             return self._restart_from(m)
         if m.resume_step is None:
             return None
-        return self.strategy.catch_up(m)
+        return self.h.strategy.catch_up(m)
 
     def serve(self, m: Membership) -> None:
-        self.strategy.serve(m)
+        self.h.strategy.serve(m)
 
     def stage_layout(self, m: Membership) -> None:
         """Pull the pieces generation m's layout gives this member (ZeRO-1's shards), kept aside
         until m commits (switch_layout): a generation abandoned before its commit changes nothing."""
-        self.strategy.stage_layout(m)
+        self.h.strategy.stage_layout(m)
 
     def switch_layout(self, m: Membership) -> None:
         """Generation m committed: the strategy holds its layout's pieces from now on."""
-        self.strategy.switch_layout(m)
+        self.h.strategy.switch_layout(m)
+
+    def after_switch(self) -> None:
+        """A new group followed outside a step: make the parameters whole again (ZeRO-1)."""
+        self.h.strategy.regather()
+
+    def write_final(self) -> None:
+        """Record the final state again: the job may end in the group just followed."""
+        self.h.standby.write_final()
 
     def _sources(self, m: Membership, ranks: list[int] | None = None) -> list[str]:
         ranks = m.sources if ranks is None else ranks
-        return [m.members[r].addr for r in ranks if r in m.members and m.members[r].addr and r != self.rank]
+        return [m.members[r].addr for r in ranks if r in m.members and m.members[r].addr and r != self.h.rank]
 
     def pull_any(self, m: Membership, item: str, alloc: Callable | None = None,
                   ranks: list[int] | None = None) -> Any:  # fmt: skip
         """Pull `item`, striped over every source (or `ranks`), retrying until the recovery deadline."""
-        secret = self.runtime.secret()
-        deadline = time.monotonic() + self.timeouts.recovery.total_seconds()
+        secret = self.h.runtime.secret()
+        deadline = time.monotonic() + self.h.timeouts.recovery.total_seconds()
         last = ""
         while time.monotonic() < deadline:
-            if self.runtime.m.generation != m.generation:
+            if self.h.runtime.m.generation != m.generation:
                 raise CollectiveAborted("generation moved on during the transfer")
             addrs = self._sources(m, ranks)
             if not addrs:
@@ -87,10 +134,10 @@ class StatePull(MemberFields):
                 last = (f"no source of ranks {sorted(want)} has a state server address in generation "
                         f"{m.generation}'s table (members: {sorted(m.members)})")  # fmt: skip
             else:
-                moved = self.runtime.moved_to_other(m.generation)
+                moved = self.h.runtime.moved_to_other(m.generation)
                 try:
-                    got = pull(addrs, self.runtime.job, secret, m.generation, item,
-                               self.timeouts.collective.total_seconds(), alloc, abort=moved)  # fmt: skip
+                    got = pull(addrs, self.h.runtime.job, secret, m.generation, item,
+                               self.h.timeouts.collective.total_seconds(), alloc, abort=moved)  # fmt: skip
                     return ",".join(got.sources_used), got
                 except TransferError as exc:
                     if moved():
@@ -102,7 +149,7 @@ class StatePull(MemberFields):
     def into_model(self) -> Callable[[int, dict], torch.Tensor | None]:
         """A transfer destination for a state object: its first tensors, the model's,
         are received in place into the spare's own parameters."""
-        model_tensors = list(self.model.state_dict().values()) if self.model is not None else []
+        model_tensors = list(self.h.reg.model.state_dict().values()) if self.h.reg.model is not None else []
 
         def alloc(i: int, meta: dict) -> torch.Tensor | None:
             if i < len(model_tensors) and list(model_tensors[i].shape) == meta["shape"]:
@@ -116,31 +163,32 @@ class StatePull(MemberFields):
         m.restart, the survivors in place. A member inside the user's loop is unwound first
         and enters the function again (as a claimed spare does), so the code before the loop
         and the loop itself start from the checkpoint's boundary; this runs again then."""
-        if self.joining is None or self.joining.generation != m.generation:
-            raise Activate(m.generation, self.rank, restart=True)
-        if self.ckpt.resumed is not None and self.ckpt.resume_path == m.restart["path"] and \
-                self.committed == self.ckpt.resumed:  # fmt: skip
-            return self.stream_info
+        if self.h.joining is None or self.h.joining.generation != m.generation:
+            raise Activate(m.generation, self.h.rank, restart=True)
+        if self.h.ckpt.resumed is not None and self.h.ckpt.resume_path == m.restart["path"] and \
+                self.h.committed == self.h.ckpt.resumed:  # fmt: skip
+            return self.h.stream_info
         from livemig.runtime.checkpoint import load
 
         t0 = time.monotonic()
-        step, _ = load(self, m.restart["path"])
-        self.committed = step
-        if self.role == Role.SPARE:
-            self.loaded_step = step + 1
-        self.ckpt.resumed, self.ckpt.resume_path = step, m.restart["path"]
-        self.keep_boundary(step)  # what a later recovery needs of this boundary
-        self.stream_info = {"stream_s": time.monotonic() - t0, "bytes": 0, "source": f"checkpoint {m.restart['path']}"}
+        step, _ = load(self.h, m.restart["path"])
+        self.h.committed = step
+        if self.h.role == Role.SPARE:
+            self.h.loaded_step = step + 1
+        self.h.ckpt.resumed, self.h.ckpt.resume_path = step, m.restart["path"]
+        self.h.boundary.keep(step)  # what a later recovery needs of this boundary
+        where = f"checkpoint {m.restart['path']}"
+        self.h.stream_info = {"stream_s": time.monotonic() - t0, "bytes": 0, "source": where}
         log.info("restarted from a checkpoint", extra={"step": step, "generation": m.generation})
-        return self.stream_info
+        return self.h.stream_info
 
     def pull_buddy_local(self, m: Membership, step: int, who: str, back: int) -> tuple[str, Any]:
         """This rank's own local state (buffers, local=) from its mirror on the buddy rank, as
         served for resume step `step`; the mirror holds boundary `step - back` (the plain path's
         replay starts a step earlier than FSDP2's take-over)."""
-        buddy = (self.rank + buddy_stride(self.world_size)) % self.world_size
-        where, part = self.pull_any(m, items.local(self.rank), ranks=[buddy])
+        buddy = (self.h.rank + buddy_stride(self.h.world_size)) % self.h.world_size
+        where, part = self.pull_any(m, items.local(self.h.rank), ranks=[buddy])
         if part.step != step:
-            raise RecoveryError(f"the local state of rank {self.rank} on rank {buddy} is of boundary "
+            raise RecoveryError(f"the local state of rank {self.h.rank} on rank {buddy} is of boundary "
                                 f"{part.step - back}, {who} needs {step - back}")  # fmt: skip
         return where, part

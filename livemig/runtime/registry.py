@@ -202,6 +202,12 @@ class Registry:
         for k, v in self.extra.items():
             v.load_state_dict(state["extra"][k])
 
+    def ensure_grads(self) -> None:
+        """A parameter backward did not reach still takes part in the reduction, as zeros."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     def opt_params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer else []
 

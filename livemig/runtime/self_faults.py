@@ -87,11 +87,11 @@ class SelfFaults:
         ctx = self._ctx
         if self.gate.wants(ctx.rank, step) and ctx.runtime is not None and not ctx.warming_up:
             # Marked busy, so the coordinator does not take the wait for the agent for a hang.
-            ctx.runtime.set_busy(True)
+            ctx.runtime.report.set_busy(True)
             try:
                 self.gate.wait(ctx.rank, step, ctx.incarnation)
             finally:
-                ctx.runtime.set_busy(False)
+                ctx.runtime.report.set_busy(False)
         if ctx.runtime is not None and ctx.runtime.injected is not None:
             self._take_injected(step)
 

@@ -58,8 +58,6 @@ class StandbyHost(Protocol):
 
     def signature(self) -> list: ...
 
-    def state_digest(self) -> str: ...
-
     def reset_user_state(self) -> None: ...
 
 
@@ -177,7 +175,7 @@ class Standby:
     def write_final(self) -> None:
         h = self._host
         rt = h.runtime
-        rec = {"incarnation": h.incarnation, "steps": h.committed + 1, "digest": h.state_digest(),
+        rec = {"incarnation": h.incarnation, "steps": h.committed + 1, "digest": h.reg.state_digest(),
                "digests": h.reg.digests(),
                "commits": h.st.commits, "generation": rt.gen, "role": h.role,
                "joined_at_step": h.loaded_step}  # fmt: skip
@@ -188,7 +186,7 @@ class Standby:
         rec["peak_rss_mb"] = _peak_rss_mb()
         if h.ckpt.settings is not None or h.ckpt.resumed is not None:
             rec["checkpoints"] = h.ckpt.final()
-        rec.update(h.strategy.final_record())  # shard and mirror digests, for the report's checks
+        rec.update(h.strategy.parts.final_record())  # shard and mirror digests, for the report's checks
         rt.put(rt.keys.final(h.rank), rec)
         self._final_written = True
 
@@ -213,7 +211,7 @@ class Standby:
             )
         h.ckpt.wait()  # a part half-written when the process ends would never complete
         self.write_final()
-        h.runtime.wait_result(h)
+        h.runtime.wait_result(h.pull)  # the recovery's callbacks: the job may recover again meanwhile
 
 
 def _peak_rss_mb() -> float:

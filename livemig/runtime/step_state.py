@@ -6,6 +6,7 @@ says which part wrote it and which reads it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,7 @@ class Synced:
 
 @dataclass
 class Replay:
-    """A spare's replay of step resume-1 (runtime/loop.py, _replay_step): loaded by the
+    """A spare's replay of step resume-1 (runtime/boundary.py, replay_step): loaded by the
     state pull, run by the loop. `before` are the parameters the step started from,
     `after` (set when the replay starts) those put back at its ctx.step(); `extra` the
     source's committed extras of the step (a GradScaler's state)."""
@@ -51,7 +52,7 @@ class Replay:
 @dataclass
 class LocalBlob:
     """This rank's packed local state (buffers, local=) of one boundary: what
-    _mirror_local sends to the right neighbour."""
+    Boundary.mirror_local sends to the right neighbour (runtime/boundary.py)."""
 
     step: int
     blob: Any
@@ -82,15 +83,30 @@ class StepState:
 
     avg: Averaged | None = None  # averaged gradient of the last commit
     commits: list[list[float]] = field(default_factory=list)  # [step, wall time] of this rank's commits
-    commit_gen: int = -1  # generation changes seen by the commits (loop._trim_commits)
+    commit_gen: int = -1  # generation changes seen by the commits (record_commit)
     gen_steps: list[int] = field(default_factory=list)
     boundaries: dict[int, Any] = field(default_factory=dict)  # step -> packed extras + hyperparameters after step
     mirrored: dict[int, Any] = field(default_factory=dict)  # boundary step -> left neighbour's packed local state
     local_blob: LocalBlob | None = None  # this rank's packed local state of the last boundary
     before: dict[int, list] = field(default_factory=dict)  # step -> parameters before its update
-    replay: Replay | None = None  # a spare's replay of step resume-1 (runtime/loop.py)
+    replay: Replay | None = None  # a spare's replay of step resume-1 (runtime/boundary.py)
     uses_sync: bool = False  # the loop body called ctx.sync_gradients(): a replay needs the average
     user_synced: int | None = None  # the last step whose body called ctx.sync_gradients()
     synced: Synced | None = None  # what the step's average left for the commit
     fetched: Averaged | None = None  # a step's average a recovery fetched from a peer
     inherited_to: int = -1  # a migrated-in spare: the last of the leaving worker's commits in `commits`
+
+    def record_commit(self, t: int, gen: int, kept: int) -> None:
+        """This rank committed step t in generation `gen`. The final record stays bounded (etcd
+        refuses a request over 1.5 MiB, near 100k steps of commit times): the last `kept`
+        commits and those within a few steps of each generation change, which is all the
+        report reads."""
+        self.commits.append([t, time.time()])
+        if gen != self.commit_gen:
+            self.commit_gen = gen
+            self.gen_steps.append(int(t))
+        if len(self.commits) <= 2 * kept:
+            return
+        last = self.commits[-1][0]
+        self.commits = [c for c in self.commits
+                        if c[0] > last - kept or any(abs(c[0] - g) <= 5 for g in self.gen_steps)]  # fmt: skip

@@ -42,8 +42,6 @@ class SandboxHost(Protocol):
     @property
     def params(self) -> list[torch.nn.Parameter]: ...
 
-    def ensure_grads(self) -> None: ...
-
 
 class Sandbox:
     """A spare's shadow iterations (see the module doc)."""
@@ -84,5 +82,5 @@ class Sandbox:
     def step(self, t: int) -> None:
         """ctx.step() of a shadow iteration: the update of a world of one."""
         h = self._host
-        h.ensure_grads()
+        h.reg.ensure_grads()
         h.strategy.warmup_step(t, self.pg)

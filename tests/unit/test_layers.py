@@ -39,10 +39,11 @@ def test_the_facade_stays_short():
 
 def test_ctx_holds_the_readme_verbs_and_nothing_else():
     """The user's ctx: the README verb table's names plus where the process stands. The
-    runtime's callbacks (runtime.member.Callbacks) and state live on the Engine behind it,
-    so nothing a user can reach on ctx is a protocol hook they could call by mistake."""
-    from livemig.api import Context, Engine
+    runtime's callbacks (runtime.member.Callbacks, the Engine's state pull) and state live
+    behind it, so nothing a user can reach on ctx is a protocol hook they could call by mistake."""
+    from livemig.api import Context
     from livemig.runtime.member import Callbacks
+    from livemig.runtime.pull import StatePull
 
     verbs = {"register", "steps", "batches", "no_sync", "sync_gradients", "clip_grad_norm_", "step", "busy",
              "checkpoints", "warming_up", "log", "init_device_mesh"}  # fmt: skip
@@ -53,7 +54,36 @@ def test_ctx_holds_the_readme_verbs_and_nothing_else():
     table = readme[readme.index("| livemig | DDP / Accelerate |") :].split("\n\n")[0]
     assert all(f"ctx.{v}" in table for v in verbs), [v for v in verbs if f"ctx.{v}" not in table]
     hooks = {n for n in dir(Callbacks) if not n.startswith("_")}
-    assert hooks and not hooks & public and all(callable(getattr(Engine, n, None)) for n in hooks)
+    assert hooks and not hooks & public and all(callable(getattr(StatePull, n, None)) for n in hooks)
+
+
+def _methods(cls: type) -> set[str]:
+    """The methods and properties a class has, its livemig bases' included (dunders but
+    __init__ left out): what a reader of the class must hold in mind."""
+    names = set()
+    for k in cls.__mro__:
+        if k.__module__.startswith("livemig"):
+            names |= {n for n, v in vars(k).items() if (callable(v) or isinstance(v, property | staticmethod))
+                      and (n == "__init__" or not n.startswith("__"))}  # fmt: skip
+    return names
+
+
+def test_no_class_on_the_member_side_is_a_god_object():
+    """The Engine behind ctx is the step loop over the member's fields, at most 25 methods
+    (its bases included: a mixin is no way round it); no class of the runtime more than 30:
+    a new concern is a collaborator of its own (runtime/boundary.py, runtime/pull.py, ...)."""
+    import importlib
+
+    from livemig.api import Engine
+
+    assert len(_methods(Engine)) <= 25, sorted(_methods(Engine))
+    big = []
+    for f in sorted((PKG / "runtime").rglob("*.py")):
+        mod = importlib.import_module("livemig." + ".".join(f.relative_to(PKG).with_suffix("").parts))
+        for name, cls in vars(mod).items():
+            if isinstance(cls, type) and cls.__module__ == mod.__name__ and len(_methods(cls)) > 30:
+                big.append(f"{mod.__name__}.{name}: {len(_methods(cls))}")
+    assert not big, big
 
 
 def _import_time_nodes(tree: ast.Module):

@@ -190,7 +190,6 @@ def test_store_addresses_read_from_etcd_are_validated():
 def test_progress_writes_keep_to_the_job_budget_and_the_newest_record_wins(monkeypatch):
     """A member commits every 2 ms; with a budget of 100 writes a second for a world of
     4 it writes at most one record per 40 ms, and the record it writes is the newest."""
-    import queue
     import threading
     import time
     import types
@@ -199,18 +198,17 @@ def test_progress_writes_keep_to_the_job_budget_and_the_newest_record_wins(monke
 
     from livemig.config import progress_budget
     from livemig.errors import ConfigError
-    from livemig.runtime.member import MemberRuntime
+    from livemig.runtime.progress import Progress
 
     monkeypatch.setenv("LIVEMIG_PROGRESS_BUDGET", "100")
     writes: list[tuple[float, int]] = []
-    rt = types.SimpleNamespace(
-        rank=0, fenced=threading.Event(), _progress=queue.Queue(maxsize=1), _anomaly=lambda: None,
-        keys=types.SimpleNamespace(progress=lambda r: f"~progress/{r}"), m=types.SimpleNamespace(world_size=4),
-        _progress_budget=progress_budget(),
-        put=lambda key, item, retry: writes.append((time.monotonic(), item["step"])),
-    )  # fmt: skip
-    rt._queue = lambda item: MemberRuntime._queue(rt, item)
-    threading.Thread(target=MemberRuntime._progress_loop, args=(rt,), daemon=True).start()
+    stop = threading.Event()
+
+    def write(item: dict) -> None:
+        if not stop.is_set():  # as a fenced member's: nothing more goes out
+            writes.append((time.monotonic(), item["step"]))
+
+    rt = Progress("inc", write, lambda: (0, 1, types.SimpleNamespace(world_size=4)))
     t0 = time.monotonic()
     step = 0
     while time.monotonic() - t0 < 1.0:
@@ -218,7 +216,7 @@ def test_progress_writes_keep_to_the_job_budget_and_the_newest_record_wins(monke
         step += 1
         time.sleep(0.002)
     time.sleep(0.1)
-    rt.fenced.set()  # the loop writes nothing more
+    stop.set()  # the loop writes nothing more
     assert step > 100
     gaps = [b[0] - a[0] for a, b in zip(writes, writes[1:], strict=False)]
     assert 10 <= len(writes) <= 30 and min(gaps) >= 0.039, (len(writes), min(gaps))
@@ -228,41 +226,38 @@ def test_progress_writes_keep_to_the_job_budget_and_the_newest_record_wins(monke
         progress_budget()
 
 
-def test_a_failure_report_goes_out_at_once_outside_the_progress_budget():
+def test_a_failure_report_goes_out_at_once_outside_the_progress_budget(monkeypatch):
     """One write per 0.4 s (world 4, budget 10): a failed collective's report, queued right
     after a commit's write (and after a newer commit that waits its turn), is written at
     once (the coordinator starts a recovery on it)."""
-    import queue
     import threading
     import time
     import types
 
-    from livemig.runtime.member import MemberRuntime
+    from livemig.runtime.progress import Progress
 
     writes: list[tuple[float, dict]] = []
     wrote = threading.Event()
+    stop = threading.Event()
 
-    def put(key: str, item: dict, retry: bool) -> None:
-        writes.append((time.monotonic(), item))
-        wrote.set()
+    def write(item: dict) -> None:
+        if not stop.is_set():
+            writes.append((time.monotonic(), item))
+            wrote.set()
 
-    rt = types.SimpleNamespace(
-        rank=0, fenced=threading.Event(), _progress=queue.Queue(maxsize=1), _anomaly=lambda: None,
-        keys=types.SimpleNamespace(progress=lambda r: f"~progress/{r}"), m=types.SimpleNamespace(world_size=4),
-        _progress_budget=10.0, put=put,
-    )  # fmt: skip
-    threading.Thread(target=MemberRuntime._progress_loop, args=(rt,), daemon=True).start()
+    monkeypatch.setenv("LIVEMIG_PROGRESS_BUDGET", "10")
+    rt = Progress("inc", write, lambda: (0, 1, types.SimpleNamespace(world_size=4)))
     try:
-        MemberRuntime._queue(rt, {"step": 1})
+        rt._queue({"step": 1})
         assert wrote.wait(5)
         wrote.clear()
-        MemberRuntime._queue(rt, {"step": 2})  # waits for the budget
+        rt._queue({"step": 2})  # waits for the budget
         time.sleep(0.05)
-        MemberRuntime._queue(rt, {"step": 2, "failed_step": 3, "error": "peer gone"})
+        rt._queue({"step": 2, "failed_step": 3, "error": "peer gone"})
         assert wrote.wait(5)
         assert writes[1][1]["failed_step"] == 3 and writes[1][0] - writes[0][0] < 0.3, writes
     finally:
-        rt.fenced.set()
+        stop.set()
 
 
 def test_link_attribution_rule():

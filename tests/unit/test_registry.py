@@ -107,20 +107,16 @@ def test_warming_up_and_log_during_warm_up(monkeypatch):
 def test_final_record_commit_times_stay_bounded():
     """100k steps and two generation changes: the commit list stays small and keeps
     what the report reads (the steps around each change, the last ones)."""
-    from types import SimpleNamespace
-
     from livemig.rdzv.client import encode
-    from livemig.runtime.loop import COMMITS_KEPT, StepLoop
+    from livemig.runtime.loop import COMMITS_KEPT
     from livemig.runtime.step_state import StepState
 
-    rt = SimpleNamespace(gen=1)
-    f = SimpleNamespace(runtime=rt, st=StepState())
+    st, gen = StepState(), 1
     for t in range(100_000):
         if t in (40_000, 70_000):
-            rt.gen += 1
-        f.st.commits.append([t, t * 0.1])
-        StepLoop._trim_commits(f)
-    steps = [c[0] for c in f.st.commits]
+            gen += 1
+        st.record_commit(t, gen, COMMITS_KEPT)
+    steps = [c[0] for c in st.commits]
     assert len(steps) <= 2 * COMMITS_KEPT + 33 and steps[-1] == 99_999
     assert {39_999, 40_000, 40_001, 70_000, 70_001}.issubset(steps)
-    assert len(encode({"commits": f.st.commits})) < 20_000
+    assert len(encode({"commits": st.commits})) < 20_000

@@ -53,10 +53,36 @@ class MigrationSide(Protocol):
     def after_commit(self, t: int, switch: bool) -> None: ...
 
 
+class BoundarySide(Protocol):
+    """What a step asks of the boundary rule (runtime/boundary.py, Boundary)."""
+
+    @property
+    def replays(self) -> bool: ...
+
+    def keep(self, step: int) -> None: ...
+
+    def keep_before(self, t: int) -> None: ...
+
+    def mirror_local(self, t: int) -> None: ...
+
+
+class PullSide(Protocol):
+    """What a recovery's catch-up asks of the state pull (runtime/pull.py, StatePull)."""
+
+    def committed_step(self) -> int | None: ...
+
+    def pull_any(self, m: Membership, item: str, alloc: Callable | None = None,
+                 ranks: list[int] | None = None) -> Any: ...  # fmt: skip
+
+    def pull_buddy_local(self, m: Membership, step: int, who: str, back: int) -> tuple[str, Any]: ...
+
+    def into_model(self) -> Callable[[int, dict], torch.Tensor | None]: ...
+
+
 class StrategyHost(Protocol):
     """What a strategy uses of its member (api.Engine): its fields (runtime/member_fields.py),
-    its collaborators, and the shared parts of the step protocol (runtime/loop.py StepLoop,
-    runtime/pull.py StatePull). Checked by mypy where ctx.register() hands the Engine over."""
+    its collaborators (the boundary rule, the state pull, ...), and the step loop's commit and
+    recovery (runtime/loop.py StepLoop). Checked by mypy where ctx.register() hands the Engine over."""
 
     role: Role
     rank: int
@@ -85,45 +111,32 @@ class StrategyHost(Protocol):
     fsdp2: MeshOwner
 
     @property
-    def replays(self) -> bool: ...
+    def warming_up(self) -> bool: ...
 
     @property
-    def warming_up(self) -> bool: ...
+    def boundary(self) -> BoundarySide: ...
+
+    @property
+    def pull(self) -> PullSide: ...
 
     def sync_gradients(self) -> None: ...
 
     def check_backward(self, step: int) -> None: ...
-
-    def ensure_grads(self) -> None: ...
-
-    def keep_before(self, t: int) -> None: ...
-
-    def mirror_local(self, t: int) -> None: ...
-
-    def keep_boundary(self, step: int) -> None: ...
 
     def commit(self, t: int, avg: list | None, replay: bool = False, mirror_only: bool = False,
                applied: list | None = None, **info: float) -> None: ...  # fmt: skip
 
     def join_recovery(self, t: int | None, exc: BaseException) -> None: ...
 
-    def committed_step(self) -> int | None: ...
-
-    def pull_any(self, m: Membership, item: str, alloc: Callable | None = None,
-                 ranks: list[int] | None = None) -> Any: ...  # fmt: skip
-
-    def pull_buddy_local(self, m: Membership, step: int, who: str, back: int) -> tuple[str, Any]: ...
-
-    def into_model(self) -> Callable[[int, dict], torch.Tensor | None]: ...
-
 
 class Strategy:
     """One kind of parallelism over one member (`host`: the Engine behind `Context`).
 
-    The hooks fall into five groups, in the order a run meets them: registration and start-up,
-    the step (average, clip, update, commit), the boundary, recovery (report, serve, catch up,
-    change the layout), planned migration, and the final record. A hook a kind does not need
-    keeps the base's behaviour, which is plain data parallel's."""
+    The hooks fall into four groups, in the order a run meets them: registration and start-up,
+    the step (average, clip, update, commit), the boundary, and recovery (report, serve, catch
+    up, change the layout). What a planned migration hands over is its `handover`, what a
+    rank keeps apart (checkpoint sections, final-record digests) its `parts`. A hook a kind
+    does not need keeps the base's behaviour, which is plain data parallel's."""
 
     #: The name in the job's signature (what a spare must match) and in logs.
     name: ClassVar[str] = "abstract"
@@ -135,11 +148,15 @@ class Strategy:
     switch_at_boundary: ClassVar[bool] = False
     #: How the registered state is laid out over the ranks (runtime/registry.py).
     layout: ClassVar[Layout] = Layout()
-    #: The sections its checkpoint_part adds, read back from a rank's own part.
-    checkpoint_sections: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, host: StrategyHost) -> None:
         self.h = host
+        #: The state a planned migration hands from the leaving worker to the spare (a kind
+        #: whose layout changes it sets its own in its __init__).
+        self.handover: Handover = Handover(host)
+        #: The pieces of a rank's state kept apart from the replicated ones (its shards): its
+        #: checkpoint sections and its final record's digests.
+        self.parts: Parts = Parts()
 
     # -- registration and start-up ---------------------------------------------------------
     def signature(self) -> list[list]:
@@ -215,11 +232,6 @@ class Strategy:
         """All user code of `step` ran: keep what a spare resuming after it needs."""
         raise NotImplementedError
 
-    def after_migrate_in(self, step: int) -> None:
-        """A spare switched in by planned migration at boundary `step`: the leaving worker's
-        boundary records (handed over at the switch) become this member's."""
-        self.h.keep_boundary(step)
-
     # -- recovery ------------------------------------------------------------------------------
     def redo_from_stash(self) -> None:
         """The function was entered again to redo a step whose collective failed inside user
@@ -239,9 +251,9 @@ class Strategy:
         h = self.h
         assert m.resume_step is not None  # the caller (runtime/pull.py catch_up) returned before otherwise
         target = m.resume_step - 1  # last step that must be committed here
-        if h.committed_step() == target:
+        if h.pull.committed_step() == target:
             return h.stream_info if h.role == Role.SPARE else None
-        if h.committed_step() is None or (h.role == Role.SPARE and h.current is None):
+        if h.pull.committed_step() is None or (h.role == Role.SPARE and h.current is None):
             return self.pull_state(m)
         if h.committed == target - 1 and h.current == target and self.finish_missed(m, target):
             return None
@@ -270,14 +282,22 @@ class Strategy:
     def switch_layout(self, m: Membership) -> None:
         """Generation m committed: hold its layout's pieces from now on."""
 
-    # -- planned migration -----------------------------------------------------------------
-    def migration_snapshot(self) -> dict[str, Any]:
+
+class Handover:
+    """A planned migration's state, from the leaving worker to the spare catching up
+    (runtime/migration.py): plain data parallel's, the whole registered state and each
+    step's update replayed; a kind that shards the state hands over its shards instead."""
+
+    def __init__(self, host: StrategyHost) -> None:
+        self.h = host
+
+    def snapshot(self) -> dict[str, Any]:
         """The leaving worker's snapshot at a boundary: what the catching-up spare loads."""
         return self.h.reg.state_obj()
 
     def snapshot_alloc(self) -> Any:
         """Where a migrating spare receives the snapshot's tensors (the model's: in place)."""
-        return self.h.into_model()
+        return self.h.pull.into_model()
 
     def load_snapshot(self, state: dict[str, Any]) -> None:
         """A migrating spare loads the leaving worker's snapshot."""
@@ -291,7 +311,7 @@ class Strategy:
             h.reg.apply_step(item)
             h.committed, h.st.avg = t, None
             return
-        h.ensure_grads()
+        h.reg.ensure_grads()
         if h.reducer is not None:
             h.reducer.write_back(item["flat"])
         h.commit(t, None, replay=True)
@@ -299,7 +319,21 @@ class Strategy:
     def take_over(self, tail: dict[str, Any]) -> None:
         """At the switch, after the leaving worker's local state and boundary are loaded."""
 
-    # -- checkpoints (runtime/checkpoint.py) ------------------------------------------------
+    def after_migrate_in(self, step: int) -> None:
+        """The spare switched in at boundary `step`: the leaving worker's boundary records
+        (handed over at the switch) become this member's."""
+        self.h.boundary.keep(step)
+
+
+class Parts:
+    """The pieces of a rank's state a kind keeps apart from the replicated ones (ZeRO-1's
+    optimizer shard, FSDP2's parameter shards), where they leave the step protocol: the
+    rank's checkpoint part (runtime/checkpoint.py) and its final record (runtime/standby.py).
+    Plain data parallel has none."""
+
+    #: The sections checkpoint_part adds, read back from a rank's own part.
+    sections: ClassVar[tuple[str, ...]] = ()
+
     def checkpoint_part(self, rank: int) -> dict[str, Any]:
         """The sections this kind adds to rank `rank`'s checkpoint part (its shards)."""
         return {}
@@ -315,7 +349,6 @@ class Strategy:
     def load_resharded(self, world: int, section_of: Callable[[int, str], Any]) -> None:
         """This rank's sections cut from a checkpoint of `world` ranks (another world size)."""
 
-    # -- the final record -------------------------------------------------------------------
     def final_record(self) -> dict[str, Any]:
         """What the final record adds for the run report's checks (shard and mirror digests)."""
         return {}

@@ -27,7 +27,7 @@ from livemig.runtime.fsdp2_mesh import shard_of, shard_peers
 from livemig.runtime.fsdp2_mirror import grads_blob
 from livemig.runtime.registry import Layout
 from livemig.runtime.step_state import LocalBlob
-from livemig.runtime.strategies.base import Strategy, StrategyHost
+from livemig.runtime.strategies.base import Handover, Parts, Strategy, StrategyHost
 from livemig.runtime.strategies.fsdp2_shards import Shards, dtensors
 from livemig.state import is_dtensor, unpack
 from livemig.transfer import items
@@ -45,13 +45,13 @@ class Fsdp2(Strategy):
     name = "fsdp2"
     layout = Layout(params_sharded=True, optimizer_sharded=True)
     switch_at_boundary = True  # collectives user code runs after ctx.step() on the mesh meet the leaving rank
-    checkpoint_sections = ("fsdp",)
 
     def __init__(self, host: StrategyHost, owner: MeshOwner) -> None:
         super().__init__(host)
         self.owner = owner
         self.shards = Shards(host, owner)  # where this rank's shards are and how they move
-        self._reps: list = []  # a migrating spare's replayed copies of the shard and its mirror
+        self.handover = Fsdp2Handover(host, self.shards)
+        self.parts = Fsdp2Parts(host, owner, self.shards)
 
     def signature(self) -> list[list]:
         mirrored = "mirrored" if self.owner.want_mirror else "unmirrored"
@@ -84,53 +84,12 @@ class Fsdp2(Strategy):
         h.reg.step_optimizer(h.scaler)
         h.committed = t
 
-    # -- the boundary ------------------------------------------------------------------------
-    def after_migrate_in(self, step: int) -> None:
-        """Kept by the take-over: its boundary exchange ran without this member."""
-
+    # -- recovery ------------------------------------------------------------------------------
     def redo_from_stash(self) -> None:
         self.shards.load_stash()
 
-    # -- recovery ------------------------------------------------------------------------------
     def avg_step(self) -> int | None:
         return self.owner.voted  # the step whose reduced gradient shards are complete here
-
-    # -- planned migration -----------------------------------------------------------------
-    def migration_snapshot(self) -> dict[str, Any]:
-        return self.shards.migration_state()
-
-    def snapshot_alloc(self) -> Any:
-        return None
-
-    def load_snapshot(self, state: dict[str, Any]) -> None:
-        self._reps = self.shards.replayers(state)
-
-    def replay_update(self, t: int, item: dict[str, Any]) -> None:
-        """The shard's update, from the gradient shard the leaving rank stepped with."""
-        self.shards.replay(self._reps, t, item)
-        self.h.committed = t
-
-    def take_over(self, tail: dict[str, Any]) -> None:
-        self.shards.take_over(self._reps, tail)
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    def checkpoint_part(self, rank: int) -> dict[str, Any]:
-        return {"fsdp": self.shards.part()}
-
-    def load_checkpoint_part(self, mine: dict[str, Any], section_of: Callable[[int, str], Any]) -> None:
-        """This rank's shards, and the shards it mirrors from their owner's part."""
-        self.shards.load_part(mine["fsdp"], lambda r: section_of(r, "fsdp"))
-
-    def check_resume_world(self, path: str, world: int) -> None:
-        raise ConfigError(f"checkpoint {path} holds the FSDP2 shards of {world} ranks; this run has "
-                          f"{self.h.world_size}, and FSDP2 shards are not resharded to another world size yet: "
-                          f"resume it with --nproc {world} and the same mesh")  # fmt: skip
-
-    # -- the final record -------------------------------------------------------------------
-    def final_record(self) -> dict[str, Any]:
-        """The report compares replicas within each shard's group, and the mirror against the
-        shard it mirrors."""
-        return {"fsdp_shard": shard_of(self.h.rank, list(self.owner.shape)), **self.shards.final()}
 
     # -- the work, over the state the mesh owner keeps across re-entries (runtime/fsdp2_mesh.py) -----
     def sync_start(self) -> None:
@@ -173,7 +132,7 @@ class Fsdp2(Strategy):
         ctl = torch.tensor([1.0, h.migration.vote()])  # [commit, planned migration: switch after t]
         try:
             h.runtime.check_fenced()
-            h.runtime.enter_collective(t)
+            h.runtime.report.enter_collective(t)
             if self.owner.mirror is not None:  # the gradient shard to its mirror, before anyone commits
                 got = ring_exchange(h.runtime.pg, grads_blob(h.reg.params), h.rank, h.world_size,
                                     h.timeouts.collective, h.runtime.moved_on)  # fmt: skip
@@ -182,7 +141,7 @@ class Fsdp2(Strategy):
             h.faults.at(t, "allreduce")
             allreduce_sum(h.runtime.pg, [ctl], h.timeouts.collective, h.runtime.moved_on)
             h.faults.at_commit_point(t, "the commit vote")
-            h.runtime.leave_collective()
+            h.runtime.report.leave_collective()
         except CollectiveAborted as exc:
             h.join_recovery(t, exc)
             if h.committed == t:  # a peer committed: finished from the shards held here (catch_up)
@@ -227,7 +186,7 @@ class Fsdp2(Strategy):
     def serve(self, m: Membership) -> None:
         h = self.h
         srv = h.runtime.server
-        if srv is None or m.resume_step is None or h.committed_step() != m.resume_step - 1:
+        if srv is None or m.resume_step is None or h.pull.committed_step() != m.resume_step - 1:
             return
         c, state = h.committed, self.shards.state()
         srv.publish(m.generation, items.STATE, lambda: (c + 1, state))
@@ -254,10 +213,10 @@ class Fsdp2(Strategy):
         peers = [r for r in shard_peers(h.rank, self.owner.shape) if r in m.sources]
         buddy, left = (h.rank + buddy_stride(h.world_size)) % h.world_size, self.shards.left()
         if peers:  # HSDP: a replica of the same shard
-            addr, got = h.pull_any(m, items.STATE, ranks=peers)
+            addr, got = h.pull.pull_any(m, items.STATE, ranks=peers)
         elif self.owner.want_mirror and buddy in m.sources:  # its mirror, on the right neighbour
-            addr, got = h.pull_any(m, items.fshard(h.rank), ranks=[buddy])
-            _, rest = h.pull_any(m, items.STATE, ranks=[buddy])  # the boundary (extras, hyperparameters)
+            addr, got = h.pull.pull_any(m, items.fshard(h.rank), ranks=[buddy])
+            _, rest = h.pull.pull_any(m, items.STATE, ranks=[buddy])  # the boundary (extras, hyperparameters)
             got.state["boundary"] = rest.state.get("boundary")
         else:
             raise RecoveryError(f"no survivor holds FSDP2 shard {shard_of(h.rank, self.owner.shape)} of rank {h.rank}")
@@ -266,14 +225,14 @@ class Fsdp2(Strategy):
         h.loaded_step = got.step
         nbytes = got.nbytes
         if self.owner.want_mirror:  # our own mirror: the left neighbour's shard, from it
-            where, own = h.pull_any(m, items.STATE, ranks=[left])
+            where, own = h.pull.pull_any(m, items.STATE, ranks=[left])
             if own.step != got.step:
                 raise RecoveryError(f"rank {left}'s shard is of boundary {own.step - 1}, need {got.step - 1}")
             self.shards.make_mirror(own.state)
             nbytes += own.nbytes
             addr += f",{where}"
         if h.reg.has_local and h.world_size > 1:
-            where, part = h.pull_buddy_local(m, got.step, "the spare", 1)
+            where, part = h.pull.pull_buddy_local(m, got.step, "the spare", 1)
             h.reg.load_local(unpack(part.state["blob"]))
             nbytes += part.nbytes
             addr += f",{where}"
@@ -283,3 +242,61 @@ class Fsdp2(Strategy):
         h.stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
         log.info("shards loaded", extra={"resume_step": got.step, "bytes": nbytes, "source": addr})
         return h.stream_info
+
+
+class Fsdp2Handover(Handover):
+    """A planned migration hands over the leaving rank's shards and its mirror, and replays
+    each step's update from the gradient shard the leaving rank stepped with."""
+
+    def __init__(self, host: StrategyHost, shards: Shards) -> None:
+        super().__init__(host)
+        self.shards = shards
+        self.reps: list = []  # a migrating spare's replayed copies of the shard and its mirror
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.shards.migration_state()
+
+    def snapshot_alloc(self) -> Any:
+        return None
+
+    def load_snapshot(self, state: dict[str, Any]) -> None:
+        self.reps = self.shards.replayers(state)
+
+    def replay_update(self, t: int, item: dict[str, Any]) -> None:
+        """The shard's update, from the gradient shard the leaving rank stepped with."""
+        self.shards.replay(self.reps, t, item)
+        self.h.committed = t
+
+    def take_over(self, tail: dict[str, Any]) -> None:
+        self.shards.take_over(self.reps, tail)
+
+    def after_migrate_in(self, step: int) -> None:
+        """Kept by the take-over: its boundary exchange ran without this member."""
+
+
+class Fsdp2Parts(Parts):
+    """A rank's parameter shards (and the ones it mirrors) in its checkpoint part and final record."""
+
+    sections = ("fsdp",)
+
+    def __init__(self, host: StrategyHost, owner: MeshOwner, shards: Shards) -> None:
+        self.h = host
+        self.owner = owner
+        self.shards = shards
+
+    def checkpoint_part(self, rank: int) -> dict[str, Any]:
+        return {"fsdp": self.shards.part()}
+
+    def load_checkpoint_part(self, mine: dict[str, Any], section_of: Callable[[int, str], Any]) -> None:
+        """This rank's shards, and the shards it mirrors from their owner's part."""
+        self.shards.load_part(mine["fsdp"], lambda r: section_of(r, "fsdp"))
+
+    def check_resume_world(self, path: str, world: int) -> None:
+        raise ConfigError(f"checkpoint {path} holds the FSDP2 shards of {world} ranks; this run has "
+                          f"{self.h.world_size}, and FSDP2 shards are not resharded to another world size yet: "
+                          f"resume it with --nproc {world} and the same mesh")  # fmt: skip
+
+    def final_record(self) -> dict[str, Any]:
+        """The report compares replicas within each shard's group, and the mirror against the
+        shard it mirrors."""
+        return {"fsdp_shard": shard_of(self.h.rank, list(self.owner.shape)), **self.shards.final()}

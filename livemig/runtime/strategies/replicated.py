@@ -94,7 +94,7 @@ class Replicated(Strategy):
             avg = st.replay.avg
             if avg is None:
                 raise RecoveryError(f"the spare replaying step {t} holds no averaged gradient of it")
-            h.ensure_grads()
+            h.reg.ensure_grads()
             assert h.reducer is not None
             h.reducer.write_back(avg)
             st.synced = Synced(t, avg)
@@ -103,18 +103,18 @@ class Replicated(Strategy):
             h.virtual.stash(t)
             return
         self.check_user_sync()
-        h.ensure_grads()
+        h.reg.ensure_grads()
         red, rt = h.reducer, h.runtime
         assert red is not None
         first = not h.virtual.degraded()  # shrunk: no overlap, the stashed bodies join the average
         compute_s = time.monotonic() - h.step_t0  # forward + backward: the straggler hook's input
         while True:
             rt.check_fenced()
-            rt.enter_collective(t)  # the coordinator's hang detection reads how long we wait
+            rt.report.enter_collective(t)  # the coordinator's hang detection reads how long we wait
             ctl = torch.tensor([h.migration.vote()])  # planned migration: all 1.0 = switch after this step
             try:
-                h.keep_before(t)
-                h.mirror_local(t)  # before the vote: nobody commits t unless our mirror holds it
+                h.boundary.keep_before(t)
+                h.boundary.mirror_local(t)  # before the vote: nobody commits t unless our mirror holds it
                 h.faults.at(t, "allreduce")
                 flats = self.reduce(ctl, first)
                 h.faults.at_commit_point(t, "average")
@@ -135,7 +135,7 @@ class Replicated(Strategy):
             # buffers are reused only after the next step's commit replaced st.avg.
             red.write_back(flats, views=views)
             st.synced = Synced(t, flats, float(ctl[0]) == 1.0, compute_s)
-            rt.leave_collective()
+            rt.report.leave_collective()
             return
 
     def step(self, t: int) -> None:
@@ -169,7 +169,7 @@ class Replicated(Strategy):
     # -- the boundary ------------------------------------------------------------------------
     def at_boundary(self, step: int) -> None:
         h = self.h
-        if not h.replays:
+        if not h.boundary.replays:
             return
         h.st.boundaries[step] = h.reg.pack_boundary()
         h.st.boundaries.pop(step - 2, None)
@@ -184,7 +184,7 @@ class Replicated(Strategy):
         or ctx.step() takes it from there, so the user's code between the two still runs once
         and the commit is the usual one."""
         h = self.h
-        _, got = h.pull_any(m, items.AVG)
+        _, got = h.pull.pull_any(m, items.AVG)
         if got.step != t:
             raise RecoveryError(f"source holds the average of step {got.step}, need {t}")
         assert h.reducer is not None
@@ -196,14 +196,14 @@ class Replicated(Strategy):
     def serve(self, m: Membership) -> None:
         h = self.h
         srv = h.runtime.server
-        if srv is None or m.resume_step is None or h.committed_step() != m.resume_step - 1:
+        if srv is None or m.resume_step is None or h.pull.committed_step() != m.resume_step - 1:
             return
         # Parameters and optimizer as of our last commit; for the spare's replay of that
         # step (runtime/loop.py), the parameters before it and the boundary before it.
         st = h.st
         replay = {"boundary": st.boundaries.get(h.committed - 1), "before": st.before.get(h.committed),
-                  "uses_sync": st.uses_sync} if h.replays else {}  # fmt: skip
-        if h.replays and h.ckpt.resumed == h.committed:  # no step ran since the load: nothing to
+                  "uses_sync": st.uses_sync} if h.boundary.replays else {}  # fmt: skip
+        if h.boundary.replays and h.ckpt.resumed == h.committed:  # no step ran since the load: nothing to
             replay["resumed"] = h.ckpt.resume_path  # replay, the spare loads its rank's part of it
         srv.publish(m.generation, items.STATE, lambda: (h.committed + 1, {**h.reg.state_obj(), **replay}))
         left = (h.rank - buddy_stride(h.world_size)) % h.world_size
@@ -235,7 +235,7 @@ class Replicated(Strategy):
         before needs (runtime/loop.py, replay_step)."""
         h = self.h
         t0 = time.monotonic()
-        addr, got = h.pull_any(m, items.STATE, h.into_model())
+        addr, got = h.pull.pull_any(m, items.STATE, h.pull.into_model())
         h.reg.load_state(got.state)
         nbytes = got.nbytes
         more, where = self.pull_layout(m, got.step)
@@ -243,24 +243,24 @@ class Replicated(Strategy):
         addr += where
         h.committed = got.step - 1
         h.loaded_step = got.step
-        if h.committed >= 0 and h.replays and got.state.get("resumed"):
+        if h.committed >= 0 and h.boundary.replays and got.state.get("resumed"):
             # The job resumed from a checkpoint of this very boundary and no step ran since:
             # rank r's own state of it is its part there (runtime/checkpoint.py), no replay.
             h.ckpt.load(got.state["resumed"])
-            h.keep_boundary(h.committed)
-        elif h.committed >= 0 and h.replays:  # replay step resume-1 (runtime/loop.py, replay_step)
+            h.boundary.keep(h.committed)
+        elif h.committed >= 0 and h.boundary.replays:  # replay step resume-1 (runtime/loop.py, replay_step)
             st = got.state
             if st.get("boundary") is None or st.get("before") is None:
                 raise RecoveryError(f"the source holds no snapshot of the boundary before step {h.committed}")
             local = None
             if h.reg.has_local and h.world_size > 1:
-                where, part = h.pull_buddy_local(m, got.step, "the replay", 2)
+                where, part = h.pull.pull_buddy_local(m, got.step, "the replay", 2)
                 local = unpack(part.state["blob"])
                 nbytes += part.nbytes
                 addr += f",{where}"
             avg = None
             if st.get("uses_sync") and self.replay_needs_avg():  # the replayed sync_gradients() returns it
-                where, part = h.pull_any(m, items.AVG)
+                where, part = h.pull.pull_any(m, items.AVG)
                 if part.step != h.committed:
                     raise RecoveryError(f"source holds the average of step {part.step}, need {h.committed}")
                 avg = part.state["flat"]

@@ -19,7 +19,7 @@ from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.membership import GenState
 from livemig.runtime.registry import Layout
 from livemig.runtime.step_state import Averaged
-from livemig.runtime.strategies.base import StrategyHost
+from livemig.runtime.strategies.base import Parts, StrategyHost
 from livemig.runtime.strategies.replicated import Replicated
 from livemig.state import digest
 from livemig.transfer import items
@@ -36,12 +36,12 @@ class Zero1(Replicated):
 
     name = "zero1"
     layout = Layout(optimizer_sharded=True, optimizer_in_shards=True)
-    checkpoint_sections = ("shard",)
     migrates = False  # refused by the coordinator (coordinator/migrations.py) and never ticked here
 
     def __init__(self, host: StrategyHost, shards: Shards) -> None:
         super().__init__(host)
         self.shards = shards
+        self.parts = Zero1Parts(host, shards)
         self.gathered_gen: int | None = None  # the generation whose group last gathered the parameters
 
     def signature(self) -> list[list]:
@@ -84,15 +84,15 @@ class Zero1(Replicated):
         timeout, first = h.timeouts.collective, True
         while h.committed < t:
             rt.check_fenced()
-            rt.enter_collective(t)
+            rt.report.enter_collective(t)
             self.regather()
             if h.committed >= t:
                 break
             try:
-                h.keep_before(t)
+                h.boundary.keep_before(t)
                 h.faults.at(t, "allreduce")
                 if z.shrunk:  # no overlap while shrunk: the stashed bodies join the sum first
-                    h.ensure_grads()
+                    h.reg.ensure_grads()
                     h.virtual.add_stashed()
                     flats = red.flatten(h.virtual.divisor())
                     allreduce_sum(rt.pg, flats, timeout, rt.moved_on)
@@ -101,12 +101,12 @@ class Zero1(Replicated):
                     if first:  # reductions launched during backward
                         reduced = red.finish(h.world_size, timeout, rt.moved_on)
                     else:  # a retry; after a grow, without the stashed body of the rank handed back
-                        h.ensure_grads()
+                        h.reg.ensure_grads()
                         h.virtual.add_stashed()
                         reduced = red.reduce(rt.pg, red.flatten(h.world_size), timeout, rt.moved_on)
                     held = list(z.slices(rt.pg, reduced, timeout, rt.moved_on))
                 h.st.avg = Averaged(t, held)  # held: enough to finish step t alone
-                h.mirror_local(t)  # before the barrier: whoever passes it knows the mirror holds t
+                h.boundary.mirror_local(t)  # before the barrier: whoever passes it knows the mirror holds t
                 z.barrier(rt.pg, timeout, rt.moved_on)
                 h.faults.at_commit_point(t, "barrier result")
             except CollectiveAborted as exc:
@@ -131,7 +131,7 @@ class Zero1(Replicated):
             except CollectiveAborted as exc:  # step t is committed; the new group repeats the gather
                 h.join_recovery(t, exc)
         self.regather()
-        rt.leave_collective()
+        rt.report.leave_collective()
 
     def regather(self) -> None:
         """All-gather the parameters unless this generation's group already did."""
@@ -190,7 +190,7 @@ class Zero1(Replicated):
         h, z = self.h, self.shards
         nbytes, addr = 0, ""
         for s in z.stage(m.carried, every=True):
-            where, part = h.pull_any(m, items.zshard(s), ranks=[r for r in m.members if r != h.rank])
+            where, part = h.pull.pull_any(m, items.zshard(s), ranks=[r for r in m.members if r != h.rank])
             if part.step != step:
                 raise RecoveryError(f"shard {s} from {where} is at step {part.step}, state at {step}")
             z.adopt(s, part.state)
@@ -208,7 +208,7 @@ class Zero1(Replicated):
         need = z.stage(m.carried)
         me = m.rank_of(h.incarnation)
         for s in need:
-            where, part = h.pull_any(m, items.zshard(s), ranks=[r for r in m.members if r != me])
+            where, part = h.pull.pull_any(m, items.zshard(s), ranks=[r for r in m.members if r != me])
             if part.step != h.committed + 1:
                 raise RecoveryError(f"shard {s} from {where} is at step {part.step}, this rank at {h.committed + 1}")
             z.adopt(s, part.state)
@@ -218,7 +218,16 @@ class Zero1(Replicated):
     def switch_layout(self, m: Membership) -> None:
         self.shards.switch(m.carried)
 
-    # -- checkpoints ---------------------------------------------------------------------------
+
+class Zero1Parts(Parts):
+    """A rank's optimizer shard (and the one it mirrors) in its checkpoint part and final record."""
+
+    sections = ("shard",)
+
+    def __init__(self, host: StrategyHost, shards: Shards) -> None:
+        self.h = host
+        self.shards = shards
+
     def checkpoint_part(self, rank: int) -> dict[str, Any]:
         return {"shard": self.shards.shards[rank].state()}  # a carried rank's: its carrier owns it
 
@@ -236,7 +245,6 @@ class Zero1(Replicated):
         if z.mirror is not None:
             z.mirror.load_resharded(shards)
 
-    # -- the final record -------------------------------------------------------------------
     def final_record(self) -> dict[str, Any]:
         """The report checks each mirror against its owner's shard."""
         z = self.shards

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from livemig.bench.references import References
 from livemig.rdzv.embedded import EtcdCluster
+from livemig.references import References
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 logging.getLogger("livemig").setLevel(logging.INFO)
@@ -20,7 +20,7 @@ logging.getLogger("livemig").setLevel(logging.INFO)
 
 @pytest.fixture(scope="session")
 def references(tmp_path_factory, request) -> References:
-    """The session's fault-free reference runs, one per key (livemig/bench/references.py):
+    """The session's fault-free reference runs, one per key (livemig/references.py):
     every test and the faults matrix ask this one cache. Under pytest-xdist each worker
     is a session of its own, so the store sits in the run's shared base directory (the
     parent of the worker's), where its flocks make one run per key for all workers."""

@@ -27,8 +27,9 @@ from urllib.parse import urlsplit
 
 from livemig.config import ENV_HOST
 from livemig.errors import ConfigError, EtcdUnavailableError
-from livemig.rdzv.client import EtcdClient, decode, encode, prefix_end
+from livemig.rdzv.client import EtcdClient, decode
 from livemig.rdzv.keys import JobKeys
+from livemig.rdzv.writes import Put, delete_prefix_if, put_if_absent
 
 log = logging.getLogger("livemig.agent.nodes")
 
@@ -76,24 +77,19 @@ def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int
     record says the job's metrics are on, so that `livemig-spare start` turns them on in
     its spares too (a claimed spare is a member); checkpoint: the run's checkpoint settings
     (as environment), which such spares write their parts with once they take a rank."""
-    t = client.txn_ops
     want = {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "signature": signature}
     for _ in range(20):  # a few rounds of lost races, never more
         kv = client.get(keys.run)
         if kv is None or not _run_live(client, keys):
             # Remove what an ended run (or a run that never formed) left, then create ours:
             # two transactions (etcd refuses a put inside a range deleted by the same txn).
-            cur = [t.version(keys.run) == 0] if kv is None else [t.mod(keys.run) == kv.mod_revision]
             if not fresh:
-                client.txn(cur, [t.delete(keys.prefix, range_end=prefix_end(keys.prefix))])
+                delete_prefix_if(client, keys.prefix, keys.run, kv)
             run_id = uuid.uuid4().hex[:12]
             k = 0 if node_rank is None else node_rank
             rec = {"run_id": run_id, **want, "created": time.time(), **({"metrics": True} if metrics else {}),
                    **({"checkpoint": checkpoint} if checkpoint else {})}  # fmt: skip
-            ok, _ = client.txn([t.version(keys.run) == 0],
-                               [t.put(keys.run, encode(rec)),
-                                t.put(keys.node(k), encode({**node_info, "run_id": run_id}), lease)])  # fmt: skip
-            if ok:
+            if put_if_absent(client, keys.run, rec, also=[Put(keys.node(k), {**node_info, "run_id": run_id}, lease)]):
                 log.info("run created", extra={"run": run_id, "node_rank": k})
                 return run_id, k
             continue
@@ -107,9 +103,7 @@ def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int
         run_id = run["run_id"]
         ranks = [node_rank] if node_rank is not None else list(range(nnodes))
         for k in ranks:
-            ok, _ = client.txn([t.version(keys.node(k)) == 0, t.mod(keys.run) == kv.mod_revision],
-                               [t.put(keys.node(k), encode({**node_info, "run_id": run_id}), lease)])  # fmt: skip
-            if ok:
+            if put_if_absent(client, keys.node(k), {**node_info, "run_id": run_id}, lease, unchanged=kv):
                 log.info("joined run", extra={"run": run_id, "node_rank": k})
                 return run_id, k
         if node_rank is not None:
@@ -170,9 +164,7 @@ def attach_node(client: EtcdClient, keys: JobKeys, cfg: Any, host: str, incarnat
             log.warning("this node's ranks were replaced while it was away; not re-attaching its node key",
                         extra={"node_rank": box["rank"]})  # fmt: skip
             return
-        t = client.txn_ops
-        key = keys.node(box["rank"])
-        client.txn([t.version(key) == 0], [t.put(key, encode({**info, "run_id": box["run"]}), lease=lease)])
+        put_if_absent(client, keys.node(box["rank"]), {**info, "run_id": box["run"]}, lease)
 
     # etcd may come up with the agents (a batch script, a pod): wait for it up to the join timeout
     deadline = time.monotonic() + cfg.join_timeout

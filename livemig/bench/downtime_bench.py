@@ -41,7 +41,8 @@ import time
 import uuid
 from typing import Any
 
-from livemig.agent.launcher import RunConfig, run
+from livemig.agent.launcher import run
+from livemig.agent.run_config import RunConfig
 from livemig.config import ENV_SHRINK_DROP
 from livemig.faults import parse_fault
 from livemig.rdzv.embedded import free_port

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from livemig.agent.launcher import RunConfig, run
-from livemig.bench.references import References
+from livemig.agent.launcher import run
+from livemig.agent.run_config import RunConfig
 from livemig.config import Role, Timeouts
 from livemig.faults import parse_fault
+from livemig.references import References
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MLP = os.path.join(ROOT, "examples", "mlp.py")
@@ -362,7 +363,7 @@ def run_matrix(a: argparse.Namespace) -> int:
         cases = [c for c in every if c.name in want]
     where = tempfile.mkdtemp(prefix="livemig-refs-")
     try:
-        refs = References(where)  # the tests' cache too (livemig/bench/references.py)
+        refs = References(where)  # the tests' cache too (livemig/references.py)
         rows = []
         for c in cases:
             print(f"  {c.name} ...", flush=True)

@@ -31,7 +31,7 @@ from livemig.bench import proc_cpu_s
 from livemig.config import ENV_VERIFIERS
 from livemig.transfer import protocol as P
 from livemig.transfer.channel import verifiers
-from livemig.transfer.client import pull
+from livemig.transfer.puller import pull
 
 SECRET = b"bench-secret"
 

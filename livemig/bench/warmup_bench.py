@@ -23,7 +23,8 @@ import statistics
 import uuid
 from typing import Any
 
-from livemig.agent.launcher import RunConfig, run
+from livemig.agent.launcher import run
+from livemig.agent.run_config import RunConfig
 from livemig.bench.downtime_bench import MLP, add_workload_arguments, workload_args
 from livemig.config import Role
 from livemig.faults import parse_fault

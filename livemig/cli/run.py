@@ -14,7 +14,8 @@ from typing import Any
 from livemig import logs
 from livemig.agent import report
 from livemig.agent.jobs import refuse_duplicate
-from livemig.agent.launcher import RunConfig, run
+from livemig.agent.launcher import run
+from livemig.agent.run_config import RunConfig
 from livemig.config import Timeouts
 from livemig.errors import ConfigError, LivemigError
 from livemig.faults import IN_PROCESS_DURING, KINDS, PHASE_DURING, USAGE, parse_fault

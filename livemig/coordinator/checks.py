@@ -1,7 +1,8 @@
 """The coordinator's checks of a committed generation that are not deaths: hung
 ranks, broken links and failed collectives, bugs in user code, replicated extras
-that differ, stragglers (docs/reliability.md). A collaborator of the Coordinator,
-which writes through its client, _guard, _fence and _fail.
+that differ, stragglers (docs/reliability.md). Each check reads a snapshot and
+returns what it decided (a coordinator/recovery.py `Plan`: suspect, fence, fail,
+request a migration) or nothing; the coordinator writes it (`_apply`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from collections import Counter
 from typing import Any
 
 from livemig.config import on_error_policy, straggler_settings
+from livemig.coordinator.recovery import Plan
 from livemig.coordinator.snapshot import Snapshot, as_number
-from livemig.rdzv.client import encode
+from livemig.rdzv.keys import JobKeys
 
 log = logging.getLogger("livemig.coordinator")
 
@@ -85,11 +87,10 @@ def link_victims(reports: dict[int, list[int]]) -> tuple[list[int], int]:
 
 class Checks:
     """The checks, and what they remember between passes (waits, links, rebuilds, bugs,
-    the straggler hook's window). The coordinator passes itself: the checks write through
-    its client, guard, fence and fail, and own nothing else of it."""
+    the straggler hook's window). They read the job's keys (`keys`) and write nothing."""
 
-    def __init__(self, coord: Any) -> None:
-        self.coord = coord
+    def __init__(self, keys: JobKeys) -> None:
+        self.keys = keys
         self.bug_time = 0.0  # when the bug that ended the job was raised (the result's raised_at)
         self._extras_checked = False
         self._waits: dict[tuple[int, int, int], float] = {}  # (generation, rank, step) -> wait start here
@@ -101,17 +102,17 @@ class Checks:
         self._link_first: dict[int, float] = {}  # generation -> first link report seen
         self._rebuilds: dict[int, int] = {}  # step -> group rebuilds for it
 
-    def straggler(self, s: Snapshot) -> None:
+    def straggler(self, s: Snapshot) -> Plan | None:
         """Off unless LIVEMIG_STRAGGLER_FACTOR is set: request the migration of a rank
         whose median forward+backward time over the last LIVEMIG_STRAGGLER_STEPS steps is
         above factor x the median of the others' (judge_windows)."""
         factor, need = straggler_settings()
         if factor <= 0:
-            return
+            return None
         m = s.m
         latest = -1
         for r in m.members:
-            p = s.get(self.coord.keys.progress(r)) or {}
+            p = s.get(self.keys.progress(r)) or {}
             times = compute_times(p)
             self._times.setdefault(r, {}).update(times)
             latest = max(latest, max(times, default=-1))
@@ -120,28 +121,28 @@ class Checks:
             self._straggler_judged = -1
             self._times = {r: self._times.get(r, {}) for r in m.members}
         after = max(self._straggler_judged, self._straggler_from - 1, 0)
+        decided = None
         for step, r, c, med in judge_windows(self._times, after, self._straggler_from, factor, need):
             self._straggler_judged = max(self._straggler_judged, step)
             if med is None:
                 continue
             why = f"straggler: median forward+backward {c:.3f}s over {need} steps > {factor:g} x the others' {med:.3f}s"
             req = {"id": secrets.token_hex(4), "rank": r, "time": time.time(), "reason": why}
-            t = self.coord.client.txn_ops
-            self.coord.client.txn([*self.coord._guard(), t.version(self.coord.keys.migrate_request) == 0],
-                            [t.put(self.coord.keys.migrate_request, encode(req))])  # fmt: skip
             log.warning("straggler detected; migration requested", extra={"rank": r, "reason": req["reason"]})
+            decided = Plan("request", request=req)
             break
         keep = max(self._straggler_judged, latest - 4 * need) - need  # what a later window can still need
         for times in self._times.values():
             for st in [x for x in times if x <= keep]:
                 del times[st]
+        return decided
 
     def extras_differ(self, s: Snapshot) -> str:
         """Replicated extras must be equal on every rank (a spare takes them from any
         peer): each worker's digests of them after step 0, compared once all are in."""
         if self._extras_checked:
             return ""
-        checks = s.under(self.coord.keys.extras_check_prefix)
+        checks = s.under(self.keys.extras_check_prefix)
         if len(checks) < s.m.world_size:
             return ""
         self._extras_checked = True
@@ -164,7 +165,7 @@ class Checks:
                 )
         return ""
 
-    def links(self, s: Snapshot) -> bool:
+    def links(self, s: Snapshot) -> Plan | None:
         """Collective failures attributed (docs/reliability.md, "Broken links"). A member
         whose collective failed, or has waited in it for a quarter of the hang timeout,
         reports the peers it cannot reach (a TCP connect to their state servers). Once
@@ -172,11 +173,11 @@ class Checks:
         the most reports that did not report themselves are replaced, else the higher of
         those named most. Failures that name nobody
         rebuild the group with the same members, at most MAX_REBUILDS times for one step;
-        then the job fails with the collective's error. True if it acted."""
+        then the job fails with the collective's error. None if nothing is decided."""
         m = s.m
         reports: dict[int, tuple[bool, list[int], dict]] = {}
         for r, mem in m.members.items():
-            p = s.get(self.coord.keys.progress(r)) or {}
+            p = s.get(self.keys.progress(r)) or {}
             if p.get("incarnation") != mem.incarnation or p.get("group") != m.group_gen:
                 continue
             failed = isinstance(p.get("failed_step"), int)
@@ -184,45 +185,36 @@ class Checks:
             if failed or named:
                 reports[r] = (failed, named, p)
         if not reports:
-            return False
+            return None
         first = self._link_first.setdefault(m.generation, time.monotonic())
         if len(reports) < len(m.members) and time.monotonic() - first < LINK_GATHER_S:
-            return False
-        t = self.coord.client.txn_ops
+            return None
         victims, top = link_victims({r: named for r, (_, named, _) in reports.items()})
         if victims:
-            ops = []
+            suspects = []
             for victim in victims:
                 by = sorted(r for r, (_, named, _) in reports.items() if victim in named)
-                why = f"broken link: rank(s) {by} cannot reach rank {victim}'s host ({top} of {len(reports)} reports)"
-                ops.append(t.put(self.coord.keys.suspect(m.members[victim].incarnation),
-                                 encode({"rank": victim, "why": why, "time": time.time()})))  # fmt: skip
-            ops.append(self.coord.timeline.op(m.generation, "link", ranks=victims,
-                                        reports={str(r): named for r, (_, named, _) in reports.items()}))  # fmt: skip
-            self.coord.client.txn(self.coord._guard(), ops)
+                suspects.append((victim, f"broken link: rank(s) {by} cannot reach rank {victim}'s host "
+                                         f"({top} of {len(reports)} reports)"))  # fmt: skip
             seen = {r: v[1] for r, v in reports.items()}
             log.warning("broken link: rank(s) suspected", extra={"ranks": victims, "reports": seen})
-            return True
+            event = {"ranks": victims, "reports": {str(r): named for r, named in seen.items()}}
+            return Plan("suspect", suspects=tuple(suspects), events=(("link", event),))
         failing = {r: p for r, (f, _, p) in reports.items() if f}
         if not failing:
-            return False  # waits with every peer reachable: the hang check judges them
+            return None  # waits with every peer reachable: the hang check judges them
         step = max(p["failed_step"] for p in failing.values())
         error = next(iter(failing.values())).get("error", "")
         n = self._rebuilds.get(step, 0)
         if n >= MAX_REBUILDS:
-            self.coord._fail(m, f"the collective of step {step} failed {n + 1} times with every peer reachable "
-                          f"(last error: {error}); check the network between the workers")  # fmt: skip
-            return True
+            why = (f"the collective of step {step} failed {n + 1} times with every peer reachable "
+                   f"(last error: {error}); check the network between the workers")  # fmt: skip
+            return Plan("fail", reason=why)
         self._rebuilds[step] = n + 1
-        self.coord._fence(
-            s,
-            [],
-            more=[self.coord.timeline.op(m.generation + 1, "rebuild", step=step, error=error)],
-            reason=f"rebuild: the collective of step {step} failed with every peer reachable ({error})",
-        )
-        return True
+        why = f"rebuild: the collective of step {step} failed with every peer reachable ({error})"
+        return Plan("fence", reason=why, events=(("rebuild", {"step": step, "error": error}),))
 
-    def hung(self, s: Snapshot) -> bool:
+    def hung(self, s: Snapshot) -> Plan | None:
         """Progress-based hang detection (docs/reliability.md): when every other member
         has waited in step W's collective for longer than the hang timeout and a rank
         has not entered it (its training thread is stuck while its lease lives on), or
@@ -231,7 +223,7 @@ class Checks:
         `ctx.busy()` is never suspected. The wait is measured on this coordinator's
         clock from what each member reported (`waited_s`), so host clocks do not matter."""
         m = s.m
-        prog = {r: s.get(self.coord.keys.progress(r)) or {} for r in m.members}
+        prog = {r: s.get(self.keys.progress(r)) or {} for r in m.members}
         now = time.monotonic()
         for r, p in prog.items():  # a rank is given the whole hang timeout again after a busy pause
             if p.get("busy"):
@@ -239,7 +231,7 @@ class Checks:
         waiting = {r: p for r, p in prog.items() if isinstance(p.get("waiting_step"), int)
                    and p.get("incarnation") == m.members[r].incarnation}  # fmt: skip
         if not waiting or len(waiting) == len(m.members) and len({p["waiting_step"] for p in waiting.values()}) == 1:
-            return False
+            return None
         w = max(p["waiting_step"] for p in waiting.values())
         waiters = [r for r, p in waiting.items() if p["waiting_step"] == w]
         started = []
@@ -253,22 +245,17 @@ class Checks:
         suspects = [r for r in m.members if r not in waiters and not prog[r].get("busy")
                     and now - self._busy_seen.get((m.generation, r), -1e18) >= limit]  # fmt: skip
         if not suspects or waited < limit:
-            return False
-        t = self.coord.client.txn_ops
-        ops = [t.put(self.coord.keys.suspect(m.members[r].incarnation),
-                     encode({"rank": r, "why": f"hung: rank(s) {waiters} waited {waited:.1f}s in step {w}'s "
-                                             f"collective (hang timeout {limit:.1f}s)", "time": time.time()}))
-               for r in suspects]  # fmt: skip
-        ops.append(self.coord.timeline.op(m.generation, "hang", ranks=suspects, step=w, waited_s=waited))
-        self.coord.client.txn(self.coord._guard(), ops)
+            return None
+        why = f"hung: rank(s) {waiters} waited {waited:.1f}s in step {w}'s collective (hang timeout {limit:.1f}s)"
         log.warning("hung rank(s) suspected", extra={"ranks": suspects, "step": w, "waited_s": round(waited, 2)})
-        return True
+        return Plan("suspect", suspects=tuple((r, why) for r in suspects),
+                    events=(("hang", {"ranks": suspects, "step": w, "waited_s": waited}),))  # fmt: skip
 
     def bug(self, s: Snapshot) -> tuple[str, str] | None:
         """A member's recorded bug (runtime/bugs.py) that ends the job: (reason, traceback).
         Under --on-error replace:N the process exit is recovered like any other, N times."""
         m = s.m
-        errors = [e for inc, e in s.under(self.coord.keys.errors_prefix).items()
+        errors = [e for inc, e in s.under(self.keys.errors_prefix).items()
                   if m.generation == 0 or m.rank_of(inc) is not None or inc in self._bugs_seen]  # fmt: skip
         if not errors:
             return None

@@ -13,21 +13,22 @@ continues from the state in etcd.
     COMMITTED --every member wrote its final record--> DONE
     no warm spare within spare_wait, no state left, timeouts --> FAILED
 
-What a RECOVERING generation does next is decided by coordinator/recovery.py's pure `plan`
-(unit-tested on views) and written here by `_apply`.
+Leading (the election, the pass loop, a new leader's take-over) is coordinator/leader.py;
+this file is one pass's move. Every decision that changes the membership is a
+coordinator/recovery.py `Plan`: a RECOVERING generation's (`plan`, unit-tested on views),
+the cold path's (`plan_cold`), a shrunk job's grow (`plan_grow`), the checks'
+(coordinator/checks.py) and a migration's failure (coordinator/migrations.py); `_apply` is
+its one writer, through the leader's named etcd writes (rdzv/writes.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
 import socket
 import sys
-import threading
 import time
 from dataclasses import replace
-from typing import Any
 
 from livemig.config import (
     ENV_INCARNATION,
@@ -39,27 +40,25 @@ from livemig.config import (
 )
 from livemig.coordinator.checks import Checks
 from livemig.coordinator.cold import ColdPath
+from livemig.coordinator.leader import Leader
 from livemig.coordinator.migrations import Migrations
 from livemig.coordinator.prune import stale_ops
-from livemig.coordinator.recovery import Plan, Policy, Spare, View, matching, plan, plan_cold
+from livemig.coordinator.recovery import Plan, Policy, Spare, View, matching, plan, plan_cold, plan_grow
 from livemig.coordinator.sharding import (
     first_mismatch,
     has_local_state,
 )
 from livemig.coordinator.shrink import ShrinkPolicy
-from livemig.coordinator.snapshot import Decoded, Snapshot, as_number, node_of, safe_decode
+from livemig.coordinator.snapshot import Snapshot, as_number, node_of, safe_decode
 from livemig.coordinator.store_host import StoreHost
 from livemig.coordinator.timeline import Timeline
-from livemig.errors import CorruptStateError, EtcdUnavailableError, LivemigError, NotLeaderError
-from livemig.rdzv.client import EtcdClient, encode
+from livemig.errors import LivemigError
+from livemig.rdzv.client import EtcdClient
 from livemig.rdzv.election import LeaderElection
 from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, new_incarnation
-from livemig.rdzv.watch import PrefixMirror
+from livemig.rdzv.writes import Claim, Delete, Op, Put, Writes
 
 log = logging.getLogger("livemig.coordinator")
-FULL_READ_S = 5.0  # a pass reads etcd itself at least this often, whatever the mirror says
-PASS_REST_MAX_S = 0.1  # the most a pass rests after itself (as long as it took), for the watch to keep up
-MIRROR_WAIT_S = 0.5  # how long a pass waits for the mirror to hold the coordinator's own writes
 
 
 def held_by_node(lease_only: dict[int, float], node: dict[int, int | None], now: float, settle: float) -> set[int]:
@@ -77,6 +76,12 @@ def held_by_node(lease_only: dict[int, float], node: dict[int, int | None], now:
 
 
 class Coordinator:
+    """One job's coordinator: led by its `Leader` (coordinator/leader.py), it makes one move of
+    the generation's state machine per pass (`run_pass`), each decision a `Plan` written by
+    `_apply`. What the checks, the planned migration, the cold path and the shrink policy
+    remember between passes is theirs; `_since` is when each (generation, state) was first
+    seen, which the timeouts are measured from."""
+
     def __init__(self, client: EtcdClient, job: str, world_size: int,
                  timeouts: Timeouts | None = None, host: str = "127.0.0.1") -> None:  # fmt: skip
         self.client = client
@@ -87,157 +92,35 @@ class Coordinator:
         self.world_size = world_size
         self.host = host
         self.id = os.environ.get(ENV_INCARNATION) or new_incarnation(Role.COORDINATOR)
-        self.election = LeaderElection(client, job, self.id, self.timeouts.lease_ttl_s, self._lost)
-        self.timeline = Timeline(client, self.keys)
+        self.election = LeaderElection(client, job, self.id, self.timeouts.lease_ttl_s,
+                                       lambda reason: self.leader.lost(reason))  # fmt: skip
+        self.leader = Leader(client, self.rdzv, self.election, self)
+        self.writes = Writes(client, self.rdzv, self.election.guard)  # every write: guarded by the leadership
+        self.timeline = Timeline(self.keys, self.writes)
         self.stores = StoreHost(host, self.keys, self.timeouts)  # this leader's c10d store process
-        self._wake = threading.Event()
-        # passes read a watch-fed mirror of the job's keys (_read); counted in the log at the end
-        self.reads = {"mirror": 0, "full": 0}
-        self._decoded = Decoded()  # values decoded in earlier passes, by key and mod revision
-        self._unknown_seen = -1
-        self._progress: PrefixMirror | None = None  # members' progress records, while leading
-        self._floor = 0
-        self._full_at = -1e18
-        self._woken = False  # this pass answers a change (not the 0.2 s timer)
-        self._stop = threading.Event()
         self._since: dict[tuple[int, str], float] = {}  # when we first saw (generation, state)
-        self.migrations = Migrations(self)  # planned migration: no state of its own
+        self.migrations = Migrations(self.keys, self.writes, self.timeline, self.stores, self.timeouts, self.id,
+                                     self.pick_spare)  # fmt: skip
         self.cold = ColdPath()  # the cold path: a restart from a checkpoint (coordinator/cold.py)
-        self.checks = Checks(self)  # hangs, links, bugs, extras, stragglers: what they remember is theirs
+        self.checks = Checks(self.keys)  # hangs, links, bugs, extras, stragglers: what they remember is theirs
         self.outage_grace_s = outage_grace_s(self.timeouts)
         self._lease_dead: dict[tuple[int, str], float] = {}  # (generation, incarnation) -> lease first seen gone
         self._in_grace = False
         # --min-nproc / --shrink-wait: train on the survivors with no spare (runtime/virtual.py)
         self.shrink = ShrinkPolicy(world_size)
 
-    def _lost(self, reason: str) -> None:
-        log.error("lost leadership; stopping", extra={"reason": reason})
-        self._stop.set()
-        self._wake.set()
-
-    # -- set-up ------------------------------------------------------------------------------
     def run(self) -> str:
-        """Lead until the job is done or failed; returns the final state.
-
-        A leader that loses its lease (a stall longer than the TTL) steps down
-        and campaigns again: it may lead again, continuing from etcd."""
+        """Lead until the job is done or failed (coordinator/leader.py); returns the final state."""
         try:
-            return self._run()
+            return self.leader.run()
         finally:
             self.stores.stop()
 
-    def _run(self) -> str:
-        while True:
-            try:
-                state = self._lead()
-            except (EtcdUnavailableError, InterruptedError) as exc:  # an outage (or a candidate lease lost
-                # while campaigning): the election decides who leads after it
-                log.warning("etcd unavailable while taking the lead; campaigning again", extra={"err": str(exc)})
-                state = "deposed"
-                time.sleep(0.2)
-            except CorruptStateError as exc:  # the table only leaders write: end the run plainly
-                log.error("job failed", extra={"reason": str(exc)})
-                res = {"state": str(GenState.FAILED), "reason": str(exc), "generation": -1, "time": time.time()}
-                self.client.put(self.keys.result, encode(res))
-                self.election.resign()
-                return GenState.FAILED
-            if state != "deposed":
-                return state
-            log.warning("stepped down; campaigning again")
-            self._stop.clear()
-            self._since.clear()
+    def stepped_down(self) -> None:
+        """Leadership lost: the next leadership measures its waits afresh."""
+        self._since.clear()
 
-    def _lead(self) -> str:
-        self.election.campaign(stop=self._stop.is_set)
-        t = self.client.txn_ops
-        self.client.txn([t.version(self.keys.secret) == 0],
-                        [t.put(self.keys.secret, secrets.token_bytes(32))])  # fmt: skip
-        self._takeover()
-        # Two mirrors: the job's control keys, whose changes wake a pass, and the members'
-        # progress records on a connection of their own (its own gRPC stream and thread), so
-        # a burst of 10,000 of them never stands between a pass and a report or a registration.
-        mirror = PrefixMirror(self.client, self.keys.prefix, self._on_change, range_end=self.keys.control_end)
-        progress_client = EtcdClient(self.client.endpoints, self.client.timeout, self.client.security)
-        try:
-            self._progress = PrefixMirror(progress_client, self.keys.progress_prefix)
-            while not self._stop.is_set():
-                try:
-                    kvs = self._read(mirror)
-                except EtcdUnavailableError as exc:  # failover in progress; the lease decides leadership
-                    log.warning("etcd unavailable; retrying", extra={"err": str(exc)})
-                    continue
-                started = time.monotonic()
-                snap = Snapshot(kvs, self.rdzv, self._decoded)
-                if snap.m.state in (GenState.DONE, GenState.FAILED) and snap.get(self.keys.result):
-                    return snap.m.state
-                lk = snap.kv.get(self.keys.leader)
-                if lk is None or lk.value != self.id.encode():
-                    # Deleted or taken over (an operator, a restore): every guarded write would
-                    # now fail, pass after pass; step down and let the election decide.
-                    log.warning("the leader key is no longer ours; stepping down")
-                    return "deposed"
-                try:
-                    self.run_pass(snap)
-                except NotLeaderError:
-                    return "deposed"
-                except Exception:  # noqa: BLE001 - a bad pass (odd input, etcd failover) must not end the job
-                    log.exception("coordinator pass failed; retrying")
-                    time.sleep(0.1)
-                # Changes came in during the pass: rest as long as it took (at most
-                # PASS_REST_MAX_S) before the next. In a flood (10,000 reports) passes otherwise
-                # ran back to back and the watch thread, which must take the GIL back for every
-                # response, fell a second behind etcd. A lone change (a fault) is met at once.
-                if self._wake.is_set():
-                    self._stop.wait(min(time.monotonic() - started, PASS_REST_MAX_S))
-                self._woken = self._wake.wait(0.2)
-                self._wake.clear()
-            return "deposed"
-        finally:
-            mirror.cancel()
-            if self._progress is not None:
-                self._progress.cancel()
-            progress_client.close()
-            log.info("coordinator passes", extra=dict(self.reads))
-            self.election.resign()
-
-    def _on_change(self, events: list) -> None:
-        """Wake a pass for a change of the control keys (members' per-step progress is not
-        among them: the passes run every 0.2 s anyway, which is all the hang and straggler
-        checks need)."""
-        self._wake.set()
-
-    def _read(self, mirror: PrefixMirror) -> dict:
-        """The job's keys for one pass: the control keys from the watch-fed mirror once it
-        holds this coordinator's own writes (their revision, from etcd's answers; its next
-        pass must see them), else from etcd itself: after a write whose revision is unknown
-        (a failed call), when the mirror does not reach the revision within MIRROR_WAIT_S,
-        when it lags the last full read, and about every FULL_READ_S (a safety net); the
-        progress records from their own mirror (the coordinator never writes them)."""
-        now = time.monotonic()
-        kvs, rev = mirror.by_key()
-        deadline = now + MIRROR_WAIT_S
-        while rev < self.client.write_revision and time.monotonic() < deadline:
-            time.sleep(0.002)  # the watch delivers our own write in about a millisecond
-            kvs, rev = mirror.by_key()
-        fresh = rev >= max(self._floor, self.client.write_revision)
-        # The safety net's read (~0.25 s at 10,000 ranks) waits for a pass of the timer, not
-        # one that answers a change (a fault), unless changes have kept coming for 3 x as long.
-        since = now - self._full_at
-        due = since >= FULL_READ_S and (not self._woken or since >= 3 * FULL_READ_S)
-        if self.client.unknown_writes == self._unknown_seen and fresh and not due:
-            self.reads["mirror"] += 1
-        else:
-            self._unknown_seen = self.client.unknown_writes
-            got, _ = self.client.get_range(self.keys.prefix, self.keys.control_end)
-            kvs = {kv.key: kv for kv in got}
-            self._floor = max((kv.mod_revision for kv in got), default=0)
-            self._full_at = now
-            self.reads["full"] += 1
-        if self._progress is not None:
-            kvs.update(self._progress.by_key()[0])
-        return kvs
-
-    def _takeover(self) -> None:
+    def takeover(self) -> None:
         """A new leader re-issues an in-flight build against its own store; a planned
         migration still catching up is aborted (its background builds used the old store)."""
         m = self.rdzv.read()
@@ -247,8 +130,8 @@ class Coordinator:
             return
         if m.generation > 0 and m.state in (GenState.FORMING, GenState.BUILDING) and m.store != self.stores.addr:
             new = replace(m, store=self.stores.addr, reason="coordinator takeover")
-            self.rdzv.commit_change(m.generation, new, guard=[self.election.guard()])
-            self.timeline.record(new.generation, "takeover", [self.election.guard()], leader=self.id)
+            self.writes.new_generation(m.generation, new, extra=[self.timeline.op(m.generation + 1, "takeover",
+                                                                                  leader=self.id)])  # fmt: skip
 
     # -- one pass ----------------------------------------------------------------------------
     def run_pass(self, s: Snapshot) -> None:
@@ -264,31 +147,45 @@ class Coordinator:
         if m.generation == 0:
             return self._form(s)
         if m.state == GenState.MIGRATING:
-            return self.migrations.migrating(s, first_seen)
+            failed = self.migrations.migrating(s, first_seen)
+            return None if failed is None else self._apply(s, failed, first_seen)
         if m.state in (GenState.FORMING, GenState.BUILDING, GenState.COMMITTED, GenState.RECOVERING):
             grace = self._outage_grace()
             dead = self._whole_nodes(s, s.dead(m.members, grace), grace)
             if dead:
-                return self._fence(s, dead)
+                return self._fence(s, Plan("fence", ranks=tuple(dead)))
         if m.state in (GenState.FORMING, GenState.BUILDING):
             return self._phase2(s, first_seen)
         if m.state == GenState.RECOVERING:
             return self._recover(s, first_seen)
         if m.state == GenState.COMMITTED:
-            self.stores.start()  # training runs: the store's import competes with no start-up now
-            differ = self.checks.extras_differ(s)
-            if differ:
-                return self._fail(m, differ)
-            if self.checks.links(s) or self.checks.hung(s):
-                return None
-            if m.carried and self._grow(s):
-                return None
-            if self.migrations.maybe_migrate(s):
-                return None
-            self._prune(s)
-            return self._maybe_done(s)
+            return self._committed(s, first_seen)
         if m.state in (GenState.DONE, GenState.FAILED) and not s.get(self.keys.result):
             self._write_result(m)
+
+    def _committed(self, s: Snapshot, since: float) -> None:
+        """A COMMITTED generation trains: its checks first (the first that decides acts), a
+        shrunk job's grow, a requested planned migration; then pruning, and the job's end."""
+        m = s.m
+        self.stores.start()  # training runs: the store's import competes with no start-up now
+        differ = self.checks.extras_differ(s)
+        if differ:
+            return self._fail(m, differ)
+        decided = self.checks.links(s) or self.checks.hung(s)
+        if decided is None and m.carried:
+            decided = plan_grow(m, self._spares(s, self._signature(s)), self.shrink)
+            self._refuse(decided.refuse)
+            decided = None if decided.action == "wait" else decided
+        if decided is not None:
+            return self._apply(s, decided, since)
+        if self.migrations.maybe_migrate(s):
+            return None
+        if not m.carried and s.get(self.keys.migrate_request) is None:  # a shrunk job's carriers are slow
+            request = self.checks.straggler(s)  # by design: not stragglers
+            if request is not None:
+                return self._apply(s, request, since)
+        self._prune(s)
+        return self._maybe_done(s)
 
     def _outage_grace(self) -> bool:
         """True within LIVEMIG_ETCD_OUTAGE_GRACE (default 2 x the lease TTL) of this
@@ -352,43 +249,40 @@ class Coordinator:
         m = Membership(state=GenState.FORMING, world_size=self.world_size, members=members,
                        store=self.stores.for_generation(s, members), leader=self.id)  # fmt: skip
         # checkpoint_dir: set by the script (ctx.checkpoints), for the cold path (coordinator/cold.py)
-        cfg = encode({"world_size": self.world_size, "signature": ref, "created": time.time(),
-                      "checkpoint_dir": sigs["0"].get("checkpoint_dir") or None})  # fmt: skip
-        if self.rdzv.commit_change(0, m, guard=self._guard(),
-                                   extra=[self.client.txn_ops.put(self.keys.config, cfg)]):  # fmt: skip
-            self.timeline.record(1, "form", self._guard())
+        cfg = {"world_size": self.world_size, "signature": ref, "created": time.time(),
+               "checkpoint_dir": sigs["0"].get("checkpoint_dir") or None}  # fmt: skip
+        self.writes.first_generation(m, extra=[Put(self.keys.config, cfg), self.timeline.op(1, "form")])
 
-    def _fence(self, s: Snapshot, dead: list[int], table: dict[int, Member] | None = None,
-               more: list | None = None, reason: str = "", carried: dict[int, int] | None = None,
-               kind: str = "failure") -> None:  # fmt: skip
-        """Fence `dead` (ranks of `table`, default the current one) into a RECOVERING generation.
-        With `dead` empty it rebuilds the group with the same members (a failed collective
-        that names nobody)."""
+    def _fence(self, s: Snapshot, p: Plan) -> None:
+        """A "fence" plan: `p.ranks` (of `p.table`, default the current one) fenced into a
+        RECOVERING generation, with the plan's events (at that generation) and records. With no
+        ranks it rebuilds the group with the same members (a failed collective that names
+        nobody, a grow)."""
         m = s.m
-        table = m.members if table is None else table
+        dead = list(p.ranks)
+        table = m.members if p.table is None else p.table
         incs = [table[r].incarnation for r in dead]
         suspects = [s.get(self.keys.suspect(i)) for i in incs]
         detected = min((x["time"] for x in suspects if x), default=time.time())
         fault = min((x.get("fault_time") or x["time"] for x in suspects if x), default=detected)
         members = {r: mem for r, mem in s.registered(table).items() if r not in dead}
         new = Membership(state=GenState.RECOVERING, world_size=m.world_size, members=members,
-                         kind=kind, failed_rank=dead[0] if dead else None, leader=self.id, restarts=m.restarts,
-                         carried=m.carried if carried is None else carried,  # a dead carrier's ranks: vacant
-                         reason=reason or f"rank(s) {dead} failed in generation {m.generation}")  # fmt: skip
-        t = self.client.txn_ops
+                         kind=p.kind, failed_rank=dead[0] if dead else None, leader=self.id, restarts=m.restarts,
+                         carried=m.carried if p.carried is None else p.carried,  # a dead carrier's ranks: vacant
+                         reason=p.reason or f"rank(s) {dead} failed in generation {m.generation}")  # fmt: skip
         g = m.generation + 1
-        extra = [t.delete(self.keys.suspect(i)) for i in incs]
+        extra: list[Op] = [Delete(self.keys.suspect(i)) for i in incs]
         # detect and fence are recorded in the fencing transaction itself
         extra.append(self.timeline.op(g, "detect", at=detected, ranks=dead, fault_time=fault,
                                       reasons=[x.get("reason") for x in suspects if x]))  # fmt: skip
         extra.append(self.timeline.op(g, "fence", ranks=dead, fenced=incs))
-        extra += more or []
-        if not self.rdzv.commit_change(m.generation, new, fence=incs, guard=self._guard(), extra=extra):
+        extra += [self.timeline.op(g, phase, **details) for phase, details in p.events]
+        if not self.writes.new_generation(m.generation, new, fence=incs, extra=[*extra, *p.extra]):
             return
         for r in dead:  # revoke: the fenced process learns it within one keep-alive
             kv = s.kv.get(self.keys.member(r))
             if kv is not None and kv.lease:
-                self.client.revoke(kv.lease)
+                self.writes.revoke(kv.lease)
         log.warning("fenced", extra={"generation": g, "ranks": dead})
 
     def _phase2(self, s: Snapshot, since: float) -> None:
@@ -423,8 +317,12 @@ class Coordinator:
             last = max(x.get("time", 0.0) for x in ready.values()) or time.time()
             events.append(self.timeline.op(m.generation, "build", at=last))
         events.append(self.timeline.op(m.generation, "commit"))
-        if self.rdzv.update(new, guard=self._guard(), extra=events):
+        if self.writes.update_generation(new, extra=events):
             log.info("committed", extra={"generation": m.generation})
+
+    def _signature(self, s: Snapshot) -> list:
+        """The job's registered state's signature (what a spare must match), from its config."""
+        return (s.get(self.keys.config) or {}).get("signature", [])
 
     def _recover(self, s: Snapshot, since: float) -> None:
         """A RECOVERING generation: decide (coordinator/recovery.py, `plan`), then write."""
@@ -433,7 +331,7 @@ class Coordinator:
         self.cold.use_job_config(cfg)
         sig = cfg.get("signature", [])
         reports = s.under(self.keys.recovery_prefix(m.generation) + "report/")
-        view = View(m, reports, sig, self._stride(s), self._spares(s, sig), self._any_spare(s),
+        view = View(m, reports, sig, stride_of(s.get(self.keys.run)), self._spares(s, sig), self._any_spare(s),
                     time.monotonic() - since, bool(self.cold.dir))  # fmt: skip
         self._apply(s, plan(view, self._policy()), since)
 
@@ -442,17 +340,17 @@ class Coordinator:
                       self.cold.forced, self.job)  # fmt: skip
 
     def _apply(self, s: Snapshot, p: Plan, since: float) -> None:
-        """Write what a plan decided: the one place a recovery's decisions reach etcd."""
+        """Write what a plan decided: the one place a decision reaches etcd."""
         m = s.m
         if p.agreed and not self._since.get((m.generation, "agreed")):
             self._since[(m.generation, "agreed")] = time.monotonic()
-            self.timeline.record(m.generation, "agree", self._guard(), resume_step=p.resume, sources=list(p.sources))
+            self.timeline.record(m.generation, "agree", resume_step=p.resume, sources=list(p.sources))
         self._refuse(p.refuse)
         if p.no_shrink and not self._since.get((m.generation, "no-shrink")):
             self._since[(m.generation, "no-shrink")] = time.monotonic()
             log.warning("cannot shrink", extra={"generation": m.generation, "why": p.no_shrink})
         if p.action == "fence":
-            self._fence(s, list(p.ranks))
+            self._fence(s, p)
         elif p.action == "fail":
             self._fail(m, p.reason)
         elif p.action == "cold":
@@ -460,27 +358,28 @@ class Coordinator:
         elif p.action == "fresh":
             self._request_fresh(s, list(p.ranks), since, p.reason)
         elif p.action == "claim":
-            assert p.resume is not None
-            self._write_claim(s, list(p.vacant), [(sp.sid, sp.kv, sp.info) for sp in p.picks], p.resume,
-                            list(p.sources), restart=p.restart, carry=None if p.carry is None else list(p.carry),
-                            mode=p.mode)  # fmt: skip
+            self._write_claim(s, p)
+        elif p.action == "suspect":  # as if the agents had seen them die: the next pass fences them
+            now = time.time()
+            suspects = [Put(self.keys.suspect(m.members[r].incarnation), {"rank": r, "why": why, "time": now})
+                        for r, why in p.suspects]  # fmt: skip
+            events = [self.timeline.op(m.generation, phase, **details) for phase, details in p.events]
+            self.writes.record(*suspects, *events)
+        elif p.action == "request" and p.request is not None:
+            self.writes.record_once(self.keys.migrate_request, p.request)
 
     def pick_spare(self, s: Snapshot) -> Spare | None:
         """The oldest warm spare whose model matches the job's, refusing (in etcd) those whose
-        model differs: a planned migration's or a grow's spare."""
-        ok, refuse = matching(self._spares(s, (s.get(self.keys.config) or {}).get("signature", [])))
+        model differs: a planned migration's spare."""
+        ok, refuse = matching(self._spares(s, self._signature(s)))
         self._refuse(refuse)
         return ok[0] if ok else None
 
     def _refuse(self, refuse: tuple[tuple[str, str], ...]) -> None:
         """Tell each spare whose model differs from the job's why it is refused (its assignment key)."""
-        if not refuse:
-            return
-        t = self.client.txn_ops
         for sid, reason in refuse:
             log.error("spare refused", extra={"spare": sid, "reason": reason})
-        self.client.txn(self._guard(), [t.put(self.keys.assignment(sid), encode({"refused": reason}))
-                                        for sid, reason in refuse])  # fmt: skip
+        self.writes.record(*[Put(self.keys.assignment(sid), {"refused": reason}) for sid, reason in refuse])
 
     def _spares(self, s: Snapshot, signature: list) -> tuple[Spare, ...]:
         """The warm spares nobody claimed or fenced, oldest first, each with how its model
@@ -499,28 +398,6 @@ class Coordinator:
             out.append(Spare(sid, kv, info, first_mismatch(signature, info.get("signature", [])) or ""))
         return tuple(out)
 
-    def _grow(self, s: Snapshot) -> bool:
-        """A warm spare while shrunk: hand it a carried rank back (the lowest), through a
-        recovery of that rank: the survivors stop at their next collective, the spare takes
-        the rank with its state streamed (its local state from the carrier, its buddy), and
-        the job runs one process wider from the agreed step (runtime/virtual.py)."""
-        m = s.m
-        if self.pick_spare(s) is None:
-            return False
-        v, carried = self.shrink.grow(m)
-        grow = self.timeline.op(m.generation + 1, "grow", rank=v, carrier=m.carried[v])
-        self._fence(s, [], more=[grow], reason=f"grow: a warm spare takes back rank {v} from rank {m.carried[v]}",
-                    carried=carried, kind="grow")  # fmt: skip
-        return True
-
-    def _carriers(self, s: Snapshot, vacant: list[int], mode: str) -> dict[int, int]:
-        return self.shrink.carriers(s.m, vacant, self._stride(s), mode)
-
-    def _shrink_op(self, m: Membership, ranks: list[int], carried: dict[int, int], physical: int,
-                   resume: int) -> Any:  # fmt: skip
-        return self.timeline.op(m.generation, "shrink", ranks=ranks, carried={str(v): c for v, c in carried.items()},
-                                physical=physical, virtual=m.world_size, resume_step=resume)  # fmt: skip
-
     def _any_spare(self, s: Snapshot) -> bool:
         return any(k.startswith(self.keys.spares_prefix) for k in s.kv)
 
@@ -531,13 +408,9 @@ class Coordinator:
         m = s.m
         key = self.keys.cold_request(m.generation)
         if s.get(key) is None:
-            t = self.client.txn_ops
-            ops = [
-                t.put(key, encode({"ranks": ranks, "time": time.time()})),
-                self.timeline.op(m.generation, "fresh", ranks=ranks, reason=why),
-            ]
-            self.client.txn(self._guard(), ops)
-            log.warning("asking the agents for fresh processes", extra={"generation": m.generation, "ranks": ranks})
+            event = self.timeline.op(m.generation, "fresh", ranks=ranks, reason=why)
+            if self.writes.record_once(key, {"ranks": ranks, "time": time.time()}, event):
+                log.warning("asking the agents for fresh processes", extra={"generation": m.generation, "ranks": ranks})
         elif time.monotonic() - since > self.timeouts.recovery.total_seconds():
             limit = self.timeouts.recovery.total_seconds()
             self._fail(m, f"{why}; no fresh process for rank(s) {ranks} was warm within {limit:.0f}s "
@@ -563,49 +436,53 @@ class Coordinator:
                         extra={"generation": m.generation, "why": why, "step": p.resume})  # fmt: skip
         self._apply(s, p, since)
 
-    def _write_claim(self, s: Snapshot, vacant: list[int], picks: list, resume: int, sources: list[int],
-                   restart: dict | None = None, carry: list[int] | None = None, mode: str = "") -> None:  # fmt: skip
-        """Spares for `vacant`; `carry`: lost ranks no spare is left for, carried by survivors."""
+    def _write_claim(self, s: Snapshot, p: Plan) -> None:
+        """A "claim" plan: spares `p.picks` for `p.vacant` in the same generation, now BUILDING
+        from `p.resume`; `p.carry`: lost ranks no spare is left for, carried by survivors."""
         m = s.m
-        t = self.client.txn_ops
+        assert p.resume is not None
+        vacant, resume = list(p.vacant), p.resume
         members = dict(m.members)
         carried = {v: c for v, c in m.carried.items() if c in members and v not in vacant}  # a shrunk job's
-        if carry:
-            carried = {v: c for v, c in self._carriers(s, carry, mode).items() if v not in vacant}
-        compare = [self.rdzv.gen_is(m.generation), *self._guard()]
-        ops = []
-        for rank, (sid, kv, info) in zip(vacant, picks, strict=True):
+        if p.carry:
+            stride = stride_of(s.get(self.keys.run))
+            carried = {v: c for v, c in self.shrink.carriers(m, list(p.carry), stride, p.mode).items()
+                       if v not in vacant}  # fmt: skip
+        claims: list[Claim] = []
+        ops: list[Op] = []
+        for rank, sp in zip(vacant, p.picks, strict=True):
+            info = sp.info
             members[rank] = Member(rank, info["incarnation"], info.get("host", ""), info.get("pid", 0),
-                                   "", role=Role.SPARE, spare_id=sid)  # fmt: skip
-            compare += [t.mod(kv.key) == kv.mod_revision, t.version(self.keys.assignment(sid)) == 0]
+                                   "", role=Role.SPARE, spare_id=sp.sid)  # fmt: skip
             claimed = dict(info, state="claimed", claim={"generation": m.generation, "rank": rank})
-            ops += [t.put(self.keys.assignment(sid), encode({"generation": m.generation, "rank": rank})),
-                    t.put(kv.key, encode(claimed), kv.lease)]  # fmt: skip
+            claims.append(Claim(sp.kv, self.keys.assignment(sp.sid), {"generation": m.generation, "rank": rank},
+                                claimed))  # fmt: skip
         new = replace(m, state=GenState.BUILDING, members=members, resume_step=resume, carried=carried,
-                      sources=sources, store=self.stores.for_generation(s, members), updated=time.time(),
-                      nonce=secrets.token_hex(8))  # fmt: skip
+                      sources=list(p.sources), store=self.stores.for_generation(s, members))  # fmt: skip
+        restart = p.restart
         if restart is not None:
             new = replace(new, kind="restart", restart=restart, restarts=m.restarts + 1)
             ops.append(self.timeline.op(m.generation, "restart", path=restart["path"], step=restart["step"],
                                         redone=restart.get("redone"), count=m.restarts + 1,
                                         reason=restart.get("reason", "")))  # fmt: skip
-        if carry:
+        if p.carry:
             new = replace(new, kind="shrink")
-            ops.append(self._shrink_op(m, carry, carried, len(members), resume))
-        if picks:
-            ops.append(self.timeline.op(m.generation, "claim", spares=[p[0] for p in picks], ranks=vacant))
-        ok, _ = self.client.txn(compare, [t.put(self.keys.membership, new.to_bytes()), *ops])
-        if ok and picks:
-            log.info("claimed", extra={"generation": m.generation, "spares": [p[0] for p in picks]})
-        if ok and carry:
+            ops.append(self.timeline.op(m.generation, "shrink", ranks=list(p.carry),
+                                        carried={str(v): c for v, c in carried.items()}, physical=len(members),
+                                        virtual=m.world_size, resume_step=resume))  # fmt: skip
+        if p.picks:
+            ops.append(self.timeline.op(m.generation, "claim", spares=[sp.sid for sp in p.picks], ranks=vacant))
+        ok = self.writes.update_generation(new, extra=ops, claims=claims)
+        if ok and p.picks:
+            log.info("claimed", extra={"generation": m.generation, "spares": [sp.sid for sp in p.picks]})
+        if ok and p.carry:
             log.warning("shrunk: the survivors carry the lost rank(s)",
                         extra={"generation": m.generation, "carried": carried, "physical": len(members)})  # fmt: skip
 
-    # -- planned migration (docs/architecture.md, "Planned migration") ------------------------
     def _prune(self, s: Snapshot) -> None:
         """Remove what finished generations left behind (coordinator/prune.py)."""
-        ops = stale_ops(s, self.keys, self.client.txn_ops)
-        if ops and self.client.txn(self._guard(), ops)[0]:
+        ops = stale_ops(s, self.keys)
+        if ops and self.writes.record(*ops):
             log.info("pruned", extra={"generation": s.m.generation, "ops": len(ops)})
 
     def _maybe_done(self, s: Snapshot) -> None:
@@ -615,16 +492,16 @@ class Coordinator:
             finals.get(str(r), {}).get("incarnation") == mem.incarnation for r, mem in m.members.items()
         ):
             new = replace(m, state=GenState.DONE)
-            if self.rdzv.update(new, guard=self._guard()):
+            if self.writes.update_generation(new):
                 self._write_result(new)
 
     def _fail(self, m: Membership, reason: str, detail: str = "") -> None:
         log.error("job failed", extra={"reason": reason})
         new = replace(m, state=GenState.FAILED, reason=reason)
         if m.generation == 0:
-            self.rdzv.commit_change(0, new, guard=self._guard())
+            self.writes.first_generation(new)
         else:
-            self.rdzv.update(new, guard=self._guard())
+            self.writes.update_generation(new)
         self._write_result(new, detail)
 
     def _write_result(self, m: Membership, detail: str = "") -> None:
@@ -632,7 +509,7 @@ class Coordinator:
                "generation": m.generation, "time": time.time()}  # fmt: skip
         if detail:
             res["traceback"], res["raised_at"] = detail, self.checks.bug_time
-        self.client.txn(self._guard(), [self.client.txn_ops.put(self.keys.result, encode(res))])
+        self.writes.record(Put(self.keys.result, res))
 
 
 def main(argv: list[str] | None = None) -> int:

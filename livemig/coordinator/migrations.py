@@ -1,22 +1,31 @@
 """Planned migration, the coordinator's side (docs/architecture.md, "Planned
 migration"): take a request (`livemig migrate`, a fault plan, the straggler hook),
 claim a warm spare, let it stream and catch up while the group trains, vote the
-switch step, commit, or abort and leave the group as it was. A collaborator of
-the Coordinator: it acts through its _guard, pick_spare and the timeline.
+switch step, commit, or abort and leave the group as it was. It writes its own
+transactions (the claim, the switch, the commit, an abort) through the leader's
+named writes (rdzv/writes.py); a failure during a migration is a recovery, which
+it returns as a `Plan` for the coordinator to write (coordinator/recovery.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
-from livemig.config import Role
+from livemig.config import Role, Timeouts
+from livemig.coordinator.recovery import Plan, Spare
 from livemig.coordinator.sharding import sharding_of
 from livemig.coordinator.snapshot import Snapshot, as_number
-from livemig.rdzv.client import encode
+from livemig.coordinator.timeline import Timeline
+from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import GenState, Member, Membership
+from livemig.rdzv.writes import Claim, Delete, Op, Put, Writes
+
+if TYPE_CHECKING:
+    from livemig.coordinator.store_host import StoreHost
 
 log = logging.getLogger("livemig.coordinator")
 
@@ -32,43 +41,47 @@ def _table_before(m: Membership) -> dict[int, Member]:
 
 class Migrations:
     """The coordinator's side of a planned migration. It keeps no state of its own (the
-    table in etcd is the state): it acts through its coordinator's client, keys, guard,
-    timeline, stores and spare picking."""
+    table in etcd is the state); `pick_spare` is the coordinator's choice of a warm spare
+    (refusing, in etcd, those whose model differs), `leader` this leader's id."""
 
-    def __init__(self, coord: Any) -> None:
-        self.coord = coord
+    def __init__(self, keys: JobKeys, writes: Writes, timeline: Timeline, stores: StoreHost, timeouts: Timeouts,
+                 leader: str, pick_spare: Callable[[Snapshot], Spare | None]) -> None:  # fmt: skip
+        self.keys = keys
+        self.writes = writes
+        self.timeline = timeline
+        self.stores = stores
+        self.timeouts = timeouts
+        self.leader = leader
+        self.pick_spare = pick_spare
 
     def maybe_migrate(self, s: Snapshot) -> bool:
-        """Start a requested migration: claim a spare, move to g+1 MIGRATING. True if it acted."""
+        """Start a requested migration: claim a spare, move to g+1 MIGRATING. True if it acted
+        (False: no request, or one that waits for a spare while the job trains on)."""
         m = s.m
-        req = s.get(self.coord.keys.migrate_request)
+        req = s.get(self.keys.migrate_request)
         if req is None:
-            if not m.carried:  # a shrunk job's carriers are slow by design: not stragglers
-                self.coord.checks.straggler(s)
             return False
-        t = self.coord.client.txn_ops
         rank, rid = req.get("rank"), req.get("id", "")
         reject = ""
         if not isinstance(rank, int) or rank not in m.members:
             reject = f"rank {rank!r} is not a member of the job (world size {m.world_size})"
-        elif (mode := sharding_of((s.get(self.coord.keys.config) or {}).get("signature", []))[0]) == "zero1":
+        elif (mode := sharding_of((s.get(self.keys.config) or {}).get("signature", []))[0]) == "zero1":
             reject = f"planned migration of a job with sharded state ({mode}) is not supported yet"
         elif m.carried:
             reject = "planned migration of a shrunk job (survivors carrying lost ranks) is not supported yet"
         elif m.world_size < 2:
             reject = "a job of one rank has no group to keep training while the spare catches up"
-        spare = None if reject else self.coord.pick_spare(s)
+        spare = None if reject else self.pick_spare(s)
         if not reject and spare is None:
-            if time.time() - as_number(req.get("time")) > self.coord.timeouts.spare_wait.total_seconds():
-                reject = (f"no warm spare within {self.coord.timeouts.spare_wait.total_seconds():.0f}s "
+            if time.time() - as_number(req.get("time")) > self.timeouts.spare_wait.total_seconds():
+                reject = (f"no warm spare within {self.timeouts.spare_wait.total_seconds():.0f}s "
                           "(LIVEMIG_SPARE_WAIT): start one with `livemig-spare start`")  # fmt: skip
             else:
                 return False  # wait for a spare; the job trains on
         if reject:
             log.error("migration request rejected", extra={"rank": rank, "reason": reject})
             res = {"id": rid, "state": "rejected", "rank": rank, "reason": reject, "time": time.time()}
-            self.coord.client.txn(self.coord._guard(), [t.delete(self.coord.keys.migrate_request),
-                                            t.put(self.coord.keys.migrate_result, encode(res))])  # fmt: skip
+            self.writes.record(Delete(self.keys.migrate_request), Put(self.keys.migrate_result, res))
             return True
         assert spare is not None
         sid, kv, info = spare.sid, spare.kv, spare.info
@@ -82,53 +95,51 @@ class Migrations:
                "requested": as_number(req.get("time"), time.time()), "reason": str(req.get("reason", "")),
                "spare": sid}  # fmt: skip
         new = Membership(state=GenState.MIGRATING, world_size=m.world_size, members=members,
-                         store=self.coord.stores.for_generation(s, members),
-                         kind="migration", leader=self.coord.id, migration=mig,
+                         store=self.stores.for_generation(s, members),
+                         kind="migration", leader=self.leader, migration=mig,
                          reason=f"planned migration of rank {rank}: {req.get('reason') or 'requested'}")  # fmt: skip
         claimed = dict(info, state="claimed", claim={"generation": g, "rank": rank, "migration": True})
-        compare = [
-            *self.coord._guard(),
-            t.mod(kv.key) == kv.mod_revision,
-            t.version(self.coord.keys.assignment(sid)) == 0,
-        ]
-        ops = [t.put(self.coord.keys.assignment(sid), encode({"generation": g, "rank": rank, "migration": True})),
-               t.put(kv.key, encode(claimed), kv.lease), t.delete(self.coord.keys.migrate_request),
-               self.coord.timeline.op(g, "request", at=mig["requested"], rank=rank, reason=mig["reason"], id=rid),
-               self.coord.timeline.op(g, "claim", spares=[sid], ranks=[rank])]  # fmt: skip
-        if self.coord.rdzv.commit_change(m.generation, new, guard=compare, extra=ops):
+        claim = Claim(kv, self.keys.assignment(sid), {"generation": g, "rank": rank, "migration": True}, claimed)
+        ops: list[Op] = [Delete(self.keys.migrate_request),
+               self.timeline.op(g, "request", at=mig["requested"], rank=rank, reason=mig["reason"], id=rid),
+               self.timeline.op(g, "claim", spares=[sid], ranks=[rank])]  # fmt: skip
+        if self.writes.new_generation(m.generation, new, extra=ops, claims=[claim]):
             log.warning("planned migration started", extra={"generation": g, "rank": rank, "spare": sid})
         return True
 
-    def migrating(self, s: Snapshot, since: float) -> None:
+    def migrating(self, s: Snapshot, since: float) -> Plan | None:
+        """One pass over a MIGRATING generation: abort, vote the switch, commit, or (a member
+        lost meanwhile) the recovery to write, returned."""
         m = s.m
         mig, g = m.migration, m.generation
         rank = int(mig["rank"])
         spare = m.members[rank]
         old = _table_before(m)
-        t = self.coord.client.txn_ops
-        ready = s.under(self.coord.keys.recovery_prefix(g) + "ready/")
+        ready = s.under(self.keys.recovery_prefix(g) + "ready/")
         switched = {int(r) for r, x in ready.items()
                     if x.get("switched") is not None and int(r) in m.members
                     and x.get("incarnation") == m.members[int(r)].incarnation}  # fmt: skip
         dead = [r for r, mem in m.members.items() if r != rank and not s.alive(r, mem)]
         spare_dead = not s.alive(rank, spare)
         leaving_dead = rank not in switched and (
-            s.get(self.coord.keys.suspect(old[rank].incarnation)) is not None
-            or (s.get(self.coord.keys.member(rank)) or {}).get("incarnation")
+            s.get(self.keys.suspect(old[rank].incarnation)) is not None
+            or (s.get(self.keys.member(rank)) or {}).get("incarnation")
             not in (old[rank].incarnation, spare.incarnation)
         )
-        finals = s.under(self.coord.keys.final_prefix)
+        finals = s.under(self.keys.final_prefix)
         finished = all(finals.get(str(r), {}).get("incarnation") == mem.incarnation for r, mem in old.items())
-        bound = self.coord.timeouts.recovery.total_seconds()
+        bound = self.timeouts.recovery.total_seconds()
         timed_out = time.monotonic() - since > bound
         if mig.get("phase") == "catchup" and not switched and (spare_dead or finished or timed_out):
             why = ("the spare failed" if spare_dead else "the job finished first" if finished
                    else f"the spare did not catch up within {bound:.0f}s")  # fmt: skip
-            return self.abort(s, why)
+            self.abort(s, why)
+            return None
         if mig.get("phase") == "switch" and not switched and finished and not spare_dead:
             # The vote never passed before the last step: every old member has ended, so no
             # vote can pass now; the spare would wait for an average nobody will serve.
-            return self.abort(s, "the job finished first")
+            self.abort(s, "the job finished first")
+            return None
         if dead or leaving_dead or spare_dead:
             # A failure during the migration: recover from the table that holds the state.
             table = m.members if rank in switched else old
@@ -137,7 +148,7 @@ class Migrations:
                 lost.append(rank)
             if rank not in switched and leaving_dead:
                 lost.append(rank)
-            more = [] if rank in switched else [t.delete(self.coord.keys.assignment(spare.spare_id))]
+            more: list[Op] = [] if rank in switched else [Delete(self.keys.assignment(spare.spare_id))]
             res = {
                 "id": mig.get("id", ""),
                 "state": "done" if rank in switched else "aborted",
@@ -145,23 +156,23 @@ class Migrations:
                 "reason": f"a failure during the migration (ranks {sorted(set(lost))})",
                 "time": time.time(),
             }
-            more.append(t.put(self.coord.keys.migrate_result, encode(res)))
-            return self.coord._fence(s, sorted(set(lost)), table, more)
+            more.append(Put(self.keys.migrate_result, res))
+            return Plan("fence", ranks=tuple(sorted(set(lost))), table=table, extra=tuple(more))
         if mig.get("phase") == "catchup":
-            cu = s.get(self.coord.keys.catchup(g))
+            cu = s.get(self.keys.catchup(g))
             if not cu or cu.get("incarnation") != spare.incarnation:
                 return None
-            progress = [(s.get(self.coord.keys.progress(r)) or {}).get("step", -1) for r in m.members]
+            progress = [(s.get(self.keys.progress(r)) or {}).get("step", -1) for r in m.members]
             lag = max(progress) - int(cu["applied"])
             built = all(ready.get(str(r), {}).get("incarnation") == mem.incarnation for r, mem in m.members.items())
             if lag > MIGRATION_SWITCH_LAG or not built:
                 return None  # once every group is built the switch needs no store: a leader change is harmless
             new = replace(m, migration=dict(mig, phase="switch", lag_at_switch=lag))
-            events = [self.coord.timeline.op(g, "stream", at=cu["time"], seconds=cu.get("stream_s", 0.0),
+            events = [self.timeline.op(g, "stream", at=cu["time"], seconds=cu.get("stream_s", 0.0),
                                        bytes=cu.get("bytes", 0), source=cu.get("source", ""), loaded=cu["loaded"],
                                        resyncs=as_number(cu.get("resyncs"))),
-                      self.coord.timeline.op(g, "catchup", lag=lag, applied=cu["applied"])]  # fmt: skip
-            if self.coord.rdzv.update(new, guard=self.coord._guard(), extra=events):
+                      self.timeline.op(g, "catchup", lag=lag, applied=cu["applied"])]  # fmt: skip
+            if self.writes.update_generation(new, extra=events):
                 log.info("migration: spare caught up; members vote the switch", extra={"generation": g, "lag": lag})
             return None
         if switched == set(m.members):
@@ -173,9 +184,9 @@ class Migrations:
                           migration=dict(mig, phase="done", switch_step=step))  # fmt: skip
             res = {"id": mig.get("id", ""), "state": "done", "rank": rank, "generation": g, "switch_step": step,
                    "spare": spare.spare_id, "time": time.time()}  # fmt: skip
-            events = [self.coord.timeline.op(g, "switch", at=at, step=step), self.coord.timeline.op(g, "commit"),
-                      t.put(self.coord.keys.migrate_result, encode(res))]  # fmt: skip
-            if self.coord.rdzv.update(new, guard=self.coord._guard(), extra=events):
+            events = [self.timeline.op(g, "switch", at=at, step=step), self.timeline.op(g, "commit"),
+                      Put(self.keys.migrate_result, res)]  # fmt: skip
+            if self.writes.update_generation(new, extra=events):
                 log.warning("planned migration done", extra={"generation": g, "rank": rank, "switch_step": step})
         return None
 
@@ -183,13 +194,12 @@ class Migrations:
         """Nobody switched: the old table and group go on (generation g+1 with continues=g)."""
         m = s.m
         mig = m.migration
-        t = self.coord.client.txn_ops
         new = Membership(state=GenState.COMMITTED, world_size=m.world_size, members=_table_before(m), store=m.store,
-                         kind="abort", leader=self.coord.id, continues=int(mig["from_gen"]),
+                         kind="abort", leader=self.leader, continues=int(mig["from_gen"]),
                          reason=f"migration of rank {mig['rank']} aborted: {why}")  # fmt: skip
         res = {"id": mig.get("id", ""), "state": "aborted", "rank": mig["rank"], "reason": why, "time": time.time()}
-        ops = [t.delete(self.coord.keys.assignment(m.members[int(mig["rank"])].spare_id)),
-               t.put(self.coord.keys.migrate_result, encode(res)),
-               self.coord.timeline.op(m.generation, "abort", reason=why, rank=mig["rank"])]  # fmt: skip
-        if self.coord.rdzv.commit_change(m.generation, new, guard=self.coord._guard(), extra=ops):
+        ops: list[Op] = [Delete(self.keys.assignment(m.members[int(mig["rank"])].spare_id)),
+               Put(self.keys.migrate_result, res),
+               self.timeline.op(m.generation, "abort", reason=why, rank=mig["rank"])]  # fmt: skip
+        if self.writes.new_generation(m.generation, new, extra=ops):
             log.warning("planned migration aborted", extra={"rank": mig["rank"], "why": why})

@@ -25,8 +25,9 @@ from typing import Any
 
 from livemig.config import Role
 from livemig.coordinator.timeline import fold
-from livemig.rdzv.client import decode, encode, prefix_end
+from livemig.rdzv.client import decode
 from livemig.rdzv.keys import JobKeys
+from livemig.rdzv.writes import Delete, Op, Put
 
 
 def _generation(rest: str) -> int | None:
@@ -37,15 +38,15 @@ def _generation(rest: str) -> int | None:
 MAX_OPS = 100  # per transaction (etcd's default limit is 128): a backlog takes several passes
 
 
-def stale_ops(snap: Any, keys: JobKeys, t: Any) -> list[Any]:
-    """The transaction ops that prune `snap` (a coordinator Snapshot of a COMMITTED
+def stale_ops(snap: Any, keys: JobKeys) -> list[Op]:
+    """The deletes (and the archive's put) that prune `snap` (a coordinator Snapshot of a COMMITTED
     generation), at most MAX_OPS; empty when there is nothing to remove. The
     timeline keys folded into the archive are deleted in the same transaction."""
     m = snap.m
     g = m.generation
-    folded: list[Any] = []  # deletes of the timeline keys whose events go to the archive
+    folded: list[Op] = []  # deletes of the timeline keys whose events go to the archive
     events: list[dict] = []
-    other: list[Any] = []
+    other: list[Op] = []
     old_gens: set[int] = set()
     incarnations = {mem.incarnation for mem in m.members.values()}
     # only the folders pruned here: a sort of every key (~4 per rank) cost each pass ~10 ms at 10,000 ranks
@@ -67,19 +68,19 @@ def stale_ops(snap: Any, keys: JobKeys, t: Any) -> list[Any]:
                 ev = None
             if isinstance(ev, dict) and isinstance(ev.get("time"), int | float):
                 events.append(ev)
-            folded.append(t.delete(key))
+            folded.append(Delete(key))
         elif key.startswith(keys.suspects_prefix) and key[len(keys.suspects_prefix) :] not in incarnations:
-            other.append(t.delete(key))
+            other.append(Delete(key))
     for h in sorted(old_gens):
         p = keys.recovery_prefix(h)
-        other.append(t.delete(p, range_end=prefix_end(p)))
+        other.append(Delete(p, prefix=True))
     for r, mem in m.members.items():
         if mem.role != Role.SPARE or not mem.spare_id or keys.assignment(mem.spare_id) not in snap.kv:
             continue
         reg = snap.get(keys.member(r))
         if reg and reg.get("incarnation") == mem.incarnation:
-            other.append(t.delete(keys.assignment(mem.spare_id)))
-    ops = []
+            other.append(Delete(keys.assignment(mem.spare_id)))
+    ops: list[Op] = []
     if folded:
         archive = snap.kv.get(keys.timeline_archive)
         try:
@@ -87,5 +88,5 @@ def stale_ops(snap: Any, keys: JobKeys, t: Any) -> list[Any]:
         except Exception:  # noqa: BLE001 - a garbage archive is replaced
             current = None
         archived = fold(current if isinstance(current, dict) else None, events)
-        ops = [t.put(keys.timeline_archive, encode(archived)), *folded]
+        ops = [Put(keys.timeline_archive, archived), *folded]
     return ops + other[: MAX_OPS - len(ops)]

@@ -9,7 +9,9 @@ job's settings and the shrink policy) with no etcd, no clock and no filesystem, 
 outcome is unit-tested on views (tests/unit/test_recovery_plan.py); the coordinator builds the
 view and applies the plan (coordinator/coordinator.py, `_recover` and `_apply`). The cold
 path's own choice (spares or fresh processes for a restart from a checkpoint the coordinator
-found on disk) is `plan_cold`.
+found on disk) is `plan_cold`; a shrunk job's grow, `plan_grow`. A `Plan` is also what the
+checks (coordinator/checks.py) and a planned migration's failure (coordinator/migrations.py)
+return: the coordinator's `_apply` is the one writer of every decision.
 
 The layout's rules (a lost ZeRO-1 or FSDP2 shard, a lost rank-local state) are read from the
 job's signature (coordinator/sharding.py).
@@ -30,7 +32,8 @@ from livemig.coordinator.sharding import (
     sharding_of,
 )
 from livemig.coordinator.shrink import ShrinkPolicy
-from livemig.rdzv.membership import Membership
+from livemig.rdzv.membership import Member, Membership
+from livemig.rdzv.writes import Op
 
 
 @dataclass(frozen=True)
@@ -77,16 +80,26 @@ class Policy:
 
 @dataclass(frozen=True)
 class Plan:
-    """One decision. `action`:
+    """One decision: of a recovering generation (`plan`, `plan_cold`), of a shrunk job's grow
+    (`plan_grow`), of a check (coordinator/checks.py) or of a planned migration's failure
+    (coordinator/migrations.py). The coordinator writes it (`_apply`); nothing else decides.
+    `action`:
     - "wait": nothing this pass;
-    - "fence": `ranks` (survivors silent past the recovery timeout) fenced as failed;
+    - "fence": `ranks` fenced into a RECOVERING generation of `kind` ("failure"; "grow", a
+      spare takes back a carried rank; a rebuild of the same members when `ranks` is empty),
+      from `table` (default the current one), with `carried` (default the current one);
     - "fail": the job fails with `reason`;
     - "cold": restart from a checkpoint because of `reason` (plan_cold decides how);
     - "fresh": the agents start a fresh process for each of `ranks` (`reason` says why);
     - "claim": spares `picks` take `vacant` at `resume` from `sources`; `carry` (a shrink):
-      lost ranks the survivors carry; `restart`: the cold path's checkpoint.
+      lost ranks the survivors carry; `restart`: the cold path's checkpoint;
+    - "suspect": each (rank, why) of `suspects` is suspected, as if its agent had seen it
+      die (a hang, a broken link): the next pass fences it;
+    - "request": a planned migration is requested (`request`), if none is pending.
     `agreed`: the resume step stands (the timeline's agree event); `refuse`: spares refused
-    (sid, why) because their model differs; `no_shrink`: why the job could not shrink."""
+    (sid, why) because their model differs; `no_shrink`: why the job could not shrink;
+    `events`: timeline events (phase, details) written with the decision (a fence's at the
+    generation it starts); `extra`: more records written in the same transaction."""
 
     action: str
     reason: str = ""
@@ -101,6 +114,13 @@ class Plan:
     agreed: bool = False
     refuse: tuple[tuple[str, str], ...] = ()
     no_shrink: str = ""
+    kind: str = "failure"
+    table: dict[int, Member] | None = None
+    carried: dict[int, int] | None = None
+    suspects: tuple[tuple[int, str], ...] = ()
+    request: dict | None = None
+    events: tuple[tuple[str, dict], ...] = ()
+    extra: tuple[Op, ...] = ()
 
 
 def matching(spares: tuple[Spare, ...]) -> tuple[list[Spare], tuple[tuple[str, str], ...]]:
@@ -215,3 +235,17 @@ def plan_cold(view: View, why: str, checkpoint: dict[str, Any] | str) -> Plan:
         return Plan("fresh", ranks=tuple(vacant[len(picks) :]), reason=why, refuse=refuse)
     return Plan("claim", vacant=tuple(vacant), picks=tuple(picks), resume=checkpoint["step"] + 1,
                 restart={**checkpoint, "reason": why}, refuse=refuse)  # fmt: skip
+
+
+def plan_grow(m: Membership, spares: tuple[Spare, ...], shrink: ShrinkPolicy) -> Plan:
+    """A shrunk job with a warm spare: hand the spare a carried rank back (the lowest), through
+    a recovery of that rank: the survivors stop at their next collective, the spare takes the
+    rank with its state streamed (its local state from the carrier, its buddy), and the job
+    runs one process wider from the agreed step (runtime/virtual.py)."""
+    ok, refuse = matching(spares)
+    if not m.carried or not ok:
+        return Plan("wait", refuse=refuse)
+    v, carried = shrink.grow(m)
+    return Plan("fence", kind="grow", carried=carried, refuse=refuse,
+                reason=f"grow: a warm spare takes back rank {v} from rank {m.carried[v]}",
+                events=(("grow", {"rank": v, "carrier": m.carried[v]}),))  # fmt: skip

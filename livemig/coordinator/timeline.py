@@ -7,8 +7,9 @@ import logging
 import time
 from typing import Any
 
-from livemig.rdzv.client import EtcdClient, conform, encode
+from livemig.rdzv.client import EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
+from livemig.rdzv.writes import Put, Writes
 
 log = logging.getLogger("livemig.timeline")
 
@@ -17,26 +18,23 @@ PHASES = ("detect", "fence", "agree", "claim", "stream", "build", "commit", "res
 
 
 class Timeline:
-    def __init__(self, client: EtcdClient, keys: JobKeys) -> None:
-        self.client = client
+    """The leader's timeline writer: each event a `Put`, written in the transaction of the
+    state change it records (rdzv/writes.py), or on its own by `record`."""
+
+    def __init__(self, keys: JobKeys, writes: Writes) -> None:
         self.keys = keys
+        self.writes = writes
         self._seq = int(time.time() * 1000) % 1_000_000
 
-    def op(self, generation: int, phase: str, at: float | None = None, **details: Any) -> Any:
+    def op(self, generation: int, phase: str, at: float | None = None, **details: Any) -> Put:
         """The put of one event, to commit in the same transaction as the state change it records."""
         ev = {"phase": phase, "generation": generation, "time": at or time.time(), **details}
         self._seq += 1
-        return self.client.txn_ops.put(self.keys.timeline(generation, self._seq, phase), encode(ev))
+        return Put(self.keys.timeline(generation, self._seq, phase), ev)
 
-    def record(self, generation: int, phase: str, guard: list | None = None,
-               at: float | None = None, **details: Any) -> None:  # fmt: skip
-        ev = {"phase": phase, "generation": generation, "time": at or time.time(), **details}
-        self._seq += 1
-        key = self.keys.timeline(generation, self._seq, phase)
-        if guard:
-            self.client.txn(guard, [self.client.txn_ops.put(key, encode(ev))])
-        else:
-            self.client.put(key, encode(ev))
+    def record(self, generation: int, phase: str, at: float | None = None, **details: Any) -> None:
+        """One event on its own (guarded by the leadership, as every leader write)."""
+        self.writes.record(self.op(generation, phase, at, **details))
         log.info("phase", extra={"phase": phase, "generation": generation})
 
 

@@ -28,6 +28,7 @@ from livemig.runtime.start_sync import check_replicas
 if TYPE_CHECKING:
     from livemig.comm.reducer import GradReducer
     from livemig.config import Timeouts
+    from livemig.runtime.member import MemberRuntime
     from livemig.runtime.registry import Registry
     from livemig.runtime.step_state import StepState
     from livemig.runtime.strategies.base import Strategy
@@ -43,7 +44,7 @@ class BoundaryHost(Protocol):
     role: Role
     incarnation: str
     timeouts: Timeouts
-    runtime: Any  # runtime.member.MemberRuntime (None outside `livemig run`)
+    runtime: MemberRuntime  # None outside `livemig run`: tested before use
     rank: int
     world_size: int
     reg: Registry

@@ -34,7 +34,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import torch
@@ -42,6 +42,9 @@ import torch
 from livemig import checkpoint_dir as layout
 from livemig.errors import ConfigError
 from livemig.state import flatten, unflatten
+
+if TYPE_CHECKING:
+    from livemig.runtime.member import MemberRuntime
 
 log = logging.getLogger("livemig.runtime.checkpoint")
 
@@ -52,7 +55,7 @@ class CheckpointHost(Protocol):
     rank: int
     world_size: int
     reg: Any
-    runtime: Any
+    runtime: MemberRuntime  # None outside `livemig run`: tested before use
     timeouts: Any
     faults: Any
     strategy: Any  # the kind of parallelism (runtime/strategies/): the sections it adds to a part

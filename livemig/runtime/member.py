@@ -128,6 +128,13 @@ class MemberRuntime:
             self.server = StateServer(self.job, self.secret(), self.host)
         return self.server
 
+    @property
+    def serving(self) -> StateServer:
+        """The state server a registered member publishes on (registration started it)."""
+        if self.server is None:
+            raise RecoveryError("this member has no state server: it never registered as a member")
+        return self.server
+
     def _on_membership(self, events: list) -> None:
         for e in events:
             if e.kind == "put":

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from livemig.runtime.checkpoint import Checkpointer
     from livemig.runtime.control import Activate
     from livemig.runtime.fsdp2_mesh import Fsdp2
+    from livemig.runtime.member import MemberRuntime
     from livemig.runtime.migration import Migration
     from livemig.runtime.pull import StatePull
     from livemig.runtime.registry import Registry
@@ -38,7 +39,7 @@ class MemberFields:
     role: Role
     incarnation: str
     timeouts: Timeouts
-    runtime: Any  # runtime.member.MemberRuntime; None outside `livemig run` (a local process)
+    runtime: MemberRuntime  # None outside `livemig run` (a local process): tested before use
     rank: int
     world_size: int
     spare_id: str

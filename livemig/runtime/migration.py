@@ -26,10 +26,11 @@ from livemig.runtime.control import Released, Requeue
 from livemig.runtime.step_state import Outgoing, StepState
 
 if TYPE_CHECKING:
+    from livemig.runtime.member import MemberRuntime
     from livemig.runtime.strategies.base import Strategy
 from livemig.state import flatten, unflatten, unpack
 from livemig.transfer import items
-from livemig.transfer.client import pull
+from livemig.transfer.puller import pull
 
 AVG_KEEP = 8  # averaged gradients a leaving worker keeps for its catching-up spare
 
@@ -42,7 +43,7 @@ class MigrationHost(Protocol):
     the step counter it advances while catching up, and the strategy that snapshots and
     replays the state of its kind of parallelism."""
 
-    runtime: Any
+    runtime: MemberRuntime
     role: Role
     incarnation: str
     timeouts: Any
@@ -90,7 +91,7 @@ class Migration:
         plan = self._plan()
         if plan is None:
             if self.out.gen is not None and rt.m.generation != self.out.gen:
-                rt.server.withdraw()  # the migration was resolved: stop serving its items
+                rt.serving.withdraw()  # the migration was resolved: stop serving its items
                 self.out = Outgoing()
                 if self.e.reducer is not None:
                     self.e.reducer.keep(2)
@@ -99,27 +100,27 @@ class Migration:
         if mig.get("leaving") == self.e.incarnation:
             # "snapshot" first; "snapshot/k" when the spare fell more than AVG_KEEP steps behind
             # (a retry that raced our first publish leaves "snapshot" wanted too: the newest counts)
-            snaps = [w for w in list(rt.server.wanted) if items.is_snapshot(w)]
+            snaps = [w for w in list(rt.serving.wanted) if items.is_snapshot(w)]
             for w in snaps:
-                rt.server.wanted.discard(w)
+                rt.serving.wanted.discard(w)
             if self.out.gen == m.generation:
                 snaps = [w for w in snaps if w != self.out.snap]
             want = max(snaps, key=lambda w: int(w.partition("/")[2] or 0), default=None)
             if want is not None:
                 if self.out.gen == m.generation and self.out.snap:
-                    rt.server.withdraw(self.out.snap)  # the spare asked for a newer one: free the old copy
+                    rt.serving.withdraw(self.out.snap)  # the spare asked for a newer one: free the old copy
                 tensors: list[torch.Tensor] = []
                 skel = flatten(self.e.strategy.handover.snapshot(), tensors)  # FSDP2: its shards and its mirror's
                 snap = unflatten(skel, [x.clone() for x in tensors])  # training goes on: serve a copy
                 step = self.e.committed + 1
-                rt.server.publish(m.generation, want, lambda: (step, snap))
+                rt.serving.publish(m.generation, want, lambda: (step, snap))
                 self.out = Outgoing(m.generation, step, want)
                 if self.e.reducer is not None:
                     self.e.reducer.keep(AVG_KEEP + 1)  # serve averages straight from the buckets
                 log.info("migration: snapshot served", extra={"step": step, "generation": m.generation,
                                                               "item": want})  # fmt: skip
-        elif m.rank_of(self.e.incarnation) is not None:
-            rt.prebuild(m, m.rank_of(self.e.incarnation))
+        elif (rank := m.rank_of(self.e.incarnation)) is not None:
+            rt.prebuild(m, rank)
 
     def at_boundary(self) -> None:
         """After the switch step and all its user code: the leaving worker hands over and
@@ -167,9 +168,10 @@ class Migration:
 
     def _publish_step(self, t: int, item: dict) -> None:
         rt, g = self.e.runtime, self.out.gen
-        rt.server.publish(g, items.step_avg(t), lambda: (t, item))
-        rt.server.withdraw(items.step_avg(t - AVG_KEEP))
-        rt.server.wanted.discard(items.step_avg(t))
+        assert g is not None  # serves() said this worker serves the migration of generation g
+        rt.serving.publish(g, items.step_avg(t), lambda: (t, item))
+        rt.serving.withdraw(items.step_avg(t - AVG_KEEP))
+        rt.serving.wanted.discard(items.step_avg(t))
 
     def after_commit(self, t: int, switch: bool) -> None:
         if not switch:
@@ -208,7 +210,7 @@ class Migration:
                 "commits": [list(c) for c in st.commits], "gen_steps": list(st.gen_steps)}  # fmt: skip
         if st.mirrored.get(t) is not None:  # FSDP2: our copy of the left neighbour's local state
             tail["mirrored"] = st.mirrored[t]
-        rt.server.publish(g, items.tail(t), lambda: (t, tail))
+        rt.serving.publish(g, items.tail(t), lambda: (t, tail))
         m = rt.wait_membership(lambda x: x.generation != g or x.state != GenState.MIGRATING,
                                "the spare to take over this rank")  # fmt: skip
         if m.generation == g and m.state == GenState.COMMITTED:

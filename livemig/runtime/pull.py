@@ -23,12 +23,13 @@ from livemig.errors import RecoveryError, TransferError
 from livemig.rdzv.membership import Membership
 from livemig.runtime.control import Activate
 from livemig.transfer import items
-from livemig.transfer.client import pull
+from livemig.transfer.puller import pull
 
 if TYPE_CHECKING:
     from livemig.config import Timeouts
     from livemig.runtime.boundary import Boundary
     from livemig.runtime.checkpoint import Checkpointer
+    from livemig.runtime.member import MemberRuntime
     from livemig.runtime.registry import Registry
     from livemig.runtime.standby import Standby
     from livemig.runtime.step_state import StepState
@@ -44,7 +45,7 @@ class PullHost(Protocol):
     rank: int
     world_size: int
     timeouts: Timeouts
-    runtime: Any  # runtime.member.MemberRuntime
+    runtime: MemberRuntime
     joining: Activate | None
     reg: Registry
     strategy: Strategy

@@ -24,10 +24,11 @@ from livemig.rdzv.client import decode, through_outage
 from livemig.rdzv.watch import PrefixWatch, wait_for
 from livemig.runtime.control import Activate, Stop
 from livemig.runtime.step_state import StepState
+from livemig.transfer.channel import verifiers
 
 if TYPE_CHECKING:
+    from livemig.runtime.member import Callbacks, MemberRuntime
     from livemig.runtime.strategies.base import Strategy
-from livemig.transfer.channel import verifiers
 
 log = logging.getLogger("livemig.runtime.standby")
 
@@ -42,7 +43,7 @@ def _result_exists(rt: Any) -> bool:
 class StandbyHost(Protocol):
     """What the standby and the final record use of their Engine."""
 
-    runtime: Any
+    runtime: MemberRuntime  # typed so its calls are checked; None outside `livemig run`, tested before use
     rank: int
     incarnation: str
     spare_id: str
@@ -55,6 +56,9 @@ class StandbyHost(Protocol):
     ckpt: Any
     fsdp2: Any  # the FSDP2 mesh owner: what survives a redo's re-entry (runtime/fsdp2_mesh.py)
     strategy: Strategy
+
+    @property
+    def pull(self) -> Callbacks: ...  # runtime/pull.py StatePull: MemberRuntime's callbacks while the job may recover
 
     def signature(self) -> list: ...
 

@@ -53,12 +53,13 @@ from livemig.config import (
     validate_job_name,
 )  # fmt: skip
 from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
-from livemig.rdzv.client import EtcdClient, decode, encode
+from livemig.rdzv.client import EtcdClient, decode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import new_incarnation
 from livemig.rdzv.security import add_arguments as add_security_arguments
 from livemig.rdzv.security import apply_arguments as apply_security_arguments
 from livemig.rdzv.watch import wait_for
+from livemig.rdzv.writes import put_if_absent
 
 
 def _client(a: argparse.Namespace) -> tuple[EtcdClient, str]:
@@ -209,14 +210,9 @@ def cmd_stop(a: argparse.Namespace) -> int:
     targets = ids if a.all else [a.id]
     if not a.all and a.id not in ids:
         raise ConfigError(f"no spare {a.id!r} in job {a.job}; see `livemig-spare status --job {a.job}`")
-    t = client.txn_ops
     stopped = 0
     for sid in targets:
-        ok, _ = client.txn(
-            [t.version(keys.assignment(sid)) == 0],
-            [t.put(keys.assignment(sid), encode({"stop": True, "time": time.time()}))],
-        )
-        if ok:
+        if put_if_absent(client, keys.assignment(sid), {"stop": True, "time": time.time()}):
             stopped += 1
         else:
             print(f"spare {sid} is claimed (a member now): not stopped", file=sys.stderr)

@@ -1,7 +1,7 @@
 """The data channel of a pull: one plain TCP connection per source and a thread
 each, whose `recv_into` writes a chunk's bytes from the kernel straight into the
 destination tensor; each chunk's MAC is checked in line by its receiving thread or by
-a pool of verifier threads (`verifiers()`). client.py holds the pull itself (headers,
+a pool of verifier threads (`verifiers()`). puller.py holds the pull itself (headers,
 striping, the zmq path for encrypted transfers) and calls `tcp_stream`.
 """
 
@@ -26,7 +26,7 @@ from livemig.transfer import protocol as P
 if TYPE_CHECKING:
     from livemig.transfer.source import Source
 
-log = logging.getLogger("livemig.transfer.client")  # the pull's component, as before
+log = logging.getLogger("livemig.transfer.puller")  # the pull's component, as before
 
 MAX_BAD_CHUNKS = 3  # bad chunks (or failed replies) before a source is dropped
 HASH_PIECE = 512 << 10  # received, then hashed while cache-hot

@@ -1,4 +1,4 @@
-"""A source of a state pull (transfer/client.py, transfer/channel.py)."""
+"""A source of a state pull (transfer/puller.py, transfer/channel.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from livemig.transfer import protocol as P
 class Source:
     """One peer a pull reads from: its control socket (requests and replies), its data
     channel while chunks stream, and what it has served. Its own module: the pull
-    (client.py) and the data channel (channel.py) both use it, and neither imports the other's
+    (puller.py) and the data channel (channel.py) both use it, and neither imports the other's
     private parts."""
 
     def __init__(self, ctx: zmq.Context, addr: str, secret: bytes, send_timeout: float = 3.0) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from livemig.bench.references import Reference, References
+from livemig.references import Reference, References
 from tests.helpers.logs import process_logs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -47,9 +47,9 @@ def test_kill_between_steps(tmp_path, reference_digest):
 
 def test_a_reference_run_is_made_once_for_every_process_sharing_the_store(references):
     """Budget: ~0 s (the key is the one test_kill_between_steps asks for). The store is on
-    disk under an flock (livemig/bench/references.py): a second cache on the same root, as
+    disk under an flock (livemig/references.py): a second cache on the same root, as
     another pytest-xdist worker or a bench has, finds the first's report without a run."""
-    from livemig.bench.references import References
+    from livemig.references import References
 
     first = reference_of(references, 2)
     other = References(references.root)

@@ -293,9 +293,9 @@ def test_a_lost_nodes_ranks_are_held_back_together():
 
 
 def test_a_reference_is_shared_only_by_runs_with_the_same_settings(monkeypatch):
-    """The shared fault-free cache (livemig/bench/references.py): where files go does not
+    """The shared fault-free cache (livemig/references.py): where files go does not
     split it; any LIVEMIG_* setting, argument, world size or other env entry does."""
-    from livemig.bench.references import References
+    from livemig.references import References
 
     monkeypatch.delenv("LIVEMIG_BUDDY_STRIDE", raising=False)
     base = References.key(2, "examples/mlp.py", ["--steps", "4"], {"LIVEMIG_LOG_LEVEL": "INFO"})

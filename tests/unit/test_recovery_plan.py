@@ -1,13 +1,13 @@
 """The recovery planner on views, without etcd (livemig/coordinator/recovery.py): each outcome
-of a RECOVERING generation, double failures, no spare, shrink, the cold path, a failure during
-a recovery. The coordinator's writes of these plans are exercised end to end in tests/e2e."""
+of a RECOVERING generation, double failures, no spare, shrink, a shrunk job's grow, the cold
+path, a failure during a recovery. The coordinator's writes of these plans are exercised end to end in tests/e2e."""
 
 from __future__ import annotations
 
 import pytest
 
 from livemig.config import LOCAL_STATE_ENTRY, SHARDING_ENTRY
-from livemig.coordinator.recovery import Plan, Policy, Spare, View, plan, plan_cold
+from livemig.coordinator.recovery import Plan, Policy, Spare, View, plan, plan_cold, plan_grow
 from livemig.coordinator.shrink import ShrinkPolicy
 from livemig.rdzv.membership import GenState, Member, Membership
 
@@ -210,3 +210,22 @@ def test_the_cold_path_without_a_checkpoint_fails_with_its_line():
     m = membership(4, [3])
     p = plan_cold(view(m, reports(m, {})), "why", "why; no complete checkpoint in /ck to restart from")
     assert p == Plan("fail", reason="why; no complete checkpoint in /ck to restart from")
+
+
+def test_a_shrunk_job_with_a_warm_spare_grows_back_its_lowest_carried_rank():
+    m = membership(4, [], carried={1: 2, 3: 0})
+    m.state = GenState.COMMITTED
+    p = plan_grow(m, spares("a"), policy(min_nproc=2).shrink)
+    assert (p.action, p.kind, p.ranks) == ("fence", "grow", ())  # a recovery of the same members
+    assert p.carried == {3: 0} and p.events == (("grow", {"rank": 1, "carrier": 2}),)
+    assert "takes back rank 1 from rank 2" in p.reason
+
+
+def test_a_shrunk_job_does_not_grow_onto_a_spare_whose_model_differs():
+    m = membership(4, [], carried={1: 2})
+    m.state = GenState.COMMITTED
+    p = plan_grow(m, spares("odd", mismatch="0.weight: shape [4, 4] != [8, 8]"), policy(min_nproc=2).shrink)
+    assert p.action == "wait" and p.refuse and p.refuse[0][0] == "odd"
+    assert plan_grow(m, (), policy(min_nproc=2).shrink).action == "wait"  # no spare: trains on shrunk
+    whole = membership(4, [])
+    assert plan_grow(whole, spares("a"), policy().shrink).action == "wait"  # nothing carried: no grow

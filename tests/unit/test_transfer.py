@@ -15,7 +15,7 @@ from livemig.errors import TransferError
 from livemig.state import flatten, signature, unflatten
 from livemig.transfer import channel
 from livemig.transfer import protocol as P
-from livemig.transfer.client import pull
+from livemig.transfer.puller import pull
 from livemig.transfer.server import StateServer
 from tests.helpers.source_proc import make_state
 

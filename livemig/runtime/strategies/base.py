@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from livemig.rdzv.membership import Membership
     from livemig.runtime.checkpoint import Checkpointer
     from livemig.runtime.fsdp2_mesh import Fsdp2 as MeshOwner
+    from livemig.runtime.member import MemberRuntime
     from livemig.runtime.registry import Registry
     from livemig.runtime.self_faults import SelfFaults
     from livemig.runtime.step_state import StepState
@@ -89,7 +90,7 @@ class StrategyHost(Protocol):
     world_size: int
     incarnation: str
     timeouts: Timeouts
-    runtime: Any  # runtime.member.MemberRuntime (None outside `livemig run`)
+    runtime: MemberRuntime  # None outside `livemig run`: tested before use
     reg: Registry
     reducer: GradReducer | None
     scaler: Any

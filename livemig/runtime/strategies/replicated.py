@@ -218,7 +218,7 @@ class Replicated(Strategy):
         h = self.h
         avg = h.st.avg
         if avg is not None and avg.step == h.committed:
-            h.runtime.server.publish(m.generation, items.AVG, lambda: (avg.step, {"flat": avg.flats}))
+            h.runtime.serving.publish(m.generation, items.AVG, lambda: (avg.step, {"flat": avg.flats}))
 
     def pull_layout(self, m: Membership, step: int) -> tuple[int, str]:
         """A spare's pull of the pieces generation m's layout gives it beyond the replicated

@@ -179,8 +179,12 @@ class Zero1(Replicated):
     def serve_step(self, m: Membership) -> None:
         """Every shard held: a spare's, and a survivor's whose layout changes."""
         h = self.h
+
+        def provider(sh: Any) -> Callable[[], tuple[int, Any]]:
+            return lambda: (h.committed + 1, sh.state())
+
         for sh in self.shards.held():
-            h.runtime.server.publish(m.generation, items.zshard(sh.shard), lambda sh=sh: (h.committed + 1, sh.state()))
+            h.runtime.serving.publish(m.generation, items.zshard(sh.shard), provider(sh))
 
     def replay_needs_avg(self) -> bool:
         return False  # ctx.sync_gradients() is refused with ZeRO-1

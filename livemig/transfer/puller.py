@@ -45,7 +45,7 @@ from livemig.transfer import protocol as P
 from livemig.transfer.channel import MAX_BAD_CHUNKS, tcp_stream
 from livemig.transfer.source import Source
 
-log = logging.getLogger("livemig.transfer.client")
+log = logging.getLogger("livemig.transfer.puller")
 
 
 @dataclass

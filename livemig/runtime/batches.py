@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from livemig.config import Role
 from livemig.data import ElasticSampler
 from livemig.errors import ConfigError
+
+if TYPE_CHECKING:
+    from livemig.runtime.control import Activate
+    from livemig.runtime.virtual import VirtualRanks
 
 log = logging.getLogger("livemig.runtime.batches")
 
@@ -51,11 +55,24 @@ def _check(loader: Any) -> None:
             loader.multiprocessing_context = fs
 
 
+class BatchesHost(Protocol):
+    """What ctx.batches reads of its member (api.Engine's fields) as the loop moves."""
+
+    role: Role
+    world_size: int
+    joining: Activate | None
+    current: int | None
+    virtual: VirtualRanks
+
+    @property
+    def warming_up(self) -> bool: ...
+
+
 class Batches:
     """Owned by api.Engine: a spare's warm loaders (workers running) kept from standby.
     Reads the context's step, rank and world size as the loop moves."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: BatchesHost) -> None:
         self._ctx = ctx
         self._warm: dict[tuple, Any] = {}
 

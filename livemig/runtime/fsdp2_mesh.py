@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -36,6 +36,13 @@ from livemig.errors import ConfigError
 from livemig.runtime.control import Activate
 from livemig.runtime.fsdp2_mirror import ShardMirror
 from livemig.state import is_dtensor
+
+if TYPE_CHECKING:
+    from livemig.config import Timeouts
+    from livemig.runtime.member import MemberRuntime
+    from livemig.runtime.registry import Registry
+    from livemig.runtime.self_faults import SelfFaults
+    from livemig.runtime.step_state import StepState
 
 log = logging.getLogger("livemig.runtime.fsdp2_mesh")
 
@@ -58,13 +65,36 @@ def shard_peers(rank: int, shape: list[int]) -> list[int]:
     return [r for r in range(world) if r != rank and r % s == rank % s]
 
 
+class MeshHost(Protocol):
+    """What the FSDP2 mesh owner uses of its member (api.Engine's fields): who it is, where the
+    step is, and joining a recovery when a collective inside the user's code fails."""
+
+    role: Role
+    rank: int
+    world_size: int
+    timeouts: Timeouts
+    runtime: MemberRuntime  # None outside `livemig run`: tested before use
+    joining: Activate | None
+    reg: Registry
+    committed: int
+    current: int | None
+    loaded_step: int | None
+    st: StepState
+    faults: SelfFaults
+
+    @property
+    def warming_up(self) -> bool: ...
+
+    def join_recovery(self, t: int | None, exc: BaseException) -> None: ...
+
+
 class Fsdp2:
     """The FSDP2 mesh owner: owned by api.Engine and kept across the function's re-entries (the
     mesh, the shards' mirror and the boundary a redo starts from must survive them). The step,
     recovery and migration of an FSDP2 job are its strategy's (runtime/strategies/fsdp2.py),
     over the state held here."""
 
-    def __init__(self, host: Any) -> None:
+    def __init__(self, host: MeshHost) -> None:
         self.h = host
         self.mesh: Any = None
         self.shape: list[int] = []  # the shape the script asked for (a standby mesh is all ones)
@@ -150,8 +180,10 @@ class Fsdp2:
 
     def registered(self, fsdp: bool) -> None:
         """The modules fully_shard wrapped, for the signature (a spare must wrap the same)."""
-        reg = self.h.reg
-        self.units = units(reg.model) if fsdp else []  # the strategy's signature (runtime/strategies/fsdp2.py)
+        model = self.h.reg.model
+        self.units = (
+            units(model) if fsdp and model is not None else []
+        )  # the strategy's signature (strategies/fsdp2.py)
 
     # -- redo by re-entry -----------------------------------------------------------------
     def caused(self, exc: BaseException) -> bool:

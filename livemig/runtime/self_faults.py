@@ -16,13 +16,28 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from livemig.config import ENV_SELF_FAULT, Role
 from livemig.fault_gate import Gate
 from livemig.faults import SelfFault, parse_self_fault
 
+if TYPE_CHECKING:
+    from livemig.runtime.member import MemberRuntime
+
 log = logging.getLogger("livemig.runtime.self_faults")
+
+
+class FaultsHost(Protocol):
+    """What the test faults and the fault plan's gate read of their member (api.Engine's fields)."""
+
+    role: Role
+    rank: int
+    incarnation: str
+    runtime: MemberRuntime  # None outside `livemig run` (and until api.Engine makes it): tested before use
+
+    @property
+    def warming_up(self) -> bool: ...
 
 
 class SelfFaults:
@@ -30,7 +45,7 @@ class SelfFaults:
     context's rank, runtime and warming_up when a point is reached (a spare's rank changes
     when it is claimed)."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: FaultsHost) -> None:
         self._ctx = ctx
         raw = os.environ.get(ENV_SELF_FAULT)
         self.fault: SelfFault | None = parse_self_fault(raw) if raw else None

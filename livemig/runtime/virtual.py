@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -41,14 +41,38 @@ from livemig.data import seed_step, step_seed
 from livemig.errors import RecoveryError
 from livemig.state import unpack
 
+if TYPE_CHECKING:
+    from livemig.runtime.member import MemberRuntime
+    from livemig.runtime.registry import Registry
+    from livemig.runtime.self_faults import SelfFaults
+    from livemig.runtime.step_state import StepState
+
 log = logging.getLogger("livemig.runtime.virtual")
+
+
+class VirtualHost(Protocol):
+    """What a shrunk job's carried ranks use of their member (api.Engine's fields)."""
+
+    seed: int
+    rank: int
+    world_size: int
+    runtime: MemberRuntime
+    reg: Registry
+    committed: int
+    current: int | None
+    step_t0: float
+    st: StepState
+    faults: SelfFaults
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]: ...
 
 
 class VirtualRanks:
     """Owned by api.Engine (`engine.virtual`): the ranks this process carries in a shrunk
     job, their local state, the gradient stashed between the bodies of a step."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: VirtualHost) -> None:
         self.e = engine
         self.active: int | None = None  # the carried rank whose body runs now
         self.replaying: int | None = None  # the step replayed for a carried rank (its gradient dropped)
@@ -135,20 +159,21 @@ class VirtualRanks:
         if not self.acc:
             return
         keep = {self.e.rank, *self.carried()}
-        params = self.e.params
+        # every parameter holds a gradient here: the reduction gave each a zero one (Registry.ensure_grads)
+        own = cast(list[torch.Tensor], [p.grad for p in self.e.params])
         if self.base is None:  # kept: an attempt that fails (a grow) is summed again from it
-            self.base = [p.grad.detach().clone() for p in params]
-        for p, b in zip(params, self.base, strict=True):
+            self.base = [g.detach().clone() for g in own]
+        for g, b in zip(own, self.base, strict=True):
             if self.rank in keep:
-                p.grad.copy_(b)
+                g.copy_(b)
             else:
-                p.grad.zero_()
+                g.zero_()
         for r, grads in sorted(self.acc.items()):
             if r not in keep:
                 continue
-            for p, g in zip(params, grads, strict=True):
-                if g is not None:
-                    p.grad.add_(g)
+            for mine, theirs in zip(own, grads, strict=True):
+                if theirs is not None:
+                    mine.add_(theirs)
 
     def new_step(self) -> None:
         self.acc, self.base = {}, None

@@ -173,9 +173,11 @@ class Coordinator:
             return self._fail(m, differ)
         decided = self.checks.links(s) or self.checks.hung(s)
         if decided is None and m.carried:
-            decided = plan_grow(m, self._spares(s, self._signature(s)), self.shrink)
-            self._refuse(decided.refuse)
-            decided = None if decided.action == "wait" else decided
+            grow = plan_grow(m, self._spares(s, self._signature(s)), self.shrink)
+            if grow.action == "wait":
+                self._refuse(grow.refuse)  # a grow that goes ahead has _apply write its refusals
+            else:
+                decided = grow
         if decided is not None:
             return self._apply(s, decided, since)
         if self.migrations.maybe_migrate(s):

@@ -51,6 +51,21 @@ class Claim:
     claimed: dict
 
 
+def txn_ops(client: EtcdClient, ops: Iterable[Op]) -> list:
+    """`Put` / `Delete` values as the client's transaction ops."""
+    t = client.txn_ops
+    out = []
+    for op in ops:
+        if isinstance(op, Put):
+            value = op.value if isinstance(op.value, bytes) else encode(op.value)
+            out.append(t.put(op.key, value, op.lease) if op.lease else t.put(op.key, value))
+        elif op.prefix:
+            out.append(t.delete(op.key, range_end=prefix_end(op.key)))
+        else:
+            out.append(t.delete(op.key))
+    return out
+
+
 class Writes:
     """One leader's named writes (see the module doc). `guard` gives the compares that hold
     only while this process leads (LeaderElection.guard)."""
@@ -64,18 +79,7 @@ class Writes:
         return [self._guard()]
 
     def ops(self, ops: Iterable[Op]) -> list:
-        """`Put` / `Delete` values as the client's transaction ops."""
-        t = self.client.txn_ops
-        out = []
-        for op in ops:
-            if isinstance(op, Put):
-                value = op.value if isinstance(op.value, bytes) else encode(op.value)
-                out.append(t.put(op.key, value, op.lease) if op.lease else t.put(op.key, value))
-            elif op.prefix:
-                out.append(t.delete(op.key, range_end=prefix_end(op.key)))
-            else:
-                out.append(t.delete(op.key))
-        return out
+        return txn_ops(self.client, ops)
 
     def record(self, *ops: Op) -> bool:
         """Guarded puts and deletes, together: timeline events, suspects, results, refusals, prunes."""
@@ -86,9 +90,7 @@ class Writes:
     def record_once(self, key: str, value: Any, *more: Op) -> bool:
         """Put `value` at `key` only if nothing is there yet (a request one answer consumes: a
         migration request, the agents' request for fresh processes), with `more` alongside."""
-        t = self.client.txn_ops
-        compare = [*self.guard(), t.version(key) == 0]
-        return self.client.txn(compare, self.ops([Put(key, value), *more]))[0]
+        return put_if_absent(self.client, key, value, also=more, guard=self.guard())
 
     def new_generation(self, expected: int, new: Membership, fence: Sequence[str] = (),
                        extra: Sequence[Op] = (), claims: Sequence[Claim] = ()) -> bool:  # fmt: skip
@@ -126,22 +128,17 @@ class Writes:
         return self.ops(ops)
 
 
-def put_if_absent(client: EtcdClient, key: str, value: Any, lease: int | None = None, also: Sequence[Put] = (),
-                  unchanged: Any = None) -> bool:  # fmt: skip
+def put_if_absent(client: EtcdClient, key: str, value: Any, lease: int | None = None, also: Sequence[Op] = (),
+                  unchanged: Any = None, guard: Sequence[Any] = ()) -> bool:  # fmt: skip
     """Put `value` at `key` (and `also`) only if nothing is at `key` yet and, with `unchanged`
     (an rdzv.client.KV), that key is still at the revision read: the first writer of a
     record many may race for (a job's result, its secret, a node's rank in a run, a spare's
-    stop order). True if this write won."""
+    stop order). `guard`: more compares (a leader's). True if this write won."""
     t = client.txn_ops
-    compare = [t.version(key) == 0]
+    compare = [*guard, t.version(key) == 0]
     if unchanged is not None:
         compare.append(t.mod(unchanged.key) == unchanged.mod_revision)
-    value = value if isinstance(value, bytes) else encode(value)
-    ops = [t.put(key, value, lease) if lease else t.put(key, value)]
-    for p in also:
-        v = p.value if isinstance(p.value, bytes) else encode(p.value)
-        ops.append(t.put(p.key, v, p.lease) if p.lease else t.put(p.key, v))
-    return client.txn(compare, ops)[0]
+    return client.txn(compare, txn_ops(client, [Put(key, value, lease), *also]))[0]
 
 
 def delete_prefix_if(client: EtcdClient, prefix: str, key: str, kv: Any) -> bool:
@@ -149,4 +146,4 @@ def delete_prefix_if(client: EtcdClient, prefix: str, key: str, kv: Any) -> bool
     ended run's keys cleared by the agent that starts the next one, unless another did first."""
     t = client.txn_ops
     compare = [t.version(key) == 0] if kv is None else [t.mod(key) == kv.mod_revision]
-    return client.txn(compare, [t.delete(prefix, range_end=prefix_end(prefix))])[0]
+    return client.txn(compare, txn_ops(client, [Delete(prefix, prefix=True)]))[0]

@@ -90,7 +90,8 @@ class Replicated(Strategy):
         if h.sandbox.active or h.role == Role.LOCAL or h.runtime is None:
             st.synced = Synced(t, None)  # a world of one: the gradient is its own average
             return
-        if st.replay is not None and st.replay.step == t:
+        if h.boundary.replaying(t):
+            assert st.replay is not None
             avg = st.replay.avg
             if avg is None:
                 raise RecoveryError(f"the spare replaying step {t} holds no averaged gradient of it")

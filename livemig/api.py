@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from livemig import logs
-from livemig.comm.group import CollectiveAborted, exit_past_abandoned_builds, release_all, retire
+from livemig.comm.group import CollectiveAborted, exit_past_abandoned_builds, release_all
 from livemig.comm.reducer import GradReducer
 from livemig.comm.torch_group import StepAborted
 from livemig.config import (
@@ -278,9 +278,10 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                 exit_on_bug(ctx, exc)  # the training function raised: end the job, keep the spares
             finally:
                 if ctx is not None and ctx.runtime is not None:
-                    retire(ctx.runtime.pg, idle=clean)
+                    ctx.runtime.comm.retire(ctx.runtime.pg, idle=clean)
                     ctx.runtime.pg = None
                     ctx.runtime.close()
+                    ctx.runtime.comm.release()
                 release_all()
 
         return wrapper

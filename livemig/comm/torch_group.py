@@ -214,7 +214,7 @@ class SwappableGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
         o = dist.ReduceScatterOptions()
-        o.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM  # type: ignore[assignment]  # SUM converts
+        o.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM  # type: ignore[assignment, unused-ignore]  # SUM converts (stubs differ by torch)
         return _run("fsdp_reduce_scatter", lambda: self.inner._reduce_scatter_base(out, inp, o))
 
     def broadcast(self, *a: Any, **k: Any) -> Any:
@@ -298,11 +298,12 @@ def active() -> bool:
 
 
 def build_inners(store: dist.Store, rank: int, default_inner: Any,
-                 build: Callable[[dist.Store, int, int], Any]) -> list[tuple[SwappableGroup, Any]]:  # fmt: skip
+                 build: Callable[[str, dist.Store, int, int], Any]) -> list[tuple[SwappableGroup, Any]]:  # fmt: skip
     """Phase 1 of a generation: a communicator for each group this rank is in, the default
     group's being `default_inner` (livemig's own group of the generation: the same ranks in
     the same order), the others built by `build(store, group_rank, group_size)` on a prefix of
-    the generation's store named after the group. Every rank builds its groups in the order
+    the generation's store named after the group (`build(name, store, group_rank, group_size)`).
+    Every rank builds its groups in the order
     torch created them, the same on every rank, so the builds cannot wait on each other in a
     cycle."""
     out: list[tuple[SwappableGroup, Any]] = []
@@ -312,7 +313,8 @@ def build_inners(store: dist.Store, rank: int, default_inner: Any,
         if i == 0:
             out.append((g, default_inner))
             continue
-        out.append((g, build(dist.PrefixStore(f"tg/{g.group_name}", store), g.ranks.index(rank), len(g.ranks))))
+        st = dist.PrefixStore(f"tg/{g.group_name}", store)
+        out.append((g, build(g.group_name, st, g.ranks.index(rank), len(g.ranks))))
     return out
 
 

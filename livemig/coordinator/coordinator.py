@@ -317,7 +317,12 @@ class Coordinator:
                         )
                     )
             last = max(x.get("time", 0.0) for x in ready.values()) or time.time()
-            events.append(self.timeline.op(m.generation, "build", at=last))
+            # how the members formed the group (comm/communicator.py): the re-forms so far, summed
+            comm = sorted({str(x.get("comm", "swap")) for x in ready.values()})
+            reconfigures = sum(int(as_number(x.get("reconfigures", 0))) for x in ready.values())
+            reused = sum(1 for x in ready.values() if x.get("reused"))  # members re-forming an object that trained
+            events.append(self.timeline.op(m.generation, "build", at=last, comm=",".join(comm),
+                                           reconfigures=reconfigures, reused=reused))  # fmt: skip
         events.append(self.timeline.op(m.generation, "commit"))
         if self.writes.update_generation(new, extra=events):
             log.info("committed", extra={"generation": m.generation})

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from livemig.comm.group import CollectiveAborted, retire
+from livemig.comm.group import CollectiveAborted
 from livemig.config import Role
 from livemig.data import seed_step, step_seed
 from livemig.errors import ConfigError
@@ -182,7 +182,7 @@ class StepLoop(MemberFields):
             self.reducer.abandon()  # no bucket may launch on the abandoned group, nor be reused
         log.warning("collective failed; joining recovery",
                     extra={"step": t, "generation": self.runtime.gen, "why": str(exc)})  # fmt: skip
-        retire(self.runtime.pg)
+        self.runtime.comm.retire(self.runtime.pg)
         self.runtime.pg = None
         self.runtime.follow(self.runtime.gen + 1, self.pull)
 

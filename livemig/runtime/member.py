@@ -26,8 +26,8 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from livemig.comm import torch_group
-from livemig.comm.group import CollectiveAborted, build_group, build_subgroup, generation_store, retire
+from livemig.comm import communicator, torch_group
+from livemig.comm.group import CollectiveAborted, generation_store
 from livemig.config import (
     ENV_BACKEND,
     ENV_ETCD,
@@ -91,6 +91,8 @@ class MemberRuntime:
         self.incarnation = incarnation
         self.host = os.environ.get(ENV_HOST, "127.0.0.1")
         self.backend = os.environ.get(ENV_BACKEND, "gloo")
+        # how a generation's groups are formed and retired (comm/communicator.py, $LIVEMIG_COMM)
+        self.comm: communicator.Communicator = communicator.pick(self.backend)
         self.fenced = threading.Event()
         self.fence_reason = ""
         self._cond = threading.Condition()
@@ -205,16 +207,17 @@ class MemberRuntime:
         def work() -> None:
             t0 = time.monotonic()
             try:
-                pg = build_group(m.store, g, rank, m.world_size, self.timeouts.collective, self.backend,
-                                 should_abort=lambda: self.fenced.is_set() or self.m.generation > g)  # fmt: skip
+                pg = self.comm.form(m.store, g, rank, m.world_size, self.timeouts.collective,
+                                    should_abort=lambda: self.fenced.is_set() or self.m.generation > g)  # fmt: skip
                 try:
                     box["built"] = self._build_mesh(m, rank, pg)  # FSDP2: the device mesh's groups too
                 except Exception:
-                    retire(pg, idle=True)
+                    self.comm.retire(pg, idle=True)
                     raise
                 box["pg"] = pg  # last: prebuilt() answers once every group is built
                 self.put(self.keys.ready(g, rank), {"incarnation": self.incarnation, "built": True,
-                                                    "build_s": time.monotonic() - t0, "time": time.time()})  # fmt: skip
+                                                    "build_s": time.monotonic() - t0, "time": time.time(),
+                                                    **self.comm.stats()})  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - an abandoned build: the migration was aborted
                 box["err"] = exc
                 log.info("background build abandoned", extra={"generation": g, "why": str(exc)})
@@ -232,11 +235,11 @@ class MemberRuntime:
         pg = self.prebuilt(g)
         if pg is None:
             raise CollectiveAborted(f"no prebuilt group for generation {g}")
-        retire(self.pg, idle=True)  # a step boundary: its last collective completed
+        self.comm.retire(self.pg, idle=True)  # a step boundary: its last collective completed
         built = self._pre[1].get("built") if self._pre is not None else None
         if built:  # the device mesh's groups (FSDP2) train on this generation's from now on too
             for old in torch_group.swap_built(built, g):
-                retire(old, idle=True)
+                self.comm.retire(old, idle=True)
         self.pg, self.gen, self._pre = pg, g, None
         log.info("switched group (planned migration)", extra={"generation": g})
 
@@ -373,8 +376,8 @@ class MemberRuntime:
             return
         t0 = time.monotonic()
         try:
-            pg = build_group(
-                m.store, g, m.group_rank(rank), m.group_size, self.timeouts.collective, self.backend,
+            pg = self.comm.form(
+                m.store, g, m.group_rank(rank), m.group_size, self.timeouts.collective,
                 should_abort=lambda: self.fenced.is_set() or self.m.generation != g,
             )  # fmt: skip
         except CollectiveAborted as exc:
@@ -387,32 +390,32 @@ class MemberRuntime:
             built = self._build_mesh(m, rank, pg)
         except CollectiveAborted as exc:
             log.info("device-mesh build abandoned", extra={"generation": g, "why": str(exc)})
-            retire(pg)
+            self.comm.retire(pg)
             self.check_fenced()
             if self.m.generation == g:
                 self._wait_change(m)
             return
         self.put(self.keys.ready(g, rank), {
             "incarnation": self.incarnation, "build_s": time.monotonic() - t0,
-            "time": time.time(), **stream})  # fmt: skip
+            "time": time.time(), **stream, **self.comm.stats()})  # fmt: skip
         committed = self.wait_membership(
             lambda x: x.generation != g or x.state == GenState.COMMITTED,
             f"phase 2 (commit) of generation {g}",
         )
         if committed.generation == g and committed.state == GenState.COMMITTED:
-            retire(self.pg)
+            self.comm.retire(self.pg)
             if built:  # the device mesh's groups (FSDP2) train on this generation's too
                 for old in torch_group.swap_built(built, g):
-                    retire(old)
+                    self.comm.retire(old)
             member.switch_layout(committed)
             self.pg, self.gen, self.carried = pg, g, dict(committed.carried)
             if self.server is not None:
                 self.server.withdraw()
             log.info("switched group", extra={"generation": g, "rank": rank})
         else:
-            retire(pg, idle=True)  # built, never used: the generation moved on before its commit
+            self.comm.retire(pg, idle=True)  # built, never used: the generation moved on before its commit
             for _, inner in built[1:]:
-                retire(inner, idle=True)
+                self.comm.retire(inner, idle=True)
 
     def _build_mesh(self, m: Membership, rank: int, pg: Any) -> list:
         """Phase 1 for the device mesh's groups (comm/torch_group.py): one communicator per
@@ -422,9 +425,9 @@ class MemberRuntime:
         g = m.generation
         store = generation_store(m.store, g, self.timeouts.collective)
 
-        def build(st: Any, r: int, n: int) -> Any:
-            return build_subgroup(st, f"generation {g}'s mesh group", r, n, self.timeouts.collective, self.backend,
-                                  should_abort=lambda: self.fenced.is_set() or self.m.generation != g)  # fmt: skip
+        def build(name: str, st: Any, r: int, n: int) -> Any:
+            return self.comm.form_sub(st, name, g, r, n, self.timeouts.collective,
+                                      should_abort=lambda: self.fenced.is_set() or self.m.generation != g)  # fmt: skip
 
         return torch_group.build_inners(store, rank, pg, build)
 

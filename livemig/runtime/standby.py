@@ -17,7 +17,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from livemig.comm.group import retire
 from livemig.config import ENV_RANK, Role, node_host, node_rank
 from livemig.errors import ConfigError, EtcdUnavailableError
 from livemig.rdzv.client import decode, through_outage
@@ -151,7 +150,7 @@ class Standby:
         if rt.keeper is not None:
             rt.keeper.stop(revoke=True)
             rt.keeper = None
-        retire(rt.pg)
+        rt.comm.retire(rt.pg)
         rt.back_to_standby()
         h.reset_user_state()
         h.joining = None

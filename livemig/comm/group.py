@@ -418,9 +418,13 @@ def ring_exchange(
     should_abort: Callable[[], bool] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Send `blob` (uint8) to rank+s and return what rank-s sent (s: config.buddy_stride):
-    each rank's local state mirrored on its buddy. Sizes first, so a blob may change size."""
+    each rank's local state mirrored on its buddy. Sizes first, so a blob may change size.
+    The ring runs on host memory (gloo's send/recv take CPU tensors; a mirror held in host
+    memory spares the device's): a device blob is staged to the host first."""
     if pg is None:
         raise CollectiveAborted("no process group: this member is between generations")
+    if blob.device.type != "cpu":
+        blob = blob.cpu()
     s = buddy_stride(world)
     right, left = (rank + s) % world, (rank - s) % world
     size_out, size_in = torch.tensor([blob.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)

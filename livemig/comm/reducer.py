@@ -88,6 +88,8 @@ class GradReducer:
                 off += self.params[i].numel()
         self.sizes = [sum(self.params[i].numel() for i in idx) for idx in self.layout]
         self.dtypes = [self.params[idx[0]].dtype for idx in self.layout]
+        # buckets live with the parameters (`.grad` may be a view of one: device.py's one code path)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
         w = max(shard_world, 1)
         self.padded = [-(-n // w) * w for n in self.sizes]  # room for equal slices per rank
         self.shard_sizes = [n // w for n in self.padded]
@@ -134,7 +136,8 @@ class GradReducer:
             self._flip %= n
 
     def _alloc(self, sizes: list[int]) -> list[torch.Tensor]:
-        return [torch.zeros(n, dtype=dt) for n, dt in zip(sizes, self.dtypes, strict=True)]  # padding stays zero
+        return [torch.zeros(n, dtype=dt, device=self.device)
+                for n, dt in zip(sizes, self.dtypes, strict=True)]  # padding stays zero  # fmt: skip
 
     def disarm(self) -> None:
         self._armed = False

@@ -153,7 +153,7 @@ class ShardState:
         (a step count) are equal over a param group's pieces and taken from the first."""
         world = len(parts)
         sizes = [-(-n // world) for n in self.red.sizes]
-        full = [torch.zeros(max(s * world, n), dtype=d)  # room for the old and the new padding
+        full = [torch.zeros(max(s * world, n), dtype=d, device=self.red.device)  # room for the old and the new padding
                 for s, n, d in zip(sizes, self.red.padded, self.red.dtypes, strict=True)]  # fmt: skip
         elems: dict[tuple[int, str, int], torch.Tensor] = {}  # (group, key, bucket): the whole bucket
         scalars: dict[tuple[int, str], torch.Tensor] = {}
@@ -175,7 +175,8 @@ class ShardState:
                         continue
                     dst = elems.get((p.group, key, p.bucket))
                     if dst is None:
-                        dst = elems[(p.group, key, p.bucket)] = torch.zeros(full[p.bucket].numel(), dtype=t.dtype)
+                        dst = torch.zeros(full[p.bucket].numel(), dtype=t.dtype, device=self.red.device)
+                        elems[(p.group, key, p.bucket)] = dst
                     at = k * sizes[p.bucket] + p.start
                     dst[at : at + p.length].copy_(t)
         if len(stateless) > 1:
@@ -356,7 +357,9 @@ class Zero1:
             return self._gather_shrunk(pg, timeout, abort, meanwhile)
         vals = self.own.values
         if self._gather is None:
-            self._gather = [torch.zeros(n, dtype=v.dtype) for n, v in zip(self.red.padded, vals, strict=True)]
+            dev = self.red.device
+            pads = zip(self.red.padded, vals, strict=True)
+            self._gather = [torch.zeros(n, dtype=v.dtype, device=dev) for n, v in pads]
         outs = self._gather
         try:
             works = _launch(pg, lambda: [pg.allgather([list(f.chunk(self.world))], [v])
@@ -375,19 +378,21 @@ class Zero1:
         owned = {p: sorted(s for s, (o, _) in self.layout.items() if o == p) for p in members}
         k = max(len(v) for v in owned.values())
         sizes = self.red.shard_sizes
-        outs = [[torch.empty(k * n, dtype=d) for _ in members] for n, d in zip(sizes, self.red.dtypes, strict=True)]
+        dev = self.red.device
+        kinds = list(zip(sizes, self.red.dtypes, strict=True))
+        outs = [[torch.empty(k * n, dtype=d, device=dev) for _ in members] for n, d in kinds]
 
         def launch() -> list:
             works = []
             for b, n in enumerate(sizes):
-                mine = torch.zeros(k * n, dtype=self.red.dtypes[b])
+                mine = torch.zeros(k * n, dtype=self.red.dtypes[b], device=dev)
                 for j, s in enumerate(owned[self.rank]):
                     mine[j * n : (j + 1) * n].copy_(self.shards[s].values[b])
                 works.append(pg.allgather([outs[b]], [mine]))
             return works
 
         wait_all(_launch(pg, launch, meanwhile), timeout, abort)  # fresh buffers: nothing to forget on a failure
-        full = [torch.zeros(n, dtype=d) for n, d in zip(self.red.padded, self.red.dtypes, strict=True)]
+        full = [torch.zeros(n, dtype=d, device=dev) for n, d in zip(self.red.padded, self.red.dtypes, strict=True)]
         for b, n in enumerate(sizes):
             for i, p in enumerate(members):
                 for j, s in enumerate(owned[p]):

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import zmq
 
+from livemig.device import HostStager
 from livemig.errors import TransferError, WithdrawnError
 from livemig.state import as_bytes, dtype_of, unflatten
 from livemig.transfer import protocol as P
@@ -85,7 +86,11 @@ def pull(
         header, alive = _headers(sources, job, secret, gen, item, timeout, dropped, stall_s, abort)
         metas = header["tensors"]
         dests = _destinations(metas, alloc)
-        views = [as_bytes(t).numpy() for t in dests]
+        # a destination on a device lands in host memory first, then is copied in (device.py)
+        stager = HostStager()
+        landing = [torch.empty(t.numel() * t.element_size(), dtype=torch.uint8, pin_memory=t.is_cuda)
+                   if stager.needed(t) else as_bytes(t) for t in dests]  # fmt: skip
+        views = [b.numpy() for b in landing]
         chunks = P.plan([m["nbytes"] for m in metas], header["chunk"])
         macs = header["macs"]
         if len(macs) != len(chunks) or P.combine(macs) != header["digest"] or not isinstance(header["step"], int):
@@ -97,6 +102,9 @@ def pull(
             refetched = tcp_stream(alive, chunks, auth, views, job, secret, gen, item, stall_s, dropped, abort)
         else:
             refetched = _stream(alive, chunks, auth, views, job, secret, gen, item, stall_s, dropped, abort)
+        for t, host in zip(dests, landing, strict=True):
+            if stager.needed(t):
+                stager.from_host(host, t)
         state = unflatten(header["skeleton"], dests)
         return Pulled(
             header["step"], state, sum(m["nbytes"] for m in metas), time.monotonic() - t0,

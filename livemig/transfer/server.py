@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import zmq
 
+from livemig.device import HostStager
 from livemig.errors import WithdrawnError
-from livemig.state import as_bytes, flatten, tensor_meta
+from livemig.state import flatten, tensor_meta
 from livemig.transfer import gmac
 from livemig.transfer import protocol as P
 
@@ -41,7 +42,11 @@ class _Snapshot:
         self.tensors: list[torch.Tensor] = []
         self.skeleton = flatten(obj, self.tensors)
         self.step = step
-        self.bytes = [as_bytes(t.contiguous()) for t in self.tensors]
+        # device tensors are staged to host memory once, chunk by chunk (device.py): the
+        # chunks' MACs and the bytes sent are the host copy's
+        stager = HostStager()
+        self.bytes = [stager.to_host(t.contiguous()) for t in self.tensors]
+        self.staged_bytes = sum(b.numel() for b, t in zip(self.bytes, self.tensors, strict=True) if stager.needed(t))
         self.chunks = P.plan([b.numel() for b in self.bytes])
         keys = [P.chunk_key(key, gen, item, step, i) for i in range(len(self.chunks))]
         views = [self.view(c) for c in self.chunks]

@@ -154,7 +154,9 @@ ENV_INCARNATION = "LIVEMIG_INCARNATION"
 ENV_HOST = "LIVEMIG_HOST"  # address peers reach this process at (default 127.0.0.1)
 ENV_NODE_RANK = "LIVEMIG_NODE_RANK"  # the node rank of the agent that started this process
 ENV_BUDDY_STRIDE = "LIVEMIG_BUDDY_STRIDE"  # a rank's mirror (local state, ZeRO-1 shard) is rank + this
-ENV_BACKEND = "LIVEMIG_BACKEND"  # "gloo" (default) or "nccl"
+ENV_BACKEND = "LIVEMIG_BACKEND"  # "gloo" or "nccl" (default: livemig/device.py default_backend)
+# how a generation's groups are formed: "swap" (default) or "reconfigure" (comm/communicator.py)
+ENV_COMM = "LIVEMIG_COMM"
 ENV_ZERO1_MIRROR = "LIVEMIG_ZERO1_MIRROR"  # "0": no mirror of ZeRO-1 shards (benchmarks; a lost shard is fatal)
 ENV_FSDP2_MIRROR = "LIVEMIG_FSDP2_MIRROR"  # 0: no mirror of each FSDP2 shard (default: on for plain FSDP)
 # "0": every worker and spare is a fresh `python SCRIPT` instead of a fork of the agent's zygote,

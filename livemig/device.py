@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-ENV_BACKEND = "LIVEMIG_BACKEND"
+from livemig.config import ENV_BACKEND
+
 STAGE_CHUNK_BYTES = 8 << 20  # one staged copy; the transfer's own chunk (transfer/protocol.py) is 4 MiB
 STAGE_DEPTH = 4  # pinned buffers in the ring: copies in flight while earlier chunks are consumed
 
@@ -37,7 +38,7 @@ def local_rank() -> int:
     return 0
 
 
-def training_device(params: list[torch.Tensor] | None = None) -> torch.device:
+def training_device(params: Sequence[torch.Tensor] | None = None) -> torch.device:
     """The device a process trains on: its parameters' (the model's device), else
     `cuda:LOCAL_RANK` where CUDA is available, else the CPU."""
     if params:
@@ -57,7 +58,7 @@ def default_backend(device: torch.device | None = None) -> str:
     return "nccl" if dev.type == "cuda" else "gloo"
 
 
-def comm_device(backend: str, params: list[torch.Tensor] | None = None) -> torch.device:
+def comm_device(backend: str, params: Sequence[torch.Tensor] | None = None) -> torch.device:
     """Where the small tensors of livemig's own collectives live (control votes, sizes, the
     local-state ring's blobs): NCCL reduces device tensors only, gloo host ones best."""
     if backend == "nccl":  # pragma: no cover - needs a GPU

@@ -57,12 +57,11 @@ import torch.distributed as dist
 
 from livemig.comm import group as comm_group
 from livemig.comm.group import CollectiveAborted, first_line, wait_all
-from livemig.config import ENV_HOST
+from livemig.config import ENV_COMM, ENV_HOST
 from livemig.errors import ConfigError
 
 log = logging.getLogger("livemig.comm")
 
-ENV_COMM = "LIVEMIG_COMM"
 CHOICES = ("swap", "reconfigure")
 DEFAULT = "swap"  # why: docs/architecture.md, "Communicators" (the measurements)
 POLL_S = 0.002  # how often a re-form looks for its peers' handles

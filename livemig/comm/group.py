@@ -233,13 +233,39 @@ def release_all() -> None:
         gc.collect()
 
 
+def device_of(pg: Any) -> torch.device | None:
+    """The device a group's collectives need their tensors on: CUDA for NCCL, None (any:
+    gloo takes host and CUDA tensors) otherwise."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is not None and isinstance(pg, nccl):  # pragma: no cover - needs GPUs
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _placed(pg: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` where `pg` can reduce them: themselves, or device copies for NCCL (a control
+    tensor or a flag made on the host); `_back` copies the results into the originals."""
+    dev = device_of(pg)
+    if dev is None:
+        return tensors
+    return [t if t.device == dev else t.to(dev) for t in tensors]  # pragma: no cover - needs GPUs
+
+
+def _back(originals: list[torch.Tensor], placed: list[torch.Tensor]) -> None:
+    for o, p in zip(originals, placed, strict=True):
+        if p is not o:  # pragma: no cover - needs GPUs
+            o.copy_(p)
+
+
 def allreduce_sum(pg: Any, flats: list[torch.Tensor], timeout: timedelta,
                   should_abort: Callable[[], bool] | None = None) -> None:  # fmt: skip
     """Sum-allreduce every flat bucket in place; raises CollectiveAborted."""
     if pg is None:
         raise CollectiveAborted("no process group: this member is between generations")
-    works = [pg.allreduce([flat]) for flat in flats]
+    placed = _placed(pg, flats)
+    works = [pg.allreduce([flat]) for flat in placed]
     wait_all(works, timeout, should_abort)
+    _back(flats, placed)
 
 
 def allreduce_mean(
@@ -395,6 +421,9 @@ def broadcast_tensors(
         if t.numel():
             by_dtype.setdefault(t.dtype, []).append(t)
     flats = [(ts, torch.cat([t.detach().reshape(-1) for t in ts])) for ts in by_dtype.values()]
+    dev = device_of(pg)
+    if dev is not None:  # pragma: no cover - needs GPUs
+        flats = [(ts, f.to(dev)) for ts, f in flats]
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     try:
@@ -419,23 +448,26 @@ def ring_exchange(
 ) -> torch.Tensor:  # fmt: skip
     """Send `blob` (uint8) to rank+s and return what rank-s sent (s: config.buddy_stride):
     each rank's local state mirrored on its buddy. Sizes first, so a blob may change size.
-    The ring runs on host memory (gloo's send/recv take CPU tensors; a mirror held in host
-    memory spares the device's): a device blob is staged to the host first."""
+    The ring runs where the group can send (device_of: NCCL's device, else host memory:
+    gloo's send/recv take CPU tensors, and a mirror held in host memory spares the device's);
+    the blob received is returned on the host."""
     if pg is None:
         raise CollectiveAborted("no process group: this member is between generations")
-    if blob.device.type != "cpu":
-        blob = blob.cpu()
+    dev = device_of(pg) or torch.device("cpu")
+    if blob.device != dev:
+        blob = blob.to(dev)
     s = buddy_stride(world)
     right, left = (rank + s) % world, (rank - s) % world
-    size_out, size_in = torch.tensor([blob.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    buf = torch.empty(0, dtype=torch.uint8)
+    size_out = torch.tensor([blob.numel()], dtype=torch.int64, device=dev)
+    size_in = torch.zeros(1, dtype=torch.int64, device=dev)
+    buf = torch.empty(0, dtype=torch.uint8, device=dev)
     for tag, out in ((_RING_TAG, size_out), (_RING_TAG + 1, blob)):
         if tag != _RING_TAG:
-            buf = torch.empty(int(size_in[0]), dtype=torch.uint8)
+            buf = torch.empty(int(size_in[0]), dtype=torch.uint8, device=dev)
         dst = size_in if tag == _RING_TAG else buf
         try:  # a broken group refuses at launch
             works = [pg.send([out], right, tag), pg.recv([dst], left, tag)]
         except Exception as exc:  # noqa: BLE001
             raise CollectiveAborted(f"collective failed at launch: {first_line(exc)}") from exc
         wait_all(works, timeout, should_abort, poll=False)  # send/recv run in wait()
-    return buf
+    return buf.cpu()

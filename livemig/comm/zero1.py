@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from livemig.comm.group import CollectiveAborted, wait_all
+from livemig.comm.group import CollectiveAborted, device_of, wait_all
 from livemig.comm.reducer import GradReducer
 from livemig.config import ENV_REDUCE, buddy_stride, zero1_layout
 from livemig.errors import ConfigError, RecoveryError
@@ -331,7 +331,7 @@ class Zero1:
     def barrier(pg: Any, timeout: timedelta, abort: Any) -> None:
         if pg is None:
             raise CollectiveAborted("no process group: this member is between generations")
-        wait_all([pg.allreduce([torch.zeros(1)])], timeout, abort)
+        wait_all([pg.allreduce([torch.zeros(1, device=device_of(pg))])], timeout, abort)
 
     def update(self, own: Any, mirror: list[torch.Tensor] | None = None, part: str = "all") -> None:
         """Step the shards held with their averaged slices: (own, mirror) at full width, or

@@ -29,7 +29,6 @@ import torch.distributed as dist
 from livemig.comm import communicator, torch_group
 from livemig.comm.group import CollectiveAborted, generation_store
 from livemig.config import (
-    ENV_BACKEND,
     ENV_ETCD,
     ENV_HOST,
     ENV_JOB,
@@ -37,6 +36,7 @@ from livemig.config import (
     node_host,
     node_rank,
 )
+from livemig.device import default_backend
 from livemig.errors import ConfigError, EtcdUnavailableError, FencedError, RecoveryError
 from livemig.rdzv.client import EtcdClient, conform, encode, through_outage
 from livemig.rdzv.lease import LeaseKeeper
@@ -90,7 +90,7 @@ class MemberRuntime:
         self.job = job
         self.incarnation = incarnation
         self.host = os.environ.get(ENV_HOST, "127.0.0.1")
-        self.backend = os.environ.get(ENV_BACKEND, "gloo")
+        self.backend = default_backend()  # $LIVEMIG_BACKEND, else NCCL on a CUDA host, gloo otherwise
         # how a generation's groups are formed and retired (comm/communicator.py, $LIVEMIG_COMM)
         self.comm: communicator.Communicator = communicator.pick(self.backend)
         self.fenced = threading.Event()

@@ -133,7 +133,7 @@ FLOORS = [
     {"runtime", "sandbox"},
     {"comm", "transfer"},
     {"rdzv"},
-    {"fault_gate", "faults", "state", "data", "checkpoint_dir", "references"},
+    {"fault_gate", "faults", "state", "data", "checkpoint_dir", "references", "device"},
     {"config", "logs", "errors"},
 ]
 

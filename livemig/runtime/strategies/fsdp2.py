@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from livemig.comm import torch_group
-from livemig.comm.group import CollectiveAborted, allreduce_sum, ring_exchange
+from livemig.comm.group import CollectiveAborted, allreduce_sum, device_of, ring_exchange
 from livemig.config import SHARDING_ENTRY, buddy_stride
 from livemig.errors import ConfigError, RecoveryError
 from livemig.runtime.control import Activate
@@ -129,7 +129,8 @@ class Fsdp2(Strategy):
         if h.runtime is None or h.world_size == 1:
             h.commit(t, None)
             return
-        ctl = torch.tensor([1.0, h.migration.vote()])  # [commit, planned migration: switch after t]
+        # [commit, planned migration: switch after t], where the group reduces (device_of)
+        ctl = torch.tensor([1.0, h.migration.vote()], device=device_of(h.runtime.pg))
         try:
             h.runtime.check_fenced()
             h.runtime.report.enter_collective(t)

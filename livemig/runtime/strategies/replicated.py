@@ -16,6 +16,7 @@ import torch
 
 from livemig.comm.group import CollectiveAborted, allreduce_sum
 from livemig.config import Role, buddy_stride
+from livemig.device import training_device
 from livemig.errors import RecoveryError
 from livemig.runtime.start_sync import sync_start
 from livemig.runtime.step_state import Averaged, Replay, Synced
@@ -112,7 +113,8 @@ class Replicated(Strategy):
         while True:
             rt.check_fenced()
             rt.report.enter_collective(t)  # the coordinator's hang detection reads how long we wait
-            ctl = torch.tensor([h.migration.vote()])  # planned migration: all 1.0 = switch after this step
+            # planned migration: all 1.0 = switch after this step; with the buckets (NCCL reduces device tensors)
+            ctl = torch.tensor([h.migration.vote()], device=training_device(h.reg.params))
             try:
                 h.boundary.keep_before(t)
                 h.boundary.mirror_local(t)  # before the vote: nobody commits t unless our mirror holds it

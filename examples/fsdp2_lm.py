@@ -93,9 +93,9 @@ def lr_at(step: int, total: int, base: float = 3e-3, warmup: int = 5) -> float:
 
 @livemig.elastic()
 def train(ctx: livemig.Context, steps: int, replicate: int, width: int = 64, layers: int = 2, mp: str = "",
-          reshard: bool = True) -> None:  # fmt: skip
+          reshard: bool = True, device: str = "cpu") -> None:  # fmt: skip
     shard = max(1, ctx.world_size // replicate)
-    mesh = ctx.init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("replicate", "shard"))
+    mesh = ctx.init_device_mesh(device, (replicate, shard), mesh_dim_names=("replicate", "shard"))
     model = sharded(mesh, width, layers, mp, reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=lr_at(0, steps), weight_decay=0.1)
     ctx.register(model=model, optimizer=opt)
@@ -103,7 +103,7 @@ def train(ctx: livemig.Context, steps: int, replicate: int, width: int = 64, lay
     ds = corpus(8 * steps * max(ctx.world_size, 1))
     batches = ctx.batches(DataLoader(ds, batch_sampler=ElasticSampler(len(ds), 8, seed=7)))
     for step in ctx.steps(steps):
-        x, y = next(batches)
+        x, y = (t.to(device) for t in next(batches))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps)
         loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -123,9 +123,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--mp", choices=("", "bf16"), default="", help="bf16: MixedPrecisionPolicy(bf16, fp32 reduce)")
     p.add_argument("--no-reshard", action="store_true", help="fully_shard(reshard_after_forward=False)")
+    p.add_argument("--device", default="cpu", help="the mesh's device type: cpu (default) or cuda")
     a = p.parse_args()
     torch.set_num_threads(1)
-    train(a.steps, a.replicate, a.width, a.layers, a.mp, not a.no_reshard)
+    train(a.steps, a.replicate, a.width, a.layers, a.mp, not a.no_reshard, a.device)
 
 
 if __name__ == "__main__":

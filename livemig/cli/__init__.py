@@ -33,6 +33,8 @@ BENCHES = [
      "run"),
     ("warmup", "activation of a warm spare next to a cold process started at the failure", "warmup_bench",
      "add_arguments", "run_warmup"),
+    ("comm", "the two communicators (LIVEMIG_COMM swap, reconfigure) forming generations and in a kill",
+     "comm_bench", "add_arguments", "run_comm"),
 ]  # fmt: skip
 
 

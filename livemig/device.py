@@ -72,6 +72,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def device_reserved_mb() -> float:
+    """The device memory this process's caching allocator holds (a warm spare's warm-up: the
+    model, the optimizer's state, the shadow iterations' activations), 0 where CUDA was never
+    initialised."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0.0
+    return torch.cuda.memory_reserved() / 2**20  # pragma: no cover - needs a GPU
+
+
 def is_host(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 

@@ -38,10 +38,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKS = ("setup", "transfer", "plain", "zero1", "fsdp2", "nccl", "warmup", "multi")
-SECRET = b"gpu-check"
 
 
-def _cuda() -> str:
+def _cuda() -> str:  # also transfer_bench's
     """'' when CUDA is usable, else why not."""
     if not torch.cuda.is_available():
         return f"no CUDA device (torch {torch.__version__}, built with CUDA {torch.version.cuda or 'none'})"
@@ -66,54 +65,10 @@ def check_setup(a: argparse.Namespace) -> tuple[str, str]:
 
 
 # -- transfer ---------------------------------------------------------------------------------
-def _state(mb: int, device: str) -> dict[str, torch.Tensor]:
-    from livemig.bench.transfer_bench import synthetic_state
-
-    return {k: v.to(device) for k, v in synthetic_state(mb).items()}
-
-
-def _serve(mb: int) -> None:
-    from livemig.transfer.server import StateServer
-
-    state = _state(mb, "cuda")
-    srv = StateServer("gpu-check", SECRET)
-    srv.publish(1, "state", lambda: (0, state))
-    print(srv.addr, flush=True)
-    sys.stdin.read()
-
-
 def check_transfer(a: argparse.Namespace) -> tuple[str, str]:
-    why = _cuda()
-    if why:
-        return "SKIP", why
-    from livemig.transfer.puller import pull
+    from livemig.bench.transfer_bench import cuda_transfer
 
-    mb = 64 if a.quick else 512
-    p = subprocess.Popen([sys.executable, "-m", "livemig.bench.gpu_check", "--serve", str(mb)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        addr = (p.stdout.readline() if p.stdout else "").strip()
-        if not addr:
-            return "FAIL", "the serving process printed no address"
-        want = _state(mb, "cuda")
-        times = []
-        for _ in range(2 if a.quick else 3):
-            dest = {k: torch.empty_like(v) for k, v in want.items()}
-            names = list(dest)
-            torch.cuda.synchronize()
-            got = pull(addr, "gpu-check", SECRET, 1, "state", timeout=60,
-                       alloc=lambda i, meta, d=dest, n=names: d[n[i]])  # fmt: skip
-            torch.cuda.synchronize()
-            times.append(got.seconds)
-            if not all(torch.equal(dest[k], want[k]) for k in want):
-                return "FAIL", "the pulled CUDA state differs from the served one"
-        gbps = got.nbytes / min(times) / 1e9
-        return "PASS", (f"{got.nbytes / 2**20:.0f} MiB CUDA -> CUDA bit-exact, {gbps:.2f} GB/s (best of {len(times)}); "
-                        f"host staging: {got.nbytes / 2**20:.0f} MiB on each side")  # fmt: skip
-    finally:
-        if p.stdin:
-            p.stdin.close()
-        p.wait(timeout=30)
+    return cuda_transfer(64 if a.quick else 512, 2 if a.quick else 3)
 
 
 # -- jobs ---------------------------------------------------------------------------------------
@@ -206,7 +161,17 @@ def check_warmup(a: argparse.Namespace) -> tuple[str, str]:
     why = _cuda()
     if why:
         return "SKIP", why
-    return "SKIP", "`livemig bench warmup` takes no --device yet (its workload is examples/mlp.py on the CPU)"
+    with tempfile.TemporaryDirectory(prefix="livemig-gpu-") as tmp:
+        out = Path(tmp) / "warmup.json"
+        cmd = [sys.executable, "-m", "livemig.cli", "bench", "warmup", "--device", "cuda", "--repeat", "1",
+               "--steps", "20", "--fail-at", "10", "--width", "1024", "--layers", "8", "--json", str(out)]  # fmt: skip
+        env = {**os.environ, "LIVEMIG_BACKEND": "gloo", "LIVEMIG_STATE_DIR": tmp}
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=tmp)
+        if p.returncode != 0 or not out.exists():
+            return "FAIL", f"exit {p.returncode}: " + " | ".join((p.stdout + p.stderr).strip().splitlines()[-2:])
+        r = json.loads(out.read_text())
+    return "PASS", (f"warm activation {r['warm_activation_s']:.3f} s, cold {r['cold_activation_s']:.3f} s, "
+                    f"warm/cold {r['warm_over_cold']:.3f} (target <= 0.1)")  # fmt: skip
 
 
 def check_multi(a: argparse.Namespace) -> tuple[str, str]:
@@ -229,11 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m livemig.bench.gpu_check")
     p.add_argument("--quick", action="store_true", help="smaller transfers and fewer repeats (<= 2 minutes)")
     p.add_argument("--only", nargs="*", choices=CHECKS, help="run these checks only")
-    p.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.serve:
-        _serve(a.serve)
-        return 0
     print(f"gpu_check: torch {torch.__version__}, python {sys.version.split()[0]}, "
           f"CUDA {'available: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'unavailable'}",
           flush=True)  # fmt: skip

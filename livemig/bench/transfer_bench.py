@@ -213,6 +213,53 @@ def checksum_gbps(template: dict[str, torch.Tensor]) -> float:
     return total / (time.perf_counter() - t0) / 1e9
 
 
+# -- a CUDA state, both ends on the device (issue 49; scripts/gpu_check.sh's transfer check) --
+def _cuda_state(mb: int) -> dict[str, torch.Tensor]:
+    return {k: v.to("cuda") for k, v in synthetic_state(mb).items()}
+
+
+def _serve_cuda(mb: int) -> None:
+    from livemig.transfer.server import StateServer
+
+    state = _cuda_state(mb)
+    srv = StateServer("bench", SECRET)
+    srv.publish(1, "state", lambda: (0, state))
+    print(srv.addr, flush=True)
+    sys.stdin.read()
+
+
+def cuda_transfer(mb: int, repeat: int) -> tuple[str, str]:
+    """A CUDA state of `mb` MiB served by another process and pulled into CUDA tensors
+    `repeat` times (also `livemig bench transfer --device cuda`)."""
+    if not torch.cuda.is_available():
+        return "SKIP", f"no CUDA device (torch {torch.__version__}, built with CUDA {torch.version.cuda or 'none'})"
+    p = subprocess.Popen([sys.executable, "-m", "livemig.bench.transfer_bench", "--role", "serve-cuda",
+                          "--size-mb", str(mb)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        addr = (p.stdout.readline() if p.stdout else "").strip()
+        if not addr:
+            return "FAIL", "the serving process printed no address"
+        want = _cuda_state(mb)
+        times = []
+        for _ in range(max(1, repeat)):
+            dest = {k: torch.empty_like(v) for k, v in want.items()}
+            names = list(dest)
+            torch.cuda.synchronize()
+            got = pull(addr, "bench", SECRET, 1, "state", timeout=60,
+                       alloc=lambda i, meta, d=dest, n=names: d[n[i]])  # fmt: skip
+            torch.cuda.synchronize()
+            times.append(got.seconds)
+            if not all(torch.equal(dest[k], want[k]) for k in want):
+                return "FAIL", "the pulled CUDA state differs from the served one"
+        gbps = got.nbytes / min(times) / 1e9
+        return "PASS", (f"{got.nbytes / 2**20:.0f} MiB CUDA -> CUDA bit-exact, {gbps:.2f} GB/s (best of {len(times)}); "
+                        f"host staging: {got.nbytes / 2**20:.0f} MiB on each side")  # fmt: skip
+    finally:
+        if p.stdin:
+            p.stdin.close()
+        p.wait(timeout=30)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size-mb", type=int, default=1024, help="state size in MiB (default 1024)")
     p.add_argument("--sources", type=int, default=1, help="source processes (default 1)")
@@ -223,9 +270,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifiers", default="",
                    help="comma-separated LIVEMIG_TRANSFER_VERIFIERS values (e.g. 0,2) pulled too, interleaved: "
                         "a row each, next to the default's")  # fmt: skip
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: a CUDA state served and pulled into CUDA tensors (livemig/bench/gpu_check.py): "
+                        "bit-exact, GB/s, the host memory staged")  # fmt: skip
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.device == "cuda":
+        status, detail = cuda_transfer(a.size_mb, a.repeat)
+        print(f"{status} transfer --device cuda: {detail}")
+        return 0 if status == "PASS" else 1
     template = synthetic_state(a.size_mb)
     servers = [_spawn("--role", "serve", "--size-mb", str(a.size_mb)) for _ in range(a.sources)]
     enc_servers = [_spawn("--role", "serve", "--size-mb", str(a.size_mb), encrypt=True)
@@ -335,12 +389,14 @@ def run(a: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--role", choices=["serve", "push", "tcp-push", "recv"], required=True)
+    p.add_argument("--role", choices=["serve", "serve-cuda", "push", "tcp-push", "recv"], required=True)
     p.add_argument("--addrs", default="")
     p.add_argument("--size-mb", type=int, default=1024)
     p.add_argument("--port", type=int)
     a = p.parse_args()
-    if a.role == "serve":
+    if a.role == "serve-cuda":
+        _serve_cuda(a.size_mb)
+    elif a.role == "serve":
         _serve(a.size_mb)
     elif a.role == "recv":
         _recv(a.addrs.split(","), a.size_mb)

@@ -34,10 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, steps=40)
     p.add_argument("--fail-at", type=int, default=25, help="kill rank 1 after this step (default 25)")
     p.add_argument("--json", help="write every figure and raw sample here")
+    p.add_argument("--device", default="cpu", help="examples/mlp.py's --device: cpu (default) or cuda")
 
 
 def _one(a: argparse.Namespace, cold: bool) -> dict[str, Any]:
-    cfg = RunConfig(script=MLP, args=workload_args(a),
+    cfg = RunConfig(script=MLP, args=[*workload_args(a), "--device", a.device],
                     nproc=a.workers, spares=1, job=f"warm-{uuid.uuid4().hex[:6]}", quiet=True,
                     max_wall=a.run_timeout, cold_spares=cold,
                     faults=[parse_fault(f"kill:rank=1:step={a.fail_at}")])  # fmt: skip

@@ -112,7 +112,7 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
     for kv in kvs:
         if kv.key.startswith(keys.spares_prefix):
             s = conform(kv.value, {}, {"state": (str,), "host": (str,), "pid": (int,), "warmup_s": (int, float),
-                                       "claim": (dict,)})  # fmt: skip
+                                       "claim": (dict,), "device_mb": (int, float)})  # fmt: skip
             if s is None:
                 continue
             spares.append(
@@ -122,6 +122,7 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
                     "host": s.get("host"),
                     "pid": s.get("pid"),
                     "warmup_s": s.get("warmup_s"),
+                    "device_mb": s.get("device_mb"),
                     "claim": s.get("claim"),
                 }
             )

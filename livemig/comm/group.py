@@ -193,6 +193,9 @@ def retire(pg: Any, idle: bool = False, timeout: timedelta | None = None) -> Non
     `timeout` (default: the collective timeout, $LIVEMIG_COLLECTIVE_TIMEOUT) plus a margin."""
     if pg is None:
         return
+    if not idle and device_of(pg) is not None:  # pragma: no cover - needs GPUs
+        _abort_nccl(pg)
+        return
     if timeout is None:
         from livemig.config import Timeouts
 
@@ -201,6 +204,21 @@ def retire(pg: Any, idle: bool = False, timeout: timedelta | None = None) -> Non
     with _GRAVE_LOCK:
         _GRAVEYARD.append((pg, safe))
     sweep()
+
+
+def _abort_nccl(pg: Any) -> None:  # pragma: no cover - needs GPUs
+    """An NCCL group that may have a kernel waiting on a lost peer is aborted now, in a thread
+    of its own: a kernel never times out the way a gloo wait does, and aborting a generation's
+    communicators one after another, each waiting for the last, can hang (pytorch/pytorch#119797),
+    so each abort starts at once and none waits for another. Unverified on a GPU."""
+
+    def abort() -> None:
+        try:
+            getattr(pg, "abort", getattr(pg, "shutdown", lambda: None))()
+        except Exception as exc:  # noqa: BLE001 - already broken: its references go anyway
+            log.debug("NCCL abort failed", extra={"err": str(exc)})
+
+    threading.Thread(target=abort, name="livemig-nccl-abort", daemon=True).start()
 
 
 def sweep() -> int:

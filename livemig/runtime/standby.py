@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from livemig.config import ENV_RANK, Role, node_host, node_rank
+from livemig.device import device_reserved_mb
 from livemig.errors import ConfigError, EtcdUnavailableError
 from livemig.rdzv.client import decode, through_outage
 from livemig.rdzv.watch import PrefixWatch, wait_for
@@ -93,6 +94,8 @@ class Standby:
             "incarnation": h.incarnation, "host": node_host(), "pid": os.getpid(), "node": node_rank(),
             "state": "warm", "signature": h.signature(), "warmup_s": warm_s, "warm_at": time.time(),
             "peak_rss_mb": psutil.Process().memory_info().rss / 2**20,
+            # what its warm-up holds on the device (the caching allocator's reserve): 0 on a CPU
+            "device_mb": device_reserved_mb(),
         }  # fmt: skip
         budget = rt.timeouts.etcd_outage.total_seconds()  # warm during an outage: register once etcd is back
         keeper = rt.spare_keeper = through_outage(

@@ -89,8 +89,8 @@ class HostStager:
     """Device memory to the host and back in bounded chunks (module doc). `force=True` runs
     the same chunked path on CPU tensors: the logic is tested without a GPU."""
 
-    def __init__(self, chunk_bytes: int = STAGE_CHUNK_BYTES, depth: int = STAGE_DEPTH, force: bool = False) -> None:
-        self.chunk_bytes = max(1, chunk_bytes)
+    def __init__(self, chunk_bytes: int | None = None, depth: int = STAGE_DEPTH, force: bool = False) -> None:
+        self.chunk_bytes = max(1, chunk_bytes or STAGE_CHUNK_BYTES)
         self.depth = max(1, depth)
         self.force = force
         self._ring: list[torch.Tensor] = []

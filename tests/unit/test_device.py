@@ -59,3 +59,28 @@ def test_the_local_rank_comes_from_livemig_then_torchrun(monkeypatch):
     assert device.local_rank() == 3
     monkeypatch.setenv("LIVEMIG_LOCAL_RANK", "1")
     assert device.local_rank() == 1
+
+
+def test_a_state_transfer_through_the_staging_path_is_bit_exact(monkeypatch):
+    """Every tensor taken as a device tensor (HostStager.needed forced): the server stages it to
+    the host before its MACs, the puller lands it on the host and copies it in, chunk by chunk
+    through the ring; the destinations end equal to the source, in place."""
+    from livemig.transfer.puller import pull
+    from livemig.transfer.server import StateServer
+
+    monkeypatch.setattr(device.HostStager, "needed", lambda self, t: True)
+    monkeypatch.setattr(device, "STAGE_CHUNK_BYTES", 1 << 20)  # several chunks per tensor
+    g = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(700, 1100, generator=g), "b": torch.randn(13, generator=g).to(torch.bfloat16),
+             "n": torch.arange(5, dtype=torch.int64), "e": torch.empty(0)}  # fmt: skip
+    srv = StateServer("job", b"secret")
+    try:
+        srv.publish(2, "state", lambda: (7, state))
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        names = list(dest)
+        got = pull(srv.addr, "job", b"secret", 2, "state", 5.0, lambda i, m: dest[names[i]])
+    finally:
+        srv.close()
+    assert got.step == 7
+    for k, v in state.items():
+        assert torch.equal(dest[k], v), k

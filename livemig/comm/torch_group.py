@@ -138,9 +138,31 @@ class _Unformed:
         raise StepAborted("a collective on a device-mesh group before the job formed its first generation")
 
 
-def _run(kind: str, inner_call: Callable[[], Any]) -> _GuardedWork:
-    """Submit through the guard; a reduce-scatter's work is waited without polling (on gloo
-    it runs only inside its wait(): comm/group.py wait_all)."""
+class _AllOf:
+    """Several backend works as one (a coalesced call gloo has no single op for): complete when
+    all are, waited in order."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self.works)
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def get_future(self) -> Any:
+        return torch.futures.collect_all([w.get_future() for w in self.works])
+
+
+def _run(kind: str, inner_call: Callable[[], Any], poll: bool | None = None) -> _GuardedWork:
+    """Submit through the guard; a reduce-scatter's work (and a point-to-point one) is waited
+    without polling (on gloo it runs only inside its wait(): comm/group.py wait_all)."""
     GUARD.check()
     if GUARD.before is not None:
         GUARD.before(GUARD.kind or kind)
@@ -152,7 +174,7 @@ def _run(kind: str, inner_call: Callable[[], Any]) -> _GuardedWork:
         from livemig.comm.group import first_line
 
         GUARD.fail(f"collective failed: {first_line(exc)}")
-    return _GuardedWork(work, poll=kind != "fsdp_reduce_scatter")
+    return _GuardedWork(work, poll=kind != "fsdp_reduce_scatter" if poll is None else poll)
 
 
 class SwappableGroup(dist.ProcessGroup):
@@ -197,8 +219,12 @@ class SwappableGroup(dist.ProcessGroup):
     def _allgather_base(self, *a: Any, **k: Any) -> Any:
         return _run("fsdp_allgather", lambda: self.inner._allgather_base(*a, **k))
 
-    def allgather_into_tensor_coalesced(self, *a: Any, **k: Any) -> Any:
-        return _run("fsdp_allgather", lambda: self.inner.allgather_into_tensor_coalesced(*a, **k))
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:  # fmt: skip
+        """gloo has no coalesced all-gather into tensors (a full state dict, DTensor.full_tensor
+        of several): one `_allgather_base` per pair, waited as one."""
+        pairs = list(zip(outputs, inputs, strict=True))
+        return _run("fsdp_allgather", lambda: _AllOf([self.inner._allgather_base(o, i) for o, i in pairs]))
 
     def all_gather_single(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
         return _run("fsdp_allgather", lambda: self.inner._allgather_base(out, inp))
@@ -209,8 +235,14 @@ class SwappableGroup(dist.ProcessGroup):
     def _reduce_scatter_base(self, *a: Any, **k: Any) -> Any:
         return _run("fsdp_reduce_scatter", lambda: self.inner._reduce_scatter_base(*a, **k))
 
-    def reduce_scatter_tensor_coalesced(self, *a: Any, **k: Any) -> Any:
-        return _run("fsdp_reduce_scatter", lambda: self.inner.reduce_scatter_tensor_coalesced(*a, **k))
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:  # fmt: skip
+        """As allgather_into_tensor_coalesced: one `_reduce_scatter_base` per pair."""
+        o = dist.ReduceScatterOptions()
+        o.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM  # type: ignore[assignment, unused-ignore]  # SUM converts (stubs differ by torch)
+        pairs = list(zip(outputs, inputs, strict=True))
+        return _run("fsdp_reduce_scatter",
+                    lambda: _AllOf([self.inner._reduce_scatter_base(out, inp, o) for out, inp in pairs]))  # fmt: skip
 
     def reduce_scatter_single(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
         o = dist.ReduceScatterOptions()
@@ -225,6 +257,34 @@ class SwappableGroup(dist.ProcessGroup):
 
     def barrier(self, *a: Any, **k: Any) -> Any:
         return _run("other", lambda: self.inner.barrier(*a, **k))
+
+    def alltoall(self, *a: Any, **k: Any) -> Any:
+        return _run("other", lambda: self.inner.alltoall(*a, **k), poll=False)
+
+    def alltoall_base(self, *a: Any, **k: Any) -> Any:
+        return _run("other", lambda: self.inner.alltoall_base(*a, **k), poll=False)
+
+    def gather(self, *a: Any, **k: Any) -> Any:
+        return _run("other", lambda: self.inner.gather(*a, **k), poll=False)
+
+    def scatter(self, *a: Any, **k: Any) -> Any:
+        return _run("other", lambda: self.inner.scatter(*a, **k), poll=False)
+
+    def reduce(self, *a: Any, **k: Any) -> Any:
+        return _run("other", lambda: self.inner.reduce(*a, **k), poll=False)
+
+    def send(self, *a: Any, **k: Any) -> Any:
+        return _run("other", lambda: self.inner.send(*a, **k), poll=False)
+
+    def recv(self, *a: Any, **k: Any) -> Any:
+        return _run("other", lambda: self.inner.recv(*a, **k), poll=False)
+
+    def recv_anysource(self, *a: Any, **k: Any) -> Any:
+        return _run("other", lambda: self.inner.recv_anysource(*a, **k), poll=False)
+
+    def monitored_barrier(self, *a: Any, **k: Any) -> Any:
+        GUARD.check()  # synchronous in gloo: it returns once every rank reached it, or raises
+        return self.inner.monitored_barrier(*a, **k)
 
 
 def gloo_inner(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:

@@ -157,6 +157,8 @@ ENV_BUDDY_STRIDE = "LIVEMIG_BUDDY_STRIDE"  # a rank's mirror (local state, ZeRO-
 ENV_BACKEND = "LIVEMIG_BACKEND"  # "gloo" or "nccl" (default: livemig/device.py default_backend)
 # how a generation's groups are formed: "swap" (default) or "reconfigure" (comm/communicator.py)
 ENV_COMM = "LIVEMIG_COMM"
+# "0": NCCL picks its algorithm and protocol per communicator (default: pinned, device.py)
+ENV_NCCL_EXACT = "LIVEMIG_NCCL_EXACT"
 ENV_ZERO1_MIRROR = "LIVEMIG_ZERO1_MIRROR"  # "0": no mirror of ZeRO-1 shards (benchmarks; a lost shard is fatal)
 ENV_FSDP2_MIRROR = "LIVEMIG_FSDP2_MIRROR"  # 0: no mirror of each FSDP2 shard (default: on for plain FSDP)
 # "0": every worker and spare is a fresh `python SCRIPT` instead of a fork of the agent's zygote,

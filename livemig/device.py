@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from livemig.config import ENV_BACKEND
+from livemig.config import ENV_BACKEND, ENV_NCCL_EXACT
 
 STAGE_CHUNK_BYTES = 8 << 20  # one staged copy; the transfer's own chunk (transfer/protocol.py) is 4 MiB
 STAGE_DEPTH = 4  # pinned buffers in the ring: copies in flight while earlier chunks are consumed
@@ -64,6 +64,25 @@ def comm_device(backend: str, params: Sequence[torch.Tensor] | None = None) -> t
     if backend == "nccl":  # pragma: no cover - needs a GPU
         return training_device(params)
     return torch.device("cpu")
+
+
+# NCCL picks an algorithm and protocol per communicator and message size; a re-formed
+# communicator (another generation, other peers) may pick others and sum in another order. In
+# exact mode livemig pins one of each (ring, simple: what NCCL uses for large all-reduces) unless
+# the user set them; LIVEMIG_NCCL_EXACT=0 leaves NCCL free (faster small messages, not exact).
+NCCL_EXACT = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
+
+
+def nccl_exact_env() -> dict[str, str]:
+    """Set NCCL's algorithm and protocol for exact mode where the user did not (read by NCCL
+    when a communicator is made, so before the first); returns what was set."""
+    if os.environ.get(ENV_NCCL_EXACT, "1") == "0":
+        return {}
+    done = {}
+    for k, v in NCCL_EXACT.items():
+        if k not in os.environ:
+            os.environ[k] = done[k] = v
+    return done
 
 
 def synchronize(device: torch.device) -> None:

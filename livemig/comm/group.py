@@ -69,6 +69,22 @@ def _gloo(store: dist.Store, rank: int, world: int, timeout: timedelta) -> Any:
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
+def _nccl(store: dist.Store, rank: int, world: int, timeout: timedelta) -> Any:  # pragma: no cover - needs GPUs
+    """An NCCL group bound to this process's device (`bound_device_id`: its communicator is
+    made eagerly on that device, which nccl2 needs), with livemig's exact-mode NCCL settings
+    (device.py `nccl_exact_env`). Unverified on a GPU."""
+    from livemig.device import nccl_exact_env, training_device
+
+    nccl_exact_env()
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    pg = dist.ProcessGroupNCCL(store, rank, world, opts)
+    dev = training_device()
+    if dev.type == "cuda" and hasattr(pg, "bound_device_id"):
+        pg.bound_device_id = dev
+    return pg
+
+
 _ABANDONED_BUILDS: list[threading.Thread] = []  # builds given up on, maybe still inside gloo's constructor
 
 
@@ -133,8 +149,7 @@ def build_group(
     def make() -> Any:
         store = store_for(store_addr, gen, timeout)
         if backend == "nccl":  # pragma: no cover - needs GPUs
-            opts = dist.ProcessGroupNCCL.Options()
-            return dist.ProcessGroupNCCL(store, rank, world, opts)
+            return _nccl(store, rank, world, timeout)
         return _gloo(store, rank, world, timeout)
 
     return _abortable(make, f"generation {gen}", timeout, should_abort)
@@ -148,7 +163,7 @@ def build_subgroup(
 
     def make() -> Any:
         if backend == "nccl":  # pragma: no cover - needs GPUs
-            return dist.ProcessGroupNCCL(store, rank, world, dist.ProcessGroupNCCL.Options())
+            return _nccl(store, rank, world, timeout)
         return _gloo(store, rank, world, timeout)
 
     return _abortable(make, what, timeout, should_abort)

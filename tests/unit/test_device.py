@@ -84,3 +84,16 @@ def test_a_state_transfer_through_the_staging_path_is_bit_exact(monkeypatch):
     assert got.step == 7
     for k, v in state.items():
         assert torch.equal(dest[k], v), k
+
+
+def test_exact_mode_pins_nccls_algorithm_and_protocol_unless_the_user_did(monkeypatch):
+    for k in ("NCCL_ALGO", "NCCL_PROTO", "LIVEMIG_NCCL_EXACT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("NCCL_PROTO", "LL128")  # the user's own choice stays
+    assert device.nccl_exact_env() == {"NCCL_ALGO": "Ring"}
+    import os
+
+    assert os.environ["NCCL_ALGO"] == "Ring" and os.environ["NCCL_PROTO"] == "LL128"
+    monkeypatch.delenv("NCCL_ALGO")
+    monkeypatch.setenv("LIVEMIG_NCCL_EXACT", "0")
+    assert device.nccl_exact_env() == {} and "NCCL_ALGO" not in os.environ

@@ -151,10 +151,31 @@ def check_nccl(a: argparse.Namespace) -> tuple[str, str]:
         if not done.wait(10.0):
             return "FAIL", f"round {round_}: the abort did not return within 10 s"
         figures.append(f"formed {formed * 1e3:.0f} ms, aborted {(time.monotonic() - t1) * 1e3:.0f} ms")
-    nccl2 = hasattr(dist, "ProcessGroupNCCL2") or os.environ.get("TORCH_DIST_USE_NCCL2") == "1"
+    from livemig.comm.communicator import ReconfigureComm, nccl2_available
+
     ver = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
-    two = f"nccl2 {'present' if nccl2 else 'absent'} (livemig's reconfigure over nccl2 is not implemented)"
-    return "PASS", f"NCCL {ver}: " + "; then ".join(figures) + "; " + two
+    if not nccl2_available():
+        return "PASS", f"NCCL {ver}: " + "; then ".join(figures) + "; nccl2 absent from this torch"
+    rc = ReconfigureComm("nccl")  # livemig's reconfigure communicator over nccl2: a world of one, re-formed
+    forms = []
+    for g in (1, 2, 3):
+        t0 = time.monotonic()
+        pg = rc.form(f"127.0.0.1:{store.port}", g, 0, 1, t)
+        x = torch.full((4,), 2.0, device="cuda")
+        pg.allreduce([x]).wait()
+        torch.cuda.synchronize()
+        forms.append(time.monotonic() - t0)
+        if not torch.equal(x, torch.full((4,), 2.0, device="cuda")):
+            return "FAIL", f"nccl2 re-form {g}: an all-reduce over a world of one changed its input"
+        rc.retire(pg, idle=True)
+    st = rc.stats()
+    rc.release()
+    ms = ", ".join(f"{x * 1e3:.0f}" for x in forms)
+    return "PASS", (
+        f"NCCL {ver}: "
+        + "; then ".join(figures)
+        + f"; nccl2 re-formed 3 times through livemig's communicator ({ms} ms, {st['created']} object)"
+    )
 
 
 def check_warmup(a: argparse.Namespace) -> tuple[str, str]:

@@ -33,10 +33,10 @@ held by tests/unit/test_communicator.py):
   updated by a reconfigure: livemig's objects are never registered with torch; the groups
   user code sees are comm/torch_group.py's SwappableGroups, whose ranks livemig keeps.
 
-Only livemig's side is shared with nccl2 (ProcessGroupNCCL2, torch 2.15's default "nccl"):
-the handle exchange, the slots and the retire rule. Creating an nccl2 object is not
-implemented here (no GPU to verify it on): `--comm reconfigure` with the NCCL backend is
-refused with one line.
+With the NCCL backend the objects are nccl2's (ProcessGroupNCCL2, NCCL >= 2.28; torch 2.15's
+default "nccl", present in 2.14): only livemig's side is shared with gloo (the handle exchange,
+the slots, the retire rule); nccl2 itself tears its communicator down and bootstraps a new one
+at each re-form. Unverified on a GPU; refused with one line where the torch has no nccl2.
 """
 
 from __future__ import annotations
@@ -65,6 +65,11 @@ log = logging.getLogger("livemig.comm")
 CHOICES = ("swap", "reconfigure")
 DEFAULT = "swap"  # why: docs/architecture.md, "Communicators" (the measurements)
 POLL_S = 0.002  # how often a re-form looks for its peers' handles
+
+
+def nccl2_available() -> bool:
+    """Has the installed torch nccl2 (ProcessGroupNCCL2: reconfigurable NCCL, NCCL >= 2.28)?"""
+    return reconfigure_available() and hasattr(dist, "ProcessGroupNCCL2")
 
 
 def reconfigure_available() -> bool:
@@ -218,10 +223,12 @@ class ReconfigureComm:
     name = "reconfigure"
 
     def __init__(self, backend: str = "gloo") -> None:
-        if backend != "gloo":
+        if backend not in ("gloo", "nccl"):
+            raise ConfigError(f"{ENV_COMM}=reconfigure runs on gloo or NCCL ({backend} asked): use {ENV_COMM}=swap")
+        if backend == "nccl" and reconfigure_available() and not nccl2_available():
             raise ConfigError(
-                f"{ENV_COMM}=reconfigure runs on gloo only in this release ({backend} asked; nccl2 is not "
-                f"implemented): use {ENV_COMM}=swap"
+                f"{ENV_COMM}=reconfigure with NCCL needs nccl2 (ProcessGroupNCCL2), which this torch lacks: "
+                f"use {ENV_COMM}=swap"
             )
         if not reconfigure_available():
             import torch
@@ -241,9 +248,11 @@ class ReconfigureComm:
 
     # -- the slot's objects -----------------------------------------------------------------
     def _new(self, slot: str, timeout: timedelta) -> _Object:
+        if self.backend == "nccl":  # pragma: no cover - needs a GPU
+            return self._new_nccl2(slot, timeout)
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's own, not in its stubs
         opts._timeout = timeout
-        opts.enable_reconfigure = True
+        opts.enable_reconfigure = True  # type: ignore[attr-defined, unused-ignore]  # 2.14+
         host = os.environ.get(ENV_HOST, "")
         if host and not os.environ.get("GLOO_SOCKET_IFNAME"):
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
@@ -255,6 +264,24 @@ class ReconfigureComm:
         obj = _Object(pg, store, slot)
         self.created += 1
         return obj
+
+    def _new_nccl2(self, slot: str, timeout: timedelta) -> _Object:  # pragma: no cover - needs a GPU
+        """An nccl2 object: its communicator is made at the first reconfigure, on this process's
+        device. The handle exchange, slots and retire rule are the gloo objects'. Unverified."""
+        from livemig.device import nccl_exact_env, training_device
+
+        nccl_exact_env()
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        opts.enable_reconfigure = True  # type: ignore[attr-defined, unused-ignore]  # 2.14+
+        store = _Movable()
+        nccl2 = dist.ProcessGroupNCCL2  # type: ignore[attr-defined, unused-ignore]  # 2.14+
+        pg = nccl2(store, random.getrandbits(30), 1, opts)
+        dev = training_device()
+        if dev.type == "cuda" and hasattr(pg, "bound_device_id"):
+            pg.bound_device_id = dev
+        self.created += 1
+        return _Object(pg, store, slot)
 
     def _take(self, slot: str, timeout: timedelta) -> _Object:
         now = time.monotonic()

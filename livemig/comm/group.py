@@ -269,8 +269,8 @@ def release_all() -> None:
 def device_of(pg: Any) -> torch.device | None:
     """The device a group's collectives need their tensors on: CUDA for NCCL, None (any:
     gloo takes host and CUDA tensors) otherwise."""
-    nccl = getattr(dist, "ProcessGroupNCCL", None)
-    if nccl is not None and isinstance(pg, nccl):  # pragma: no cover - needs GPUs
+    kinds = tuple(k for k in (getattr(dist, "ProcessGroupNCCL", None), getattr(dist, "ProcessGroupNCCL2", None)) if k)
+    if kinds and isinstance(pg, kinds):  # pragma: no cover - needs GPUs
         return torch.device("cuda", torch.cuda.current_device())
     return None
 

@@ -121,8 +121,11 @@ def test_the_choices_that_cannot_be_honoured_are_refused_with_one_line(monkeypat
     monkeypatch.setenv(communicator.ENV_COMM, "")
     assert communicator.pick("gloo").name == "swap"
     if communicator.reconfigure_available():
-        with pytest.raises(ConfigError, match="runs on gloo only"):
-            communicator.pick("nccl", "reconfigure")
+        with pytest.raises(ConfigError, match="runs on gloo or NCCL"):
+            communicator.pick("mpi", "reconfigure")
+        if not communicator.nccl2_available():
+            with pytest.raises(ConfigError, match="needs nccl2"):
+                communicator.pick("nccl", "reconfigure")
         assert communicator.pick("gloo", "reconfigure").name == "reconfigure"
     else:
         with pytest.raises(ConfigError, match="needs torch 2.14 or later"):

@@ -94,28 +94,27 @@ def _job(script: str, args: list[str], nproc: int, spares: int, faults: list[str
         return "PASS", f"{line}; downtime {rec.get('downtime_s', '?')} s"
 
 
-def check_plain(a: argparse.Namespace) -> tuple[str, str]:
+MLP_ARGS = ["--steps", "20", "--width", "512", "--layers", "4", "--device", "cuda"]
+
+
+def _one_gpu_kill(script: str, args: list[str], nproc: int, step: int, timeout: float) -> tuple[str, str]:
+    """A job whose ranks share the one GPU (CUDA tensors over gloo) and a spare; rank 1 killed."""
     why = _cuda()
     if why:
         return "SKIP", why
-    return _job("examples/mlp.py", ["--steps", "20", "--width", "512", "--layers", "4", "--device", "cuda"],
-                2, 1, ["kill:rank=1:step=10"], {"LIVEMIG_BACKEND": "gloo"}, 150)  # fmt: skip
+    return _job(script, args, nproc, 1, [f"kill:rank=1:step={step}"], {"LIVEMIG_BACKEND": "gloo"}, timeout)
+
+
+def check_plain(a: argparse.Namespace) -> tuple[str, str]:
+    return _one_gpu_kill("examples/mlp.py", MLP_ARGS, 2, 10, 150)
 
 
 def check_zero1(a: argparse.Namespace) -> tuple[str, str]:
-    why = _cuda()
-    if why:
-        return "SKIP", why
-    return _job("examples/mlp_zero1.py", ["--steps", "20", "--width", "512", "--layers", "4", "--device", "cuda"],
-                2, 1, ["kill:rank=1:step=10"], {"LIVEMIG_BACKEND": "gloo"}, 150)  # fmt: skip
+    return _one_gpu_kill("examples/mlp_zero1.py", MLP_ARGS, 2, 10, 150)
 
 
 def check_fsdp2(a: argparse.Namespace) -> tuple[str, str]:
-    why = _cuda()
-    if why:
-        return "SKIP", why
-    return _job("examples/fsdp2_lm.py", ["--steps", "12", "--replicate", "2", "--device", "cuda"],
-                4, 1, ["kill:rank=1:step=6"], {"LIVEMIG_BACKEND": "gloo"}, 180)  # fmt: skip
+    return _one_gpu_kill("examples/fsdp2_lm.py", ["--steps", "12", "--replicate", "2", "--device", "cuda"], 4, 6, 180)
 
 
 def check_nccl(a: argparse.Namespace) -> tuple[str, str]:
@@ -201,8 +200,8 @@ def check_multi(a: argparse.Namespace) -> tuple[str, str]:
         return "SKIP", why
     if torch.cuda.device_count() < 2:
         return "SKIP", f"{torch.cuda.device_count()} GPU: an NCCL job needs one rank per GPU"
-    return _job("examples/mlp.py", ["--steps", "20", "--width", "512", "--layers", "4", "--device", "cuda"],
-                2, 1, ["kill:rank=1:step=8", "migrate:rank=0:step=14"], {"LIVEMIG_BACKEND": "nccl"}, 180)  # fmt: skip
+    return _job("examples/mlp.py", MLP_ARGS, 2, 1, ["kill:rank=1:step=8", "migrate:rank=0:step=14"],
+                {"LIVEMIG_BACKEND": "nccl"}, 180)  # fmt: skip
 
 
 RUN: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {

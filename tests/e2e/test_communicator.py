@@ -14,13 +14,13 @@ HSDP reference is test_fsdp2.py's, cached).
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
 from livemig.comm.communicator import reconfigure_available
 from tests.e2e.conftest import REPO, explain, livemig_run, rank_files, reference_of
+from tests.e2e.test_shrink import _finals, _samples
 
 RECONFIGURE = {"LIVEMIG_COMM": "reconfigure"}
 needs_api = pytest.mark.skipif(not reconfigure_available(), reason="the installed torch has no reconfigure API (2.14+)")
@@ -31,19 +31,6 @@ FSDP_PORT = os.path.join(REPO, "tests", "helpers", "fsdp_port.py")
 
 def _builds(run) -> list[dict]:
     return [e for e in run.report.get("timeline", []) if e["phase"] == "build"]
-
-
-def _samples(dump) -> dict[tuple[int, int], tuple]:
-    out = {}
-    for f in dump.glob("samples*.jsonl"):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            out[(r["step"], r["rank"])] = (r["ids"], r["meter"])
-    return out
-
-
-def _finals(dump) -> dict[int, dict]:
-    return {int(f.stem[5:]): json.loads(f.read_text()) for f in dump.glob("final*.json")}
 
 
 @needs_api

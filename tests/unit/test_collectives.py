@@ -8,15 +8,11 @@ CI budget: ~20 s (two runs of 3 processes)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
-from livemig.rdzv.embedded import free_port
+from tests.helpers.ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "collectives_worker.py")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORLD = 3
 # calls torch itself refuses on livemig's groups, by name, before any communication:
 # `monitored_barrier` checks that the group's backend is named "gloo" (theirs is "livemig",
@@ -25,24 +21,7 @@ REFUSED_BY_NAME = {"monitored_barrier": "monitored_barrier is only implemented f
 
 
 def _run(mode: str) -> dict[int, dict]:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": REPO}
-    procs = [subprocess.Popen([sys.executable, WORKER, mode, str(r), str(WORLD), str(port)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-             for r in range(WORLD)]  # fmt: skip
-    out: dict[int, dict] = {}
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=120)
-            assert p.returncode == 0, stderr[-3000:]
-            rec = json.loads(stdout.strip().splitlines()[-1])
-            out[rec["rank"]] = rec["results"]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    return {r: rec["results"] for r, rec in run_ranks(WORKER, WORLD, mode).items()}
 
 
 def test_every_public_collective_on_livemig_groups_gives_what_plain_gloo_gives():

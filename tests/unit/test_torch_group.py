@@ -7,38 +7,17 @@ CI budget: ~15 s (a run of 2 processes and one of 4)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from livemig.rdzv.embedded import free_port
+from tests.helpers.ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "torch_group_worker.py")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(world: int) -> dict[int, dict]:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": REPO}
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(world), str(port)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-             for r in range(world)]  # fmt: skip
-    out: dict[int, dict] = {}
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=120)
-            assert p.returncode == 0, stderr[-3000:]
-            rec = json.loads(stdout.strip().splitlines()[-1])
-            out[rec["rank"]] = rec
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    return run_ranks(WORKER, world)
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["fsdp-2", "hsdp-2x2"])

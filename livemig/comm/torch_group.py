@@ -138,6 +138,23 @@ class _Unformed:
         raise StepAborted("a collective on a device-mesh group before the job formed its first generation")
 
 
+# What a lost peer, a closed connection or a timeout says when a submission fails (gloo's
+# transport, c10d's store and network errors); anything else raised at submission is the
+# caller's error (an unsupported op, a wrong shape) and reaches the caller as itself.
+_LINK_WORDS = ("connection", "closed", "reset by peer", "timed out", "timeout", "broken pipe", "pair",
+               "socket", "abort", "peer", "econnrefused", "unreachable")  # fmt: skip
+
+
+def is_link_failure(exc: BaseException) -> bool:
+    """Does an error raised while submitting a collective mean the group is broken (a recovery),
+    rather than that the call was wrong (the caller's bug: the group can go on)?"""
+    net = tuple(e for e in (getattr(dist, "DistNetworkError", None), getattr(dist, "DistStoreError", None)) if e)
+    if net and isinstance(exc, net):
+        return True
+    msg = str(exc).lower()
+    return any(w in msg for w in _LINK_WORDS)
+
+
 class _AllOf:
     """Several backend works as one (a coalesced call gloo has no single op for): complete when
     all are, waited in order."""
@@ -173,6 +190,8 @@ def _run(kind: str, inner_call: Callable[[], Any], poll: bool | None = None) -> 
     except Exception as exc:  # noqa: BLE001 - a broken pair raises at submission too
         from livemig.comm.group import first_line
 
+        if not is_link_failure(exc):
+            raise  # the caller's: an op the backend lacks, a wrong shape; the group is sound
         GUARD.fail(f"collective failed: {first_line(exc)}")
     return _GuardedWork(work, poll=kind != "fsdp_reduce_scatter" if poll is None else poll)
 

@@ -20,7 +20,7 @@ import pytest
 
 from livemig.comm.communicator import reconfigure_available
 from tests.e2e.conftest import REPO, explain, livemig_run, rank_files, reference_of
-from tests.e2e.test_shrink import _finals, _samples
+from tests.e2e.test_shrink import finals_of, samples_of
 
 RECONFIGURE = {"LIVEMIG_COMM": "reconfigure"}
 needs_api = pytest.mark.skipif(not reconfigure_available(), reason="the installed torch has no reconfigure API (2.14+)")
@@ -58,8 +58,8 @@ def test_a_kill_a_migration_and_a_shrink_through_reconfigure_read_the_fault_free
     # every member of every generation re-formed (at least one re-form each), and in the shrink's
     # generation the survivors re-formed objects that had trained before (retired at the switch)
     assert all(b["reconfigures"] > 0 for b in builds) and builds[-1]["reused"] >= 1, builds
-    assert _samples(dump) == _samples(ref.out)
-    finals, want = _finals(dump), _finals(ref.out)
+    assert samples_of(dump) == samples_of(ref.out)
+    finals, want = finals_of(dump), finals_of(ref.out)
     assert set(finals) == {0, 1}, finals.keys()
     for r, f in finals.items():
         top = max(abs(v) for vals in want[r]["state"].values() for v in vals)

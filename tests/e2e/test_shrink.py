@@ -32,7 +32,7 @@ def _run(tmp_path, job, faults=(), extra=(), steps=STEPS, nproc=3, args=(), spar
     return run, dump
 
 
-def _samples(dump) -> dict[tuple[int, int], tuple]:
+def samples_of(dump) -> dict[tuple[int, int], tuple]:
     """(step, rank) -> (sample ids, meter count) of the last forward of it (a replay
     reads the same ones again)."""
     out = {}
@@ -43,7 +43,7 @@ def _samples(dump) -> dict[tuple[int, int], tuple]:
     return out
 
 
-def _finals(dump) -> dict[int, dict]:
+def finals_of(dump) -> dict[int, dict]:
     return {int(f.stem[5:]): json.loads(f.read_text()) for f in dump.glob("final*.json")}
 
 
@@ -52,7 +52,7 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shrink-ref")
     run, dump = _run(tmp, "ref")
     assert run.rc == 0, explain(run)
-    return _samples(dump), _finals(dump)
+    return samples_of(dump), finals_of(dump)
 
 
 @pytest.mark.parametrize("fault,carrier", [("kill:rank=2:step=10", 0), ("kill:rank=0:step=10:during=allreduce", 1)],
@@ -68,11 +68,11 @@ def test_a_lost_rank_is_carried_with_the_same_samples_and_global_batch(tmp_path,
     sh = run.report["shrunk"]
     assert (sh["physical_world_size"], sh["virtual_world_size"]) == (2, 3), sh
     assert sh["degraded_steps"] >= STEPS - 12, sh
-    samples = _samples(dump)
+    samples = samples_of(dump)
     assert samples.keys() == ref_samples.keys()  # every (step, rank) ran, the lost rank's included
     differ = sorted(k for k in ref_samples if samples[k] != ref_samples[k])
     assert not differ, f"(step, rank) whose samples or local meter differ from the fault-free run's: {differ[:8]}"
-    finals = _finals(dump)
+    finals = finals_of(dump)
     assert set(finals) == {0, 1, 2} - {lost}
     _within_bound(finals, ref_finals)
     assert run.report["replicas_identical"], explain(run)
@@ -97,10 +97,10 @@ def test_a_second_loss_of_a_shrunk_stateless_job_shrinks_it_again(tmp_path):
     assert run.rc == 0, explain(run)
     assert [r["kind"] for r in run.report["recoveries"]] == ["shrink", "shrink"], explain(run)
     assert run.report["shrunk"]["carried"] == {"1": 2, "3": 0} and run.report["steps_completed"] == STEPS
-    assert _samples(dump) == _samples(ref_dump)
-    finals = _finals(dump)
+    assert samples_of(dump) == samples_of(ref_dump)
+    finals = finals_of(dump)
     assert set(finals) == {0, 2}
-    _within_bound(finals, _finals(ref_dump))
+    _within_bound(finals, finals_of(ref_dump))
 
 
 def test_two_lost_ranks_and_one_spare_the_spare_takes_one_the_survivors_carry_the_other(tmp_path):
@@ -115,10 +115,10 @@ def test_two_lost_ranks_and_one_spare_the_spare_takes_one_the_survivors_carry_th
     (rec,) = run.report["recoveries"]
     assert rec["kind"] == "shrink" and rec["carried"] == {"3": 0} and len(rec["spares"]) == 1, rec
     assert run.report["shrunk"]["physical_world_size"] == 3 and run.report["steps_completed"] == STEPS
-    assert _samples(dump) == _samples(ref_dump)
-    finals = _finals(dump)
+    assert samples_of(dump) == samples_of(ref_dump)
+    finals = finals_of(dump)
     assert set(finals) == {0, 1, 2}
-    _within_bound(finals, _finals(ref_dump))
+    _within_bound(finals, finals_of(ref_dump))
 
 
 def test_a_second_loss_of_a_shrunk_job_with_local_state_fails_with_its_line(tmp_path):
@@ -161,8 +161,8 @@ def test_zero1_shrink_inside_the_reduction_adopts_the_shard(tmp_path, zero1_refe
     (rec,) = run.report["recoveries"]
     assert rec["kind"] == "shrink" and rec["carried"] == {"2": 0}, rec
     assert run.report["steps_completed"] == STEPS
-    assert _samples(dump) == _samples(ref_dump)
-    _within_bound(_finals(dump), _finals(ref_dump))
+    assert samples_of(dump) == samples_of(ref_dump)
+    _within_bound(finals_of(dump), finals_of(ref_dump))
     assert run.report["replicas_identical"], explain(run)
 
 
@@ -188,12 +188,12 @@ def test_a_checkpoint_written_while_shrunk_holds_the_carried_rank(tmp_path, zero
     back, dump = _run(tmp_path, "zrs", args=("--zero1",), extra=("--resume-from", str(one)))
     assert back.rc == 0 and back.report["steps_completed"] == STEPS, explain(back)
     assert back.report["zero1"]["mirrors_exact"] and back.report["replicas_identical"], explain(back)
-    ref = _samples(zero1_reference)
-    got = _samples(dump)
+    ref = samples_of(zero1_reference)
+    got = samples_of(dump)
     assert sorted({s for s, _ in got}) == list(range(25, STEPS)) and all(got[k] == ref[k] for k in got)
-    finals = _finals(dump)
+    finals = finals_of(dump)
     assert set(finals) == {0, 1, 2}
-    _within_bound(finals, _finals(zero1_reference))
+    _within_bound(finals, finals_of(zero1_reference))
 
 
 @pytest.mark.parametrize("args", [(), ("--zero1",)], ids=["plain", "zero1"])
@@ -242,10 +242,10 @@ def test_a_spare_started_later_takes_the_carried_rank_back(tmp_path, etcd, procs
     assert sh["grew_back"] and sh["physical_world_size"] == 3 and sh["carried"] == {}, sh
     assert 0 < sh["degraded_steps"] <= steps - 10, sh  # grown back with >= 10 steps at full width
     assert rep["steps_completed"] == steps
-    assert _samples(dump) == _samples(ref_dump)
-    finals = _finals(dump)
+    assert samples_of(dump) == samples_of(ref_dump)
+    finals = finals_of(dump)
     assert set(finals) == {0, 1, 2}
-    _within_bound(finals, _finals(ref_dump))
+    _within_bound(finals, finals_of(ref_dump))
     if args:  # every shard held by its owner again, each mirror equal to it bit for bit
         z = rep["zero1"]
         assert z["mirrored"] and z["mirrors_exact"], z

@@ -85,3 +85,16 @@ def test_the_reconfigure_api_has_the_shape_livemig_calls():
 
 def test_reconfigure_is_reported_absent_on_a_torch_without_it():
     assert communicator.reconfigure_available() == (_version() >= (2, 14))
+
+
+def test_a_submission_error_is_told_apart_from_a_lost_link():
+    """comm/torch_group.py: an op the backend lacks or a wrong call reaches the caller as itself
+    (the group goes on); what a lost peer or a timeout says poisons the generation (a recovery)."""
+    from livemig.comm.torch_group import is_link_failure
+
+    assert not is_link_failure(RuntimeError("Backend gloo does not support alltoall"))
+    assert not is_link_failure(ValueError("Cannot use ReduceOp.AVG with Gloo"))
+    assert not is_link_failure(RuntimeError("Tensors must be contiguous"))
+    assert is_link_failure(RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer"))
+    assert is_link_failure(RuntimeError("Connection closed by peer [127.0.0.1]:30095"))
+    assert is_link_failure(RuntimeError("Timed out waiting 30000ms for recv operation to complete"))

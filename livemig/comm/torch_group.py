@@ -218,6 +218,13 @@ class SwappableGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND
 
+    def _get_backend(self, device: Any = None) -> Any:
+        """The communicator now under the group, for torch code that asks a group for its
+        backend on a device (torch 2.14's `batch_isend_irecv` reads its `supports_coalescing`;
+        a Python group has no backend registered per device, and torch raised "No backend type
+        associated with device type cpu")."""
+        return self.inner
+
     def _allreduce_kind(self) -> str:
         return "replicate_allreduce" if self.role == "replicate" else "other"
 

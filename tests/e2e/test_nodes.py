@@ -244,8 +244,11 @@ def test_the_node_of_the_leader_and_an_etcd_member_lost_exactly(tmp_path, procs,
     assert rep["steps_completed"] == STEPS and rep["rank_digests"] == ref.report["rank_digests"]
     (rec,) = rep["recoveries"]
     lost = [r for r in range(world) if r // per_node == victim - 1]
-    fence = next(e for e in rep["timeline"] if e["phase"] == "fence")
-    assert fence["ranks"] == lost, fence
+    # both lost ranks fenced in the one recovery; their leases may expire a pass apart (a loaded
+    # machine: two fence events of one generation, seen in CI), so the union is what is asserted
+    fences = [e for e in rep["timeline"] if e["phase"] == "fence"]
+    assert sorted({r for e in fences for r in e["ranks"]}) == lost, fences
+    assert len({e["generation"] for e in fences}) == 1, fences
     new_leader = client.get(keys.leader)
     assert new_leader is None or hosts.addrs[survivor] in new_leader.value.decode()
     print("leader node loss:", rec)

@@ -2,11 +2,11 @@
 
 livemig has one code path for every device: buckets, shards, mirrors and control tensors
 are made on the device of the parameters they belong to, and the only device-specific work
-is here: which device and backend a process trains with, staging device memory to the host
-(a state transfer's bytes, MACs and digests are computed on host memory) and back, and
-synchronising. On a CPU each of these is the identity or a no-op, which is what the CPU
-suite runs; the CUDA branches are marked and, until `scripts/gpu_check.sh` has passed on a
-GPU, unverified (README, "GPUs").
+is here: which device and backend a process trains with, and staging device memory to the host
+(a state transfer's bytes, MACs and digests are computed on host memory) and back. On a
+CPU each of these is the identity or a no-op, which is what the CPU suite runs; the CUDA
+branches are marked and, until `scripts/gpu_check.sh` has passed on a GPU, unverified
+(README, "GPUs").
 
 Staging (`HostStager`): a device tensor's bytes are copied to the host in chunks through a
 small ring of pinned buffers on a side stream that first waits for the training stream's
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from livemig.config import ENV_BACKEND, ENV_NCCL_EXACT
+from livemig.state import as_bytes
 
 STAGE_CHUNK_BYTES = 8 << 20  # one staged copy; the transfer's own chunk (transfer/protocol.py) is 4 MiB
 STAGE_DEPTH = 4  # pinned buffers in the ring: copies in flight while earlier chunks are consumed
@@ -58,14 +59,6 @@ def default_backend(device: torch.device | None = None) -> str:
     return "nccl" if dev.type == "cuda" else "gloo"
 
 
-def comm_device(backend: str, params: Sequence[torch.Tensor] | None = None) -> torch.device:
-    """Where the small tensors of livemig's own collectives live (control votes, sizes, the
-    local-state ring's blobs): NCCL reduces device tensors only, gloo host ones best."""
-    if backend == "nccl":  # pragma: no cover - needs a GPU
-        return training_device(params)
-    return torch.device("cpu")
-
-
 # NCCL picks an algorithm and protocol per communicator and message size; a re-formed
 # communicator (another generation, other peers) may pick others and sum in another order. In
 # exact mode livemig pins one of each (ring, simple: what NCCL uses for large all-reduces) unless
@@ -83,12 +76,6 @@ def nccl_exact_env() -> dict[str, str]:
         if k not in os.environ:
             os.environ[k] = done[k] = v
     return done
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on the CPU)."""
-    if device.type == "cuda":  # pragma: no cover - needs a GPU
-        torch.cuda.synchronize(device)
 
 
 def device_reserved_mb() -> float:
@@ -129,7 +116,7 @@ class HostStager:
     def chunks(self, t: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         """(offset, host bytes) of `t`'s flat bytes, chunk by chunk, up to `depth` copies in
         flight; a host chunk is valid until the next one is asked for (consume it first)."""
-        src = _flat_bytes(t)
+        src = as_bytes(t)
         ring = self._buffers(t.device)
         with _side_stream(t.device) as wait:
             pending: list[tuple[int, torch.Tensor, Any]] = []
@@ -145,12 +132,12 @@ class HostStager:
                         yield off, b
                     pending = []
 
-    def to_host(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of `t` (its flat bytes: uint8), made chunk by chunk; a host tensor that
         needs no staging is returned as its own byte view (no copy)."""
         if not self.needed(t):
-            return _flat_bytes(t)
-        dst = out if out is not None else torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
+            return as_bytes(t)
+        dst = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
         for at, chunk in self.chunks(t):
             dst[at : at + chunk.numel()].copy_(chunk)
         return dst
@@ -158,7 +145,7 @@ class HostStager:
     def from_host(self, host: torch.Tensor, dest: torch.Tensor) -> None:
         """Copy host bytes (uint8, dest's size) into `dest` on its device, chunk by chunk
         through the ring (pinned memory: the copies are asynchronous), then wait for them."""
-        dst = _flat_bytes(dest)
+        dst = as_bytes(dest)
         if not self.needed(dest):
             dst.copy_(host)
             return
@@ -181,12 +168,6 @@ class HostStager:
                     events.append(ev)
             for ev in events:
                 wait(ev)
-
-
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_contiguous():
-        raise ValueError("state tensors must be contiguous")
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
 @contextlib.contextmanager

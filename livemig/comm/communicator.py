@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from livemig.comm import group as comm_group
 from livemig.comm.group import CollectiveAborted, first_line, wait_all
-from livemig.config import ENV_COMM, ENV_HOST
+from livemig.config import ENV_COMM
 from livemig.errors import ConfigError
 
 log = logging.getLogger("livemig.comm")
@@ -250,14 +250,8 @@ class ReconfigureComm:
     def _new(self, slot: str, timeout: timedelta) -> _Object:
         if self.backend == "nccl":  # pragma: no cover - needs a GPU
             return self._new_nccl2(slot, timeout)
-        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's own, not in its stubs
-        opts._timeout = timeout
-        opts.enable_reconfigure = True  # type: ignore[attr-defined, unused-ignore]  # 2.14+
-        host = os.environ.get(ENV_HOST, "")
-        if host and not os.environ.get("GLOO_SOCKET_IFNAME"):
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        else:
-            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        opts = comm_group.gloo_options(timeout)
+        opts.enable_reconfigure = True
         store = _Movable()
         # a random creation rank: the handle carries it, and handles must differ (module doc)
         pg = dist.ProcessGroupGloo(store, random.getrandbits(30), 1, opts)
@@ -268,18 +262,11 @@ class ReconfigureComm:
     def _new_nccl2(self, slot: str, timeout: timedelta) -> _Object:  # pragma: no cover - needs a GPU
         """An nccl2 object: its communicator is made at the first reconfigure, on this process's
         device. The handle exchange, slots and retire rule are the gloo objects'. Unverified."""
-        from livemig.device import nccl_exact_env, training_device
-
-        nccl_exact_env()
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        opts = comm_group.nccl_options(timeout)
         opts.enable_reconfigure = True  # type: ignore[attr-defined, unused-ignore]  # 2.14+
         store = _Movable()
         nccl2 = dist.ProcessGroupNCCL2  # type: ignore[attr-defined, unused-ignore]  # 2.14+
-        pg = nccl2(store, random.getrandbits(30), 1, opts)
-        dev = training_device()
-        if dev.type == "cuda" and hasattr(pg, "bound_device_id"):
-            pg.bound_device_id = dev
+        pg = comm_group.bind_to_device(nccl2(store, random.getrandbits(30), 1, opts))
         self.created += 1
         return _Object(pg, store, slot)
 
@@ -381,11 +368,6 @@ class ReconfigureComm:
         with self._lock:
             return {"comm": self.name, "reconfigures": self.reconfigures, "created": self.created,
                     "reused": self.reused}  # fmt: skip
-
-    def objects(self, slot: str = "world") -> list[Any]:
-        """The backend objects of a slot (tests: the same object trains again after a re-form)."""
-        with self._lock:
-            return [o.pg for o in self._slots.get(slot, [])]
 
 
 def _gather(store: dist.Store, world: int, deadline: float, should_abort: Callable[[], bool] | None,

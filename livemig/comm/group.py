@@ -60,29 +60,51 @@ def store_for(addr: str, gen: int, timeout: timedelta) -> dist.Store:
 def _gloo(store: dist.Store, rank: int, world: int, timeout: timedelta) -> Any:
     """A gloo group on the device of this process's --host address ($LIVEMIG_HOST), so peers
     on other hosts reach it (simulated hosts share one hostname); GLOO_SOCKET_IFNAME wins."""
-    host = os.environ.get(ENV_HOST, "")
-    if not host or os.environ.get("GLOO_SOCKET_IFNAME"):
+    if not _named_host():
         return dist.ProcessGroupGloo(store, rank, world, timeout)
+    return dist.ProcessGroupGloo(store, rank, world, gloo_options(timeout))
+
+
+def _named_host() -> str:
+    """$LIVEMIG_HOST where gloo should bind to it ("" where GLOO_SOCKET_IFNAME decides)."""
+    return "" if os.environ.get("GLOO_SOCKET_IFNAME") else os.environ.get(ENV_HOST, "")
+
+
+def gloo_options(timeout: timedelta) -> Any:
+    """gloo's options for a group on this process's device: the --host address's, else gloo's
+    default (comm/communicator.py's reconfigurable objects take these too)."""
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's own, not in its stubs
     opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(store, rank, world, opts)
+    host = _named_host()
+    dev = dist.ProcessGroupGloo.create_device(hostname=host) if host else dist.ProcessGroupGloo.create_default_device()
+    opts._devices = [dev]
+    return opts
 
 
-def _nccl(store: dist.Store, rank: int, world: int, timeout: timedelta) -> Any:  # pragma: no cover - needs GPUs
-    """An NCCL group bound to this process's device (`bound_device_id`: its communicator is
-    made eagerly on that device, which nccl2 needs), with livemig's exact-mode NCCL settings
-    (device.py `nccl_exact_env`). Unverified on a GPU."""
-    from livemig.device import nccl_exact_env, training_device
+def nccl_options(timeout: timedelta) -> Any:  # pragma: no cover - needs GPUs
+    """NCCL's options, with livemig's exact-mode NCCL settings in the environment first
+    (device.py `nccl_exact_env`: NCCL reads them when a communicator is made)."""
+    from livemig.device import nccl_exact_env
 
     nccl_exact_env()
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    pg = dist.ProcessGroupNCCL(store, rank, world, opts)
+    return opts
+
+
+def bind_to_device(pg: Any) -> Any:  # pragma: no cover - needs GPUs
+    """`pg` bound to this process's device (`bound_device_id`: its communicator is made on that
+    device, which nccl2 needs). Unverified on a GPU."""
+    from livemig.device import training_device
+
     dev = training_device()
     if dev.type == "cuda" and hasattr(pg, "bound_device_id"):
         pg.bound_device_id = dev
     return pg
+
+
+def _nccl(store: dist.Store, rank: int, world: int, timeout: timedelta) -> Any:  # pragma: no cover - needs GPUs
+    return bind_to_device(dist.ProcessGroupNCCL(store, rank, world, nccl_options(timeout)))
 
 
 _ABANDONED_BUILDS: list[threading.Thread] = []  # builds given up on, maybe still inside gloo's constructor
@@ -266,11 +288,14 @@ def release_all() -> None:
         gc.collect()
 
 
+# the group classes whose collectives take device tensors only (absent from a CPU build)
+_NCCL_KINDS = tuple(k for k in (getattr(dist, "ProcessGroupNCCL", None), getattr(dist, "ProcessGroupNCCL2", None)) if k)
+
+
 def device_of(pg: Any) -> torch.device | None:
     """The device a group's collectives need their tensors on: CUDA for NCCL, None (any:
     gloo takes host and CUDA tensors) otherwise."""
-    kinds = tuple(k for k in (getattr(dist, "ProcessGroupNCCL", None), getattr(dist, "ProcessGroupNCCL2", None)) if k)
-    if kinds and isinstance(pg, kinds):  # pragma: no cover - needs GPUs
+    if _NCCL_KINDS and isinstance(pg, _NCCL_KINDS):  # pragma: no cover - needs GPUs
         return torch.device("cuda", torch.cuda.current_device())
     return None
 

@@ -196,6 +196,17 @@ def _run(kind: str, inner_call: Callable[[], Any], poll: bool | None = None) -> 
     return _GuardedWork(work, poll=kind != "fsdp_reduce_scatter" if poll is None else poll)
 
 
+def _unpolled(name: str) -> Callable[..., Any]:
+    """A SwappableGroup method that submits the inner communicator's `name` through the guard,
+    its work waited without polling (gloo runs it inside wait())."""
+
+    def call(self: SwappableGroup, *a: Any, **k: Any) -> Any:
+        return _run("other", lambda: getattr(self.inner, name)(*a, **k), poll=False)
+
+    call.__name__ = name
+    return call
+
+
 class SwappableGroup(dist.ProcessGroup):
     """A torch process group with a replaceable communicator underneath."""
 
@@ -284,29 +295,15 @@ class SwappableGroup(dist.ProcessGroup):
     def barrier(self, *a: Any, **k: Any) -> Any:
         return _run("other", lambda: self.inner.barrier(*a, **k))
 
-    def alltoall(self, *a: Any, **k: Any) -> Any:
-        return _run("other", lambda: self.inner.alltoall(*a, **k), poll=False)
-
-    def alltoall_base(self, *a: Any, **k: Any) -> Any:
-        return _run("other", lambda: self.inner.alltoall_base(*a, **k), poll=False)
-
-    def gather(self, *a: Any, **k: Any) -> Any:
-        return _run("other", lambda: self.inner.gather(*a, **k), poll=False)
-
-    def scatter(self, *a: Any, **k: Any) -> Any:
-        return _run("other", lambda: self.inner.scatter(*a, **k), poll=False)
-
-    def reduce(self, *a: Any, **k: Any) -> Any:
-        return _run("other", lambda: self.inner.reduce(*a, **k), poll=False)
-
-    def send(self, *a: Any, **k: Any) -> Any:
-        return _run("other", lambda: self.inner.send(*a, **k), poll=False)
-
-    def recv(self, *a: Any, **k: Any) -> Any:
-        return _run("other", lambda: self.inner.recv(*a, **k), poll=False)
-
-    def recv_anysource(self, *a: Any, **k: Any) -> Any:
-        return _run("other", lambda: self.inner.recv_anysource(*a, **k), poll=False)
+    # the collectives gloo runs inside their wait(): delegated the same way, waited unpolled
+    alltoall = _unpolled("alltoall")
+    alltoall_base = _unpolled("alltoall_base")
+    gather = _unpolled("gather")
+    scatter = _unpolled("scatter")
+    reduce = _unpolled("reduce")
+    send = _unpolled("send")
+    recv = _unpolled("recv")
+    recv_anysource = _unpolled("recv_anysource")
 
     def monitored_barrier(self, *a: Any, **k: Any) -> Any:
         GUARD.check()  # synchronous in gloo: it returns once every rank reached it, or raises

@@ -46,7 +46,6 @@ class _Snapshot:
         # chunks' MACs and the bytes sent are the host copy's
         stager = HostStager()
         self.bytes = [stager.to_host(t.contiguous()) for t in self.tensors]
-        self.staged_bytes = sum(b.numel() for b, t in zip(self.bytes, self.tensors, strict=True) if stager.needed(t))
         self.chunks = P.plan([b.numel() for b in self.bytes])
         keys = [P.chunk_key(key, gen, item, step, i) for i in range(len(self.chunks))]
         views = [self.view(c) for c in self.chunks]

@@ -50,7 +50,6 @@ def test_the_backend_follows_the_device_unless_the_environment_names_one(monkeyp
     monkeypatch.setenv("LIVEMIG_BACKEND", "gloo")
     assert device.default_backend(torch.device("cuda", 0)) == "gloo"
     assert device.training_device([torch.nn.Parameter(torch.zeros(2))]) == torch.device("cpu")
-    assert device.comm_device("gloo") == torch.device("cpu")
 
 
 def test_the_local_rank_comes_from_livemig_then_torchrun(monkeypatch):

@@ -103,7 +103,8 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
     }  # fmt: skip
 
 
-def commit_times(out: str) -> list[tuple[int, float, int]]:
+def commit_times(out: str) -> list[tuple[int, float, int, int]]:
+    """Every commit the baseline's ranks logged: (step, wall time, rank, pid)."""
     rows = []
     for path in glob.glob(os.path.join(out, "progress-*")):
         rank = int(path.rsplit("-", 1)[1])
@@ -165,17 +166,22 @@ def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str], ckpt_every:
     res["median_step_s"] = statistics.median(gaps) if gaps else 0.0
     res["amortised_step_s"] = (first_commit[-1] - first_commit[0]) / (len(first_commit) - 1) if gaps else 0.0
     if fault and kill_t is not None:
-        before = [t for _, t, _, _ in rows if t <= kill_t]
-        done_before = max((s for s, t, _, _ in rows if t <= kill_t), default=-1)
-        old_pids = {pid for _, t, _, pid in rows if t <= kill_t}
+        # Progress before the restart is whatever the first processes committed, also just after
+        # the kill: a survivor can finish the step the killed rank had already contributed to,
+        # and counting that commit as the restart's would read a downtime of zero (a loaded CI
+        # run did). The restart's progress is a step past that, committed by a new process.
+        first = {rank: min((t, pid) for _, t, r, pid in rows if r == rank) for _, _, rank, _ in rows}
+        old_pids = {pid for _, pid in first.values()}  # each rank's process in the first attempt
+        before = [t for _, t, _, pid in rows if pid in old_pids]
+        done_before = max((s for s, _, _, pid in rows if pid in old_pids), default=-1)
         after_any = [t for _, t, _, pid in rows if t > kill_t and pid not in old_pids]  # restarted processes
-        after_new = [t for s, t, _, _ in rows if t > kill_t and s > done_before]
+        after_new = [t for s, t, _, pid in rows if pid not in old_pids and s > done_before]
         last_before = max(before) if before else kill_t
         if after_new:
             res["downtime_s"] = max(0.0, min(after_new) - last_before - res["median_step_s"])
             restart = (min(after_any) - kill_t) if after_any else 0.0
             res["phases"] = {"detect+restart": restart, "redo": max(0.0, min(after_new) - kill_t - restart)}
-            res["steps_redone"] = len({s for s, t, _, _ in rows if t > kill_t and s <= done_before})
+            res["steps_redone"] = len({s for s, _, _, pid in rows if pid not in old_pids and s <= done_before})
     return res
 
 

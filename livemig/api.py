@@ -50,6 +50,8 @@ from livemig.runtime.control import Activate, Released, Requeue, Stop
 from livemig.runtime.fsdp2_mesh import Fsdp2
 from livemig.runtime.loop import StepLoop
 from livemig.runtime.migration import Migration
+from livemig.runtime.preloop import PreLoop
+from livemig.runtime.prints import StepPrints
 from livemig.runtime.pull import StatePull
 from livemig.runtime.registry import Registry
 from livemig.runtime.self_faults import SelfFaults
@@ -88,8 +90,10 @@ class Engine(StepLoop):  # over the member's fields (runtime/member_fields.py)
         self.faults = SelfFaults(self)  # test faults and the fault plan's gate (runtime/self_faults.py)
         self.ckpt = Checkpointer(self)  # background checkpoints, --resume-from (runtime/checkpoint.py)
         self.boundary = Boundary(self)  # the boundary rule and a spare's replay (runtime/boundary.py)
-        self.boundary.listeners += [self.ckpt.at_boundary, self.faults.at_boundary]  # after the kept records
+        self.prints = StepPrints(self)  # per-step fingerprints for --verify (runtime/prints.py)
+        self.boundary.listeners += [self.ckpt.at_boundary, self.faults.at_boundary, self.prints.at_boundary]
         self.pull = StatePull(self)  # a recovery's state movement: MemberRuntime's callbacks (runtime/pull.py)
+        self.preloop = PreLoop(self)  # collectives before the loop: live, recorded, answered (runtime/preloop.py)
         if self.role != Role.LOCAL:
             from livemig.runtime.member import MemberRuntime
 
@@ -245,6 +249,7 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                     try:
                         if ctx.fsdp2.pending:  # FSDP2: a collective failed inside the function
                             raise ctx.fsdp2.recover()
+                        ctx.preloop.enter()  # torch.distributed's default group, from the function's first line
                         result = fn(user, *args, **kwargs)
                         # the final record, then the job's end; a cold restart ordered meanwhile
                         # (a rank lost in the last steps) enters the function again from here too

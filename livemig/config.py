@@ -48,6 +48,8 @@ ENV_USER = "LIVEMIG_ETCD_USER"
 ENV_PASSWORD_FILE = "LIVEMIG_ETCD_PASSWORD_FILE"
 ENV_SHADOW_STEPS = "LIVEMIG_SHADOW_STEPS"
 ENV_LOCAL_MAX_MB = "LIVEMIG_LOCAL_STATE_MAX_MB"  # per-rank local state (buffers + local=) mirrored each step
+ENV_STEP_PRINTS = "LIVEMIG_STEP_PRINTS"  # 1: per-step state fingerprints in the final record (set by --verify)
+ENV_PRELOOP_MAX_MB = "LIVEMIG_PRELOOP_MAX_MB"  # per-rank results of collectives before the loop, recorded (1)
 ENV_FAULT_GATE = "LIVEMIG_FAULT_GATE"
 ENV_FAULT_PLAN = "LIVEMIG_FAULT_PLAN"
 ENV_GATE_TIMEOUT = "LIVEMIG_FAULT_GATE_TIMEOUT"

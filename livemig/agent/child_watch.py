@@ -84,7 +84,7 @@ class ChildWatch:
         self.spares_warm: dict[str, float] = {}  # spare id -> when it first reported warm (wall time)
         self._progress_cache: dict[str, tuple[int, dict | None]] = {}  # key -> (mod revision, record)
         self._last_print = -1
-        self._t_print = time.monotonic()
+        self._t_print = 0.0  # the wall time of the last printed step's commit (its record's)
 
     def note_warm_spares(self, by_key: dict) -> None:
         """When each spare of the job first reported warm (the report's `spares_warm`)."""
@@ -113,6 +113,7 @@ class ChildWatch:
                 c.died_at = time.time()
             report_death(self.agent.client, self.agent.keys, c.incarnation, c.name, code, c.died_at)
             c.reported = True
+            self.agent.faults.died(c, code)  # an in-process kill of the fault plan landed
 
     def cannot_form(self, by_key: dict) -> str:
         """Why the job can never start ('' while it can): one of our workers exited before
@@ -167,8 +168,8 @@ class ChildWatch:
             if k.startswith(self.agent.keys.progress_prefix):
                 hit = cache.get(k)
                 if hit is None or hit[0] != kv.mod_revision:
-                    hit = cache[k] = (kv.mod_revision, conform(kv.value, {"step": (int,)},
-                                                               {"generation": (int,), "loss": (float,)}))  # fmt: skip
+                    hit = cache[k] = (kv.mod_revision, conform(kv.value, {"step": (int,)}, {
+                        "generation": (int,), "loss": (float,), "time": (float, int)}))  # fmt: skip
                 if hit[1] is not None:
                     steps[k] = hit[1]
         if not steps:
@@ -176,9 +177,12 @@ class ChildWatch:
         low = min(s["step"] for s in steps.values())
         window = self.agent.cfg.log_every
         if (low + 1) // window > (self._last_print + 1) // window:
-            now = time.monotonic()
-            # a rate needs two lines: the first would count the start-up as steps
-            rate = (low - self._last_print) / max(1e-6, now - self._t_print) if self._last_print >= 0 else None
+            # the rate from the slowest rank's own commit times (its record's wall time), not from
+            # when this agent saw the records: watch events arrive in bursts, and a burst read
+            # 801 steps/s for 6 ms steps. A rate needs two lines: the first would count start-up.
+            now = max((float(s.get("time") or 0.0) for s in steps.values() if s["step"] == low), default=0.0)
+            rate = ((low - self._last_print) / (now - self._t_print)
+                    if self._last_print >= 0 and now > self._t_print > 0 else None)  # fmt: skip
             loss = steps.get(self.agent.keys.progress(0), {}).get("loss")
             gen = max(s.get("generation", 0) for s in steps.values())
             loss_s = f"  loss {loss:.5f}" if isinstance(loss, float) else ""

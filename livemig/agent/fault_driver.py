@@ -37,6 +37,7 @@ class FaultDriver:
         self.agent = agent
         self.pending = list(faults)  # the agent narrows it to its own faults once started
         self.injected: list[dict] = []
+        self.armed_in_process = [f for f in faults if f.in_process]  # fired by the workers themselves (`died`)
         self._resumes: list[tuple[float, Child]] = []
         self._slow: list[tuple[Child, float, float]] = []  # (target, factor, until: monotonic)
         self._armed: dict[int, float] = {}
@@ -286,6 +287,22 @@ class FaultDriver:
         when = f" during {f.during}" if f.phase else ""
         self.agent.say(f"livemig: injected {f.kind} of {what} after step {step}{when}")
         return True
+
+    def died(self, c: Child, code: int) -> None:
+        """A child died: if it was the first worker of a rank whose in-process kill the plan
+        armed (`kill:...:during=allreduce` and the like, fired by the worker itself:
+        runtime/self_faults.py), that fault landed; it is reported as the agent's own are."""
+        if code != -signal.SIGKILL or c.role != Role.WORKER or c.rank is None or not c.name.startswith("worker-"):
+            return
+        for f in self.armed_in_process:
+            if f.kind == "kill" and f.rank == c.rank:
+                self.armed_in_process.remove(f)
+                what = f"{c.name} (rank {c.rank})"
+                now = c.died_at or time.time()
+                self.injected.append({"kind": f.kind, "rank": f.rank, "step": f.step, "during": f.during, "time": now,
+                                      "target": what, "in_process": True})  # fmt: skip
+                self.agent.say(f"livemig: injected kill of {what} in step {f.step} during {f.during} (in-process)")
+                return
 
     def _etcd_stop(self, f: Fault, step: int) -> bool:
         """SIGSTOP every embedded etcd member (an outage of the whole cluster); SIGCONT

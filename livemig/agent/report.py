@@ -84,6 +84,11 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
         "step_time_s_median": median_step,
         "state_digest": job_digest(ranks),
         "rank_digests": ranks,
+        **(
+            {"step_prints": {r: f["step_prints"] for r, f in finals.items() if isinstance(f.get("step_prints"), list)}}
+            if any("step_prints" in f for f in finals.values())
+            else {}
+        ),  # fmt: skip
         "replicas_identical": _replicas_identical(finals, replicated, world_size - len(table.carried))
         and (not shards or shards["mirrors_exact"]),
         **({("fsdp2" if any("fsdp_shard" in f for f in finals.values()) else "zero1"): shards} if shards else {}),
@@ -250,6 +255,37 @@ def job_digest(ranks: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+def divergence(reference: dict[str, list], got: dict[str, list], faults: list[dict]) -> dict[str, Any] | None:
+    """Where a faulted run first parted from its fault-free reference (runtime/prints.py):
+    the first step whose fingerprint differs on some rank, among the steps both runs recorded
+    for that rank (a replacement's record starts where it joined), and why that may be. None
+    when no recorded step differs (or nothing was recorded)."""
+    first: tuple[int, int] | None = None
+    for r in sorted(set(reference) & set(got), key=int):
+        ref = {int(s): fp for s, fp in reference[r]}
+        for s, fp in got[r]:
+            if int(s) in ref and ref[int(s)] != fp and (first is None or (int(s), int(r)) < first):
+                first = (int(s), int(r))
+                break
+    if first is None:
+        return None
+    step, rank = first
+    steps = [f["step"] for f in faults if isinstance(f.get("step"), int)]
+    fault = min(steps) if steps else None
+    if fault is None or step <= fault:
+        why = ("the reference itself differs from step 0: is the model seeded? does the script load a file at "
+               "start (its own snapshot, written by the other run)?") if step == 0 else (
+               f"the runs differ from step {step}, before any fault: something the state depends on is not "
+               "deterministic (an unseeded random source, the time, a file that changed)")  # fmt: skip
+    else:
+        lost = sorted({f["rank"] for f in faults if f.get("step") == fault and f.get("rank") is not None})
+        who = f" of rank(s) {lost}" if lost else ""
+        why = (f"diverged at step {step}, {step - fault} step(s) after the fault{who} at step {fault}: state that "
+               "moves with a rank not registered (ctx.register(..., local={...})), or read from a copy cached "
+               "before the loop?")  # fmt: skip
+    return {"step": step, "rank": rank, "first_fault_step": fault, "why": why}
+
+
 def differing_ranks(reference: dict[str, str], got: dict[str, str]) -> list[int]:
     """Ranks whose final state differs from the same rank of a reference run."""
     return sorted(int(r) for r in set(reference) | set(got) if reference.get(r) != got.get(r))
@@ -349,6 +385,7 @@ def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step
         elif cur is not None and ph == "shrink":  # no spare: the survivors carry the lost rank(s)
             cur["kind"] = KINDS[3]
             cur["carried"] = {int(k): v for k, v in (ev.get("carried") or {}).items()}
+            cur["t"].setdefault("wait", ev["time"])  # the wait for a spare (--spare-wait) ends here, not in build
         elif cur is not None and ph == "fresh":  # the agents started fresh processes for the lost ranks
             cur["fresh"] = ev.get("ranks") or []
         elif cur is not None and ph in PHASES:
@@ -377,7 +414,7 @@ def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float) -> 
     last_before = before[-1] if before else t["fault"]
     first_after = after[0] if after else t["commit"]
     t["resume"] = first_after
-    order = ["fault", "detect", "fence", "agree", "claim", "build", "commit", "resume"]
+    order = ["fault", "detect", "fence", "agree", "wait", "claim", "build", "commit", "resume"]
     seen = [(k, t[k]) for k in order if k in t]
     phases = {}
     for (_, a), (name, b) in zip(seen, seen[1:], strict=False):
@@ -386,7 +423,10 @@ def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float) -> 
     if "build" in phases:
         phases["stream"] = min(cur["stream_s"], phases["build"])
         phases["build"] -= phases["stream"]
-    phases = {k: round(phases.get(k, 0.0), 4) for k in PHASES}
+    keys = list(PHASES)
+    if "wait" in phases:  # a shrink: the wait for a spare before it (--spare-wait), its own phase
+        keys.insert(keys.index("claim"), "wait")
+    phases = {k: round(phases.get(k, 0.0), 4) for k in keys}
     out = {
         "kind": cur["kind"],
         "rank": cur["rank"],

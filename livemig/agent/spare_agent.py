@@ -40,6 +40,10 @@ class _NoPlan:
     def stopped_by_plan(_child: Child) -> bool:
         return False
 
+    @staticmethod
+    def died(_child: Child, _code: int) -> None:
+        """No in-process fault of a plan was armed here (agent/fault_driver.py)."""
+
 
 class StandbyAgent:
     """Supervises the spares one `livemig-spare start` started until they all exited

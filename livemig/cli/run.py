@@ -13,10 +13,10 @@ from typing import Any
 
 from livemig import logs
 from livemig.agent import report
-from livemig.agent.jobs import refuse_duplicate
+from livemig.agent.jobs import refuse_duplicate, state_dir
 from livemig.agent.launcher import run
 from livemig.agent.run_config import RunConfig
-from livemig.config import Timeouts
+from livemig.config import ENV_STEP_PRINTS, Timeouts
 from livemig.errors import ConfigError, LivemigError
 from livemig.faults import IN_PROCESS_DURING, KINDS, PHASE_DURING, USAGE, parse_fault
 from livemig.rdzv.security import add_arguments as add_security_arguments
@@ -34,7 +34,11 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
     for r in rep["recoveries"]:
         phases = "  ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())
         what = f"recovery of rank {r['rank']}" if r["rank"] is not None else "rebuild of the group"
-        onto = f" onto spare {', '.join(r['spares'])}" if r.get("spares") else ""
+        fresh = [x for x in r.get("spares") or [] if x.startswith("fresh-")]  # started by the agent at the failure
+        warm = [x for x in r.get("spares") or [] if x not in fresh]
+        parts = ([f"spare {', '.join(warm)}"] if warm else []) + ([f"a fresh process ({', '.join(fresh)})"]
+                                                                   if fresh else [])  # fmt: skip
+        onto = " onto " + " and ".join(parts) if parts else ""
         how = f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed"
         if r.get("kind") == "shrink":
             carried = ", ".join(f"rank {v} by {c}" for v, c in r["carried"].items())
@@ -74,6 +78,9 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
         where = f"; rank(s) {differ} differ from the same rank of the fault-free run" if differ else ""
         lines.append(f"bit-identical: {'yes' if same else 'no'} (every rank's final state vs the same rank of "
                      f"a fault-free run{where})")  # fmt: skip
+        dv = rep.get("diverged")
+        if dv:
+            lines.append(f"verify: first difference at step {dv['step']} on rank {dv['rank']}: {dv['why']}")
         if sh:
             lines.append("verify: the job ended shrunk: its average summed the same gradients in another "
                          "order, so bits may differ (docs/architecture.md, Shrink); the carried ranks leave "
@@ -81,6 +88,25 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
         if rep.get("faults_not_fired"):
             lines.append("verify: not shown: the fault plan did not run in full, so nothing was recovered from it")
     logs.say(*lines)  # one write: agents sharing a pipe do not cut into each other's summary
+
+
+def _files_here(limit: int = 5000) -> dict[str, int]:
+    """Files under the working directory and their modification times (hidden directories and
+    __pycache__ skipped; at most `limit` entries): what a --verify reference run wrote."""
+    out: dict[str, int] = {}
+    mine = os.path.realpath(state_dir())  # livemig's own logs and records, if they are under it
+    for root, dirs, files in os.walk("."):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"
+                   and os.path.realpath(os.path.join(root, d)) != mine]  # fmt: skip
+        for name in files:
+            path = os.path.join(root, name)
+            try:
+                out[os.path.relpath(path)] = os.stat(path).st_mtime_ns
+            except OSError:
+                continue
+            if len(out) >= limit:
+                return out
+    return out
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -247,7 +273,18 @@ def cmd_run(a: argparse.Namespace) -> int:
         refuse_duplicate(cfg.job)  # before the reference run, not after it
     # one node: the reference first (as before); several: after the job, on this node, so that
     # no agent holds the others up while they wait to join
+    if a.verify:
+        os.environ[ENV_STEP_PRINTS] = (
+            "1"  # both runs fingerprint every step: a mismatch names where (runtime/prints.py)
+        )
+    before = _files_here() if a.verify and a.nnodes == 1 else {}
     ref = verify() if a.verify and a.nnodes == 1 else None
+    written = sorted(k for k, v in _files_here().items() if before.get(k) != v) if ref is not None else []
+    if written:
+        print(f"livemig: warning: the reference run wrote {', '.join(written[:3])}{' ...' if len(written) > 3 else ''} "
+              "under the working directory: a script that loads its own file at start (a snapshot it resumes "
+              "from) would start the faulted run from the reference's; give each run its own path",
+              file=sys.stderr)  # fmt: skip
     rep = run(cfg)
     if a.verify and a.nnodes > 1:
         ref = verify()
@@ -257,6 +294,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         rep["reference_digest"] = reference
         rep["bit_identical"] = reference == rep["state_digest"]
         rep["ranks_differing"] = report.differing_ranks(ref["rank_digests"], rep["rank_digests"])
+        if not rep["bit_identical"] and ref is not None:
+            rep["diverged"] = report.divergence(ref.get("step_prints") or {}, rep.get("step_prints") or {},
+                                                rep.get("faults_injected") or [])  # fmt: skip
     if a.report:
         with open(a.report, "w") as f:
             json.dump(rep, f, indent=2)

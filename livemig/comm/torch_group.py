@@ -132,10 +132,108 @@ class _GuardedWork(dist._Work):
 
 
 class _Unformed:
-    """The inner backend of a group the job has not formed yet: no collective may run on it."""
+    """The inner backend of a group the job has not formed yet. Before the job's first
+    generation, a worker's collectives run on a start-up communicator `TAP.boot` builds
+    (runtime/preloop.py); without one (a group created inside the loop) the call is refused."""
+
+    def __init__(self) -> None:
+        self.group: SwappableGroup | None = None
 
     def __getattr__(self, name: str) -> Any:
-        raise StepAborted("a collective on a device-mesh group before the job formed its first generation")
+        g = self.group
+        if TAP.boot is not None and g is not None:
+            inner = TAP.boot(g)
+            g.swap(inner, 0)
+            return getattr(inner, name)
+        from livemig.errors import ConfigError
+
+        where = f"group {g.group_name}" if g is not None else "a group"
+        raise ConfigError(f"torch.distributed {name} on {where} before the job gave it a communicator: a group "
+                          "created inside the loop (dist.new_group, ctx.init_device_mesh) gets one at the next "
+                          "recovery only; create groups before ctx.steps()")  # fmt: skip
+
+
+class _Tap:
+    """How the runtime sees the collectives of user code before its loop (runtime/preloop.py):
+    `record(group, name, outputs)` after each completed one, `answer(group, name, outputs)`
+    instead of running one (a process entering the function again), `boot(group)` a start-up
+    communicator for a group the job has not formed yet. All None: collectives run as they are."""
+
+    def __init__(self) -> None:
+        self.record: Callable[[SwappableGroup, str, list[torch.Tensor]], None] | None = None
+        self.answer: Callable[[SwappableGroup, str, list[torch.Tensor]], None] | None = None
+        self.boot: Callable[[SwappableGroup], Any] | None = None
+
+
+TAP = _Tap()
+
+
+class _Done(dist._Work):
+    """The work of a collective that completed already (recorded, or answered from a record)."""
+
+    def __init__(self, outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.outputs = outputs
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> Any:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self.outputs)
+        return fut
+
+
+# Where each collective's results land, by its positional arguments: "list" the first argument
+# (a list of tensors), "lists" the first argument's lists, "one" the first argument (a tensor),
+# "" nothing (a barrier, a send). torch calls a Python group's collectives positionally.
+_OUTPUTS = {
+    "allreduce": "list", "allreduce_coalesced": "list", "allgather": "lists", "_allgather_base": "one",
+    "allgather_into_tensor_coalesced": "list", "all_gather_single": "one", "reduce_scatter": "list",
+    "_reduce_scatter_base": "one", "reduce_scatter_tensor_coalesced": "list", "reduce_scatter_single": "one",
+    "broadcast": "list", "allgather_coalesced": "lists", "barrier": "", "alltoall": "list", "alltoall_base": "one",
+    "gather": "lists", "scatter": "list", "reduce": "list", "send": "", "recv": "list", "recv_anysource": "list",
+    "monitored_barrier": "",
+}  # fmt: skip
+
+
+def outputs_of(name: str, a: tuple) -> list[torch.Tensor]:
+    """The tensors collective `name` called with positional arguments `a` writes its results into."""
+    how = _OUTPUTS[name]
+    if not how or not a:
+        return []
+    if how == "one":
+        return [a[0]]
+    if how == "lists":
+        return [t for sub in a[0] for t in sub]
+    return list(a[0])
+
+
+def _tapped(g: SwappableGroup, name: str, a: tuple, submit: Callable[[], Any]) -> Any:
+    """A collective through the tap: answered from the record, or run (and recorded once complete)."""
+    if TAP.answer is not None:
+        outs = outputs_of(name, a)
+        TAP.answer(g, name, outs)
+        return _Done(outs)
+    if TAP.record is None:
+        return submit()
+    try:
+        submit().wait()
+    except StepAborted as exc:  # a start-up communicator (runtime/preloop.py): nothing to recover yet
+        from livemig.errors import RecoveryError
+
+        GUARD.poisoned = ""
+        why = f"torch.distributed {name} before ctx.steps() failed before the job formed: {exc}"
+        raise RecoveryError(why) from None
+    outs = outputs_of(name, a)
+    TAP.record(g, name, outs)
+    return _Done(outs)
 
 
 # What a lost peer, a closed connection or a timeout says when a submission fails (gloo's
@@ -201,7 +299,7 @@ def _unpolled(name: str) -> Callable[..., Any]:
     its work waited without polling (gloo runs it inside wait())."""
 
     def call(self: SwappableGroup, *a: Any, **k: Any) -> Any:
-        return _run("other", lambda: getattr(self.inner, name)(*a, **k), poll=False)
+        return _tapped(self, name, a, lambda: _run("other", lambda: getattr(self.inner, name)(*a, **k), poll=False))
 
     call.__name__ = name
     return call
@@ -245,32 +343,56 @@ class SwappableGroup(dist.ProcessGroup):
 
     # -- the collectives, delegated ---------------------------------------------------------
     def allreduce(self, *a: Any, **k: Any) -> Any:
-        return _run(self._allreduce_kind(), lambda: self.inner.allreduce(*a, **k))
+        kind = self._allreduce_kind()
+        return _tapped(self, "allreduce", a, lambda: _run(kind, lambda: self.inner.allreduce(*a, **k)))
 
     def allreduce_coalesced(self, *a: Any, **k: Any) -> Any:
-        return _run(self._allreduce_kind(), lambda: self.inner.allreduce_coalesced(*a, **k))
+        return _tapped(
+            self,
+            "allreduce_coalesced",
+            a,
+            lambda: _run(self._allreduce_kind(), lambda: self.inner.allreduce_coalesced(*a, **k)),
+        )
 
     def allgather(self, *a: Any, **k: Any) -> Any:
-        return _run("other", lambda: self.inner.allgather(*a, **k))
+        return _tapped(self, "allgather", a, lambda: _run("other", lambda: self.inner.allgather(*a, **k)))
 
     def _allgather_base(self, *a: Any, **k: Any) -> Any:
-        return _run("fsdp_allgather", lambda: self.inner._allgather_base(*a, **k))
+        return _tapped(
+            self, "_allgather_base", a, lambda: _run("fsdp_allgather", lambda: self.inner._allgather_base(*a, **k))
+        )
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:  # fmt: skip
         """gloo has no coalesced all-gather into tensors (a full state dict, DTensor.full_tensor
         of several): one `_allgather_base` per pair, waited as one."""
         pairs = list(zip(outputs, inputs, strict=True))
-        return _run("fsdp_allgather", lambda: _AllOf([self.inner._allgather_base(o, i) for o, i in pairs]))
+
+        def submit() -> Any:
+            return _run("fsdp_allgather", lambda: _AllOf([self.inner._allgather_base(o, i) for o, i in pairs]))
+
+        return _tapped(self, "allgather_into_tensor_coalesced", (outputs,), submit)
 
     def all_gather_single(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
-        return _run("fsdp_allgather", lambda: self.inner._allgather_base(out, inp))
+        return _tapped(
+            self,
+            "all_gather_single",
+            (out,),
+            lambda: _run("fsdp_allgather", lambda: self.inner._allgather_base(out, inp)),
+        )
 
     def reduce_scatter(self, *a: Any, **k: Any) -> Any:
-        return _run("fsdp_reduce_scatter", lambda: self.inner.reduce_scatter(*a, **k))
+        return _tapped(
+            self, "reduce_scatter", a, lambda: _run("fsdp_reduce_scatter", lambda: self.inner.reduce_scatter(*a, **k))
+        )
 
     def _reduce_scatter_base(self, *a: Any, **k: Any) -> Any:
-        return _run("fsdp_reduce_scatter", lambda: self.inner._reduce_scatter_base(*a, **k))
+        return _tapped(
+            self,
+            "_reduce_scatter_base",
+            a,
+            lambda: _run("fsdp_reduce_scatter", lambda: self.inner._reduce_scatter_base(*a, **k)),
+        )
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:  # fmt: skip
@@ -278,22 +400,33 @@ class SwappableGroup(dist.ProcessGroup):
         o = dist.ReduceScatterOptions()
         o.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM  # type: ignore[assignment, unused-ignore]  # SUM converts (stubs differ by torch)
         pairs = list(zip(outputs, inputs, strict=True))
-        return _run("fsdp_reduce_scatter",
-                    lambda: _AllOf([self.inner._reduce_scatter_base(out, inp, o) for out, inp in pairs]))  # fmt: skip
+
+        def submit() -> Any:
+            inner = self.inner
+            return _run("fsdp_reduce_scatter", lambda: _AllOf([inner._reduce_scatter_base(x, y, o) for x, y in pairs]))
+
+        return _tapped(self, "reduce_scatter_tensor_coalesced", (outputs,), submit)
 
     def reduce_scatter_single(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
         o = dist.ReduceScatterOptions()
         o.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM  # type: ignore[assignment, unused-ignore]  # SUM converts (stubs differ by torch)
-        return _run("fsdp_reduce_scatter", lambda: self.inner._reduce_scatter_base(out, inp, o))
+        return _tapped(
+            self,
+            "reduce_scatter_single",
+            (out,),
+            lambda: _run("fsdp_reduce_scatter", lambda: self.inner._reduce_scatter_base(out, inp, o)),
+        )
 
     def broadcast(self, *a: Any, **k: Any) -> Any:
-        return _run("other", lambda: self.inner.broadcast(*a, **k))
+        return _tapped(self, "broadcast", a, lambda: _run("other", lambda: self.inner.broadcast(*a, **k)))
 
     def allgather_coalesced(self, *a: Any, **k: Any) -> Any:
-        return _run("other", lambda: self.inner.allgather_coalesced(*a, **k))
+        return _tapped(
+            self, "allgather_coalesced", a, lambda: _run("other", lambda: self.inner.allgather_coalesced(*a, **k))
+        )
 
     def barrier(self, *a: Any, **k: Any) -> Any:
-        return _run("other", lambda: self.inner.barrier(*a, **k))
+        return _tapped(self, "barrier", a, lambda: _run("other", lambda: self.inner.barrier(*a, **k)))
 
     # the collectives gloo runs inside their wait(): delegated the same way, waited unpolled
     alltoall = _unpolled("alltoall")
@@ -306,8 +439,13 @@ class SwappableGroup(dist.ProcessGroup):
     recv_anysource = _unpolled("recv_anysource")
 
     def monitored_barrier(self, *a: Any, **k: Any) -> Any:
-        GUARD.check()  # synchronous in gloo: it returns once every rank reached it, or raises
-        return self.inner.monitored_barrier(*a, **k)
+        def run() -> Any:
+            GUARD.check()  # synchronous in gloo: it returns once every rank reached it, or raises
+            return self.inner.monitored_barrier(*a, **k)
+
+        if TAP.answer is not None or TAP.record is not None:
+            return _tapped(self, "monitored_barrier", a, lambda: (run(), _Done([]))[1])
+        return run()
 
 
 def gloo_inner(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
@@ -329,6 +467,8 @@ def _creator(opts: Any, _backend_opts: Any) -> SwappableGroup:
         # counter: a spare that rebuilt its world must find the survivors' stores by name.
         twins = sum(1 for g in _groups if g.ranks == ranks)
         g = SwappableGroup(opts.group_rank, opts.group_size, ranks, f"{'-'.join(map(str, ranks))}.{twins}", inner)
+        if isinstance(inner, _Unformed):
+            inner.group = g
         _groups.append(g)
     return g
 

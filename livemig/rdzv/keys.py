@@ -96,6 +96,11 @@ class JobKeys:
         """A key of the job's prefix that nothing reads (benchmarks time writes and watches on it)."""
         return f"{self.prefix}scratch/{name}"
 
+    def preloop(self, rank: int) -> str:
+        """What `rank` received from its collectives before its loop (runtime/preloop.py): a
+        process entering the function again as that rank is answered from it."""
+        return f"{self.prefix}preloop/{rank}"
+
     @property
     def signatures_prefix(self) -> str:
         return self.prefix + "signatures/"

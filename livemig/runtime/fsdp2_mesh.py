@@ -130,7 +130,7 @@ class Fsdp2:
         torch_group.install_unformed(rank, world, h.timeouts.collective)
         abort = h.runtime.moved_on if (h.runtime is not None and not one) else None
         torch_group.set_guard(abort, h.timeouts.collective, before=self._before_collective,
-                              on_wait=self._waiting if abort is not None else None)  # fmt: skip
+                              on_wait=self.waiting if abort is not None else None)  # fmt: skip
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(device_type, (1,) * len(shape) if one else shape, mesh_dim_names=names)
@@ -139,7 +139,7 @@ class Fsdp2:
         self.shape, self._key = list(shape), key
         return self.mesh
 
-    def _waiting(self, begins: bool) -> None:
+    def waiting(self, begins: bool) -> None:
         """A wait inside FSDP2's collectives: the hang detection's input, as the plain path's
         wait in its average (runtime/member.py enter_collective). A rank whose training thread
         is stuck never waits, so its peers' waits name it."""
@@ -202,7 +202,15 @@ class Fsdp2:
         is then pending: True), or not (False: the caller raises it on)."""
         if not self.caused(exc):
             return False
-        self.pending = str(exc).splitlines()[0][:200] if str(exc) else "a collective failed"
+        why = str(exc).splitlines()[0][:200] if str(exc) else "a collective failed"
+        if not self.units:  # plain data parallel, ZeRO-1: only FSDP2 redoes a step by entering the function again
+            raise ConfigError(
+                f"a torch.distributed collective your code made inside the loop failed ({why}): a peer was lost, "
+                "or the call differs between ranks (shape, op, order); on the plain and ZeRO-1 paths only "
+                "ctx.step()'s own average recovers from a lost peer: make such collectives before ctx.steps() "
+                "or after the loop"
+            )
+        self.pending = why
         return True
 
     def recover(self) -> Activate:

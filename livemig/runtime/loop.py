@@ -68,6 +68,7 @@ class StepLoop(MemberFields):
         was entered: a cold restart, an FSDP2 redo, a worker forming the job, a spare (its
         warm-up, then claimed or migrated in; a claimed spare's replay is yielded here)."""
         joining = self.joining
+        recorded = self.preloop.leave()  # the collectives before the loop (runtime/preloop.py)
         if joining is not None and joining.restart:  # the cold path: loaded in place (runtime/pull.py)
             m = self.runtime.follow(joining.generation, self.pull)
             return total if m.state == GenState.DONE else self.committed + 1
@@ -76,9 +77,11 @@ class StepLoop(MemberFields):
             return self.committed + 1
         if self.role == Role.WORKER:
             self.faults.gate.check_total(total)  # a fault plan's step the job never reaches: refused now
-            self.runtime.register(self.rank, host_store=self.rank == 0)
+            self.preloop.register()
+            self.preloop.publish(recorded)
             self.standby.register_signature()
             self.runtime.follow(1, self.pull)
+            self.preloop.formed()
             resumed = self.ckpt.resume()  # --resume-from: this rank's part of the chosen checkpoint
             if resumed is not None:
                 self.committed = resumed
@@ -216,4 +219,8 @@ class StepLoop(MemberFields):
             return
         self.st.record_commit(t, self.runtime.gen if self.runtime is not None else 0, COMMITS_KEPT)
         if self.runtime is not None:
-            self.runtime.report.commit(t, generation=self.runtime.gen, **self._last_metrics, **info)
+            # a metric named like a field of the progress record (ctx.log(step=...)) keeps its value
+            # under user_<name>, never replacing the field nor clashing with the call's arguments
+            own = {"step", "time", "incarnation", "generation", "around", "step_s", "compute_recent", *info}
+            metrics = {(f"user_{k}" if k in own else k): v for k, v in self._last_metrics.items()}
+            self.runtime.report.commit(t, generation=self.runtime.gen, **metrics, **info)

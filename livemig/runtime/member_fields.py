@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from livemig.runtime.fsdp2_mesh import Fsdp2
     from livemig.runtime.member import MemberRuntime
     from livemig.runtime.migration import Migration
+    from livemig.runtime.preloop import PreLoop
+    from livemig.runtime.prints import StepPrints
     from livemig.runtime.pull import StatePull
     from livemig.runtime.registry import Registry
     from livemig.runtime.self_faults import SelfFaults
@@ -70,6 +72,8 @@ class MemberFields:
     faults: SelfFaults
     ckpt: Checkpointer
     fsdp2: Fsdp2
+    preloop: PreLoop
+    prints: StepPrints
 
     # -- the registered state (runtime/registry.py) ------------------------------------------
     @property

@@ -55,6 +55,7 @@ class StandbyHost(Protocol):
     joining: Any
     ckpt: Any
     fsdp2: Any  # the FSDP2 mesh owner: what survives a redo's re-entry (runtime/fsdp2_mesh.py)
+    prints: Any  # per-step fingerprints for --verify (runtime/prints.py)
     strategy: Strategy
 
     @property
@@ -190,6 +191,8 @@ class Standby:
         if h.st.inherited_to >= 0:  # commits up to this step are the leaving worker's (planned migration)
             rec["inherited_to"] = h.st.inherited_to
         rec["peak_rss_mb"] = _peak_rss_mb()
+        if h.prints.items:  # --verify: where two runs parted (runtime/prints.py)
+            rec["step_prints"] = h.prints.items
         if h.ckpt.settings is not None or h.ckpt.resumed is not None:
             rec["checkpoints"] = h.ckpt.final()
         rec.update(h.strategy.parts.final_record())  # shard and mirror digests, for the report's checks

@@ -302,3 +302,34 @@ def test_a_fault_plan_is_refused_whole_before_anything_starts(plan, line, tmp_pa
     assert r.returncode == 2 and time.monotonic() - t0 < 5, r
     assert line in one_line(r.stderr)
     assert not (tmp_path / "runs").exists(), "something started"
+
+
+def test_the_summary_names_a_fresh_process_and_where_a_verify_parted(capsys):
+    """A process the agent started at the failure is not a warm spare; a --verify mismatch
+    names its first step and rank (agent/report.py divergence)."""
+    from livemig.agent.report import divergence
+    from livemig.cli.run import print_summary
+
+    faults = [{"kind": "kill", "rank": 1, "step": 6}]
+    ref = {"0": [[s, f"a{s}"] for s in range(10)], "1": [[s, f"b{s}"] for s in range(10)]}
+    got = {"0": [[s, f"a{s}" if s < 8 else "x"] for s in range(10)], "1": [[s, f"b{s}"] for s in range(7, 10)]}
+    dv = divergence(ref, got, faults)
+    assert (dv["step"], dv["rank"], dv["first_fault_step"]) == (8, 0, 6), dv
+    assert "2 step(s) after the fault of rank(s) [1] at step 6" in dv["why"]
+    got["1"][0][1] = "y"  # rank 1's first recorded step (7) differs: earlier than rank 0's
+    assert divergence(ref, got, faults)["step"] == 7
+    got0 = {"0": [[0, "z"], *ref["0"][1:]], "1": ref["1"]}
+    assert "is the model seeded?" in divergence(ref, got0, faults)["why"]
+    assert divergence(ref, {"0": ref["0"], "1": ref["1"]}, faults) is None
+    assert "before any fault" in divergence(ref, {"0": [[3, "q"]]}, faults)["why"]
+
+    rep = {"job": "j", "result": {"state": "done"}, "steps_completed": 30, "wall_s": 10.0,
+           "step_time_s_median": 0.071, "state_digest": "cd" * 32, "replicas_identical": True,
+           "recoveries": [{"rank": 1, "generation": 2, "downtime_s": 0.2, "bytes_streamed": 2**20,
+                           "spares": ["fresh-1"], "phases": {"detect": 0.01}}],
+           "diverged": dv}  # fmt: skip
+    print_summary(rep, reference="ab" * 32)
+    out = capsys.readouterr().out
+    assert "recovery of rank 1 onto a fresh process (fresh-1) (generation 2)" in out, out
+    assert "onto spare" not in out
+    assert "verify: first difference at step 8 on rank 0: diverged at step 8" in out, out

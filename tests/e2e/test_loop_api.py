@@ -59,6 +59,10 @@ def test_clip_grad_norm_is_ddp_semantics_and_exact_across_a_kill(tmp_path):
     # Across a kill landing in the average: bit-identical, norms included.
     killed, got2 = _clip_run(tmp_path, "clipk", faults=("kill:rank=1:step=6:during=allreduce",))
     assert killed.rc == 0 and killed.report["recoveries"], explain(killed)
+    # the kill the worker fires itself inside the average is reported as the agent's own are
+    fired = [(f["kind"], f["rank"], f["step"], f["during"]) for f in killed.report["faults_injected"]]
+    assert fired == [("kill", 1, 6, "allreduce")], killed.report["faults_injected"]
+    assert "injected kill of worker-1 (rank 1) in step 6 during allreduce (in-process)" in killed.stdout
     assert [got2[r]["state"] for r in (0, 1)] == [got[r]["state"] for r in (0, 1)]
     assert got2[0]["norms"] == got[0]["norms"]  # the survivor saw every step's norm
     n = len(got2[1]["norms"])  # the spare's list (not registered) starts at the step it replayed

@@ -82,6 +82,15 @@ def test_downtime_and_phases():
     assert c["phases"]["stop"] == pytest.approx(0.03) and c["phases"]["load"] == pytest.approx(0.2)
     assert sum(c["phases"].values()) == pytest.approx(sum(recoveries(ev, commits, 0.1)[0]["phases"].values()))
     assert c["lost_s"] == pytest.approx(c["downtime_s"] + 5 * 0.1)
+    # A shrink: the wait for a spare (--spare-wait) ends at the shrink's decision, its own phase,
+    # not folded into build
+    shrink = [*ev[:4], {"phase": "shrink", "time": 106.07, "generation": 2, "carried": {"1": 0}},
+              {"phase": "build", "time": 106.2, "generation": 2},
+              {"phase": "commit", "time": 106.3, "generation": 2}]  # fmt: skip
+    late_commits = [(s, 100.0 + s * 0.1) for s in range(10)] + [(s, 107.0 + s * 0.1) for s in range(10, 20)]
+    (sh,) = recoveries(shrink, late_commits, 0.1)
+    assert sh["kind"] == "shrink" and sh["phases"]["wait"] == pytest.approx(5.0), sh
+    assert sh["phases"]["build"] == pytest.approx(0.13), sh
 
 
 def test_timeouts_from_env(monkeypatch):
@@ -404,3 +413,28 @@ def test_a_checkpoint_of_another_format_is_refused_a_damaged_one_skipped(tmp_pat
     man.write_text(json.dumps({**json.loads(man.read_text()), "format": FORMAT + 1}))
     with pytest.raises(FormatError, match=f"has format {FORMAT + 1}, this livemig reads {FORMAT}"):
         choose(str(tmp_path))
+
+
+def test_the_progress_rate_comes_from_the_commit_times_not_from_when_they_were_seen():
+    """Progress records reach the agent in bursts: two lines printed 2 ms apart once read
+    801 steps/s for 6 ms steps. The rate is the slowest rank's steps over its commit times."""
+    from types import SimpleNamespace
+
+    from livemig.agent.child_watch import ChildWatch
+    from livemig.rdzv.client import encode
+    from livemig.rdzv.keys import JobKeys
+
+    said: list[str] = []
+    keys = JobKeys("j")
+    agent = SimpleNamespace(keys=keys, cfg=SimpleNamespace(log_every=10), say=said.append)
+    w = ChildWatch(agent)  # type: ignore[arg-type]
+    rev = iter(range(1, 100))
+
+    def seen(step: int, t: float) -> None:  # both ranks at `step`, committed at wall time t
+        w.progress({keys.progress(r): SimpleNamespace(value=encode({"step": step, "time": t + r * 0.001}),
+                                                      mod_revision=next(rev)) for r in (0, 1)})  # fmt: skip
+
+    seen(9, 1000.0)
+    seen(19, 1000.06)  # ten 6 ms steps, whenever the agent happens to read them
+    assert said[0].startswith("step     10") and "steps/s" not in said[0], said
+    assert "166.67 steps/s" in said[1], said  # 10 steps / 0.06 s

@@ -1,0 +1,233 @@
+"""Collectives before the loop: run live when the job starts, answered from a record when the
+function is entered again.
+
+Scripts use torch.distributed from the moment they have it: a config broadcast from rank 0, a
+barrier, a checkpoint loaded with DCP, an FSDP2 model unsharded to inspect it. Under livemig the
+job's first generation forms only in `ctx.steps()` (the coordinator needs every rank's model
+signature first), and a process entering the function again (a claimed spare, a survivor of a
+cold restart or of an FSDP2 redo, a spare migrating in) runs that code alone, while its peers
+are in their loops. So the default group and every group the script creates exist from the
+first line of the function (`enter`), and their collectives before the loop are served by mode:
+
+- a worker's first entry ("record"): each group gets a start-up communicator on rank 0's c10d
+  store the first time it is used (`_boot`); every completed collective's results are
+  recorded, and the record is published in etcd as the rank enters `ctx.steps()` (`leave`);
+- a process entering the function again ("answer"): each collective is answered, in order,
+  from the record of the rank it enters as (held here if it held that rank, else read from
+  etcd), so every rank ends exactly where the fault-free run did; a call the record cannot
+  answer (more calls, another op or group, other shapes) is refused with one line;
+- a spare in standby and a local run: a world of one, collectives run live.
+
+The record is capped (LIVEMIG_PRELOOP_MAX_MB, default 1 MiB per rank: it is an etcd value);
+a script that gathers more before its loop (an unshard of a large model) is told so at that call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from livemig.comm import group as comm_group
+from livemig.comm import torch_group
+from livemig.config import ENV_PRELOOP_MAX_MB, Role
+from livemig.errors import ConfigError, RecoveryError
+from livemig.rdzv.client import decode
+
+if TYPE_CHECKING:
+    from livemig.comm.torch_group import SwappableGroup
+
+log = logging.getLogger("livemig.runtime.preloop")
+_BOOT_PREFIX = "livemig-preloop"
+
+
+def max_bytes() -> int:
+    raw = os.environ.get(ENV_PRELOOP_MAX_MB, "1")
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_PRELOOP_MAX_MB}={raw!r} is not a number of MiB") from None
+    return round(mb * 2**20)
+
+
+def pack_tensor(t: torch.Tensor) -> list:
+    """[dtype, shape, bytes] of a tensor's value, on any device (msgpack, no pickle)."""
+    c = t.detach().to("cpu").contiguous()
+    raw = c.reshape(-1).view(torch.uint8).numpy().tobytes() if c.numel() else b""
+    return [str(c.dtype).removeprefix("torch."), list(c.shape), raw]
+
+
+def unpack_tensor(rec: list) -> torch.Tensor:
+    dtype, shape, raw = getattr(torch, rec[0]), list(rec[1]), rec[2]
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class PreLoop:
+    """The collectives of one process's user code before its loop (module doc); owned by the
+    Engine and kept across the function's entries (the record is this rank's)."""
+
+    def __init__(self, host: Any) -> None:
+        self.h = host
+        self.mode = ""  # "record", "answer" or "" (live, or inside the loop)
+        self.calls: list[dict] | None = []  # the record of `rank`: None until read from etcd
+        self.rank: int | None = None  # whose record `calls` is
+        self.nbytes = 0
+        self.cursor = 0  # the next call an entry answers
+        self.boots: dict[str, Any] = {}  # start-up communicators, by group name
+        self.registered = False  # this worker registered its rank for the start-up store
+
+    # -- the function's entries ----------------------------------------------------------
+    def enter(self) -> None:
+        """Before the user's function runs: the default group exists, and its collectives (and
+        every group's) are served by this entry's mode."""
+        h = self.h
+        one = h.role == Role.LOCAL or (h.role == Role.SPARE and h.joining is None)
+        if one and dist.is_initialized() and not torch_group.groups():
+            return  # a local script that initialised torch.distributed itself: its groups
+        rank, world = (0, 1) if one else (h.rank, h.world_size)
+        torch_group.install_unformed(rank, world, h.timeouts.collective)
+        if not one and h.runtime is not None and torch_group.GUARD.should_abort is None:
+            # a wait in user code's collectives is the hang detection's input, as FSDP2's are
+            torch_group.set_guard(h.runtime.moved_on, h.timeouts.collective, on_wait=h.fsdp2.waiting)
+        self._untap()
+        if one:
+            return
+        if h.joining is None:  # a worker's first entry: the job forms in ctx.steps()
+            self.mode, self.calls, self.rank, self.nbytes = "record", [], h.rank, 0
+            torch_group.TAP.record, torch_group.TAP.boot = self._record, self._boot
+        else:
+            if self.rank != h.rank:
+                self.calls, self.rank = None, h.rank  # read from etcd at the first call
+            self.mode, self.cursor = "answer", 0
+            torch_group.TAP.answer = self._answer
+
+    def leave(self) -> list[dict]:
+        """ctx.steps() was called: collectives run in the job's groups from here on. Returns
+        the record a worker's first entry made (to publish)."""
+        recorded = self.mode == "record"
+        if self.mode == "answer" and self.calls is not None and self.cursor < len(self.calls):
+            log.warning("fewer collectives before the loop than when the job started",
+                        extra={"rank": self.rank, "answered": self.cursor, "recorded": len(self.calls)})  # fmt: skip
+        self.mode = ""
+        self._untap()
+        return list(self.calls or []) if recorded else []
+
+    def publish(self, calls: list[dict]) -> None:
+        """This rank's record, for a process that enters the function as this rank later."""
+        if not calls:
+            return
+        rt = self.h.runtime
+        rt.put(rt.keys.preloop(self.h.rank), {"calls": calls, "bytes": self.nbytes})
+        log.info("collectives before the loop recorded", extra={"calls": len(calls), "bytes": self.nbytes})
+
+    def register(self) -> None:
+        """Register this worker's rank (once): rank 0's registration serves the store the
+        start-up communicators and the first generation rendezvous in."""
+        if not self.registered:
+            self.h.runtime.register(self.h.rank, host_store=self.h.rank == 0)
+            self.registered = True
+
+    def formed(self) -> None:
+        """The job's first generation is in: the start-up communicators are done with (the
+        generation's build replaced the mesh groups' ones and retired them; the default
+        group's is retired here)."""
+        default = torch_group.groups()[0].group_name if torch_group.groups() else ""
+        inner = self.boots.pop(default, None)
+        if inner is not None:
+            self.h.runtime.comm.retire(inner, idle=True)
+        self.boots.clear()
+
+    def _untap(self) -> None:
+        tap = torch_group.TAP
+        tap.record = tap.answer = tap.boot = None
+
+    # -- record ------------------------------------------------------------------------------
+    def _record(self, g: SwappableGroup, name: str, outs: list[torch.Tensor]) -> None:
+        packed = [pack_tensor(t) for t in outs]
+        self.nbytes += sum(len(p[2]) for p in packed)
+        cap = max_bytes()
+        if self.nbytes > cap:
+            said = os.environ.get(ENV_PRELOOP_MAX_MB, "1")
+            raise ConfigError(
+                f"torch.distributed {name} before ctx.steps(): the results of this rank's collectives before the "
+                f"loop reach {self.nbytes / 2**10:.1f} KiB, over {ENV_PRELOOP_MAX_MB}={said} MiB (they are recorded "
+                "for a process that enters the function again): move large collectives into the loop or raise the cap"
+            )
+        assert self.calls is not None
+        self.calls.append({"g": g.group_name, "op": name, "t": packed})
+
+    def _boot(self, g: SwappableGroup) -> Any:
+        """A start-up communicator for group `g` (its first collective before the job formed),
+        on a prefix of rank 0's store; the peers build theirs at their first use of `g`."""
+        h = self.h
+        rt = h.runtime
+        self.register()
+        wait = h.timeouts.recovery  # the ranks reach their first collective at their own pace
+        store = dist.PrefixStore(f"{_BOOT_PREFIX}/{g.group_name}", self._store(wait.total_seconds()))
+        try:
+            inner = comm_group.build_subgroup(store, f"start-up group {g.group_name}", g.ranks.index(h.rank),
+                                              len(g.ranks), wait, rt.comm.backend, rt.fenced.is_set)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the one line names what did not come
+            raise RecoveryError(
+                f"the collectives before ctx.steps() could not start on group {g.group_name}: "
+                f"{comm_group.first_line(exc)} (every rank of the group must make the same calls before its loop; "
+                f"waited {wait.total_seconds():.0f}s, LIVEMIG_RECOVERY_TIMEOUT)"
+            ) from None
+        self.boots[g.group_name] = inner
+        return inner
+
+    def _store(self, wait_s: float) -> dist.Store:
+        """Rank 0's c10d store (it serves it from its registration)."""
+        rt = self.h.runtime
+        if self.h.rank == 0:
+            return rt.store
+        deadline = time.monotonic() + wait_s
+        while True:
+            kv = rt.client.get(rt.keys.member(0))
+            rec = decode(kv.value) if kv is not None else None
+            addr = rec.get("store") if isinstance(rec, dict) else None
+            if addr:
+                host, port = str(addr).rsplit(":", 1)
+                return dist.TCPStore(host, int(port), is_master=False, timeout=self.h.timeouts.collective)
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"rank 0 did not register within {wait_s:.0f}s, so the collectives before "
+                                    "ctx.steps() cannot start: is rank 0 running? "
+                                    "(LIVEMIG_RECOVERY_TIMEOUT)")  # fmt: skip
+            time.sleep(0.05)
+
+    # -- answer ------------------------------------------------------------------------------
+    def _answer(self, g: SwappableGroup, name: str, outs: list[torch.Tensor]) -> None:
+        calls = self._calls()
+        i, r = self.cursor, self.rank
+        rule = ("the code before ctx.steps() must make the same collectives on every entry of the function (a "
+                "process entering it again is answered from what the rank received when the job started)")  # fmt: skip
+        if i >= len(calls):
+            raise ConfigError(f"torch.distributed {name} before ctx.steps(), entering the function again as "
+                              f"rank {r}: call {i + 1}, but rank {r} made {len(calls)} when the job started; "
+                              f"{rule}")  # fmt: skip
+        c = calls[i]
+        shapes = [list(t.shape) for t in outs]
+        if c["g"] != g.group_name or c["op"] != name or shapes != [list(x[1]) for x in c["t"]]:
+            raise ConfigError(f"torch.distributed {name} on group {g.group_name} {shapes} before ctx.steps(), entering "
+                              f"the function again as rank {r}: call {i + 1} of rank {r} was {c['op']} on group "
+                              f"{c['g']} {[list(x[1]) for x in c['t']]}; {rule}")  # fmt: skip
+        with torch.no_grad():
+            for t, rec in zip(outs, c["t"], strict=True):
+                t.copy_(unpack_tensor(rec))
+        self.cursor += 1
+
+    def _calls(self) -> list[dict]:
+        if self.calls is None:
+            rt = self.h.runtime
+            kv = rt.client.get(rt.keys.preloop(self.rank)) if rt is not None else None
+            rec = decode(kv.value) if kv is not None else None
+            self.calls = list(rec.get("calls") or []) if isinstance(rec, dict) else []
+            log.info("collectives before the loop answered from the record",
+                     extra={"rank": self.rank, "calls": len(self.calls)})  # fmt: skip
+        return self.calls

@@ -109,6 +109,7 @@ class Engine(StepLoop):  # over the member's fields (runtime/member_fields.py)
         self.strategy: Strategy = Replicated(self)  # the kind of parallelism; ctx.register() picks it
         self.committed = -1  # last step whose optimizer update is applied here
         self.current: int | None = None  # step being run (between yield and ctx.step())
+        self.steps_called = False  # ctx.steps() runs once per entry of the function
         self.st = StepState()  # the step protocol's records between steps (runtime/step_state.py)
         self._last_metrics: dict[str, float] = {}
         self._total = 0
@@ -143,6 +144,12 @@ class Engine(StepLoop):  # over the member's fields (runtime/member_fields.py)
         runs a kind of parallelism of the user's own (runtime/strategies/base.py). What cannot
         stream is refused here.
         """
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            raise ConfigError("ctx.register(model=DistributedDataParallel(...)): register the module itself "
+                              "(model = Net(), or ddp.module): livemig averages the gradients, and DDP's own "
+                              "averaging would run on top of it, outside any recovery")  # fmt: skip
         check_sharding(sharding, optimizer, fsdp=self.fsdp2.sharded(model))
         fsdp = self.fsdp2.check_register(model, mirror)  # FSDP2: DTensor parameters
         self.reg.set(model, optimizer, extra, local)

@@ -61,14 +61,34 @@ class ElasticSampler(torch.utils.data.Sampler):
     iterate the loader through `ctx.batches(loader)`, which places the
     sampler at the step, rank and world size the loop runs at. The dataset
     must be the same on every rank: only the sampler depends on the rank.
+
+    It takes torch DistributedSampler's `shuffle`, `seed` and `drop_last` (only True: every
+    rank takes part in every step) and has its `set_epoch`, which a port may keep: the epoch
+    is the global step's (step // steps per epoch), so set_epoch changes nothing. Its rank and
+    world size are torch.distributed's default group's from the start (livemig's, under
+    `livemig run`), so `len(loader)` is the per-rank number of batches of an epoch before the
+    loop as in it.
     """
 
-    def __init__(self, dataset_len: int, batch_size: int, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(self, dataset_len: int, batch_size: int, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = True) -> None:  # fmt: skip
         if batch_size < 1 or dataset_len < batch_size:
             raise ValueError(f"ElasticSampler: batch_size {batch_size} must be in 1..dataset_len ({dataset_len})")
+        if not drop_last:
+            raise ValueError("ElasticSampler: drop_last=False is not supported: the last partial step of an epoch "
+                             "is dropped, as every rank must take part in every step")  # fmt: skip
         self.n, self.batch_size, self.seed, self.shuffle = dataset_len, batch_size, seed, shuffle
         self.rank, self.world_size, self.start = 0, 1, 0
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.epoch = 0  # what set_epoch was told (the batches follow the global step)
         self._perm: tuple[int, torch.Tensor] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """DistributedSampler's call, kept in a port: the epoch is the global step's already."""
+        self.epoch = int(epoch)
 
     def config(self) -> tuple:
         return (self.n, self.batch_size, self.seed, self.shuffle)

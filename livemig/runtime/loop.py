@@ -36,6 +36,13 @@ class StepLoop(MemberFields):
         """Yield step indices, from the agreed resume step after a recovery."""
         if self.model is None and self.optimizer is None:
             raise ConfigError("call ctx.register(model=..., optimizer=...) before ctx.steps()")
+        if self.steps_called:
+            raise ConfigError(
+                "ctx.steps() was called a second time in one run of the function (once per epoch?): call it "
+                "once with the total, for step in ctx.steps(epochs * steps_per_epoch), and take the epoch as "
+                'step // steps_per_epoch (README, "Epochs")'
+            )
+        self.steps_called = True
         self._total = total
         start = yield from self._enter(total)
         if self.role != Role.SPARE and self.joining is None:

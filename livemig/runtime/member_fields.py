@@ -55,6 +55,7 @@ class MemberFields:
     # where it is
     committed: int  # the last step whose optimizer update is applied here
     current: int | None  # the step being run (between yield and ctx.step())
+    steps_called: bool  # ctx.steps() ran in this entry of the function (a second call is refused)
     loaded_step: int | None  # a spare: the resume step of the state it loaded
     stream_info: dict[str, Any]  # what the last pull streamed (the report's stream phase)
     step_t0: float

@@ -7,7 +7,6 @@ cpu_offload=True)` on every rank; rank 0 appends the step and the gathered state
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -17,17 +16,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 import livemig
 from livemig.data import ElasticSampler
+from livemig.state import digest as state_digest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 from fsdp2_lm import corpus, lr_at, sharded  # noqa: E402 - the example's model, from its directory
 
 
 def digest(sd: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(sd):
-        h.update(k.encode())
-        h.update(sd[k].detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    return state_digest([sd[k] for k in sorted(sd)])[:16]
 
 
 @livemig.elastic()

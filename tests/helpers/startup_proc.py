@@ -13,7 +13,6 @@ worker from the start: livemig must refuse it with one line.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -22,16 +21,13 @@ import torch
 import torch.distributed as dist
 
 import livemig
+from livemig.state import digest as state_digest
 
 WIDTH = 16
 
 
 def digest(sd: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(sd):
-        h.update(k.encode())
-        h.update(sd[k].detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    return state_digest([sd[k] for k in sorted(sd)])[:16]
 
 
 @livemig.elastic(seed=0)

@@ -72,6 +72,15 @@ def validate_job_name(job: str) -> str:
     return job
 
 
+def env_mib(name: str, default: str) -> int:
+    """A size setting given in MiB (fractions allowed), in bytes; anything else is one line."""
+    raw = os.environ.get(name, default)
+    try:
+        return int(float(raw) * 2**20)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of MiB") from None
+
+
 def _env_seconds(name: str, default: float) -> timedelta:
     raw = os.environ.get(name)
     if raw is None or raw == "":

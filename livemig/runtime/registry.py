@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from livemig.config import ENV_LOCAL_MAX_MB, LOCAL_STATE_ENTRY
+from livemig.config import ENV_LOCAL_MAX_MB, LOCAL_STATE_ENTRY, env_mib
 from livemig.errors import ConfigError
 from livemig.state import digest, flatten, pack, signature, to_local
 
@@ -26,13 +26,7 @@ PARAMS_CHECK, OPTIMIZER_CHECK = "<parameters>", "<optimizer>"  # replica_digests
 
 
 def local_limit_bytes() -> int:
-    import os
-
-    raw = os.environ.get(ENV_LOCAL_MAX_MB, "64")
-    try:
-        return int(float(raw) * 2**20)
-    except ValueError:
-        raise ConfigError(f"{ENV_LOCAL_MAX_MB}={raw!r} is not a number of MiB") from None
+    return env_mib(ENV_LOCAL_MAX_MB, "64")
 
 
 def _streamable(name: str, obj: Any) -> None:

@@ -294,12 +294,15 @@ def _run(kind: str, inner_call: Callable[[], Any], poll: bool | None = None) -> 
     return _GuardedWork(work, poll=kind != "fsdp_reduce_scatter" if poll is None else poll)
 
 
-def _unpolled(name: str) -> Callable[..., Any]:
-    """A SwappableGroup method that submits the inner communicator's `name` through the guard,
-    its work waited without polling (gloo runs it inside wait())."""
+def _delegated(name: str, kind: str = "other", poll: bool | None = None) -> Callable[..., Any]:
+    """A SwappableGroup method that submits the inner communicator's `name` through the tap
+    (runtime/preloop.py) and the guard. kind: the fault point it is ("allreduce": the group's
+    role says, `_allreduce_kind`); poll=False: its work is waited without polling (gloo runs
+    it inside wait())."""
 
     def call(self: SwappableGroup, *a: Any, **k: Any) -> Any:
-        return _tapped(self, name, a, lambda: _run("other", lambda: getattr(self.inner, name)(*a, **k), poll=False))
+        what = self._allreduce_kind() if kind == "allreduce" else kind
+        return _tapped(self, name, a, lambda: _run(what, lambda: getattr(self.inner, name)(*a, **k), poll=poll))
 
     call.__name__ = name
     return call
@@ -342,25 +345,10 @@ class SwappableGroup(dist.ProcessGroup):
         self.inner, self.generation = inner, generation
 
     # -- the collectives, delegated ---------------------------------------------------------
-    def allreduce(self, *a: Any, **k: Any) -> Any:
-        kind = self._allreduce_kind()
-        return _tapped(self, "allreduce", a, lambda: _run(kind, lambda: self.inner.allreduce(*a, **k)))
-
-    def allreduce_coalesced(self, *a: Any, **k: Any) -> Any:
-        return _tapped(
-            self,
-            "allreduce_coalesced",
-            a,
-            lambda: _run(self._allreduce_kind(), lambda: self.inner.allreduce_coalesced(*a, **k)),
-        )
-
-    def allgather(self, *a: Any, **k: Any) -> Any:
-        return _tapped(self, "allgather", a, lambda: _run("other", lambda: self.inner.allgather(*a, **k)))
-
-    def _allgather_base(self, *a: Any, **k: Any) -> Any:
-        return _tapped(
-            self, "_allgather_base", a, lambda: _run("fsdp_allgather", lambda: self.inner._allgather_base(*a, **k))
-        )
+    allreduce = _delegated("allreduce", "allreduce")
+    allreduce_coalesced = _delegated("allreduce_coalesced", "allreduce")
+    allgather = _delegated("allgather")
+    _allgather_base = _delegated("_allgather_base", "fsdp_allgather")
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:  # fmt: skip
@@ -381,18 +369,8 @@ class SwappableGroup(dist.ProcessGroup):
             lambda: _run("fsdp_allgather", lambda: self.inner._allgather_base(out, inp)),
         )
 
-    def reduce_scatter(self, *a: Any, **k: Any) -> Any:
-        return _tapped(
-            self, "reduce_scatter", a, lambda: _run("fsdp_reduce_scatter", lambda: self.inner.reduce_scatter(*a, **k))
-        )
-
-    def _reduce_scatter_base(self, *a: Any, **k: Any) -> Any:
-        return _tapped(
-            self,
-            "_reduce_scatter_base",
-            a,
-            lambda: _run("fsdp_reduce_scatter", lambda: self.inner._reduce_scatter_base(*a, **k)),
-        )
+    reduce_scatter = _delegated("reduce_scatter", "fsdp_reduce_scatter")
+    _reduce_scatter_base = _delegated("_reduce_scatter_base", "fsdp_reduce_scatter")
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:  # fmt: skip
@@ -417,34 +395,30 @@ class SwappableGroup(dist.ProcessGroup):
             lambda: _run("fsdp_reduce_scatter", lambda: self.inner._reduce_scatter_base(out, inp, o)),
         )
 
-    def broadcast(self, *a: Any, **k: Any) -> Any:
-        return _tapped(self, "broadcast", a, lambda: _run("other", lambda: self.inner.broadcast(*a, **k)))
-
-    def allgather_coalesced(self, *a: Any, **k: Any) -> Any:
-        return _tapped(
-            self, "allgather_coalesced", a, lambda: _run("other", lambda: self.inner.allgather_coalesced(*a, **k))
-        )
-
-    def barrier(self, *a: Any, **k: Any) -> Any:
-        return _tapped(self, "barrier", a, lambda: _run("other", lambda: self.inner.barrier(*a, **k)))
-
-    # the collectives gloo runs inside their wait(): delegated the same way, waited unpolled
-    alltoall = _unpolled("alltoall")
-    alltoall_base = _unpolled("alltoall_base")
-    gather = _unpolled("gather")
-    scatter = _unpolled("scatter")
-    reduce = _unpolled("reduce")
-    send = _unpolled("send")
-    recv = _unpolled("recv")
-    recv_anysource = _unpolled("recv_anysource")
+    broadcast = _delegated("broadcast")
+    allgather_coalesced = _delegated("allgather_coalesced")
+    barrier = _delegated("barrier")
+    # the collectives gloo runs inside their wait(): waited unpolled
+    alltoall = _delegated("alltoall", poll=False)
+    alltoall_base = _delegated("alltoall_base", poll=False)
+    gather = _delegated("gather", poll=False)
+    scatter = _delegated("scatter", poll=False)
+    reduce = _delegated("reduce", poll=False)
+    send = _delegated("send", poll=False)
+    recv = _delegated("recv", poll=False)
+    recv_anysource = _delegated("recv_anysource", poll=False)
 
     def monitored_barrier(self, *a: Any, **k: Any) -> Any:
         def run() -> Any:
             GUARD.check()  # synchronous in gloo: it returns once every rank reached it, or raises
             return self.inner.monitored_barrier(*a, **k)
 
+        def done() -> _Done:  # synchronous: complete once run returns
+            run()
+            return _Done([])
+
         if TAP.answer is not None or TAP.record is not None:
-            return _tapped(self, "monitored_barrier", a, lambda: (run(), _Done([]))[1])
+            return _tapped(self, "monitored_barrier", a, done)
         return run()
 
 

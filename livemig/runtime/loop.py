@@ -226,8 +226,4 @@ class StepLoop(MemberFields):
             return
         self.st.record_commit(t, self.runtime.gen if self.runtime is not None else 0, COMMITS_KEPT)
         if self.runtime is not None:
-            # a metric named like a field of the progress record (ctx.log(step=...)) keeps its value
-            # under user_<name>, never replacing the field nor clashing with the call's arguments
-            own = {"step", "time", "incarnation", "generation", "around", "step_s", "compute_recent", *info}
-            metrics = {(f"user_{k}" if k in own else k): v for k, v in self._last_metrics.items()}
-            self.runtime.report.commit(t, generation=self.runtime.gen, **metrics, **info)
+            self.runtime.report.commit(t, self._last_metrics, generation=self.runtime.gen, **info)

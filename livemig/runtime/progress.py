@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("livemig.member")
 COMPUTE_KEPT = 8  # steps of compute times in each progress record: the coordinator may be this far behind
+# the fields a progress record may carry besides the commit's own arguments: a user metric of one
+# of these names is kept as user_<name> (Progress.commit)
+_OWN = frozenset({"compute_recent", "around", "step_s", "busy", "waiting_step", "waited_s", "hang_timeout",
+                  "group", "unreachable", "failed_step", "error"})  # fmt: skip
 
 
 def _urgent(item: dict) -> bool:
@@ -56,13 +60,16 @@ class Progress:
         self._busy = False
         threading.Thread(target=self._loop, daemon=True, name="livemig-progress").start()
 
-    def commit(self, step: int, **info: Any) -> None:
-        """Publish the last committed step off the training thread (latest wins)."""
+    def commit(self, step: int, metrics: dict[str, float] | None = None, **info: Any) -> None:
+        """Publish the last committed step off the training thread (latest wins). `metrics`:
+        the user's (ctx.log); one named like a field of the record (ctx.log(step=...)) keeps its
+        value under user_<name>, never replacing the field."""
         gen = self._where()[1]
         now = time.time()
         if self._last_item is not None:
             self._step_times = [*self._step_times[-19:], now - self._last_item["time"]]
         item = {"step": step, "time": now, "incarnation": self.incarnation, **info}
+        item = {**{(f"user_{k}" if k in item or k in _OWN else k): v for k, v in (metrics or {}).items()}, **item}
         if self._compute_recent is not None and "compute_s" in info:  # the straggler hook judges each step
             self._compute_recent = [*self._compute_recent[-(COMPUTE_KEPT - 1) :], [step, round(info["compute_s"], 6)]]
             item["compute_recent"] = self._compute_recent

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from livemig.comm import group as comm_group
 from livemig.comm import torch_group
-from livemig.config import ENV_PRELOOP_MAX_MB, Role
+from livemig.config import ENV_PRELOOP_MAX_MB, Role, env_mib
 from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.client import decode
 
@@ -43,15 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("livemig.runtime.preloop")
 _BOOT_PREFIX = "livemig-preloop"
-
-
-def max_bytes() -> int:
-    raw = os.environ.get(ENV_PRELOOP_MAX_MB, "1")
-    try:
-        mb = float(raw)
-    except ValueError:
-        raise ConfigError(f"{ENV_PRELOOP_MAX_MB}={raw!r} is not a number of MiB") from None
-    return round(mb * 2**20)
 
 
 def pack_tensor(t: torch.Tensor) -> list:
@@ -79,8 +70,7 @@ class PreLoop:
         self.rank: int | None = None  # whose record `calls` is
         self.nbytes = 0
         self.cursor = 0  # the next call an entry answers
-        self.boots: dict[str, Any] = {}  # start-up communicators, by group name
-        self.registered = False  # this worker registered its rank for the start-up store
+        self.boot_default: Any = None  # the default group's start-up communicator (retired at formation)
 
     # -- the function's entries ----------------------------------------------------------
     def enter(self) -> None:
@@ -129,19 +119,16 @@ class PreLoop:
     def register(self) -> None:
         """Register this worker's rank (once): rank 0's registration serves the store the
         start-up communicators and the first generation rendezvous in."""
-        if not self.registered:
+        if self.h.runtime.rank is None:
             self.h.runtime.register(self.h.rank, host_store=self.h.rank == 0)
-            self.registered = True
 
     def formed(self) -> None:
         """The job's first generation is in: the start-up communicators are done with (the
         generation's build replaced the mesh groups' ones and retired them; the default
         group's is retired here)."""
-        default = torch_group.groups()[0].group_name if torch_group.groups() else ""
-        inner = self.boots.pop(default, None)
-        if inner is not None:
-            self.h.runtime.comm.retire(inner, idle=True)
-        self.boots.clear()
+        if self.boot_default is not None:
+            self.h.runtime.comm.retire(self.boot_default, idle=True)
+            self.boot_default = None
 
     def _untap(self) -> None:
         tap = torch_group.TAP
@@ -151,7 +138,7 @@ class PreLoop:
     def _record(self, g: SwappableGroup, name: str, outs: list[torch.Tensor]) -> None:
         packed = [pack_tensor(t) for t in outs]
         self.nbytes += sum(len(p[2]) for p in packed)
-        cap = max_bytes()
+        cap = env_mib(ENV_PRELOOP_MAX_MB, "1")
         if self.nbytes > cap:
             said = os.environ.get(ENV_PRELOOP_MAX_MB, "1")
             raise ConfigError(
@@ -179,7 +166,8 @@ class PreLoop:
                 f"{comm_group.first_line(exc)} (every rank of the group must make the same calls before its loop; "
                 f"waited {wait.total_seconds():.0f}s, LIVEMIG_RECOVERY_TIMEOUT)"
             ) from None
-        self.boots[g.group_name] = inner
+        if g is torch_group.groups()[0]:  # the mesh groups' are retired by the first generation's build
+            self.boot_default = inner
         return inner
 
     def _store(self, wait_s: float) -> dist.Store:

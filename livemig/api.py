@@ -47,6 +47,8 @@ from livemig.runtime.boundary import Boundary
 from livemig.runtime.bugs import exit_on_bug
 from livemig.runtime.checkpoint import Checkpointer
 from livemig.runtime.control import Activate, Released, Requeue, Stop
+from livemig.runtime.entry import Entry
+from livemig.runtime.epochs import EpochLoop
 from livemig.runtime.fsdp2_mesh import Fsdp2
 from livemig.runtime.loop import StepLoop
 from livemig.runtime.migration import Migration
@@ -109,7 +111,9 @@ class Engine(StepLoop):  # over the member's fields (runtime/member_fields.py)
         self.strategy: Strategy = Replicated(self)  # the kind of parallelism; ctx.register() picks it
         self.committed = -1  # last step whose optimizer update is applied here
         self.current: int | None = None  # step being run (between yield and ctx.step())
-        self.steps_called = False  # ctx.steps() runs once per entry of the function
+        self.steps_called = False  # ctx.steps() (or ctx.epochs()) runs once per entry of the function
+        self.epoch_loop = EpochLoop(self)  # ctx.epochs() and the ctx.steps() inside it (runtime/epochs.py)
+        self.entry = Entry(self)  # where this entry's loop starts (runtime/entry.py)
         self.st = StepState()  # the step protocol's records between steps (runtime/step_state.py)
         self._last_metrics: dict[str, float] = {}
         self._total = 0
@@ -220,6 +224,7 @@ class Context:
     register = _verb("register")
     init_device_mesh = _verb("init_device_mesh")
     steps = _verb("steps")
+    epochs = _verb("epochs")
     batches = _verb("batches")
     no_sync = _verb("no_sync")
     sync_gradients = _verb("sync_gradients")

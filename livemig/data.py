@@ -101,6 +101,11 @@ class ElasticSampler(torch.utils.data.Sampler):
             )
         self.start, self.rank, self.world_size = start, rank, world_size
 
+    def place_in_epoch(self, epoch: int, k: int, rank: int, world_size: int) -> None:
+        """Step `k` of epoch `epoch` (`ctx.epochs()` counts the epochs), as `rank` of `world_size`."""
+        self.place(0, rank, world_size)
+        self.start = epoch * self.steps_per_epoch() + k
+
     def steps_per_epoch(self) -> int:
         return self.n // batch_size_total(self.batch_size, self.world_size)
 

@@ -154,15 +154,19 @@ class _Unformed:
 
 
 class _Tap:
-    """How the runtime sees the collectives of user code before its loop (runtime/preloop.py):
+    """How the runtime sees the collectives of user code outside its steps (runtime/preloop.py):
     `record(group, name, outputs)` after each completed one, `answer(group, name, outputs)`
-    instead of running one (a process entering the function again), `boot(group)` a start-up
-    communicator for a group the job has not formed yet. All None: collectives run as they are."""
+    instead of running one (a process entering the function again; False: run this one, the
+    peers meet it), `boot(group)` a start-up communicator for a group the job has not formed
+    yet, `rejoin(group, name, why)` after a recorded one failed once the job formed (it joins
+    the recovery; the call is then made again in the new generation). All None: collectives
+    run as they are."""
 
     def __init__(self) -> None:
         self.record: Callable[[SwappableGroup, str, list[torch.Tensor]], None] | None = None
-        self.answer: Callable[[SwappableGroup, str, list[torch.Tensor]], None] | None = None
+        self.answer: Callable[[SwappableGroup, str, list[torch.Tensor]], bool] | None = None
         self.boot: Callable[[SwappableGroup], Any] | None = None
+        self.rejoin: Callable[[SwappableGroup, str, BaseException], None] | None = None
 
 
 TAP = _Tap()
@@ -215,24 +219,48 @@ def outputs_of(name: str, a: tuple) -> list[torch.Tensor]:
     return list(a[0])
 
 
+REJOINS = 3  # a collective outside the steps made again after this many recoveries at most
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, list | tuple):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
 def _tapped(g: SwappableGroup, name: str, a: tuple, submit: Callable[[], Any]) -> Any:
     """A collective through the tap: answered from the record, or run (and recorded once complete)."""
     if TAP.answer is not None:
         outs = outputs_of(name, a)
-        TAP.answer(g, name, outs)
-        return _Done(outs)
+        if TAP.answer(g, name, outs):
+            return _Done(outs)
     if TAP.record is None:
         return submit()
-    try:
-        submit().wait()
-    except StepAborted as exc:  # a start-up communicator (runtime/preloop.py): nothing to recover yet
-        from livemig.errors import RecoveryError
+    # What a failed attempt may have half-written (gloo reduces in place): put back before it is made again.
+    kept = [(t, t.detach().clone()) for t in _tensors(a)] if TAP.rejoin is not None else []
+    for attempt in range(REJOINS + 1):
+        try:
+            submit().wait()
+            break
+        except StepAborted as exc:
+            if TAP.boot is None:  # the job formed (code around an epoch's steps): join the recovery, again
+                if TAP.rejoin is None or attempt == REJOINS:
+                    raise
+                with torch.no_grad():
+                    for t, was in kept:
+                        t.copy_(was)
+                TAP.rejoin(g, name, exc)
+                continue
+            from livemig.errors import RecoveryError  # a start-up communicator: nothing to recover yet
 
-        GUARD.poisoned = ""
-        why = f"torch.distributed {name} before ctx.steps() failed before the job formed: {exc}"
-        raise RecoveryError(why) from None
+            GUARD.poisoned = ""
+            why = f"torch.distributed {name} before ctx.steps() failed before the job formed: {exc}"
+            raise RecoveryError(why) from None
     outs = outputs_of(name, a)
-    TAP.record(g, name, outs)
+    if TAP.record is not None:
+        TAP.record(g, name, outs)
     return _Done(outs)
 
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from livemig.comm.group import CollectiveAborted
 from livemig.config import Role
 from livemig.data import seed_step, step_seed
 from livemig.errors import ConfigError
-from livemig.rdzv.membership import GenState
 from livemig.runtime.member_fields import MemberFields
 from livemig.runtime.step_state import Averaged
 
@@ -32,23 +30,45 @@ COMMITS_KEPT = 200  # commit times in the final record, besides those around gen
 class StepLoop(MemberFields):
     """Mixed into api.Engine, over the member's fields (runtime/member_fields.py)."""
 
-    def steps(self, total: int) -> Iterator[int]:
-        """Yield step indices, from the agreed resume step after a recovery."""
-        if self.model is None and self.optimizer is None:
-            raise ConfigError("call ctx.register(model=..., optimizer=...) before ctx.steps()")
-        if self.steps_called:
-            raise ConfigError(
-                "ctx.steps() was called a second time in one run of the function (once per epoch?): call it "
-                "once with the total, for step in ctx.steps(epochs * steps_per_epoch), and take the epoch as "
-                'step // steps_per_epoch (README, "Epochs")'
-            )
+    def steps(self, total: int | None = None) -> Iterator[int]:
+        """Yield step indices, from the agreed resume step after a recovery. Inside
+        `for epoch in ctx.epochs(...)`, the epoch's steps (global indices; `total` is then
+        optional and, if given, the epoch's step count)."""
+        if self.epoch_loop.plan is not None:
+            yield from self.epoch_loop.steps(total)
+            return
+        self.entry.check("ctx.steps()")
+        if total is None or int(total) < 0:
+            raise ConfigError(f"ctx.steps(total): give the job's number of steps (got {total!r})")
         self.steps_called = True
-        self._total = total
-        start = yield from self._enter(total)
-        if self.role != Role.SPARE and self.joining is None:
-            self.boundary.keep(start - 1)  # the state every rank starts from
-        for step in range(start, total):
+        total = int(total)
+        start, replay = self.entry.start(total)
+        if start is None:  # a spare in standby: a sandboxed warm-up of the real loop body, then its claim
+            yield from self.sandbox.shadow(total)
+            self.standby.wait_for_claim()  # raises Activate
+        elif replay:
+            yield from self.boundary.replay_step()
+        yield from self.run(start or 0, total)
+        self.migration.at_boundary()  # the switch was voted at the last step
+        self.pull.after_switch()
+
+    def epochs(self, epochs: int, steps_per_epoch: int) -> Iterator[int]:
+        """Yield epoch indices for the port of `for epoch in range(E): sampler.set_epoch(epoch);
+        for batch in loader:`, with `for step in ctx.steps():` inside each epoch (global step
+        indices, `steps_per_epoch` of them). A process entering the function again (a claimed
+        spare, a cold restart, a migration) starts at the epoch of the step it resumes at, so the
+        code around an epoch's steps (set_epoch, a snapshot saved by rank 0, an evaluation) runs
+        once per epoch; its collectives are answered from the rank's record there
+        (runtime/epochs.py, runtime/preloop.py)."""
+        self.entry.check("ctx.epochs()")
+        self.steps_called = True
+        return self.epoch_loop.begin(epochs, steps_per_epoch)
+
+    def run(self, start: int, end: int) -> Iterator[int]:
+        """Steps [start, end): each one's body yielded, committed, its boundary reached."""
+        for step in range(start, end):
             self.current = step
+            self.preloop.live = True  # every rank is past what this process runs from here on
             self.strategy.regather()
             self.migration.tick()
             self.virtual.new_step()
@@ -67,59 +87,6 @@ class StepLoop(MemberFields):
                 raise ConfigError(f"step {step} ended without ctx.step(): it is the commit point")
             self.boundary.reached(step)  # kept, staged for a checkpoint, the fault plan's boundary faults
         self.current = None
-        self.migration.at_boundary()  # the switch was voted at the last step
-        self.pull.after_switch()
-
-    def _enter(self, total: int) -> Generator[int, None, int]:
-        """Where this entry of the function starts (returned: the first step to run), by why it
-        was entered: a cold restart, an FSDP2 redo, a worker forming the job, a spare (its
-        warm-up, then claimed or migrated in; a claimed spare's replay is yielded here)."""
-        joining = self.joining
-        recorded = self.preloop.leave()  # the collectives before the loop (runtime/preloop.py)
-        if joining is not None and joining.restart:  # the cold path: loaded in place (runtime/pull.py)
-            m = self.runtime.follow(joining.generation, self.pull)
-            return total if m.state == GenState.DONE else self.committed + 1
-        if joining is not None and joining.redo:  # FSDP2: redo from the boundary held here
-            self.strategy.redo_from_stash()
-            return self.committed + 1
-        if self.role == Role.WORKER:
-            self.faults.gate.check_total(total)  # a fault plan's step the job never reaches: refused now
-            self.preloop.register()
-            self.preloop.publish(recorded)
-            self.standby.register_signature()
-            self.runtime.follow(1, self.pull)
-            self.preloop.formed()
-            resumed = self.ckpt.resume()  # --resume-from: this rank's part of the chosen checkpoint
-            if resumed is not None:
-                self.committed = resumed
-                self.ckpt.at_boundary(resumed)  # resharded: written at once (runtime/checkpoint.py)
-            elif self.reg.sync_start and self.world_size > 1 and self.runtime.pg is not None:
-                try:  # DDP's start-up broadcast, never after a load: the replicas hold the job's state then
-                    self.strategy.sync_start()
-                except CollectiveAborted as exc:
-                    # A member lost during the sync: the survivors go on with what they hold (a
-                    # broadcast that completed only in part is caught by the step-0 replica check).
-                    self.join_recovery(None, exc)
-            self.strategy.formed()  # what is mirrored from now on (FSDP2: each rank's shard on its right neighbour)
-            return self.committed + 1
-        if self.role != Role.SPARE:
-            return 0
-        if joining is None:
-            yield from self.sandbox.shadow(total)  # sandboxed warm-up of the real loop body
-            self.standby.wait_for_claim()  # raises Activate
-        assert self.joining is not None
-        if self.joining.migration:
-            self.migration.migrate_in()
-            start = self.committed + 1
-            self.strategy.handover.after_migrate_in(self.committed)  # the leaving worker's, handed over at the switch
-            return start
-        m = self.runtime.follow(self.joining.generation, self.pull)
-        start = self.committed + 1
-        if m.state == GenState.DONE:
-            return total
-        if self.st.replay is not None:
-            yield from self.boundary.replay_step()
-        return start
 
     def sync_gradients(self) -> None:
         """Average the gradients over the live group and write them to `.grad`, without

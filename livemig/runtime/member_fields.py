@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from livemig.runtime.boundary import Boundary
     from livemig.runtime.checkpoint import Checkpointer
     from livemig.runtime.control import Activate
+    from livemig.runtime.entry import Entry
+    from livemig.runtime.epochs import EpochLoop
     from livemig.runtime.fsdp2_mesh import Fsdp2
     from livemig.runtime.member import MemberRuntime
     from livemig.runtime.migration import Migration
@@ -75,6 +77,8 @@ class MemberFields:
     fsdp2: Fsdp2
     preloop: PreLoop
     prints: StepPrints
+    entry: Entry
+    epoch_loop: EpochLoop
 
     # -- the registered state (runtime/registry.py) ------------------------------------------
     @property

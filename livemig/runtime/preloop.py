@@ -18,8 +18,15 @@ first line of the function (`enter`), and their collectives before the loop are 
   answer (more calls, another op or group, other shapes) is refused with one line;
 - a spare in standby and a local run: a world of one, collectives run live.
 
+The code around each epoch's steps under `ctx.epochs()` (set_epoch, an evaluation's all_reduce,
+rank 0's snapshot) is the same shape: every rank runs it live, it is recorded as a segment of the
+rank's record ("e3" before epoch 3's steps, "t3" after them), and a process entering the function
+again answers the segments it runs before its first step of its own (the epoch it resumes in)
+from the record, as it does the code before the loop. Segments after the first are published as
+the rank enters an epoch's steps or the next epoch.
+
 The record is capped (LIVEMIG_PRELOOP_MAX_MB, default 1 MiB per rank: it is an etcd value);
-a script that gathers more before its loop (an unshard of a large model) is told so at that call.
+a script that gathers more outside its steps (an unshard of a large model) is told so at that call.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import torch.distributed as dist
 
 from livemig.comm import group as comm_group
 from livemig.comm import torch_group
+from livemig.comm.group import CollectiveAborted
 from livemig.config import ENV_PRELOOP_MAX_MB, Role, env_mib
 from livemig.errors import ConfigError, RecoveryError
 from livemig.rdzv.client import decode
@@ -42,6 +50,11 @@ if TYPE_CHECKING:
     from livemig.comm.torch_group import SwappableGroup
 
 log = logging.getLogger("livemig.runtime.preloop")
+# Collectives whose results are the same on every rank: a call the lost rank made but had not
+# published yet is answered from a peer's record.
+_SAME_ON_EVERY_RANK = frozenset({"allreduce", "allreduce_coalesced", "allgather", "_allgather_base",
+                                 "allgather_into_tensor_coalesced", "all_gather_single", "broadcast",
+                                 "allgather_coalesced", "barrier", "monitored_barrier"})  # fmt: skip
 _BOOT_PREFIX = "livemig-preloop"
 
 
@@ -71,6 +84,12 @@ class PreLoop:
         self.nbytes = 0
         self.cursor = 0  # the next call an entry answers
         self.boot_default: Any = None  # the default group's start-up communicator (retired at formation)
+        self.seg = "start"  # the segment of the function the calls are in ("start", "e<epoch>", "t<epoch>")
+        self.live = False  # this entry ran a step of its own: every rank runs what follows, live
+        self.published = 0  # how many of `calls` etcd holds
+        self.retry: dict | None = None  # {"s": segment, "at": call}: a failed call this rank makes again
+        self._peer: dict | None = None  # a peer's record, read once per segment answered
+        self._said_shrunk = False
 
     # -- the function's entries ----------------------------------------------------------
     def enter(self) -> None:
@@ -86,35 +105,93 @@ class PreLoop:
             # a wait in user code's collectives is the hang detection's input, as FSDP2's are
             torch_group.set_guard(h.runtime.moved_on, h.timeouts.collective, on_wait=h.fsdp2.waiting)
         self._untap()
+        self.seg, self.live = "start", False
         if one:
             return
         if h.joining is None:  # a worker's first entry: the job forms in ctx.steps()
-            self.mode, self.calls, self.rank, self.nbytes = "record", [], h.rank, 0
+            self.mode, self.calls, self.rank, self.nbytes, self.published = "record", [], h.rank, 0, 0
             torch_group.TAP.record, torch_group.TAP.boot = self._record, self._boot
         else:
             if self.rank != h.rank:
-                self.calls, self.rank = None, h.rank  # read from etcd at the first call
+                self.calls, self.rank, self.nbytes, self.published = None, h.rank, 0, 0  # read from etcd when needed
             self.mode, self.cursor = "answer", 0
             torch_group.TAP.answer = self._answer
 
-    def leave(self) -> list[dict]:
-        """ctx.steps() was called: collectives run in the job's groups from here on. Returns
-        the record a worker's first entry made (to publish)."""
-        recorded = self.mode == "record"
-        if self.mode == "answer" and self.calls is not None and self.cursor < len(self.calls):
-            log.warning("fewer collectives before the loop than when the job started",
-                        extra={"rank": self.rank, "answered": self.cursor, "recorded": len(self.calls)})  # fmt: skip
+    def leave(self) -> None:
+        """ctx.steps() (or an epoch's steps) starts: collectives run in the job's groups from
+        here on. A segment after the first is published now; the first is published by a
+        worker's first entry once it has registered (`publish`)."""
+        self._close_segment()
         self.mode = ""
-        self._untap()
-        return list(self.calls or []) if recorded else []
+        if self.seg != "start":
+            self.publish()
 
-    def publish(self, calls: list[dict]) -> None:
+    def segment(self, name: str) -> None:
+        """ctx.epochs() moves outside the steps: the code before epoch k's steps ("e<k>") or
+        after them ("t<k>"). Answered from the record in a process entering the function again
+        until it runs a step of its own; recorded (and published) everywhere else."""
+        h = self.h
+        if h.role == Role.LOCAL or (h.role == Role.SPARE and h.joining is None) or h.runtime is None:
+            return  # a world of one: collectives run as they are
+        self._close_segment()
+        if self.seg != "start":
+            self.publish()
+        self.seg, self.cursor, self._peer = name, 0, None
+        if h.joining is not None and not self.live:
+            self.mode = "answer"
+            torch_group.TAP.answer = self._answer
+        else:
+            self._go_live()
+
+    def _go_live(self) -> None:
+        """Record from here on; a call that fails joins the recovery and is made again."""
+        self.mode, self.live = "record", True
+        tap = torch_group.TAP
+        tap.answer, tap.record, tap.rejoin = None, self._record, self._rejoin
+
+    def _rejoin(self, g: SwappableGroup, name: str, exc: BaseException) -> None:
+        """A call of the code around an epoch's steps failed (a peer lost): join the recovery,
+        then the call is made again in the new generation. The process that takes the lost rank
+        runs this code too (it starts at this epoch, runtime/epochs.py); the record says at which
+        call the others wait, so it answers the calls before it and makes this one live."""
+        h = self.h
+        if h.fsdp2.units or h.runtime is None:  # FSDP2 redoes by entering the function again
+            raise exc
+        self.retry = {"s": self.seg, "at": len(self._segment_calls())}
+        self.publish(force=True)
+        log.warning(f"torch.distributed {name} {self._where()} failed: joining the recovery, then making it "
+                    "again in the new generation", extra={"rank": h.rank, "why": str(exc)[:200]})  # fmt: skip
+        h.join_recovery(None, CollectiveAborted(str(exc)))
+        self.retry = None
+
+    def _close_segment(self) -> None:
+        if self.mode == "answer" and self.calls is not None:
+            n = len(self._segment_calls())
+            if self.cursor < n:
+                log.warning(f"fewer collectives {self._where()} than the rank made when it ran it first",
+                            extra={"rank": self.rank, "answered": self.cursor, "recorded": n})  # fmt: skip
+        self._untap()
+
+    def publish(self, force: bool = False) -> None:
         """This rank's record, for a process that enters the function as this rank later."""
-        if not calls:
+        calls = self.calls or []
+        if not force and len(calls) <= self.published:
             return
         rt = self.h.runtime
-        rt.put(rt.keys.preloop(self.h.rank), {"calls": calls, "bytes": self.nbytes})
-        log.info("collectives before the loop recorded", extra={"calls": len(calls), "bytes": self.nbytes})
+        rec: dict[str, Any] = {"calls": calls, "bytes": self.nbytes}
+        if self.retry is not None:
+            rec["retry"] = self.retry
+        rt.put(rt.keys.preloop(self.h.rank), rec)
+        self.published = len(calls)
+        log.info("collectives outside the steps recorded", extra={"calls": len(calls), "bytes": self.nbytes})
+
+    def _where(self) -> str:
+        if self.seg == "start":
+            return "before ctx.steps()"
+        return f"{'before' if self.seg[0] == 'e' else 'after'} epoch {self.seg[1:]}'s steps"
+
+    def _segment_calls(self) -> list[dict]:
+        return [c for c in self._calls() if c.get("s", "start") == self.seg]
 
     def register(self) -> None:
         """Register this worker's rank (once): rank 0's registration serves the store the
@@ -132,7 +209,7 @@ class PreLoop:
 
     def _untap(self) -> None:
         tap = torch_group.TAP
-        tap.record = tap.answer = tap.boot = None
+        tap.record = tap.answer = tap.boot = tap.rejoin = None
 
     # -- record ------------------------------------------------------------------------------
     def _record(self, g: SwappableGroup, name: str, outs: list[torch.Tensor]) -> None:
@@ -142,12 +219,18 @@ class PreLoop:
         if self.nbytes > cap:
             said = os.environ.get(ENV_PRELOOP_MAX_MB, "1")
             raise ConfigError(
-                f"torch.distributed {name} before ctx.steps(): the results of this rank's collectives before the "
-                f"loop reach {self.nbytes / 2**10:.1f} KiB, over {ENV_PRELOOP_MAX_MB}={said} MiB (they are recorded "
-                "for a process that enters the function again): move large collectives into the loop or raise the cap"
+                f"torch.distributed {name} {self._where()}: the results of this rank's collectives outside the "
+                f"steps reach {self.nbytes / 2**10:.1f} KiB, over {ENV_PRELOOP_MAX_MB}={said} MiB (they are recorded "
+                "for a process that enters the function again): move large collectives into the steps or raise the cap"
             )
-        assert self.calls is not None
-        self.calls.append({"g": g.group_name, "op": name, "t": packed})
+        if self.seg != "start" and self.h.virtual.degraded() and not self._said_shrunk:
+            self._said_shrunk = True
+            log.warning(f"torch.distributed {name} {self._where()} in a shrunk job ran over the live processes "
+                        "only, not over every rank: its result differs from a full-width run's",
+                        extra={"rank": self.h.rank})  # fmt: skip
+        self._calls().append({"g": g.group_name, "op": name, "t": packed, "s": self.seg})
+        if self.seg != "start":  # the job formed: published call by call (a rank lost in the next one)
+            self.publish()
 
     def _boot(self, g: SwappableGroup) -> Any:
         """A start-up communicator for group `g` (its first collective before the job formed),
@@ -190,25 +273,53 @@ class PreLoop:
             time.sleep(0.05)
 
     # -- answer ------------------------------------------------------------------------------
-    def _answer(self, g: SwappableGroup, name: str, outs: list[torch.Tensor]) -> None:
-        calls = self._calls()
-        i, r = self.cursor, self.rank
-        rule = ("the code before ctx.steps() must make the same collectives on every entry of the function (a "
-                "process entering it again is answered from what the rank received when the job started)")  # fmt: skip
+    def _answer(self, g: SwappableGroup, name: str, outs: list[torch.Tensor]) -> bool:
+        """Answer the call from the rank's record (True), or, where the other ranks wait to make it
+        again after the rank was lost there, make it live with them (False)."""
+        calls = self._segment_calls()
+        i, r, where = self.cursor, self.rank, self._where()
+        at = self._peers_wait_at()
+        if at is not None and i >= at:
+            log.info(f"the other ranks make this call {where} again: made live",
+                     extra={"rank": r, "call": i + 1, "op": name})  # fmt: skip
+            self._go_live()
+            return False
+        if i >= len(calls) and at is not None and self._peer is not None:
+            theirs = [c for c in self._peer.get("calls") or [] if c.get("s", "start") == self.seg]
+            if i < len(theirs) and theirs[i]["op"] in _SAME_ON_EVERY_RANK:  # the lost rank had not published it
+                calls = calls + [theirs[i]]
+        rule = (f"the code {where} must make the same collectives on every entry of the function (a process "
+                "entering it again is answered from what the rank received when it ran there first)")  # fmt: skip
         if i >= len(calls):
-            raise ConfigError(f"torch.distributed {name} before ctx.steps(), entering the function again as "
-                              f"rank {r}: call {i + 1}, but rank {r} made {len(calls)} when the job started; "
-                              f"{rule}")  # fmt: skip
+            raise ConfigError(f"torch.distributed {name} {where}, entering the function again as "
+                              f"rank {r}: call {i + 1}, but rank {r} made {len(calls)} there; {rule}")  # fmt: skip
         c = calls[i]
         shapes = [list(t.shape) for t in outs]
         if c["g"] != g.group_name or c["op"] != name or shapes != [list(x[1]) for x in c["t"]]:
-            raise ConfigError(f"torch.distributed {name} on group {g.group_name} {shapes} before ctx.steps(), entering "
-                              f"the function again as rank {r}: call {i + 1} of rank {r} was {c['op']} on group "
-                              f"{c['g']} {[list(x[1]) for x in c['t']]}; {rule}")  # fmt: skip
+            raise ConfigError(f"torch.distributed {name} on group {g.group_name} {shapes} {where}, entering "
+                              f"the function again as rank {r}: call {i + 1} of rank {r} there was {c['op']} on "
+                              f"group {c['g']} {[list(x[1]) for x in c['t']]}; {rule}")  # fmt: skip
         with torch.no_grad():
             for t, rec in zip(outs, c["t"], strict=True):
                 t.copy_(unpack_tensor(rec))
         self.cursor += 1
+        return True
+
+    def _peers_wait_at(self) -> int | None:
+        """The call of this segment the other ranks wait to make again (they lost this rank in
+        it), from a peer's record, read once a segment; None: they are past the segment."""
+        h = self.h
+        if self.seg == "start" or h.runtime is None or h.world_size < 2 or self.rank is None:
+            return None
+        if self._peer is None:
+            rt = h.runtime
+            kv = rt.client.get(rt.keys.preloop((self.rank + 1) % h.world_size))
+            rec = decode(kv.value) if kv is not None else None
+            self._peer = rec if isinstance(rec, dict) else {}
+        retry = self._peer.get("retry")
+        if isinstance(retry, dict) and retry.get("s") == self.seg:
+            return int(retry.get("at", 0))
+        return None
 
     def _calls(self) -> list[dict]:
         if self.calls is None:
@@ -216,6 +327,8 @@ class PreLoop:
             kv = rt.client.get(rt.keys.preloop(self.rank)) if rt is not None else None
             rec = decode(kv.value) if kv is not None else None
             self.calls = list(rec.get("calls") or []) if isinstance(rec, dict) else []
+            self.nbytes = int(rec.get("bytes") or 0) if isinstance(rec, dict) else 0
+            self.published = len(self.calls)
             log.info("collectives before the loop answered from the record",
                      extra={"rank": self.rank, "calls": len(self.calls)})  # fmt: skip
         return self.calls

@@ -45,7 +45,7 @@ def test_ctx_holds_the_readme_verbs_and_nothing_else():
     from livemig.runtime.member import Callbacks
     from livemig.runtime.pull import StatePull
 
-    verbs = {"register", "steps", "batches", "no_sync", "sync_gradients", "clip_grad_norm_", "step", "busy",
+    verbs = {"register", "steps", "epochs", "batches", "no_sync", "sync_gradients", "clip_grad_norm_", "step", "busy",
              "checkpoints", "warming_up", "log", "init_device_mesh"}  # fmt: skip
     where = {"rank", "world_size", "generation", "role"}
     public = {n for n in dir(Context) if not n.startswith("_")}

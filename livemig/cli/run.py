@@ -95,9 +95,10 @@ def _files_here(limit: int = 5000) -> dict[str, int]:
     __pycache__ skipped; at most `limit` entries): what a --verify reference run wrote."""
     out: dict[str, int] = {}
     mine = os.path.realpath(state_dir())  # livemig's own logs and records, if they are under it
+    own = {mine, *(os.path.join(mine, d) for d in ("runs", "jobs", "tls"))}  # it may be the working directory
     for root, dirs, files in os.walk("."):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"
-                   and os.path.realpath(os.path.join(root, d)) != mine]  # fmt: skip
+                   and os.path.realpath(os.path.join(root, d)) not in own]  # fmt: skip
         for name in files:
             path = os.path.join(root, name)
             try:

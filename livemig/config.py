@@ -48,6 +48,8 @@ ENV_USER = "LIVEMIG_ETCD_USER"
 ENV_PASSWORD_FILE = "LIVEMIG_ETCD_PASSWORD_FILE"
 ENV_SHADOW_STEPS = "LIVEMIG_SHADOW_STEPS"
 ENV_LOCAL_MAX_MB = "LIVEMIG_LOCAL_STATE_MAX_MB"  # per-rank local state (buffers + local=) mirrored each step
+ENV_SHRUNK_BOUND = "LIVEMIG_VERIFY_SHRUNK_BOUND"  # --verify of a shrunk run: |run - ref| <= this x max|param|
+ENV_VERIFY_DIR = "LIVEMIG_VERIFY_DIR"  # --verify: each rank's final values, for a shrunk run's bound (cli/run.py)
 ENV_STEP_PRINTS = "LIVEMIG_STEP_PRINTS"  # 1: per-step state fingerprints in the final record (set by --verify)
 ENV_PRELOOP_MAX_MB = "LIVEMIG_PRELOOP_MAX_MB"  # per-rank results of collectives before the loop, recorded (1)
 ENV_FAULT_GATE = "LIVEMIG_FAULT_GATE"

@@ -30,7 +30,7 @@ COMMIT_TIMES = 200  # group-wide commits listed in the report (runtime/loop.py C
 FINAL_NEED = {"steps": (int,), "digest": (str,)}
 FINAL_MAY = {"digests": (dict,), "shard_digest": (str,), "mirror_digest": (str,), "mirror_of": (int,),
              "commits": (list,), "role": (str,), "joined_at_step": (int,), "standby": (dict,),
-             "peak_rss_mb": _NUM, "inherited_to": (int,), "checkpoints": (dict,)}  # fmt: skip
+             "peak_rss_mb": _NUM, "inherited_to": (int,), "checkpoints": (dict,), "carried_by": (int,)}  # fmt: skip
 
 
 def read_finals(client: EtcdClient, keys: JobKeys) -> dict[str, dict]:
@@ -89,7 +89,11 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
             if any("step_prints" in f for f in finals.values())
             else {}
         ),  # fmt: skip
-        "replicas_identical": _replicas_identical(finals, replicated, world_size - len(table.carried))
+        "replicas_identical": _replicas_identical(
+            finals,
+            replicated,  # a carried rank's record is its carrier's
+            world_size - len([v for v in table.carried if str(v) not in finals]),
+        )
         and (not shards or shards["mirrors_exact"]),
         **({("fsdp2" if any("fsdp_shard" in f for f in finals.values()) else "zero1"): shards} if shards else {}),
         **({"checkpoints": checkpoints_of(finals)} if any("checkpoints" in f for f in finals.values()) else {}),
@@ -450,8 +454,10 @@ def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float) -> 
 
 def restart_phases(p: dict[str, float]) -> dict[str, float]:
     """A cold restart's phases in its own words, the same total: detect; stop (fence the lost
-    ranks, decide the cold path, stop the survivors' steps); load (the slowest member's read of
-    its checkpoint part, where a live recovery streams); resume (the group rebuilt, up to the
-    first step after the checkpoint's)."""
-    return {"detect": p["detect"], "stop": round(p["fence"] + p["agree"] + p["claim"], 4), "load": p["stream"],
-            "resume": round(p["build"] + p["commit"] + p["resume"], 4)}  # fmt: skip
+    ranks, decide the cold path, stop the survivors' steps); start (the lost rank's process:
+    a warm spare claimed at once, or a fresh process the agent starts for it, forked, its
+    script run to the loop and registered, which is most of a cold restart on a host with no
+    spare); load (the slowest member's read of its checkpoint part, where a live recovery
+    streams); resume (the group rebuilt, up to the first step after the checkpoint's)."""
+    return {"detect": p["detect"], "stop": round(p["fence"] + p["agree"], 4), "start": p["claim"],
+            "load": p["stream"], "resume": round(p["build"] + p["commit"] + p["resume"], 4)}  # fmt: skip

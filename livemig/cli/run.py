@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -16,7 +18,7 @@ from livemig.agent import report
 from livemig.agent.jobs import refuse_duplicate, state_dir
 from livemig.agent.launcher import run
 from livemig.agent.run_config import RunConfig
-from livemig.config import ENV_STEP_PRINTS, Timeouts
+from livemig.config import ENV_SHRUNK_BOUND, ENV_STEP_PRINTS, ENV_VERIFY_DIR, Timeouts
 from livemig.errors import ConfigError, LivemigError
 from livemig.faults import IN_PROCESS_DURING, KINDS, PHASE_DURING, USAGE, parse_fault
 from livemig.rdzv.security import add_arguments as add_security_arguments
@@ -82,9 +84,12 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
         if dv:
             lines.append(f"verify: first difference at step {dv['step']} on rank {dv['rank']}: {dv['why']}")
         if sh:
+            b = rep.get("shrunk_bound")
+            held = (f"; every rank's parameters within {b['bound']:g} x max|param| of the fault-free run's: "
+                    f"{'yes' if b['within'] else 'no'} (largest {b['max_rel']:.2g}, {b['ranks']} ranks, the "
+                    f"carried ones' written by their carriers; {ENV_SHRUNK_BOUND})") if b else ""  # fmt: skip
             lines.append("verify: the job ended shrunk: its average summed the same gradients in another "
-                         "order, so bits may differ (docs/architecture.md, Shrink); the carried ranks leave "
-                         "no final state")  # fmt: skip
+                         f"order, so bits may differ (docs/architecture.md, Shrink){held}")  # fmt: skip
         if rep.get("faults_not_fired"):
             lines.append("verify: not shown: the fault plan did not run in full, so nothing was recovered from it")
     logs.say(*lines)  # one write: agents sharing a pipe do not cut into each other's summary
@@ -249,7 +254,6 @@ def cmd_run(a: argparse.Namespace) -> int:
                     metrics_port=a.metrics_port, events=a.events, checkpoint=checkpoint_settings(a),
                     resume_from=a.resume_from, max_restarts=a.max_restarts, recovery=a.recovery,
                     min_nproc=a.min_nproc, shrink_wait=a.shrink_wait)  # fmt: skip
-    reference = None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cfg.nproc_per_node + cfg.spares > OVERSUBSCRIBE * cores:
         print(f"livemig: warning: {cfg.nproc_per_node} workers and {cfg.spares} spare(s) on {cores} core(s) of this "
@@ -279,7 +283,24 @@ def cmd_run(a: argparse.Namespace) -> int:
             "1"  # both runs fingerprint every step: a mismatch names where (runtime/prints.py)
         )
     before = _files_here() if a.verify and a.nnodes == 1 else {}
+    values = tempfile.mkdtemp(prefix="livemig-verify-") if a.verify and a.nnodes == 1 else ""
+    try:
+        return _run_and_verify(a, cfg, world, verify, before, values)
+    finally:
+        if values:
+            shutil.rmtree(values, ignore_errors=True)
+
+
+def _run_and_verify(a: argparse.Namespace, cfg: RunConfig, world: int, verify: Any, before: dict[str, int],
+                    values: str) -> int:  # fmt: skip
+    """The reference (--verify, one node), the run, the comparison, the summary; `values`: where
+    both runs write each rank's final values (a shrunk run's bound)."""
+    reference = None
+    if values:
+        os.environ[ENV_VERIFY_DIR] = os.path.join(values, "ref")
     ref = verify() if a.verify and a.nnodes == 1 else None
+    if values:
+        os.environ[ENV_VERIFY_DIR] = os.path.join(values, "run")
     written = sorted(k for k, v in _files_here().items() if before.get(k) != v) if ref is not None else []
     if written:
         print(f"livemig: warning: the reference run wrote {', '.join(written[:3])}{' ...' if len(written) > 3 else ''} "
@@ -298,6 +319,13 @@ def cmd_run(a: argparse.Namespace) -> int:
         if not rep["bit_identical"] and ref is not None:
             rep["diverged"] = report.divergence(ref.get("step_prints") or {}, rep.get("step_prints") or {},
                                                 rep.get("faults_injected") or [])  # fmt: skip
+        if not rep["bit_identical"] and rep.get("shrunk") and values:
+            rep["shrunk_bound"] = shrunk_bound(os.path.join(values, "ref"), os.path.join(values, "run"), world)
+            if rep.get("diverged"):  # expected there: not a rank's unregistered state
+                rep["diverged"]["why"] = (
+                    "the job ran shrunk: its average sums the same gradients in another order "
+                    "than the fault-free run's, so bits part from the first shrunk step on"
+                )
     if a.report:
         with open(a.report, "w") as f:
             json.dump(rep, f, indent=2)
@@ -309,5 +337,37 @@ def cmd_run(a: argparse.Namespace) -> int:
         print(rep["result"]["traceback"], file=sys.stderr)  # a bug in the training function
     elif not ok and (rep["result"] or {}).get("log_tail"):
         print(rep["result"]["log_tail"], file=sys.stderr)
-    verified = rep.get("bit_identical", True) and not (a.verify and rep.get("faults_not_fired"))
+    exact = rep.get("bit_identical", True) or bool((rep.get("shrunk_bound") or {}).get("within"))
+    verified = exact and not (a.verify and rep.get("faults_not_fired"))
     return 0 if ok and verified else 1
+
+
+SHRUNK_BOUND = 1e-6  # docs/architecture.md, "Shrink": a shrunk average sums the same gradients in another order
+
+
+def _bound() -> float:
+    raw = os.environ.get(ENV_SHRUNK_BOUND, str(SHRUNK_BOUND))
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_SHRUNK_BOUND}={raw!r}: expected a number (a relative bound, e.g. 1e-6)") from None
+
+
+def shrunk_bound(ref_dir: str, run_dir: str, world: int) -> dict[str, Any] | None:
+    """A shrunk run against its reference, rank by rank (each carried rank's values written by its
+    carrier): the largest |run - ref| over max|ref|, and whether every rank is within the bound.
+    None when a rank's values are missing on either side (a run on several nodes)."""
+    import torch
+
+    bound, worst = _bound(), 0.0
+    for r in range(world):
+        paths = [os.path.join(d, f"final-{r}.pt") for d in (ref_dir, run_dir)]
+        if not all(os.path.exists(p) for p in paths):
+            return None
+        want, got = (torch.load(p, weights_only=True) for p in paths)
+        if want.shape != got.shape:
+            return {"within": False, "max_rel": float("inf"), "bound": bound, "ranks": world}
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        diff = float((got - want).abs().max()) if want.numel() else 0.0
+        worst = max(worst, diff / scale if scale > 0 else diff)
+    return {"within": worst <= bound, "max_rel": worst, "bound": bound, "ranks": world}

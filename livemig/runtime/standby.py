@@ -17,13 +17,16 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from livemig.config import ENV_RANK, Role, node_host, node_rank
+import torch
+
+from livemig.config import ENV_RANK, ENV_VERIFY_DIR, Role, node_host, node_rank
 from livemig.device import device_reserved_mb
 from livemig.errors import ConfigError, EtcdUnavailableError
 from livemig.rdzv.client import decode, through_outage
 from livemig.rdzv.watch import PrefixWatch, wait_for
 from livemig.runtime.control import Activate, Stop
 from livemig.runtime.step_state import StepState
+from livemig.state import flatten
 from livemig.transfer.channel import verifiers
 
 if TYPE_CHECKING:
@@ -57,6 +60,7 @@ class StandbyHost(Protocol):
     fsdp2: Any  # the FSDP2 mesh owner: what survives a redo's re-entry (runtime/fsdp2_mesh.py)
     prints: Any  # per-step fingerprints for --verify (runtime/prints.py)
     strategy: Strategy
+    virtual: Any  # a shrunk job's carried ranks (runtime/virtual.py): their final records are written here
 
     @property
     def pull(self) -> Callbacks: ...  # runtime/pull.py StatePull: MemberRuntime's callbacks while the job may recover
@@ -195,9 +199,35 @@ class Standby:
             rec["step_prints"] = h.prints.items
         if h.ckpt.settings is not None or h.ckpt.resumed is not None:
             rec["checkpoints"] = h.ckpt.final()
-        rec.update(h.strategy.parts.final_record())  # shard and mirror digests, for the report's checks
+        parts = h.strategy.parts.final_record()  # shard and mirror digests, for the report's checks
+        rec.update(parts)
         rt.put(rt.keys.final(h.rank), rec)
         self._final_written = True
+        self._write_values(h.rank)
+        if not parts:  # a shrunk job's carried ranks (plain data parallel: their state is held here)
+            for v in h.virtual.carried():
+                with h.virtual.as_rank(v, h.committed):
+                    carried = {"incarnation": h.incarnation, "steps": h.committed + 1, "digest": h.reg.state_digest(),
+                               "digests": h.reg.digests(), "generation": rt.gen, "role": "carried",
+                               "carried_by": h.rank}  # fmt: skip
+                    rt.put(rt.keys.final(v), carried)
+                    self._write_values(v)
+
+    def _write_values(self, rank: int) -> None:
+        """--verify: this rank's parameters and buffers as one float64 vector, where the command
+        asks for them (LIVEMIG_VERIFY_DIR), for a shrunk run's bound (cli/run.py)."""
+        where = os.environ.get(ENV_VERIFY_DIR, "")
+        if not where:
+            return
+        tensors: list[torch.Tensor] = []
+        s = self._host.reg.state_obj()
+        flatten(s["model"], tensors)
+        flat = [t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors if t.is_floating_point()]
+        vec = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64)
+        os.makedirs(where, exist_ok=True)
+        tmp = os.path.join(where, f".final-{rank}.pt.tmp")
+        torch.save(vec, tmp)
+        os.replace(tmp, os.path.join(where, f"final-{rank}.pt"))
 
     def withdraw_final(self) -> None:
         """A cold restart after this member wrote its final record: a record no incarnation

@@ -78,8 +78,11 @@ def test_downtime_and_phases():
                       "path": "/ck/step_0000000004", "reason": "shard lost"}, *ev[4:]]  # fmt: skip
     (c,) = recoveries(cold, commits, 0.1)
     assert c["kind"] == "restart" and c["from_step"] == 4 and c["steps_redone"] == 5, c
-    assert list(c["phases"]) == ["detect", "stop", "load", "resume"], c
-    assert c["phases"]["stop"] == pytest.approx(0.03) and c["phases"]["load"] == pytest.approx(0.2)
+    assert list(c["phases"]) == ["detect", "stop", "start", "load", "resume"], c
+    raw = recoveries(ev, commits, 0.1)[0]["phases"]
+    assert c["phases"]["stop"] == pytest.approx(raw["fence"] + raw["agree"])
+    assert c["phases"]["load"] == pytest.approx(0.2)
+    assert c["phases"]["start"] == pytest.approx(raw["claim"])  # a fresh process started for the lost rank
     assert sum(c["phases"].values()) == pytest.approx(sum(recoveries(ev, commits, 0.1)[0]["phases"].values()))
     assert c["lost_s"] == pytest.approx(c["downtime_s"] + 5 * 0.1)
     # A shrink: the wait for a spare (--spare-wait) ends at the shrink's decision, its own phase,

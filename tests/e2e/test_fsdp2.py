@@ -208,25 +208,28 @@ def test_a_wedged_training_thread_is_found_by_its_peers_waits_and_replaced_exact
 FULL = os.path.join(REPO, "tests", "helpers", "fsdp_full_proc.py")
 
 
+@pytest.mark.parametrize("mesh", ["hsdp", "fsdp"])
 def test_full_state_dicts_before_and_inside_the_loop_survive_a_kill_a_migration_and_a_cold_restart(
-    tmp_path, references
+    tmp_path, references, mesh
 ):
-    """Issue 50: HSDP 2 x 2 unsharding its model before the loop (`full_tensor()`, recorded and
-    answered on re-entry: runtime/preloop.py) and gathering `get_model_state_dict(full_state_dict=
-    True, cpu_offload=True)` every 5 steps after ctx.step(), rank 0 writing its digest: the saver
-    killed and another rank migrated, then a cold restart; the state and the saved full state
-    dicts equal the fault-free run's (the cold path redoes steps after its checkpoint, so a redone
-    step's save is made again, with the same bits)."""
-    work = ["--steps", "20", "--out", "{out}"]
-    ref = reference_of(references, 4, FULL, work)
+    """Issue 50: HSDP 2 x 2 (and plain FSDP 1 x 3, its shards mirrored) unsharding its model
+    before the loop (`full_tensor()`, recorded and answered on re-entry: runtime/preloop.py) and
+    gathering `get_model_state_dict(full_state_dict=True, cpu_offload=True)` every 5 steps after
+    ctx.step(), rank 0 writing its digest: the saver killed and another rank migrated, then a
+    cold restart; the state and the saved full state dicts equal the fault-free run's (the cold
+    path redoes steps after its checkpoint, so a redone step's save is made again, with the same
+    bits)."""
+    nproc, shape = (4, []) if mesh == "hsdp" else (3, ["--replicate", "1"])
+    work = ["--steps", "20", "--out", "{out}", *shape]
+    ref = reference_of(references, nproc, FULL, work)
     want = (ref.out / "saves.jsonl").read_text().splitlines()
     assert [int(x.split('"step": ')[1].split(",")[0]) for x in want] == [4, 9, 14, 19], want
 
     def run(job: str, faults: tuple[str, ...], spares: int, extra: tuple[str, ...] = ()) -> list[str]:
         out = tmp_path / job
         out.mkdir()
-        r = livemig_run(tmp_path, 4, spares=spares, faults=faults, script=FULL, job=job, extra=extra,
-                        workload=["--steps", "20", "--out", str(out)])  # fmt: skip
+        r = livemig_run(tmp_path, nproc, spares=spares, faults=faults, script=FULL, job=job, extra=extra,
+                        workload=["--steps", "20", "--out", str(out), *shape])  # fmt: skip
         assert r.rc == 0 and r.report["steps_completed"] == 20, explain(r)
         assert r.report["state_digest"] == ref.digest, "final state differs from the fault-free run\n" + explain(r)
         return (out / "saves.jsonl").read_text().splitlines()

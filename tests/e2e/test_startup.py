@@ -64,3 +64,36 @@ def test_a_reentry_that_makes_other_collectives_before_the_loop_gets_one_line(tm
     assert run.rc != 0, explain(run)
     assert "the code before ctx.steps() must make the same collectives on every entry" in text, explain(run)
     assert "is the coordinator running" not in text, explain(run)
+
+
+def test_a_job_started_from_an_earlier_runs_checkpoint_recovers_a_kill_a_shrink_and_a_cold_restart(
+    tmp_path, references
+):
+    """The torchrun pattern: the script loads the model with DCP before its loop (here from a fault-free
+    run's checkpoint), then broadcasts, barriers and all-gathers. A kill (the spare enters the function
+    again: its DCP load and collectives are answered from rank 1's record), then a second kill with no
+    spare left (the job shrinks: rank 0's body carried by rank 1), and, in a second job, a cold restart;
+    each ends with the state of the same resumed run without faults."""
+    saved = reference_of(references, 2, STARTUP, ["--steps", "6", "--save", "{out}/ck"])
+    ck = str(saved.out / "ck")
+    ref = reference_of(references, 2, STARTUP, _work("{out}", "--resume", ck))
+
+    out = tmp_path / "shrunk"
+    out.mkdir()
+    run = livemig_run(tmp_path, 2, spares=1, faults=("kill:rank=1:step=5", "kill:rank=0:step=12"), script=STARTUP,
+                      job="resumed", workload=_work(out, "--resume", ck), env={"STARTUP_SLEEP": "0.05"},
+                      extra=("--min-nproc", "1", "--shrink-wait", "1"))  # fmt: skip
+    rep = run.report
+    assert run.rc == 0 and rep["result"]["state"] == "done" and rep["steps_completed"] == STEPS, explain(run)
+    assert [r["kind"] for r in rep["recoveries"]] == ["failure", "shrink"], explain(run)
+    assert rep["state_digest"] == ref.digest, "final state differs from the resumed fault-free run\n" + explain(run)
+    want = rank_files(ref.out)
+    assert rank_files(out)[1] == want[1], explain(run)  # the carrier's own; rank 0's body ran in it
+
+    out = tmp_path / "cold"
+    out.mkdir()
+    ck_dir = ("--checkpoint-dir", str(tmp_path / "ck2"), "--checkpoint-every", "4", "--recovery", "cold")
+    run = livemig_run(tmp_path, 2, faults=("kill:rank=0:step=10",), script=STARTUP, job="resumedcold",
+                      workload=_work(out, "--resume", ck), extra=ck_dir)  # fmt: skip
+    _same(run, ref, rank_files(out), want)
+    assert [r["kind"] for r in run.report["recoveries"]] == ["restart"], explain(run)

@@ -97,3 +97,19 @@ def test_a_job_started_from_an_earlier_runs_checkpoint_recovers_a_kill_a_shrink_
                       workload=_work(out, "--resume", ck), extra=ck_dir)  # fmt: skip
     _same(run, ref, rank_files(out), want)
     assert [r["kind"] for r in run.report["recoveries"]] == ["restart"], explain(run)
+
+
+COMPILED = os.path.join(REPO, "tests", "helpers", "compiled_proc.py")
+
+
+def test_a_model_compiled_before_the_loop_recovers_exactly_when_the_function_runs_again(tmp_path, references):
+    """torch.compile before the loop: the claimed spare compiled the model in standby and compiles it
+    again in the same process when it enters the function as rank 1; the compiled module itself is
+    registered. The final state equals the fault-free run's."""
+    work = ["--steps", "20", "--register-compiled"]
+    ref = reference_of(references, 2, COMPILED, work)
+    run = livemig_run(tmp_path, 2, spares=1, faults=("kill:rank=1:step=8",), script=COMPILED, job="compiled",
+                      workload=work)  # fmt: skip
+    assert run.rc == 0 and run.report["steps_completed"] == 20, explain(run)
+    assert [r["kind"] for r in run.report["recoveries"]] == ["failure"], explain(run)
+    assert run.report["state_digest"] == ref.digest, "final state differs from the fault-free run\n" + explain(run)

@@ -74,17 +74,18 @@ def test_a_migration_requested_near_the_last_step_ends_with_the_job(tmp_path, re
 
 
 def test_a_spare_that_falls_behind_loads_a_newer_snapshot(tmp_path, reference_digest):
-    """The claimed spare stalls 1.5 s once its snapshot is loaded while the group trains on: by then the
+    """The claimed spare stalls 3 s once its snapshot is loaded while the group trains on: by then the
     leaving worker no longer keeps the averaged gradients it needs (8 steps). It must load a
     newer snapshot and still switch in, exactly, instead of waiting until the job ends."""
-    # 160 steps: the spare warms up beside the workers, stalls 1.5 s, loads a second snapshot
-    # and replays; in 80 steps (~5 s) a loaded CI machine ended the job first
-    longer = ["--steps", "160", *LONG[2:]]
+    # 240 steps: the spare warms up beside the workers, stalls 3 s, loads a second snapshot and
+    # replays; in 80 steps (~5 s) a loaded CI machine ended the job first, and with a 1.5 s stall
+    # a loaded one (steps ~4x slower, two CI runs) trained fewer than 8 steps meanwhile
+    longer = ["--steps", "240", *LONG[2:]]
     run = livemig_run(tmp_path, 2, spares=1, workload=longer,
-                      faults=("migrate:rank=1:step=4", "spare-hang:during=snapshot:resume=1.5"))  # fmt: skip
+                      faults=("migrate:rank=1:step=4", "spare-hang:during=snapshot:resume=3"))  # fmt: skip
     ref = reference_digest(2, workload=longer)
     assert run.rc == 0, explain(run)
-    assert run.report["steps_completed"] == 160 and run.report["replicas_identical"], explain(run)
+    assert run.report["steps_completed"] == 240 and run.report["replicas_identical"], explain(run)
     assert run.report["state_digest"] == ref and not run.report["recoveries"], explain(run)
     (mig,) = run.report["migrations"]
     assert mig["outcome"] == "done" and mig["resyncs"] >= 1, mig

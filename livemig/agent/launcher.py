@@ -97,6 +97,7 @@ class Launcher:
         self._mirror: PrefixMirror | None = None  # the job's keys, watch-fed (supervise)
         self.tmpdir = ""  # the children's TMPDIR (start)
         self._t0 = time.time()
+        self._launched = self._t0  # the goodput's launch (metrics and report alike): this agent's start
         self.signal_name = "SIGINT"  # what interrupted the run, if anything did
         # collaborators, each owning its state: the fault plan's, the children's watch
         self.faults = FaultDriver(self, cfg.faults, self._wake.poke)
@@ -213,7 +214,7 @@ class Launcher:
         if cfg.metrics_port is not None:
             from livemig.agent.metrics import JobMetrics, MetricsServer
 
-            collector = JobMetrics(self.keys, lambda: self._by_key, self.client, launched_at=self._t0)
+            collector = JobMetrics(self.keys, lambda: self._by_key, self.client, launched_at=self._launched)
             self.metrics = MetricsServer(collector, cfg.metrics_port)  # its .port: the one --metrics-port 0 got
             self.say(f"livemig: metrics of job {cfg.job} on http://{host}:{self.metrics.port}/metrics")
         self._join(host, fresh=early)
@@ -429,7 +430,7 @@ class Launcher:
         stops = [f["time"] for f in self.faults.injected if f["kind"] == "etcd-stop"]
         ends = [f["time"] for f in self.faults.injected if f["kind"] == "etcd-resume"]
         rep = report.build(self.client, self.cfg.job, self.cfg.nproc, wall, list(zip(stops, ends, strict=False)),
-                           self.watch.spares_warm)  # fmt: skip
+                           self.watch.spares_warm, launched_at=self._launched)  # fmt: skip
         if result is not None and rep["result"] is None:
             rep["result"] = result
         return rep

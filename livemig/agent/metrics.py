@@ -3,14 +3,15 @@
 Job-wide figures are read from the job's etcd keys when a scrape comes, not kept
 up to date in the training path: a job nobody scrapes pays nothing, and every
 agent of a job (each node's `livemig run`, each `livemig-spare start`) answers
-for the whole job, so any one of them is enough to scrape. The members add what
-the figures need to their progress records only while it is on
-(config.ENV_METRICS, set by the agent): their group's first commit, the last
-one before it, and their median step.
+for the whole job, so any one of them is enough to scrape. The members add
+their median step to their progress records only while it is on
+(config.ENV_METRICS, set by the agent).
 
-Downtime is the run report's definition (agent/report.py): the first
-group-wide commit after a recovery minus the last one before it, minus one
-median step. It is observed once every rank of the new group has committed.
+Downtime, lost time and goodput are the run report's, computed by its functions
+(agent/report.py `recoveries`, `goodput`, over the leader's `measured` events,
+coordinator/timeline.py): a recovery is observed
+once every rank of the new group has committed, with figures that never change
+after, so every counter and histogram only grows.
 
 The metric names, types and labels are listed in METRICS and in
 docs/operations.md, "Metrics" (a test checks the page against both).
@@ -24,14 +25,15 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from livemig.agent.report import KINDS, migrations, recoveries
-from livemig.coordinator.timeline import PHASES, events_of
+from livemig.agent.report import KINDS, first_commit, goodput, migrations, recoveries
+from livemig.coordinator.timeline import PHASES, events_of, measurements
 from livemig.errors import ConfigError
 from livemig.rdzv.client import KV, EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
-from livemig.rdzv.membership import Membership
+from livemig.rdzv.membership import GenState, Membership
 
 log = logging.getLogger("livemig.agent.metrics")
+_ENDED = (GenState.DONE, GenState.FAILED)
 
 
 # Seconds: a recovery is ~0.2 s, a slow one a few s, a cold path minutes.
@@ -43,56 +45,30 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "livemig_world_size": ("gauge", (), "ranks of the job"),
     "livemig_members": ("gauge", ("host",), "members of the current generation, by host"),
     "livemig_spares_warm": ("gauge", ("host",), "warm spares registered for the job, by host"),
+    "livemig_warm_spares": ("gauge", (), "warm spares of the job, also when none (absent once the job ended)"),
     "livemig_recoveries": ("counter", ("kind", "outcome"), "recoveries and planned migrations, by kind and outcome"),
     "livemig_downtime_seconds": ("histogram", ("kind",), "downtime of each completed recovery (run report definition)"),
     "livemig_recovery_phase_seconds": ("histogram", ("kind", "phase"), "each phase of each completed recovery"),
-    "livemig_lost_seconds": ("counter", ("kind",), "downtime summed over the recoveries measured"),
+    "livemig_lost_seconds": ("counter", ("kind",), "time lost: downtime, steps trained again, migration pauses"),
     "livemig_bytes_streamed": ("counter", ("kind",), "state bytes streamed into spares"),
     "livemig_fenced": ("counter", (), "processes fenced"),
     "livemig_steps_committed": ("counter", (), "steps every rank committed"),
     "livemig_step_seconds": ("gauge", (), "median step time (the slowest rank's)"),
-    "livemig_goodput_ratio": ("gauge", (), "committed steps x median step / wall time from launch to the last commit"),
+    "livemig_goodput_ratio": ("gauge", (), "share of launch to last commit neither start-up nor lost"),
     "livemig_etcd_request_seconds": ("histogram", (), "latency of this agent's etcd calls"),
     "livemig_etcd_errors": ("counter", (), "this agent's etcd calls that failed or had to be retried"),
     "livemig_scrape_errors": ("counter", (), "scrapes whose job figures could not be read (etcd away)"),
 }
 
 _NUM = (int, float)
-
-
-def group_commits(records: dict[int, dict], world_size: int) -> dict[int, list[tuple[int, float]]]:
-    """generation -> its group-wide [(step, time)] around its start, from the members'
-    `around` fields, once every rank reported the group: the first step every rank committed
-    in it and the step before, each at its last rank's commit. A survivor may finish the
-    step in flight inside the new group (its first step there is one earlier than the
-    spare's): that step is the one before, not the group's first."""
-    by_gen: dict[int, list[list]] = {}
-    for rec in records.values():
-        a = rec.get("around")
-        if isinstance(a, list) and len(a) == 3 and isinstance(a[0], int):
-            by_gen.setdefault(a[0], []).append(a)
-    out: dict[int, list[tuple[int, float]]] = {}
-    for g, arounds in by_gen.items():
-        if len(arounds) < world_size:
-            continue  # a rank has not committed in this group yet: no figure yet
-        firsts = [a[2] for a in arounds if _pair(a[2])]
-        if len(firsts) < world_size:
-            continue
-        at: dict[int, float] = {}
-        for pair in [*firsts, *(a[1] for a in arounds if _pair(a[1]))]:
-            at[int(pair[0])] = max(at.get(int(pair[0]), 0.0), float(pair[1]))
-        first = int(max(f[0] for f in firsts))
-        out[g] = [(s, at[s]) for s in (first - 1, first) if s in at]
-    return out
-
-
-def _pair(x: Any) -> bool:
-    return isinstance(x, list) and len(x) == 2 and all(isinstance(v, _NUM) for v in x)
+OUTCOMES = ("done", "aborted")  # a recovery or migration is counted once, when it ends either way
 
 
 class JobMetrics:
-    """The collector: one pass over the job's keys per scrape. It remembers what the
-    keys forget (a pruned progress record's `around`, a recovery already measured)."""
+    """The collector: one pass over the job's keys per scrape. A recovery is observed once,
+    when its figures are final (its new group's every rank committed: agent/report.py
+    `measured`, the leader's event the report reads too), and never again, so counters and histograms
+    only grow, whatever the keys forget later (a pruned progress record, an archived event)."""
 
     def __init__(self, keys: JobKeys, snapshot: Callable[[], dict[str, KV]], client: EtcdClient | None = None,
                  launched_at: float | None = None) -> None:  # fmt: skip
@@ -100,7 +76,15 @@ class JobMetrics:
         self.snapshot = snapshot  # the job's keys: the agent's watch-fed mirror, or a read of etcd
         self.client = client  # whose call statistics are this agent's etcd figures
         self.launched_at = launched_at
-        self._gens: dict[int, list[tuple[int, float]]] = {}
+        self._meas: dict[int, dict[str, Any]] = {}  # generation -> its `measured` event's figures
+        self._seen: set[tuple[str, Any]] = set()  # the recoveries, migrations and fences observed
+        self._counts = {(k, o): 0 for k in KINDS for o in OUTCOMES}
+        self._downtime: dict[str, list[float]] = {k: [] for k in KINDS}
+        self._phases: dict[tuple[str, str], list[float]] = {("failure", ph): [] for ph in PHASES}
+        self._streamed = dict.fromkeys(KINDS, 0.0)
+        self._lost = dict.fromkeys(KINDS, 0.0)
+        self._fenced = 0
+        self._steps = 0
         self._scrape_errors = 0
         self._lock = threading.Lock()
 
@@ -114,7 +98,7 @@ class JobMetrics:
             except Exception as exc:  # noqa: BLE001 - an etcd outage must not break the page
                 self._scrape_errors += 1
                 log.warning("metrics: job figures not read", extra={"why": str(exc)[:200]})
-                fig = {}
+                fig = self._counters()
             fig["livemig_scrape_errors"] = [((), self._scrape_errors)]
             fig.update(self._etcd_figures())
         yield from families(fig)
@@ -134,57 +118,75 @@ class JobMetrics:
                 if rec is not None and rec["state"] == "warm":
                     spares[rec.get("host", "unknown")] += 1
             elif k.startswith(keys.progress_prefix) and k[len(keys.progress_prefix) :].isdigit():
-                rec = conform(kv.value, {"step": (int,), "time": _NUM}, {"around": (list,), "step_s": _NUM})
+                rec = conform(kv.value, {"step": (int,), "time": _NUM}, {"step_s": _NUM})
                 if rec is not None:
                     records[int(k[len(keys.progress_prefix) :])] = rec
-        self._gens.update(group_commits(records, world))
-        commits = sorted(p for pts in self._gens.values() for p in pts)
+        events = events_of(by_key, keys)
+        self._meas.update(measurements(events))  # kept: archived events may drop out of the archive
         steps_s = [r["step_s"] for r in records.values() if "step_s" in r]
         median = max(steps_s) if steps_s else 0.0  # the slowest rank sets the group's pace
-        events = events_of(by_key, keys)
-        recs = recoveries(events, commits, median)
-        migs = migrations(events, commits, median)
-        counts: dict[tuple[str, str], int] = {}
-        downtime: dict[str, list[float]] = {k: [] for k in KINDS}
-        phases: dict[tuple[str, str], list[float]] = {}
-        streamed = dict.fromkeys(KINDS, 0.0)
-        for r in recs:  # a failure's recovery is listed once its new generation committed
-            counts[("failure", "done")] = counts.get(("failure", "done"), 0) + 1
-            streamed["failure"] += r["bytes_streamed"]
-            if r.get("generation") in self._gens:  # every rank committed in the new group: measured
-                downtime["failure"].append(r["downtime_s"])
-                for ph in PHASES:
-                    phases.setdefault(("failure", ph), []).append(r["phases"].get(ph, 0.0))
-        for mg in migs:
-            counts[("migration", mg["outcome"])] = counts.get(("migration", mg["outcome"]), 0) + 1
-            streamed["migration"] += mg.get("bytes_streamed", 0)
-            if mg["outcome"] == "done" and mg.get("pause_s") is not None:
-                downtime["migration"].append(mg["pause_s"])
-            for ph, v in mg.get("phases", {}).items():
-                phases.setdefault(("migration", ph), []).append(v)
-        steps = min(r["step"] for r in records.values()) + 1 if len(records) >= max(world, 1) else 0
+        commits = sorted({p for f in self._meas.values() for p in (f["before"], f["after"]) if p is not None})
+        self._observe(recoveries(events, commits, median, self._meas), migrations(events, commits, median, self._meas))
+        for ev in events:
+            key = ("fence", (ev.get("generation"), ev["time"]))
+            if ev["phase"] == "fence" and key not in self._seen:
+                self._seen.add(key)
+                self._fenced += len(ev.get("fenced") or [None])
+        if len(records) >= max(world, 1):
+            self._steps = max(self._steps, min(r["step"] for r in records.values()) + 1)
         last_commit = max((r["time"] for r in records.values()), default=None)
-        start = self.launched_at
-        if start is None and commits:
-            start = commits[0][1]
-        goodput = None
-        if start is not None and last_commit is not None and last_commit > start and median > 0:
-            goodput = min(1.0, steps * median / (last_commit - start))
+        first = first_commit(self._meas, commits)
+        gp = goodput(self.launched_at if self.launched_at is not None else first, first, last_commit,
+                     sum(self._lost.values()))  # fmt: skip
         return {
             "livemig_generation": [((), m.generation)],
             "livemig_world_size": [((), world)],
             "livemig_members": [((h,), n) for h, n in sorted(members.items())],
             "livemig_spares_warm": [((h,), n) for h, n in sorted(spares.items())],
-            "livemig_recoveries": [((k, o), n) for (k, o), n in sorted(counts.items())],
-            "livemig_downtime_seconds": [((k,), v) for k, v in downtime.items()],
-            "livemig_recovery_phase_seconds": [(lbl, v) for lbl, v in sorted(phases.items())],
-            "livemig_lost_seconds": [((k,), sum(v)) for k, v in downtime.items()],
-            "livemig_bytes_streamed": [((k,), v) for k, v in streamed.items()],
-            "livemig_fenced": [((), sum(len(e.get("fenced") or [None]) for e in events if e["phase"] == "fence"))],
-            "livemig_steps_committed": [((), steps)],
+            "livemig_warm_spares": [((), sum(spares.values()))] if m.state not in _ENDED else [],
+            **self._counters(),
             "livemig_step_seconds": [((), median)] if median else [],
-            "livemig_goodput_ratio": [((), goodput)] if goodput is not None else [],
+            "livemig_goodput_ratio": [((), gp)] if gp is not None else [],
         }
+
+    def _counters(self) -> dict[str, Any]:
+        """What only grows: exported from the first scrape, at 0 for every kind and outcome."""
+        return {
+            "livemig_recoveries": [((k, o), n) for (k, o), n in sorted(self._counts.items())],
+            "livemig_downtime_seconds": [((k,), v) for k, v in self._downtime.items()],
+            "livemig_recovery_phase_seconds": [(lbl, v) for lbl, v in sorted(self._phases.items())],
+            "livemig_lost_seconds": [((k,), v) for k, v in self._lost.items()],
+            "livemig_bytes_streamed": [((k,), v) for k, v in self._streamed.items()],
+            "livemig_fenced": [((), self._fenced)],
+            "livemig_steps_committed": [((), self._steps)],
+        }
+
+    def _observe(self, recs: list[dict], migs: list[dict]) -> None:
+        for r in recs:  # listed once its new generation committed; observed once it is measured
+            key = ("recovery", r.get("generation"))
+            if key in self._seen or r.get("generation") not in self._meas:
+                continue
+            self._seen.add(key)
+            kind = r["kind"] if r["kind"] in KINDS else KINDS[0]
+            self._counts[(kind, "done")] += 1
+            self._streamed[kind] += r["bytes_streamed"]
+            self._downtime[kind].append(r["downtime_s"])
+            self._lost[kind] += r.get("lost_s", r["downtime_s"])
+            for ph, v in r["phases"].items():
+                self._phases.setdefault((kind, ph), []).append(v)
+        for mg in migs:
+            key = ("migration", mg.get("generation"))
+            done = mg["outcome"] == "done" and mg.get("pause_s") is not None and mg.get("generation") in self._meas
+            if key in self._seen or not (done or mg["outcome"] == "aborted"):
+                continue
+            self._seen.add(key)
+            self._counts[("migration", mg["outcome"])] += 1
+            self._streamed["migration"] += mg.get("bytes_streamed", 0)
+            if done:
+                self._downtime["migration"].append(mg["pause_s"])
+                self._lost["migration"] += mg["pause_s"]
+            for ph, v in mg.get("phases", {}).items():
+                self._phases.setdefault(("migration", ph), []).append(v)
 
     def _etcd_figures(self) -> dict[str, Any]:
         if self.client is None:

@@ -1,20 +1,30 @@
 """The run report (`--report FILE`): one format read by the README demo,
-tests and benchmarks.
+tests and benchmarks, and the one definition of a recovery's figures, which the
+metrics endpoint (agent/metrics.py) computes with the same functions.
 
-Downtime of a recovery = first group-wide commit after the recovery's new
-generation committed, minus the last group-wide commit before that (a step
-the survivors finish after the fault is work done, not lost), minus one
-median step (the step that would have run anyway). A step is committed
-group-wide when its last rank commits it.
+Downtime of a recovery = the new group's first group-wide commit, minus the
+last group-wide commit before it (a step the survivors finish after the fault
+is work done, not lost), minus the median step before the recovery (the step
+that would have run anyway). A step is committed group-wide when its last rank
+commits it. Every member notes, at its first commit in each generation, its
+last commit before and its median step until then (runtime/progress.py); the
+leader turns the members' notes into a `measured` event once every member
+committed in the new group (coordinator/timeline.py `measured`), so the figures
+are final when first seen, need nothing that happens later in the run, and the
+report and the metrics endpoint read the same ones. Lost time = downtime, plus the
+steps a cold restart trains again, plus a planned migration's pause. Goodput =
+the share of the wall time from launch to the last commit that was neither
+start-up (up to the first commit) nor lost.
 """
 
 from __future__ import annotations
 
 import hashlib
 import statistics
+import time
 from typing import Any
 
-from livemig.coordinator.timeline import PHASES, read_events
+from livemig.coordinator.timeline import PHASES, measurements, read_events
 from livemig.rdzv.client import EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership
@@ -31,6 +41,27 @@ FINAL_NEED = {"steps": (int,), "digest": (str,)}
 FINAL_MAY = {"digests": (dict,), "shard_digest": (str,), "mirror_digest": (str,), "mirror_of": (int,),
              "commits": (list,), "role": (str,), "joined_at_step": (int,), "standby": (dict,),
              "peak_rss_mb": _NUM, "inherited_to": (int,), "checkpoints": (dict,), "carried_by": (int,)}  # fmt: skip
+
+
+def goodput(launched: float | None, first: float | None, last: float | None, lost_s: float) -> float | None:
+    """The share of the wall time from launch to the last commit that trained: not start-up
+    (launch to the first commit), not lost to recoveries and migrations (module doc)."""
+    if launched is None or first is None or last is None or last <= launched:
+        return None
+    return round(max(0.0, min(1.0, (last - first - lost_s) / (last - launched))), 6)
+
+
+def first_commit(meas: dict[int, dict[str, Any]], commits: list[tuple[int, float]]) -> float | None:
+    """The job's first group-wide commit: its first generation's, as measured (the final records
+    keep only their last commits), else the earliest commit the records kept."""
+    if meas:
+        return float(meas[min(meas)]["after"][1])
+    return commits[0][1] if commits else None
+
+
+def lost_seconds(recs: list[dict], migs: list[dict]) -> float:
+    """Time lost to recoveries and planned migrations (module doc)."""
+    return sum(r.get("lost_s", r["downtime_s"]) for r in recs) + sum(m.get("pause_s") or 0.0 for m in migs)
 
 
 def read_finals(client: EtcdClient, keys: JobKeys) -> dict[str, dict]:
@@ -56,10 +87,12 @@ def _group_commits(finals: dict[str, Any]) -> list[tuple[int, float]]:
 
 def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
           outages: list[tuple[float, float]] | None = None,
-          spares_warm: dict[str, float] | None = None) -> dict[str, Any]:  # fmt: skip
+          spares_warm: dict[str, float] | None = None, launched_at: float | None = None) -> dict[str, Any]:  # fmt: skip
     """outages: (start, end) wall times of injected etcd outages: the steps the group
     committed inside each are reported (training must go on while etcd is away).
-    spares_warm: spare id -> when it reported warm; reported with the steps committed by then."""
+    spares_warm: spare id -> when it reported warm; reported with the steps committed by then.
+    launched_at: when the job was launched (default: wall_s ago), for the goodput."""
+    launched = launched_at if launched_at is not None else time.time() - wall_s
     keys = JobKeys(job)
     finals = read_finals(client, keys)
     commits = _group_commits(finals)
@@ -72,6 +105,8 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
     result = client.get(keys.result)
     raw = client.get(keys.membership)
     table = Membership.from_bytes(raw.value if raw else None)
+    meas = measurements(events)
+    recs, migs = recoveries(events, commits, median_step, meas), migrations(events, commits, median_step, meas)
     return {
         "job": job,
         "world_size": world_size,
@@ -118,8 +153,12 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
             k: {"warm_at": t, "steps_committed": sum(1 for _, c in commits if c <= t)}
             for k, t in sorted((spares_warm or {}).items())
         },
-        "recoveries": recoveries(events, commits, median_step),
-        "migrations": migrations(events, commits, median_step),
+        "recoveries": recs,
+        "migrations": migs,
+        "lost_s": round(lost_seconds(recs, migs), 4),
+        "goodput": goodput(
+            launched, commits[0][1] if commits else None, commits[-1][1] if commits else None, lost_seconds(recs, migs)
+        ),  # fmt: skip
         "timeline": events,
         "nodes": nodes_of(table),
         **({"shrunk": shrunk(table, events, commits)} if any(e["phase"] == "shrink" for e in events) else {}),
@@ -325,7 +364,8 @@ def _claimed(ev: dict) -> list[str]:
     return [str(x) for x in spares] if isinstance(spares, list) else []
 
 
-def migrations(events: list[dict], commits: list[tuple[int, float]], median_step: float) -> list[dict]:
+def migrations(events: list[dict], commits: list[tuple[int, float]], median_step: float,
+               meas: dict[int, dict[str, Any]] | None = None) -> list[dict]:  # fmt: skip
     """Planned migrations (kind "migration"): phases, and the pause of the switch step.
 
     pause_s: how much longer the first step in the new group took than a
@@ -359,14 +399,22 @@ def migrations(events: list[dict], commits: list[tuple[int, float]], median_step
         cur["phases"] = {name: round(max(0.0, b - a), 4) for (_, a), (name, b) in zip(seq, seq[1:], strict=False)}
         cur["outcome"] = "aborted" if "aborted" in cur else ("done" if "commit" in t else "incomplete")
         step = cur.get("switch_step")
-        if step is not None and step in at and step + 1 in at:
+        m = (meas or {}).get(cur["generation"])
+        if m is not None and m["before"] is not None and cur["outcome"] == "done":  # the one definition
+            gap = m["after"][1] - m["before"][1]
+            cur["pause_s"] = round(max(0.0, gap - (m["step_s"] if m["step_s"] is not None else median_step)), 4)
+            cur["switch_step_s"] = round(gap, 4)
+        elif step is not None and step in at and step + 1 in at:
             cur["pause_s"] = round(max(0.0, at[step + 1] - at[step] - median_step), 4)
             cur["switch_step_s"] = round(at[step + 1] - at[step], 4)
         out.append(cur)
     return out
 
 
-def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step: float) -> list[dict]:
+def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step: float,
+               meas: dict[int, dict[str, Any]] | None = None) -> list[dict]:  # fmt: skip
+    """Each recovery, its kind, phases and downtime (module doc). meas: `measured`; a recovery
+    whose new generation it holds is measured from it, else from the group-wide commits."""
     out: list[dict] = []
     cur: dict[str, Any] | None = None
     last_fault: float | None = None
@@ -401,12 +449,12 @@ def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step
             if ph == "claim":
                 cur["spares"] = _claimed(ev)
             if ph == "commit":
-                out.append(_finish(cur, commits, median_step))
+                out.append(_finish(cur, commits, median_step, (meas or {}).get(cur.get("generation"))))
                 cur = None
     return out
 
 
-def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float) -> dict:
+def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float, m: dict | None) -> dict:
     t = cur["t"]
     # The group's progress before the recovery: every step committed group-wide before the new
     # generation committed. A kill lands after the killed rank commits a step; the survivors may
@@ -417,6 +465,10 @@ def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float) -> 
     after = [c for _, c in commits if c > t["commit"]]
     last_before = before[-1] if before else t["fault"]
     first_after = after[0] if after else t["commit"]
+    if m is not None:  # measured by the members (`measured`): the figures the metrics endpoint has too
+        first_after = m["after"][1]
+        last_before = m["before"][1] if m["before"] is not None else last_before
+        median_step = m["step_s"] if m["step_s"] is not None else median_step
     t["resume"] = first_after
     order = ["fault", "detect", "fence", "agree", "wait", "claim", "build", "commit", "resume"]
     seen = [(k, t[k]) for k in order if k in t]

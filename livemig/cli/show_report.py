@@ -42,7 +42,10 @@ def load(path: str) -> dict[str, Any]:
 
 def goodput(rep: dict[str, Any]) -> float | None:
     """Committed steps x median step / wall time from launch to the last commit (the wall
-    time less the teardown after the last commit, when the report has both ends)."""
+    time less the teardown after the last commit, when the report has both ends); a report
+    that has its own (agent/report.py `goodput`, the metrics endpoint's figure) gives that."""
+    if isinstance(rep.get("goodput"), int | float):
+        return float(rep["goodput"])
     wall, step, n = rep.get("wall_s") or 0.0, rep.get("step_time_s_median") or 0.0, rep.get("steps_completed") or 0
     if not wall or not step:
         return None

@@ -51,7 +51,7 @@ from livemig.coordinator.sharding import (
 from livemig.coordinator.shrink import ShrinkPolicy
 from livemig.coordinator.snapshot import Snapshot, as_number, node_of, safe_decode
 from livemig.coordinator.store_host import StoreHost
-from livemig.coordinator.timeline import Timeline
+from livemig.coordinator.timeline import Timeline, measured
 from livemig.errors import LivemigError
 from livemig.rdzv.client import EtcdClient
 from livemig.rdzv.election import LeaderElection
@@ -106,6 +106,7 @@ class Coordinator:
         self.outage_grace_s = outage_grace_s(self.timeouts)
         self._lease_dead: dict[tuple[int, str], float] = {}  # (generation, incarnation) -> lease first seen gone
         self._in_grace = False
+        self._measured: set[int] = set()  # generations whose `measured` event is written
         # --min-nproc / --shrink-wait: train on the survivors with no spare (runtime/virtual.py)
         self.shrink = ShrinkPolicy(world_size)
 
@@ -168,6 +169,7 @@ class Coordinator:
         shrunk job's grow, a requested planned migration; then pruning, and the job's end."""
         m = s.m
         self.stores.start()  # training runs: the store's import competes with no start-up now
+        self._measure(s)
         differ = self.checks.extras_differ(s)
         if differ:
             return self._fail(m, differ)
@@ -188,6 +190,30 @@ class Coordinator:
                 return self._apply(s, request, since)
         self._prune(s)
         return self._maybe_done(s)
+
+    def _measure(self, s: Snapshot) -> None:
+        """Once every member committed a step in this generation, write how its start was
+        measured (a `measured` event: agent/report.py `measured`), once: the report and the
+        metrics endpoint both read the recovery's figures from it, so they agree and never
+        change after (a member's notes of an earlier generation are gone once it moved on)."""
+        m = s.m
+        if m.generation in self._measured:
+            return
+        mine = f"{self.keys.timeline_prefix}{m.generation:08d}/"
+        if any(k.endswith("-measured") for k in s.keys_under(mine)):  # written before a takeover
+            self._measured.add(m.generation)
+            return
+        notes = {}
+        for r in m.members:
+            rec = s.get(self.keys.progress(r))
+            note = rec.get("note") if isinstance(rec, dict) else None
+            if isinstance(note, list) and note and note[0] == m.generation:
+                notes[r] = [note]
+        got = measured(notes, len(m.members)).get(m.generation)
+        if got is not None:
+            self._measured.add(m.generation)
+            self.timeline.record(m.generation, "measured", before=got["before"], after=got["after"],
+                                 step_s=got["step_s"])  # fmt: skip
 
     def _outage_grace(self) -> bool:
         """True within LIVEMIG_ETCD_OUTAGE_GRACE (default 2 x the lease TTL) of this

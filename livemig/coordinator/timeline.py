@@ -72,3 +72,47 @@ def fold(archive: dict[str, Any] | None, events: list[dict[str, Any]]) -> dict[s
     merged = sorted([*old, *events], key=lambda e: e.get("time", 0.0))
     dropped = int((archive or {}).get("dropped", 0)) + max(0, len(merged) - ARCHIVE_EVENTS)
     return {"events": merged[-ARCHIVE_EVENTS:], "dropped": dropped}
+
+
+def _pair(x: Any) -> bool:
+    return isinstance(x, list) and len(x) == 2 and all(isinstance(v, (int, float)) for v in x)
+
+
+def measured(notes: dict[int, list], need: int) -> dict[int, dict[str, Any]]:
+    """generation -> {"before": (step, time) | None, "after": (step, time), "step_s": float | None}
+    from each rank's notes ([generation, last commit before or None, first commit, median step
+    before or None], runtime/progress.py), for each generation every one of `need` ranks noted:
+    the first step every rank committed in it and the step before, each at its last rank's
+    commit; the slowest rank's median step before. A survivor may finish the step in flight
+    inside the new group (its first step there is one earlier than the spare's): that step is
+    the one before, not the group's first. Malformed notes (etcd data) are skipped."""
+    by_gen: dict[int, dict[int, list]] = {}
+    for rank, rows in notes.items():
+        for a in rows if isinstance(rows, list) else []:
+            if isinstance(a, list) and len(a) in (3, 4) and isinstance(a[0], int) and _pair(a[2]):
+                by_gen.setdefault(a[0], {})[rank] = a
+    out: dict[int, dict[str, Any]] = {}
+    for g, rows_of in by_gen.items():
+        if len(rows_of) < need:
+            continue  # a rank has not committed in this group yet: no figure yet
+        arounds = list(rows_of.values())
+        at: dict[int, float] = {}
+        for pair in [*(a[2] for a in arounds), *(a[1] for a in arounds if _pair(a[1]))]:
+            at[int(pair[0])] = max(at.get(int(pair[0]), 0.0), float(pair[1]))
+        first = int(max(a[2][0] for a in arounds))
+        befores = [float(a[3]) for a in arounds if len(a) == 4 and isinstance(a[3], (int, float))]
+        out[g] = {"before": (first - 1, at[first - 1]) if first - 1 in at else None, "after": (first, at[first]),
+                  "step_s": max(befores) if befores else None}  # fmt: skip
+    return out
+
+
+def measurements(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """generation -> its `measured` figures (as `measured` gives them), from the leader's events."""
+    out: dict[int, dict[str, Any]] = {}
+    for ev in events:
+        after, before, g = ev.get("after"), ev.get("before"), ev.get("generation")
+        if ev["phase"] == "measured" and isinstance(g, int) and _pair(after) and (before is None or _pair(before)):
+            st = ev.get("step_s")
+            out[g] = {"before": tuple(before) if before else None, "after": tuple(after or ()),
+                      "step_s": float(st) if isinstance(st, int | float) else None}  # fmt: skip
+    return out

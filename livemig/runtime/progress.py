@@ -24,7 +24,7 @@ log = logging.getLogger("livemig.member")
 COMPUTE_KEPT = 8  # steps of compute times in each progress record: the coordinator may be this far behind
 # the fields a progress record may carry besides the commit's own arguments: a user metric of one
 # of these names is kept as user_<name> (Progress.commit)
-_OWN = frozenset({"compute_recent", "around", "step_s", "busy", "waiting_step", "waited_s", "hang_timeout",
+_OWN = frozenset({"compute_recent", "note", "step_s", "busy", "waiting_step", "waited_s", "hang_timeout",
                   "group", "unreachable", "failed_step", "error"})  # fmt: skip
 
 
@@ -52,9 +52,11 @@ class Progress:
         # [step, forward+backward s] of the last COMPUTE_KEPT steps, only for a straggler hook that is on: it
         # would near double every progress write of a job that has none (a bad setting fails here, as above)
         self._compute_recent: list[list[float]] | None = [] if straggler_settings()[0] > 0 else None
-        # the metrics endpoint's figures (agent/metrics.py), only when it is on: [generation, the last
-        # commit before this group as [step, time] or None, this group's first commit]
-        self._metrics = metrics_on()
+        # how each recovery is measured (coordinator/measure.py, the report's and the metrics
+        # endpoint's one definition): [generation, the last commit before this group as [step, time]
+        # or None, this group's first commit, the median step before this group or None], sent
+        # with every progress record of the generation (~60 bytes)
+        self._metrics = metrics_on()  # the endpoint's median step too (agent/metrics.py)
         self._around: list | None = None
         self._waiting: tuple[int, float, bool] | None = None  # (step, since, reported) in a collective
         self._busy = False
@@ -66,6 +68,10 @@ class Progress:
         value under user_<name>, never replacing the field."""
         gen = self._where()[1]
         now = time.time()
+        if self._around is None or self._around[0] != gen:
+            prev = self._last_item
+            before = round(sorted(self._step_times)[len(self._step_times) // 2], 6) if self._step_times else None
+            self._around = [gen, [prev["step"], prev["time"]] if prev else None, [step, now], before]
         if self._last_item is not None:
             self._step_times = [*self._step_times[-19:], now - self._last_item["time"]]
         item = {"step": step, "time": now, "incarnation": self.incarnation, **info}
@@ -73,11 +79,8 @@ class Progress:
         if self._compute_recent is not None and "compute_s" in info:  # the straggler hook judges each step
             self._compute_recent = [*self._compute_recent[-(COMPUTE_KEPT - 1) :], [step, round(info["compute_s"], 6)]]
             item["compute_recent"] = self._compute_recent
+        item["note"] = self._around
         if self._metrics:
-            if self._around is None or self._around[0] != gen:
-                prev = self._last_item
-                self._around = [gen, [prev["step"], prev["time"]] if prev else None, [step, now]]
-            item["around"] = self._around
             if self._step_times:
                 item["step_s"] = round(sorted(self._step_times)[len(self._step_times) // 2], 6)
         self._last_item = item

@@ -354,24 +354,28 @@ def test_the_straggler_hook_judges_windows_of_steps_all_ranks_have_once():
     assert compute_times({"step": "x", "compute_recent": [["a", 1], [3], "z", [4, "q"]]}) == {4: 0.0}
 
 
-def test_every_metric_is_documented_and_group_commits_need_every_rank():
+def test_every_metric_is_documented_and_a_generation_is_measured_once_every_member_noted_it():
     """docs/operations.md lists each family the endpoint serves; a generation's downtime is
-    measured only once every rank committed in its group, and hostile records are skipped."""
+    measured only once every member committed in its group, and hostile notes are skipped."""
     import os
 
-    from livemig.agent.metrics import METRICS, bucketed, group_commits
+    from livemig.agent.metrics import METRICS, bucketed
+    from livemig.coordinator.timeline import measured, measurements
 
     doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "operations.md")).read()
     for name, (kind, _, _) in METRICS.items():
         assert f"`{name}{'_total' if kind == 'counter' else ''}`" in doc, name
-    recs = {0: {"around": [2, [20, 100.0], [21, 100.4]]}, 1: {"around": [2, None, [21, 100.5]]}}
-    assert group_commits(recs, 2) == {2: [(20, 100.0), (21, 100.5)]}
-    assert group_commits({0: recs[0]}, 2) == {}  # rank 1 has not committed in generation 2 yet
+    notes = {0: [[2, [20, 100.0], [21, 100.4], 0.1]], 1: [[2, None, [21, 100.5], None]]}
+    assert measured(notes, 2) == {2: {"before": (20, 100.0), "after": (21, 100.5), "step_s": 0.1}}
+    assert measured({0: notes[0]}, 2) == {}  # rank 1 has not committed in generation 2 yet
     # a survivor finished the step in flight inside the new group: that step is the one before
-    late = {0: {"around": [2, [19, 99.9], [20, 100.2]]}, 1: {"around": [2, None, [21, 100.5]]}}
-    assert group_commits(late, 2) == {2: [(20, 100.2), (21, 100.5)]}
-    hostile = {0: {"around": "x"}, 1: {"around": [2, "a", ["b", 1]]}, 2: {"around": [None, None, None]}}
-    assert group_commits(hostile, 3) == {}
+    late = {0: [[2, [19, 99.9], [20, 100.2], 0.2]], 1: [[2, None, [21, 100.5]]]}
+    assert measured(late, 2) == {2: {"before": (20, 100.2), "after": (21, 100.5), "step_s": 0.2}}
+    hostile = {0: "x", 1: [[2, "a", ["b", 1]]], 2: [[None, None, None]]}
+    assert measured(hostile, 3) == {}  # type: ignore[arg-type]
+    ev = [{"phase": "measured", "generation": 2, "time": 1.0, "before": [20, 100.0], "after": [21, 100.5],
+           "step_s": 0.1}, {"phase": "measured", "generation": 3, "time": 1.0, "after": "x"}]  # fmt: skip
+    assert measurements(ev) == {2: {"before": (20, 100.0), "after": (21, 100.5), "step_s": 0.1}}
     buckets, total = bucketed([0.2, 3.0])
     assert dict(buckets)["0.25"] == 1.0 and dict(buckets)["+Inf"] == 2.0 and total == 3.2
 

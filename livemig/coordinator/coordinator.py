@@ -121,6 +121,20 @@ class Coordinator:
         """Leadership lost: the next leadership measures its waits afresh."""
         self._since.clear()
 
+    def standby(self) -> None:
+        """A candidate that does not lead starts its c10d store once the job trains (never during
+        its start-up, whose imports it would compete with): a takeover then finds it up, instead
+        of waiting ~1 s for its torch import inside the recovery's claim (a lost node that held
+        the leader cost the lease TTL plus that second)."""
+        if self.stores.store is not None or self.stores.starting:
+            return
+        try:
+            m = self.rdzv.read()
+        except LivemigError:
+            return  # etcd away: the next try
+        if m.generation >= 1 and m.state == GenState.COMMITTED:
+            self.stores.start()
+
     def takeover(self) -> None:
         """A new leader re-issues an in-flight build against its own store; a planned
         migration still catching up is aborted (its background builds used the old store)."""

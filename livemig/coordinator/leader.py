@@ -35,6 +35,7 @@ class Driver(Protocol):
     """What the leader drives (coordinator.Coordinator): one move per pass."""
 
     def takeover(self) -> None: ...  # a new leader's first look: in-flight builds and migrations
+    def standby(self) -> None: ...  # a candidate that does not lead: be ready to take over
 
     def run_pass(self, s: Snapshot) -> None: ...  # one pass over a snapshot of the job's keys
 
@@ -91,7 +92,7 @@ class Leader:
             self.driver.stepped_down()
 
     def _lead(self) -> str:
-        self.election.campaign(stop=self.stop.is_set)
+        self.election.campaign(stop=self.stop.is_set, waiting=self.driver.standby)
         put_if_absent(self.client, self.keys.secret, secrets.token_bytes(32))  # the job's, made once
         self.driver.takeover()
         # Two mirrors: the job's control keys, whose changes wake a pass, and the members'

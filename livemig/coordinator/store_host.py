@@ -74,6 +74,10 @@ class StoreHost:
         self._store_thread = threading.Thread(target=wait_port, daemon=True, name="livemig-c10d-store")
         self._store_thread.start()
 
+    @property
+    def starting(self) -> bool:
+        return self._store_thread is not None and self.store is None
+
     def stop(self) -> None:
         """The store process, up or still starting: one that has not printed its port yet
         would otherwise outlive us until its torch import ends and it sees stdin closed."""

@@ -54,10 +54,14 @@ class LeaderElection:
             log.info("became leader", extra={"candidate": self.candidate})
         return ok
 
-    def campaign(self, timeout: float | None = None, stop: Callable[[], bool] | None = None) -> None:
-        """Block until this candidate leads (TimeoutError after `timeout`)."""
+    def campaign(self, timeout: float | None = None, stop: Callable[[], bool] | None = None,
+                 waiting: Callable[[], None] | None = None) -> None:  # fmt: skip
+        """Block until this candidate leads (TimeoutError after `timeout`); `waiting` runs at
+        each failed try (a standby candidate's preparation for taking over)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.try_acquire():
+            if waiting is not None:
+                waiting()
             left = 3600.0 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"{self.candidate} did not become leader within {timeout}s")

@@ -252,3 +252,35 @@ def test_the_node_of_the_leader_and_an_etcd_member_lost_exactly(tmp_path, procs,
     new_leader = client.get(keys.leader)
     assert new_leader is None or hosts.addrs[survivor] in new_leader.value.decode()
     print("leader node loss:", rec)
+
+
+@needs_netns
+def test_the_node_of_the_leading_coordinator_lost_costs_one_lease(tmp_path, procs, hosts, references):
+    """etcd on host 0 (alive); a rank on each of hosts 1 and 2, spares on host 3. The host
+    whose coordinator candidate leads is lost whole (agent, worker, leader): the other node's
+    candidate takes over and the lost rank is replaced, exact, with downtime within the lease
+    TTL plus one second (the takeover and the lost member's lease expire together)."""
+    ttl = 2.0
+    ref = reference_of(references, 2, STATEFUL, WORK[1:], {"LIVEMIG_BUDDY_STRIDE": "1"})
+    etcd = _start_etcd(procs, hosts.wrap(0, []), hosts.addrs[0])
+    job = "lead"
+    agents = {}
+    for k in (1, 2):
+        agents[k] = _agent(procs, hosts.wrap(k, []), etcd, job, tmp_path, f"h{k}", "--host", hosts.addrs[k],
+                           "--node-rank", str(k - 1), quiet=True, report=tmp_path / f"r{k}.json")  # fmt: skip
+    _standby(procs, hosts, etcd, job, tmp_path, 1, WORK)
+    client = EtcdClient(etcd)
+    keys = JobKeys(job)
+    _until_step_10_with_warm_spares(client, keys, 1)
+    leader = client.get(keys.leader).value.decode()  # coordinator-<host>-<pid>-<random>
+    victim = hosts.addrs.index(leader.split("-")[1])
+    assert victim in (1, 2), leader
+    hosts.kill_all(victim)
+    survivor = 3 - victim
+    agents[survivor].wait(timeout=240)
+    rep = json.loads((tmp_path / f"r{survivor}.json").read_text())
+    assert agents[survivor].returncode == 0, (tmp_path / f"h{survivor}.out").read_text()[-3000:]
+    assert rep["steps_completed"] == STEPS and rep["rank_digests"] == ref.report["rank_digests"]
+    (rec,) = rep["recoveries"]
+    print("leader node loss (etcd alive):", rec)
+    assert rec["downtime_s"] <= ttl + 1.0, rec

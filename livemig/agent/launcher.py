@@ -20,6 +20,7 @@ from livemig import logs
 from livemig.agent import report
 from livemig.agent.child_watch import FINE_TICK_S, IDLE_TICK_S, PROBE_S, ChildWatch, Wakeup
 from livemig.agent.children import Child
+from livemig.agent.drain import Drain
 from livemig.agent.events import EventLog
 from livemig.agent.fault_driver import FaultDriver
 from livemig.agent.jobs import (
@@ -64,7 +65,7 @@ from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.fault_gate import plan_env
 from livemig.rdzv.client import EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
-from livemig.rdzv.membership import Membership, new_incarnation
+from livemig.rdzv.membership import GenState, Membership, new_incarnation
 from livemig.rdzv.security import EtcdSecurity
 from livemig.rdzv.watch import PrefixMirror
 from livemig.rdzv.writes import put_if_absent
@@ -98,6 +99,7 @@ class Launcher:
         self.tmpdir = ""  # the children's TMPDIR (start)
         self._t0 = time.time()
         self._launched = self._t0  # the goodput's launch (metrics and report alike): this agent's start
+        self.drain = Drain(self, cfg.drain_grace)  # SIGTERM with --on-sigterm drain (agent/drain.py)
         self.signal_name = "SIGINT"  # what interrupted the run, if anything did
         # collaborators, each owning its state: the fault plan's, the children's watch
         self.faults = FaultDriver(self, cfg.faults, self._wake.poke)
@@ -394,6 +396,13 @@ class Launcher:
                 result_seen_at = time.monotonic() if result is not None else None
             if result is not None and result.get("state") == "interrupted":
                 break  # another agent of the run was interrupted: this node stops too, at once
+            if self.drain.active and result is None:
+                drained = self.drain.step(by_key)
+                if drained is not None:
+                    result = drained
+                    break
+                wake.wait(self.children, FINE_TICK_S)
+                continue
             if result is not None:
                 members_alive = [c for c in self.children if c.role in (Role.WORKER, Role.SPARE)
                                  and c.proc.poll() is None and self.watch.is_member(c, by_key)]  # fmt: skip
@@ -434,6 +443,15 @@ class Launcher:
         if result is not None and rep["result"] is None:
             rep["result"] = result
         return rep
+
+    def can_drain(self) -> bool:
+        """A drain hands this node's ranks to the rest of the job: only with --on-sigterm drain,
+        other nodes, and a job that trains (before it formed, or once it ended, SIGTERM stops)."""
+        if self.cfg.on_sigterm != "drain" or self.cfg.nnodes < 2 or self.client is None:
+            return False
+        raw = self._by_key.get(self.keys.membership)
+        m = Membership.from_bytes(raw.value if raw else None)
+        return m.generation >= 1 and m.state not in (GenState.DONE, GenState.FAILED)
 
     def processes(self) -> list[dict[str, Any]]:
         """Every process this agent started; a spare that took a rank has that rank (the
@@ -547,6 +565,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     def on_term(signum: int, _frame: Any) -> None:
         launcher.signal_name = signal.Signals(signum).name
+        if signum == signal.SIGTERM and launcher.can_drain() and launcher.drain.request():
+            return  # the agent loop drains this node (agent/drain.py); a second SIGTERM stops
         raise KeyboardInterrupt()
 
     signal.signal(signal.SIGTERM, on_term)

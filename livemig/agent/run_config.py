@@ -44,6 +44,8 @@ class RunConfig:
     recovery: str = "live"  # --recovery cold: every failure takes the cold path (coordinator/cold.py)
     min_nproc: int | None = None  # --min-nproc: shrink onto the survivors with no spare (runtime/virtual.py)
     shrink_wait: float | None = None  # --shrink-wait: s to wait for a warm spare first (default 5)
+    on_sigterm: str = "stop"  # --on-sigterm: drain (hand this node's ranks to the job, agent/drain.py) or stop
+    drain_grace: float = 25.0  # --drain-grace: s a drain may take before the job is stopped as before
     # how long to wait for every node of the run to join, s
     join_timeout: float = field(default_factory=lambda: float(os.environ.get(ENV_JOIN_TIMEOUT, "") or 300))
 

@@ -24,7 +24,7 @@ from typing import Any
 from livemig.agent.child_watch import IDLE_TICK_S, ChildWatch, Wakeup
 from livemig.agent.children import Child, kill_group
 from livemig.config import Timeouts
-from livemig.errors import EtcdUnavailableError
+from livemig.errors import EtcdUnavailableError, LivemigError
 from livemig.logs import say
 from livemig.rdzv.client import EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
@@ -72,7 +72,10 @@ class StandbyAgent:
                 say(f"livemig-spare: job {self.keys.job} ended ({why}): its spares exit")
                 self.stop_children()
                 return 0
+            if ended := self._ended():  # the spares saw the job's end themselves: say it too
+                say(f"livemig-spare: job {self.keys.job} ended ({ended}): its spares exited")
         except KeyboardInterrupt:
+            self.withdraw()
             self.stop_children()
             return 130
         finally:
@@ -127,6 +130,15 @@ class StandbyAgent:
             return str(res.get("reason") or "interrupted")
         return ""
 
+    def _ended(self) -> str:
+        """The job's end state, once it has one ('' if not, or etcd is gone with the job)."""
+        try:
+            kv = self.client.get(self.keys.result)
+        except LivemigError:
+            return ""
+        res = conform(kv.value, {"state": (str,)}) if kv is not None else None
+        return str(res["state"]) if res is not None else ""
+
     def _report_deaths(self, within_s: float) -> None:
         """The spares that died after the last pass: reported, their fence keys dropped.
         A clean exit needs neither (and the job's etcd may be gone with the job); etcd
@@ -143,6 +155,20 @@ class StandbyAgent:
                 if time.monotonic() > deadline:
                     return
                 time.sleep(0.5)
+
+    def withdraw(self) -> None:
+        """Take this agent's unclaimed spares out of the pool before they stop (a node drained,
+        Ctrl-C): a claim in flight compares the spare's record, so none is claimed as it dies,
+        and none is offered to a recovery for a lease TTL after it is gone."""
+        mine = {c.incarnation for c in self.children}
+        try:
+            kvs, _ = self.client.get_prefix(self.keys.spares_prefix)
+            for kv in kvs:
+                rec = conform(kv.value, {"incarnation": (str,)}, {"state": (str,)})
+                if rec is not None and rec["incarnation"] in mine and rec.get("state") != "claimed":
+                    self.client.delete(kv.key)
+        except LivemigError as exc:  # etcd away: their leases end them
+            log.info("spares not withdrawn", extra={"err": str(exc)})
 
     def stop_children(self) -> None:
         """SIGTERM each spare's process group (SIGCONT first: a stopped one could not

@@ -15,6 +15,7 @@ from typing import Any
 
 from livemig import logs
 from livemig.agent import report
+from livemig.agent.drain import DRAIN_GRACE_S, sigterm_default
 from livemig.agent.jobs import refuse_duplicate, state_dir
 from livemig.agent.launcher import run
 from livemig.agent.run_config import RunConfig
@@ -189,6 +190,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="wait this long for a warm spare before shrinking, s (default 5)",
     )
     p.add_argument("--max-wall", type=float, default=3600.0, help="abort the run after this long, s")
+    p.add_argument("--on-sigterm", choices=("drain", "stop"), default=None,
+                   help="SIGTERM to this node's agent of a job of several nodes: drain (hand its ranks to "
+                        "spares elsewhere, or shrink within --min-nproc, and exit 0) or stop the job; default "
+                        "drain under Slurm or Kubernetes (from their environment), else stop")  # fmt: skip
+    p.add_argument(
+        "--drain-grace",
+        type=float,
+        default=DRAIN_GRACE_S,
+        help=f"s a drain may take before the job is stopped as before (default {DRAIN_GRACE_S:.0f})",
+    )
     p.add_argument("--on-error", default="",
                    help="an exception in the training function: fail (default: end the job at once, no spare "
                         "used) or replace:N (recover on a spare, at most N times); $LIVEMIG_ON_ERROR")  # fmt: skip
@@ -253,7 +264,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                     log_every=a.log_every, max_wall=a.max_wall, on_error=a.on_error,
                     metrics_port=a.metrics_port, events=a.events, checkpoint=checkpoint_settings(a),
                     resume_from=a.resume_from, max_restarts=a.max_restarts, recovery=a.recovery,
-                    min_nproc=a.min_nproc, shrink_wait=a.shrink_wait)  # fmt: skip
+                    min_nproc=a.min_nproc, shrink_wait=a.shrink_wait,
+                    on_sigterm=a.on_sigterm or sigterm_default(), drain_grace=a.drain_grace)  # fmt: skip
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cfg.nproc_per_node + cfg.spares > OVERSUBSCRIBE * cores:
         print(f"livemig: warning: {cfg.nproc_per_node} workers and {cfg.spares} spare(s) on {cores} core(s) of this "
@@ -332,7 +344,7 @@ def _run_and_verify(a: argparse.Namespace, cfg: RunConfig, world: int, verify: A
     print_summary(rep, reference)
     if (rep["result"] or {}).get("state") == "interrupted":
         return 130  # as a shell reports a process ended by Ctrl-C
-    ok = (rep["result"] or {}).get("state") == "done"
+    ok = (rep["result"] or {}).get("state") in ("done", "drained")  # drained: this node left, the job goes on
     if not ok and (rep["result"] or {}).get("traceback"):
         print(rep["result"]["traceback"], file=sys.stderr)  # a bug in the training function
     elif not ok and (rep["result"] or {}).get("log_tail"):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -575,7 +576,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         timeouts = Timeouts.from_env()
         client = EtcdClient(a.etcd, timeouts.etcd)
-        state = Coordinator(client, a.job, a.world_size, timeouts, a.host or socket.gethostname()).run()
+        coord = Coordinator(client, a.job, a.world_size, timeouts, a.host or socket.gethostname())
+
+        def on_term(_signum: int, _frame: object) -> None:
+            raise KeyboardInterrupt()
+
+        signal.signal(signal.SIGTERM, on_term)
+        try:
+            state = coord.run()
+        except KeyboardInterrupt:  # the agent stops (a drain, the job's end): hand the lead on at once
+            coord.election.resign()  # a candidate elsewhere takes it now, not a lease TTL later
+            return 0
     except LivemigError as exc:
         print(f"livemig coordinator: error: {exc}", file=sys.stderr)
         return exc.exit_code

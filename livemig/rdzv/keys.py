@@ -196,6 +196,14 @@ class JobKeys:
         return f"{self.prefix}inject/self/{incarnation}"
 
     @property
+    def drains_prefix(self) -> str:
+        return self.prefix + "drains/"
+
+    def drain(self, node: int | None) -> str:
+        """A node's agent drains on SIGTERM (agent/drain.py): its ranks, host and when."""
+        return f"{self.drains_prefix}{node}"
+
+    @property
     def migrate_request(self) -> str:
         """A planned-migration request (`livemig migrate`, a fault plan, the straggler hook)."""
         return self.prefix + "migrate/request"

@@ -68,10 +68,13 @@ def test_slurm_batch_scripts_run_a_job_over_two_nodes_with_spares(tmp_path):
                     FAKE_SLURM_NETNS=",".join(f"{a}={n}" for a, n in zip(hosts.addrs, hosts.names, strict=True)),
                     LIVEMIG_RUN_ARGS="--lease-ttl 2", TMPDIR=str(tmp_path))  # fmt: skip
         etcd = f"http://{hosts.addrs[0]}:2379"  # where livemig.sbatch starts it: the first node
-        spares = subprocess.Popen(  # first: they wait for etcd and the job, and are warm when it forms
+        shared = tmp_path / "shared" / "slurm-test.etcd"  # a shared file system's path: the spares find etcd
+        shared.parent.mkdir()
+        base["LIVEMIG_ETCD_FILE"] = str(shared)
+        spares = subprocess.Popen(  # first: they wait for etcd's address, then the job, and are warm when it forms
             ["bash", os.path.join(SLURM, "spares.sbatch"), "--steps", "30", "--layers", "2", "--batch", "32"],
             env=dict(base, SLURM_JOB_ID="43", SLURM_NNODES="1", SLURM_JOB_NODELIST=hosts.addrs[2],
-                     LIVEMIG_ETCD=etcd, SPARES_PER_NODE="2"),
+                     SPARES_PER_NODE="2"),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )  # fmt: skip
         workers = subprocess.Popen(
@@ -95,4 +98,8 @@ def test_slurm_batch_scripts_run_a_job_over_two_nodes_with_spares(tmp_path):
         done = [line for line in out.splitlines() if line.startswith("livemig: job slurm-test done; 30 steps")]
         assert len(done) == 2, out[-3000:]  # both agents saw the job through
         assert spares.returncode == 0, sp_out[-2000:]  # the spares exited when the job ended
+        assert "livemig-spare: job slurm-test ended (done)" in sp_out, sp_out[-2000:]  # and said so
+        assert f"livemig-spares: job slurm-test, etcd {etcd}" in sp_out, sp_out[-2000:]  # found from the file
+        assert (tmp_path / "comment-42").read_text() == f"livemig-etcd={etcd}"  # and in the job's Comment
+        assert not glob.glob(os.path.join(str(tmp_path), "livemig-etcd-*")), os.listdir(tmp_path)  # etcd's data gone
         assert sp_out.count("standby for job slurm-test") == 2, sp_out[-2000:]

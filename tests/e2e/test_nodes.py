@@ -284,3 +284,76 @@ def test_the_node_of_the_leading_coordinator_lost_costs_one_lease(tmp_path, proc
     (rec,) = rep["recoveries"]
     print("leader node loss (etcd alive):", rec)
     assert rec["downtime_s"] <= ttl + 1.0, rec
+
+
+def _drain_job(tmp_path, procs, hosts, job: str, spares: int, *extra: str) -> tuple[dict, EtcdClient, JobKeys]:
+    """etcd on host 0, one rank on each of hosts 1 and 2 (agents with --on-sigterm drain),
+    `spares` spares on host 3; returns once the job trains at step 10 with them warm."""
+    etcd = _start_etcd(procs, hosts.wrap(0, []), hosts.addrs[0])
+    agents = {}
+    for k in (1, 2):
+        agents[k] = _agent(procs, hosts.wrap(k, []), etcd, job, tmp_path, f"h{k}", "--host", hosts.addrs[k],
+                           "--node-rank", str(k - 1), "--on-sigterm", "drain", *extra, quiet=True,
+                           report=tmp_path / f"r{k}.json")  # fmt: skip
+    if spares:
+        _standby(procs, hosts, etcd, job, tmp_path, spares, WORK)
+    client = EtcdClient(etcd)
+    keys = JobKeys(job)
+    _until_step_10_with_warm_spares(client, keys, spares)
+    return agents, client, keys
+
+
+@needs_netns
+def test_sigterm_to_a_nodes_agent_drains_its_ranks_onto_a_spare_and_the_job_goes_on_exactly(
+    tmp_path, procs, hosts, references
+):
+    """What Slurm preemption or a Kubernetes drain sends first: SIGTERM to node 1's agent. Its
+    rank moves to the warm spare on host 3 in one generation change, that agent exits 0 well
+    within the grace, and the job finishes bit-identical to the fault-free run, rank by rank."""
+    ref = reference_of(references, 2, STATEFUL, WORK[1:], {"LIVEMIG_BUDDY_STRIDE": "1"})
+    agents, client, keys = _drain_job(tmp_path, procs, hosts, "drain", 1)
+    t0 = time.monotonic()
+    agents[2].send_signal(15)
+    agents[2].wait(timeout=30)
+    took = time.monotonic() - t0
+    out2 = (tmp_path / "h2.out").read_text()
+    assert agents[2].returncode == 0, out2[-3000:]
+    assert took < 25, took
+    assert "drained in" in out2, out2[-2000:]
+    agents[1].wait(timeout=240)
+    rep = json.loads((tmp_path / "r1.json").read_text())
+    assert agents[1].returncode == 0, (tmp_path / "h1.out").read_text()[-3000:]
+    assert rep["steps_completed"] == STEPS and rep["rank_digests"] == ref.report["rank_digests"], rep["result"]
+    (rec,) = rep["recoveries"]
+    assert rec["rank"] == 1 and rec["spares"], rec
+    m = Membership.from_bytes(client.get(keys.membership).value)
+    assert m.members[1].host == hosts.addrs[3], m.members
+    print(f"drain: agent exit {took:.2f}s after SIGTERM; job pause {rec['downtime_s']}s; phases {rec['phases']}")
+
+
+@needs_netns
+def test_a_drain_with_no_spare_shrinks_within_min_nproc_and_without_it_stops_the_job(tmp_path, procs, hosts):
+    """No spare: with --min-nproc 1 the survivor carries the drained node's rank and the job
+    finishes (the drained agent exits 0); without it the drain says why it cannot and the job
+    stops as before (interrupted, exit 130 on both nodes)."""
+    agents, client, keys = _drain_job(tmp_path, procs, hosts, "drain-shrink", 0, "--min-nproc", "1")
+    agents[2].send_signal(15)
+    agents[2].wait(timeout=30)
+    assert agents[2].returncode == 0, (tmp_path / "h2.out").read_text()[-3000:]
+    agents[1].wait(timeout=240)
+    rep = json.loads((tmp_path / "r1.json").read_text())
+    assert agents[1].returncode == 0, (tmp_path / "h1.out").read_text()[-3000:]
+    assert rep["steps_completed"] == STEPS and rep["recoveries"][0]["kind"] == "shrink", rep["recoveries"]
+    client.close()
+
+    sub = tmp_path / "stop"
+    sub.mkdir()
+    agents, client, keys = _drain_job(sub, procs, hosts, "drain-stop", 0)
+    t0 = time.monotonic()
+    agents[2].send_signal(15)
+    agents[2].wait(timeout=30)
+    out2 = (sub / "h2.out").read_text()
+    assert agents[2].returncode == 130 and "cannot drain (1 rank(s) of 1 draining node(s), 0 warm spare(s)" in out2, \
+        out2[-2000:]  # fmt: skip
+    agents[1].wait(timeout=60)
+    assert agents[1].returncode == 130 and time.monotonic() - t0 < 30, (sub / "h1.out").read_text()[-2000:]

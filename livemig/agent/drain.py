@@ -1,0 +1,159 @@
+"""A drain: SIGTERM to one node's agent of a job of several nodes (`--on-sigterm drain`).
+
+SIGTERM is what an orchestrator sends first when a node goes away with a grace period: Slurm
+preemption or `scontrol requeue` (KillWait, 30 s by default), a Kubernetes drain, eviction or
+scale-down (terminationGracePeriodSeconds, 30 s). Ending the whole job there is what live
+recovery exists to avoid. So the agent hands its node's ranks to the rest of the job and
+leaves: it announces the drain (`drains/<node>`: its ranks), checks that the job can do
+without them (warm spares on other hosts for every rank of every node draining now, or a
+shrink within `--min-nproc`), then stops its coordinator candidate (which resigns the lead at
+once if it held it: no lease-length wait) and its workers and spares, and reports the workers
+gone as it reports any lost child. The leader recovers them in one generation change, as a
+failure that needs no detection: spares claimed and streamed into from the live replicas (or
+the survivors carry them), bit-identical as every recovery. The agent exits 0 once its ranks
+run elsewhere in a committed generation, within `--drain-grace` (default 25 s, under both
+orchestrators' 30 s).
+
+When the job cannot do without the node (no spare and no shrink allowed; several nodes
+draining at once with too few spares, as when Slurm or Kubernetes stop the whole job), a
+second SIGTERM, or a grace that runs out: the agent stops the job as before (interrupted,
+report written), and a restarted job resumes from its newest checkpoint (`--checkpoint-dir`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+from livemig.config import ENV_HOST, Role
+from livemig.rdzv.client import conform, decode, encode
+from livemig.rdzv.membership import GenState, Membership
+
+if TYPE_CHECKING:
+    from livemig.agent.launcher import Launcher
+
+log = logging.getLogger("livemig.agent.drain")
+
+DRAIN_GRACE_S = 25.0  # --drain-grace default: under Slurm's KillWait and Kubernetes' grace period (30 s)
+SETTLE_S = 0.3  # how long a drain waits for other nodes' drains sent by the same signal to show
+
+
+def sigterm_default(env: dict[str, str] | None = None) -> str:
+    """--on-sigterm's default: drain under Slurm or Kubernetes (their environment says so),
+    where SIGTERM means "this node is going away", else stop (a person's kill)."""
+    e = os.environ if env is None else env
+    return "drain" if e.get("SLURM_JOB_ID") or e.get("KUBERNETES_SERVICE_HOST") else "stop"
+
+
+class Drain:
+    """One agent's drain: requested by the signal handler, carried out by the agent loop."""
+
+    def __init__(self, launcher: Launcher, grace_s: float) -> None:
+        self.launcher = launcher
+        self.grace_s = grace_s
+        self.requested_at: float | None = None  # monotonic time of the SIGTERM
+        self.sent_at: float | None = None  # the drain key written (after SETTLE_S: decided)
+        self.left_at: float | None = None  # the node's processes stopped
+        self.ranks: dict[int, str] = {}  # rank -> incarnation of this node's members when it left
+        self.why_not = ""
+
+    def request(self) -> bool:
+        """The signal handler: True if this SIGTERM starts a drain (False: stop as before)."""
+        if self.requested_at is not None:
+            return False  # a second SIGTERM: stop now
+        self.requested_at = time.monotonic()
+        return True
+
+    @property
+    def active(self) -> bool:
+        return self.requested_at is not None
+
+    def step(self, by_key: dict[str, Any]) -> dict[str, Any] | None:
+        """One pass of the agent loop while draining: the job's result for this agent once its
+        ranks run elsewhere; KeyboardInterrupt (today's stop) when the job cannot do without
+        them or the grace ran out."""
+        la = self.launcher
+        assert self.requested_at is not None and la.client is not None
+        now = time.monotonic()
+        if now - self.requested_at > self.grace_s:
+            log.error("drain not done within the grace; stopping", extra={"grace_s": self.grace_s})
+            la.say(f"livemig: node {la.node_rank}: drain not done within {self.grace_s:.0f}s; stopping the job")
+            raise KeyboardInterrupt()
+        raw = by_key.get(la.keys.membership)
+        m = Membership.from_bytes(raw.value if raw else None)
+        if self.sent_at is None:
+            mine = {c.incarnation for c in la.children if c.role in (Role.WORKER, Role.SPARE) and c.proc.poll() is None}
+            self.ranks = {r: mem.incarnation for r, mem in m.members.items() if mem.incarnation in mine}
+            host = la.net_env.get(ENV_HOST, "")
+            la.client.put(la.keys.drain(la.node_rank), encode({"node": la.node_rank, "ranks": sorted(self.ranks),
+                                                              "host": host, "time": time.time()}))  # fmt: skip
+            self.sent_at = now
+            la.say(f"livemig: node {la.node_rank}: SIGTERM: draining rank(s) {sorted(self.ranks)} onto the rest "
+                   f"of the job (a second SIGTERM stops the job)")  # fmt: skip
+            return None
+        if self.left_at is None:
+            if now - self.sent_at < SETTLE_S:
+                return None
+            why = self._cannot(la.client, m)
+            if why:
+                self.why_not = why
+                la.say(f"livemig: node {la.node_rank}: cannot drain ({why}); stopping the job")
+                log.warning("cannot drain; stopping", extra={"why": why})
+                raise KeyboardInterrupt()
+            self._leave()
+            self.left_at = now
+            return None
+        if m.state == GenState.COMMITTED and not (set(self.ranks.values()) & {x.incarnation for x in
+                                                                              m.members.values()}):  # fmt: skip
+            took = round(time.monotonic() - self.requested_at, 3)
+            la.say(f"livemig: node {la.node_rank}: drained in {took}s: rank(s) {sorted(self.ranks)} run elsewhere "
+                   f"(generation {m.generation})")  # fmt: skip
+            log.info("drained", extra={"s": took, "generation": m.generation})
+            return {"state": "drained", "reason": f"node {la.node_rank} drained on SIGTERM", "drain_s": took,
+                    "generation": m.generation, "time": time.time()}  # fmt: skip
+        return None
+
+    def _cannot(self, client: Any, m: Membership) -> str:
+        """Why the job cannot do without every node draining now ('' if it can)."""
+        la = self.launcher
+        kvs, _ = client.get_prefix(la.keys.drains_prefix)
+        drains = [d for d in (conform(kv.value, {"ranks": (list,)}, {"host": (str,)}) for kv in kvs) if d]
+        leaving = {r for d in drains for r in d["ranks"] if isinstance(r, int)}
+        hosts = {d.get("host") for d in drains}
+        kvs, _ = client.get_prefix(la.keys.spares_prefix)
+        warm = 0
+        for kv in kvs:
+            rec = decode(kv.value) if kv.value else None
+            if isinstance(rec, dict) and rec.get("state") == "warm" and rec.get("host") not in hosts:
+                warm += 1
+        if not leaving:
+            return ""
+        if warm >= len(leaving):
+            return ""
+        floor = la.cfg.min_nproc
+        left = len(m.members) - len(leaving)
+        if floor is not None and left >= floor and warm == 0:
+            return ""
+        nodes = len(drains)
+        return f"{len(leaving)} rank(s) of {nodes} draining node(s), {warm} warm spare(s) elsewhere" + (
+            f", --min-nproc {floor} allows no shrink to {left}" if floor is not None else ", no --min-nproc"
+        )
+
+    def _leave(self) -> None:
+        """Stop this node's processes: the coordinator candidate first (it resigns the lead on
+        SIGTERM), then workers and spares at once (SIGKILL: the job recovers them; a worker that
+        finished its step in between changes nothing, every recovery is exact)."""
+        la = self.launcher
+        for c in la.children:
+            if c.proc.poll() is not None:
+                continue
+            sig = signal.SIGTERM if c.role == Role.COORDINATOR else signal.SIGKILL
+            try:
+                os.killpg(c.proc.pid, signal.SIGCONT)
+                os.killpg(c.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        log.info("node left", extra={"ranks": sorted(self.ranks)})

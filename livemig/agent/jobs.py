@@ -139,9 +139,12 @@ def connect(job: str, etcd: str | None, timeout: timedelta) -> EtcdClient:
     return EtcdClient(endpoints, timeout, security)
 
 
-def prune_stale_dirs(root: str) -> None:
-    """Remove `root/NAME-PID` directories whose process is gone (a launcher killed by
-    SIGKILL leaves its run's certificates behind: the next run removes them)."""
+def prune_stale_dirs(root: str, pattern: str = r".*-\d+") -> None:
+    """Remove `root/NAME-PID` directories (NAME starting with `prefix`) whose process is gone
+    (a launcher killed by SIGKILL leaves its run's certificates, or its embedded etcd's data
+    under the temp dir, behind: the next run removes them). `pattern`: the names (a regex,
+    whole name) that are ours to remove, so nothing else in a shared directory is touched."""
+    import re
     import shutil
 
     try:
@@ -150,7 +153,7 @@ def prune_stale_dirs(root: str) -> None:
         return
     for name in entries:
         pid = name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+        if re.fullmatch(pattern, name) and pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 

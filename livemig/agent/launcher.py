@@ -100,6 +100,7 @@ class Launcher:
         self._t0 = time.time()
         self._launched = self._t0  # the goodput's launch (metrics and report alike): this agent's start
         self.drain = Drain(self, cfg.drain_grace)  # SIGTERM with --on-sigterm drain (agent/drain.py)
+        self.standby_node = False  # joined a run that already trained: spares only (start())
         self.signal_name = "SIGINT"  # what interrupted the run, if anything did
         # collaborators, each owning its state: the fault plan's, the children's watch
         self.faults = FaultDriver(self, cfg.faults, self._wake.poke)
@@ -193,6 +194,8 @@ class Launcher:
             # secure by default: TLS only, client certificates from a CA made for this run
             tls_root = os.path.join(state_dir(), "tls")
             prune_stale_dirs(tls_root)
+            # embedded etcds' data of runs killed by SIGKILL (EtcdCluster.launch: mkdtemp's 8 characters, our pid)
+            prune_stale_dirs(tempfile.gettempdir(), r"livemig-etcd-[a-z0-9_]{8}-\d+")
             self.cluster = EtcdCluster(
                 cfg.etcd_members, cfg.etcd_bin, extra_host=self.partition.etcd_ip if self.partition else None,
                 tls=True, tls_dir=os.path.join(tls_root, f"{cfg.job}-{os.getpid()}"),
@@ -221,7 +224,16 @@ class Launcher:
             self.say(f"livemig: metrics of job {cfg.job} on http://{host}:{self.metrics.port}/metrics")
         self._join(host, fresh=early)
         claim_job_file(cfg.job, self.etcd, security=self.security)
-        if not early:
+        if not early and self._formed():
+            # A node joining a run that already trains (a replacement pod of an Indexed Job, a
+            # restarted node): its node rank's ranks run elsewhere now, so it brings standby
+            # capacity, spares for as many ranks as it would have run, and exits with the job.
+            self.standby_node = True
+            self.say(f"livemig: job {cfg.job} already trains: node {self.node_rank} joins as "
+                     f"{cfg.nproc_per_node} warm spare(s)")  # fmt: skip
+            self._spawn_job(host, part_rank, workers=False)
+            self.spawn_spares(cfg.nproc_per_node, "join")
+        elif not early:
             self._spawn_job(host, part_rank)
         elif self.node_rank != 0:  # pragma: no cover - a fresh etcd of our own has no other node
             raise LivemigError(f"node rank {self.node_rank} on a job's own etcd: expected 0")
@@ -232,7 +244,14 @@ class Launcher:
         self.say(f"livemig: job {cfg.job}: {cfg.nproc} workers, {cfg.spares} spare(s), etcd {self.etcd}; "
                  f"logs in {self.logdir}{where}")  # fmt: skip
 
-    def _spawn_job(self, host: str, part_rank: int | None) -> None:
+    def _formed(self) -> bool:
+        """Whether the job this agent joins already formed (trains, or recovers)."""
+        assert self.client is not None
+        raw = self.client.get(self.keys.membership)
+        m = Membership.from_bytes(raw.value if raw else None)
+        return m.generation >= 1 and m.state not in (GenState.DONE, GenState.FAILED)
+
+    def _spawn_job(self, host: str, part_rank: int | None, workers: bool = True) -> None:
         """The coordinator candidates and this node's workers."""
         cfg = self.cfg
         self.net_env[ENV_NODE_RANK] = str(self.node_rank)
@@ -247,6 +266,8 @@ class Launcher:
         for f in cfg.faults:
             if f.in_process and f.rank is not None:
                 by_rank[f.rank] = f.self_spec()
+        if not workers:
+            return
         base = [sys.executable, cfg.script, *cfg.args]
         first = self.node_rank * cfg.nproc_per_node
         resume = self.resume
@@ -294,14 +315,15 @@ class Launcher:
             rec = conform(kv.value, {}, {"metrics": (bool,)}) if kv else None
             self._metrics_env = bool((rec or {}).get("metrics"))
 
-    def spawn_spares(self) -> None:
+    def spawn_spares(self, count: int | None = None, name: str = "spare") -> None:
+        """--spares (or `count`) warm spares on this node, named <name>-<i>."""
         cfg = self.cfg
         cold = {ENV_SHADOW_STEPS: "0"} if cfg.cold_spares else {}
         cold.update((ENV_SELF_FAULT, f.self_spec()) for f in cfg.faults if f.kind == "spare-hang" and f.in_process)
         pre = f"n{self.node_rank}-" if cfg.nnodes > 1 else ""
-        for i in range(cfg.spares):
-            self._spawn(f"spare-{i}", Role.SPARE, [sys.executable, cfg.script, *cfg.args],
-                        {ENV_ROLE: Role.SPARE, ENV_SPARE_ID: f"{pre}spare-{i}", ENV_WORLD_SIZE: str(cfg.nproc),
+        for i in range(cfg.spares if count is None else count):
+            self._spawn(f"{name}-{i}", Role.SPARE, [sys.executable, cfg.script, *cfg.args],
+                        {ENV_ROLE: Role.SPARE, ENV_SPARE_ID: f"{pre}{name}-{i}", ENV_WORLD_SIZE: str(cfg.nproc),
                          **self.net_env, **cold})  # fmt: skip
         self.spares_started = True
 

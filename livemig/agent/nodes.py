@@ -9,7 +9,10 @@ find each other without destroying anything a live run holds.
   start a new run, and the old run's keys are removed in that same transaction,
   here and nowhere else.
 - `nodes/<k>` is held by the agent of node rank k under its lease; `auto` takes
-  the first free k (a CAS each), a given k that is taken is refused.
+  the first free k (a CAS each), a given k that is taken is refused, unless the
+  run already trains: an agent joining a formed run (a replacement pod, a node
+  restarted) brings spares for its node's ranks instead of workers (with the key
+  if it is free, without it if the old agent still holds it).
 - An agent joining a live run with another nnodes, nproc_per_node or script is
   refused with one line, before it starts anything.
 """
@@ -67,6 +70,14 @@ def _run_live(client: EtcdClient, keys: JobKeys) -> bool:
     return bool(kvs)
 
 
+def _formed(client: EtcdClient, keys: JobKeys) -> bool:
+    from livemig.rdzv.membership import GenState, Membership
+
+    raw = client.get(keys.membership)
+    m = Membership.from_bytes(raw.value if raw else None)
+    return m.generation >= 1 and m.state not in (GenState.DONE, GenState.FAILED)
+
+
 def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int, signature: str,
              node_rank: int | None, node_info: dict[str, Any], lease: int,
              fresh: bool = False, metrics: bool = False,
@@ -109,6 +120,11 @@ def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int
         if node_rank is not None:
             held = client.get(keys.node(node_rank))
             who = decode(held.value) if held else {}
+            if held is not None and _formed(client, keys):
+                # the run trains and this node rank's agent still holds it (a replacement pod started
+                # before the lost one's lease ended): join without the key, as standby capacity
+                log.info("node rank held in a formed run: joining as standby", extra={"node_rank": node_rank})
+                return run_id, node_rank
             if held is not None:
                 raise ConfigError(
                     f"node rank {node_rank} of job {keys.job!r} is taken by the agent on {who.get('host', '?')} "

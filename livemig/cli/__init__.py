@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -104,6 +105,10 @@ _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_run_pars
                                                                        _etcd_parser, _report_parser]  # fmt: skip
 
 
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     make_interruptible()  # Ctrl-C / kill -INT stop it, even started as a background job
     args = list(sys.argv[1:] if argv is None else argv)
@@ -111,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(with_benches=next((x for x in named if x in {b[0] for b in BENCHES}), False))
     a = parser.parse_args(args)
     logs.setup(getattr(a, "command_log_level", None) or a.log_level, role="cli")
+    if a.command == "bench":  # SIGTERM as Ctrl-C: the finally blocks stop the baselines it started (torchrun)
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         apply_security_arguments(a)  # flags -> environment: every process started from here inherits them
         return int(a.fn(a) or 0)

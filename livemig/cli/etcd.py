@@ -34,7 +34,9 @@ from livemig.rdzv.security import Pki
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("etcd", help="run a standalone etcd member from the bundled binary")
     p.add_argument("--name", default="e0", help="member name (default e0)")
-    p.add_argument("--listen", default="127.0.0.1", help="address to serve clients and peers on")
+    p.add_argument("--listen", default="127.0.0.1", help="address to serve clients and peers on (0.0.0.0: all)")
+    p.add_argument("--advertise", help="the name or address clients and peers reach this member at (default "
+                                       "--listen; a pod's DNS name in Kubernetes)")  # fmt: skip
     p.add_argument("--client-port", type=int, default=2379)
     p.add_argument("--peer-port", type=int, default=2380)
     p.add_argument("--cluster", help="initial cluster, NAME=http://HOST:PEERPORT,... (default: this member alone)")
@@ -43,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-dir", help="serve TLS with the CA and certificates in this directory (made if absent)")
     p.add_argument("--san", action="append", default=[], help="another name or address for the server "
                                                               "certificate (repeatable)")  # fmt: skip
+    p.add_argument("--make-tls", action="store_true", help="only make the TLS bundle in --tls-dir (naming "
+                                                           "--advertise, --cluster's hosts and --san) and exit: "
+                                                           "to store as a Kubernetes Secret")  # fmt: skip
     p.set_defaults(fn=cmd_etcd)
 
 
@@ -55,29 +60,33 @@ def tls_bundle(a: argparse.Namespace) -> Pki:
     pki = Pki(a.tls_dir)
     if not pki.exists():
         hosts = [urlsplit(m.split("=", 1)[1]).hostname or "" for m in (a.cluster or "").split(",") if "=" in m]
-        return make_pki(a.tls_dir, local_names() + [a.listen, *hosts, *a.san], days=3650)
+        return make_pki(a.tls_dir, local_names() + [_advertised(a), *hosts, *a.san], days=3650)
     from cryptography import x509
 
     with open(pki.server_cert, "rb") as f:
         san = x509.load_pem_x509_certificate(f.read()).extensions.get_extension_for_class(x509.SubjectAlternativeName)
     names = {str(v) for v in san.value.get_values_for_type(x509.IPAddress)}
     names |= set(san.value.get_values_for_type(x509.DNSName))
-    if a.listen not in names:
-        raise ConfigError(f"the certificate in {a.tls_dir} does not name {a.listen}: make the bundle on a member "
+    if _advertised(a) not in names:
+        raise ConfigError(f"the certificate in {a.tls_dir} does not name {_advertised(a)}: make the bundle on a member "
                           "whose --cluster lists every member, or remove the directory to make a new one")  # fmt: skip
     return pki
 
 
+def _advertised(a: argparse.Namespace) -> str:
+    return getattr(a, "advertise", None) or a.listen
+
+
 def argv_for(a: argparse.Namespace, binary: str, data_dir: str, pki: Pki | None = None) -> list[str]:
     scheme = "https" if pki else "http"
-    client = f"{scheme}://{a.listen}:{a.client_port}"
-    peer = f"{scheme}://{a.listen}:{a.peer_port}"
+    client = f"{scheme}://{_advertised(a)}:{a.client_port}"
+    peer = f"{scheme}://{_advertised(a)}:{a.peer_port}"
     cluster = a.cluster or f"{a.name}={peer}"
     if f"{a.name}={peer}" not in cluster.split(","):
         raise ConfigError(f"--cluster {cluster!r} does not name this member as {a.name}={peer}")
     return [binary, "--name", a.name, "--data-dir", data_dir,
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--listen-client-urls", f"{scheme}://{a.listen}:{a.client_port}", "--advertise-client-urls", client,
+            "--listen-peer-urls", f"{scheme}://{a.listen}:{a.peer_port}", "--initial-advertise-peer-urls", peer,
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
             "--initial-cluster-token", "livemig",
             "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "10m",
@@ -99,6 +108,12 @@ def _port_free(host: str, port: int) -> bool:
 def cmd_etcd(a: argparse.Namespace) -> int:
     from livemig.rdzv.embedded import find_etcd_binary
 
+    if a.make_tls:
+        if not a.tls_dir:
+            raise ConfigError("--make-tls needs --tls-dir DIR (where the bundle goes)")
+        pki = tls_bundle(a)
+        print(f"livemig etcd: TLS bundle in {pki.root} (ca.crt, server.crt/.key, client.crt/.key)", flush=True)
+        return 0
     for what, port in (("client", a.client_port), ("peer", a.peer_port)):
         if not _port_free(a.listen, port):
             flag = f"--{what}-port"
@@ -110,7 +125,7 @@ def cmd_etcd(a: argparse.Namespace) -> int:
     try:
         pki = tls_bundle(a) if a.tls_dir else None
         argv = argv_for(a, binary, data_dir, pki)
-        url = f"{'https' if pki else 'http'}://{a.listen}:{a.client_port}"
+        url = f"{'https' if pki else 'http'}://{_advertised(a)}:{a.client_port}"
         print(f"livemig etcd: member {a.name} serving {url} (data {data_dir}{', removed at exit' if made else ''})",
               flush=True)  # fmt: skip
         if pki:

@@ -154,7 +154,8 @@ class EtcdCluster:
         # The guard stops etcd when this process dies; a SIGINT this process ignores
         # (inherited from a shell's background job) would keep both alive.
         make_interruptible()
-        self.root = tempfile.mkdtemp(prefix="livemig-etcd-")
+        # named for this process: a launcher killed by SIGKILL leaves it, the next run removes it
+        self.root = tempfile.mkdtemp(prefix="livemig-etcd-", suffix=f"-{os.getpid()}")
         if self.tls:
             extra = [self.extra_host] if self.extra_host else []
             self.pki = make_pki(self.tls_dir or os.path.join(self.root, "pki"), local_names() + extra + self.names)

@@ -146,3 +146,59 @@ def test_bench_scale_wait_ends_when_the_coordinator_exits(etcd):
         assert time.monotonic() - t0 < 5
     finally:
         client.close()
+
+
+def test_a_bench_stopped_by_sigterm_stops_the_torchrun_it_started(tmp_path):
+    """`kill PID` of a `livemig bench` while its torchrun baseline trains: the bench ends as on
+    Ctrl-C, and the torchrun agent and its workers are gone with it (they trained on before)."""
+    import os
+    import signal
+
+    def ddp_pids() -> list[int]:
+        out = []
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            if pid.isdigit() and str(tmp_path) in cmd and "livemig-ddp-" in cmd:
+                out.append(int(pid))
+        return out
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))  # the baselines' out-dirs: livemig-ddp-* under it
+    argv = [
+        "bench",
+        "downtime",
+        "--repeat",
+        "1",
+        "--steps",
+        "300",
+        "--width",
+        "16",
+        "--layers",
+        "1",
+        "--fail-at",
+        "250",
+    ]
+    p = subprocess.Popen([sys.executable, "-m", "livemig.cli", *argv], env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while len(ddp_pids()) < 3 and time.monotonic() < deadline and p.poll() is None:  # torchrun + 2 workers
+            time.sleep(0.2)
+        started = ddp_pids()
+        assert len(started) >= 3, p.stderr.read() if p.poll() is not None else "no torchrun baseline started"
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        assert p.returncode == 130, p.returncode
+        deadline = time.monotonic() + 10
+        while ddp_pids() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not ddp_pids(), ddp_pids()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for pid in ddp_pids():
+            os.kill(pid, signal.SIGKILL)

@@ -33,7 +33,7 @@ def test_kubernetes_manifests_validate_against_the_schema():
     import kubernetes_validate
 
     docs = _docs()
-    assert {d["kind"] for _, d in docs} >= {"Service", "StatefulSet", "Job", "Deployment"}
+    assert {d["kind"] for _, d in docs} >= {"Service", "StatefulSet", "Job", "PodDisruptionBudget"}
     for _, d in docs:
         kubernetes_validate.validate(d, kubernetes_validate.latest_version(), strict=True)  # raises if invalid
 
@@ -54,6 +54,41 @@ def test_kubernetes_commands_are_livemig_command_lines():
             if a.command == "run":  # --nnodes must match the Job's parallelism
                 assert int(a.nnodes) == spec["completions"] == spec["parallelism"], name
     assert seen == {("livemig", "etcd"), ("livemig", "run"), ("livemig-spare", "start")}, seen
+
+
+def test_kubernetes_jobs_survive_a_lost_pod_and_use_only_what_livemig_reads():
+    """The workers' Job gives a lost index a replacement (which joins as spares and exits 0)
+    instead of failing on the first lost pod; the spares end with the job (a Job, not a
+    restarting Deployment); the grace covers the drain; every LIVEMIG_ variable the manifests
+    set is one livemig reads, and every Secret and volume they mount is declared."""
+    import re
+
+    src = ""
+    for root, _, files in os.walk(os.path.join(REPO, "livemig")):
+        for f in files:
+            if f.endswith(".py"):
+                src += open(os.path.join(root, f)).read()
+    jobs = {d["metadata"]["name"]: d for _, d in _docs() if d["kind"] == "Job"}
+    workers = jobs["livemig-gpt"]["spec"]
+    assert "backoffLimit" not in workers and workers["backoffLimitPerIndex"] >= 1, workers
+    assert workers["podReplacementPolicy"] == "Failed", workers
+    assert not [d for _, d in _docs() if d["kind"] == "Deployment"]  # it restarted spares for ever
+    for name, d in [*jobs.items()]:
+        pod = d["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] >= 30, name
+        vols = {v["name"] for v in pod["volumes"]}
+        for c in pod["containers"]:
+            cmd = c["command"]
+            if "--drain-grace" in cmd:
+                assert float(cmd[cmd.index("--drain-grace") + 1]) < pod["terminationGracePeriodSeconds"], name
+            assert {m["name"] for m in c["volumeMounts"]} <= vols, name
+            assert any(m["mountPath"] == "/dev/shm" for m in c["volumeMounts"]), name
+            for e in c.get("env", []):
+                if e["name"].startswith("LIVEMIG_"):
+                    assert re.search(rf'"{e["name"]}"', src), f"{name}: {e['name']} is read by nothing in livemig"
+            port = str(c["ports"][0]["containerPort"])
+            assert d["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == port, name
+            assert cmd[cmd.index("--metrics-port") + 1] == port, name
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2 (netns)")

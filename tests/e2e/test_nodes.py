@@ -286,7 +286,7 @@ def test_the_node_of_the_leading_coordinator_lost_costs_one_lease(tmp_path, proc
     assert rec["downtime_s"] <= ttl + 1.0, rec
 
 
-def _drain_job(tmp_path, procs, hosts, job: str, spares: int, *extra: str) -> tuple[dict, EtcdClient, JobKeys]:
+def _drain_job(tmp_path, procs, hosts, job: str, spares: int, *extra: str) -> tuple[dict, EtcdClient, JobKeys, str]:
     """etcd on host 0, one rank on each of hosts 1 and 2 (agents with --on-sigterm drain),
     `spares` spares on host 3; returns once the job trains at step 10 with them warm."""
     etcd = _start_etcd(procs, hosts.wrap(0, []), hosts.addrs[0])
@@ -300,7 +300,7 @@ def _drain_job(tmp_path, procs, hosts, job: str, spares: int, *extra: str) -> tu
     client = EtcdClient(etcd)
     keys = JobKeys(job)
     _until_step_10_with_warm_spares(client, keys, spares)
-    return agents, client, keys
+    return agents, client, keys, etcd
 
 
 @needs_netns
@@ -311,7 +311,7 @@ def test_sigterm_to_a_nodes_agent_drains_its_ranks_onto_a_spare_and_the_job_goes
     rank moves to the warm spare on host 3 in one generation change, that agent exits 0 well
     within the grace, and the job finishes bit-identical to the fault-free run, rank by rank."""
     ref = reference_of(references, 2, STATEFUL, WORK[1:], {"LIVEMIG_BUDDY_STRIDE": "1"})
-    agents, client, keys = _drain_job(tmp_path, procs, hosts, "drain", 1)
+    agents, client, keys, etcd = _drain_job(tmp_path, procs, hosts, "drain", 1)
     t0 = time.monotonic()
     agents[2].send_signal(15)
     agents[2].wait(timeout=30)
@@ -320,7 +320,14 @@ def test_sigterm_to_a_nodes_agent_drains_its_ranks_onto_a_spare_and_the_job_goes
     assert agents[2].returncode == 0, out2[-3000:]
     assert took < 25, took
     assert "drained in" in out2, out2[-2000:]
+    # the replacement (a Kubernetes Indexed Job's new pod for the index): the same --node-rank, mid-run,
+    # joins as standby capacity and exits 0 with the job
+    again = _agent(procs, hosts.wrap(2, []), etcd, "drain", tmp_path, "h2b", "--host", hosts.addrs[2],
+                   "--node-rank", "1", "--on-sigterm", "drain", quiet=True)  # fmt: skip
     agents[1].wait(timeout=240)
+    again.wait(timeout=60)
+    out2b = (tmp_path / "h2b.out").read_text()
+    assert again.returncode == 0 and "node 1 joins as 1 warm spare(s)" in out2b, out2b[-3000:]
     rep = json.loads((tmp_path / "r1.json").read_text())
     assert agents[1].returncode == 0, (tmp_path / "h1.out").read_text()[-3000:]
     assert rep["steps_completed"] == STEPS and rep["rank_digests"] == ref.report["rank_digests"], rep["result"]
@@ -336,7 +343,7 @@ def test_a_drain_with_no_spare_shrinks_within_min_nproc_and_without_it_stops_the
     """No spare: with --min-nproc 1 the survivor carries the drained node's rank and the job
     finishes (the drained agent exits 0); without it the drain says why it cannot and the job
     stops as before (interrupted, exit 130 on both nodes)."""
-    agents, client, keys = _drain_job(tmp_path, procs, hosts, "drain-shrink", 0, "--min-nproc", "1")
+    agents, client, keys, _ = _drain_job(tmp_path, procs, hosts, "drain-shrink", 0, "--min-nproc", "1")
     agents[2].send_signal(15)
     agents[2].wait(timeout=30)
     assert agents[2].returncode == 0, (tmp_path / "h2.out").read_text()[-3000:]
@@ -348,7 +355,7 @@ def test_a_drain_with_no_spare_shrinks_within_min_nproc_and_without_it_stops_the
 
     sub = tmp_path / "stop"
     sub.mkdir()
-    agents, client, keys = _drain_job(sub, procs, hosts, "drain-stop", 0)
+    agents, client, keys, _ = _drain_job(sub, procs, hosts, "drain-stop", 0)
     t0 = time.monotonic()
     agents[2].send_signal(15)
     agents[2].wait(timeout=30)

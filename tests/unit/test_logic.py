@@ -445,3 +445,21 @@ def test_the_progress_rate_comes_from_the_commit_times_not_from_when_they_were_s
     seen(19, 1000.06)  # ten 6 ms steps, whenever the agent happens to read them
     assert said[0].startswith("step     10") and "steps/s" not in said[0], said
     assert "166.67 steps/s" in said[1], said  # 10 steps / 0.06 s
+
+
+def test_stale_run_directories_of_dead_processes_are_removed_and_nothing_else(tmp_path):
+    """A launcher killed by SIGKILL leaves its embedded etcd's data dir (livemig-etcd-XXXXXXXX-PID)
+    in the shared temp dir: the next run removes it, never a live process's, never one not ours."""
+    import os
+    import subprocess
+
+    from livemig.agent.jobs import prune_stale_dirs
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    names = {f"livemig-etcd-abcd1234-{dead.pid}": False, f"livemig-etcd-abcd1234-{os.getpid()}": True,
+             f"livemig-etcd-e0-{dead.pid}": True, f"other-app-{dead.pid}": True}  # fmt: skip
+    for n in names:
+        (tmp_path / n).mkdir()
+    prune_stale_dirs(str(tmp_path), r"livemig-etcd-[a-z0-9_]{8}-\d+")
+    assert {n: (tmp_path / n).exists() for n in names} == names

@@ -5,12 +5,13 @@ preemption or `scontrol requeue` (KillWait, 30 s by default), a Kubernetes drain
 scale-down (terminationGracePeriodSeconds, 30 s). Ending the whole job there is what live
 recovery exists to avoid. So the agent hands its node's ranks to the rest of the job and
 leaves: it announces the drain (`drains/<node>`: its ranks), checks that the job can do
-without them (warm spares on other hosts for every rank of every node draining now, or a
-shrink within `--min-nproc`), then stops its coordinator candidate (which resigns the lead at
-once if it held it: no lease-length wait) and its workers and spares, and reports the workers
-gone as it reports any lost child. The leader recovers them in one generation change, as a
-failure that needs no detection: spares claimed and streamed into from the live replicas (or
-the survivors carry them), bit-identical as every recovery. The agent exits 0 once its ranks
+without them (warm spares of other agents for every rank of every node draining now, or a
+shrink within `--min-nproc`; its own spares leave with it), then stops its coordinator
+candidate (which resigns the lead at once if it held it: no lease-length wait) and its workers
+and spares, and reports the workers gone as it reports any lost child. The leader recovers
+them in one generation change, as a failure that needs no detection: spares claimed and
+streamed into from the live replicas (or the survivors carry them), bit-identical as every
+recovery. The agent exits 0 once its ranks
 run elsewhere in a committed generation, within `--drain-grace` (default 25 s, under both
 orchestrators' 30 s).
 
@@ -122,12 +123,14 @@ class Drain:
         kvs, _ = client.get_prefix(la.keys.drains_prefix)
         drains = [d for d in (conform(kv.value, {"ranks": (list,)}, {"host": (str,)}) for kv in kvs) if d]
         leaving = {r for d in drains for r in d["ranks"] if isinstance(r, int)}
-        hosts = {d.get("host") for d in drains}
+        # spares that stay: not this node's own (they leave with it); a spare agent told by the
+        # same signal withdraws its spares at once (agent/spare_agent.py), within SETTLE_S
+        own = {c.incarnation for c in la.children}
         kvs, _ = client.get_prefix(la.keys.spares_prefix)
         warm = 0
         for kv in kvs:
             rec = decode(kv.value) if kv.value else None
-            if isinstance(rec, dict) and rec.get("state") == "warm" and rec.get("host") not in hosts:
+            if isinstance(rec, dict) and rec.get("state") == "warm" and rec.get("incarnation") not in own:
                 warm += 1
         if not leaving:
             return ""

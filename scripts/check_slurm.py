@@ -1,0 +1,390 @@
+"""The Slurm deployment on a real Slurm (scripts/check_slurm.sh installs it): a one-host cluster
+of Debian's slurm-wlm 22.05 with munge, one slurmctld and three slurmd node names (n1..n3, each
+its own port), running deploy/slurm/livemig.sbatch and spares.sbatch unchanged.
+
+Two jobs, each checked against a fault-free run of the same training (a digest per rank):
+  A. workers on n1 and n2, two spares on n3: a worker SIGKILLed, then node n1's agent sent
+     SIGTERM (a drain: its rank moves to a spare, that agent exits 0 within the grace);
+  B. workers on n1 and n2, one spare on n3: node n2 lost (its slurmd stopped, every process of
+     its step SIGKILLed); --no-kill keeps the allocation, the rank moves to the spare.
+Each must end COMPLETED with ExitCode 0:0 and bit-identical ranks, and leave nothing behind
+(no process of the jobs, no etcd data directory). Not covered: the whole-job signal
+(`scancel --signal=TERM`, a requeue) with a checkpoint at the next boundary (not built).
+
+Prints `SKIPPED: <reason>` and exits 0 where it cannot run (not root, no Slurm), 1 then with
+LIVEMIG_CI_STRICT=1; exits 1 on any failed check with one line saying which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+NODES = ("n1", "n2", "n3")
+STEPS = 300
+SLEEP = "0.05"  # s per step: the job trains ~20 s, long enough for its faults
+ETCD = "http://127.0.0.1:2379"  # livemig.sbatch's etcd on n1 (NodeAddr 127.0.0.1)
+WORK = ["--steps", str(STEPS)]
+
+CONF = """ClusterName=livemigci
+SlurmctldHost=localhost
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort=16817
+AuthType=auth/munge
+CredType=cred/munge
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool/%n
+SlurmctldPidFile={d}/run/slurmctld.pid
+SlurmdPidFile={d}/run/slurmd-%n.pid
+SlurmctldLogFile={d}/log/slurmctld.log
+SlurmdLogFile={d}/log/slurmd-%n.log
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdTimeout=10
+ReturnToService=2
+MpiDefault=none
+KillWait=10
+JobAcctGatherType=jobacct_gather/none
+PartitionName=ci Nodes=n1,n2,n3 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+class Failed(Exception):
+    pass
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        raise Failed(what)
+
+
+class Cluster:
+    """The one-host cluster: started here, stopped (daemons, jobs, files) whatever happens."""
+
+    def __init__(self, d: str) -> None:
+        self.d = d
+        self.conf = os.path.join(d, "slurm.conf")
+        self.env = dict(os.environ, SLURM_CONF=self.conf)
+        self.munged = False
+
+    def start(self) -> None:
+        for sub in ("state", "run", "log", *(f"spool/{n}" for n in NODES)):
+            os.makedirs(os.path.join(self.d, sub), exist_ok=True)
+        with open(self.conf, "w") as f:
+            f.write(CONF.format(d=self.d))
+            for i, n in enumerate(NODES):
+                f.write(f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={17001 + i} CPUs=2 "
+                        "RealMemory=3000 State=UNKNOWN\n")  # fmt: skip
+        if subprocess.run(["munge", "-n"], capture_output=True).returncode != 0:
+            os.makedirs("/run/munge", exist_ok=True)
+            shutil.chown("/run/munge", "munge", "munge")
+            subprocess.run(["munged", "--force"], check=True, capture_output=True)
+            self.munged = True
+        subprocess.run(["slurmctld", "-f", self.conf], check=True, env=self.env)
+        for n in NODES:
+            self.slurmd(n)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            out = self.run("sinfo", "-h", "-o", "%t %N")
+            if out.startswith("idle") and "n[1-3]" in out:
+                return
+            time.sleep(0.5)
+        raise Failed(f"the cluster did not come up: sinfo says {out!r}")
+
+    def slurmd(self, n: str) -> None:
+        subprocess.run(["slurmd", "-f", self.conf, "-N", n], check=True, env=self.env)
+
+    def run(self, *argv: str) -> str:
+        return subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=30).stdout.strip()
+
+    def pid(self, what: str) -> int | None:
+        try:
+            with open(os.path.join(self.d, "run", f"{what}.pid")) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+
+    def job_state(self, jid: str) -> tuple[str, str]:
+        out = self.run("scontrol", "show", "job", jid)
+        fields = dict(x.split("=", 1) for x in out.split() if "=" in x)
+        return fields.get("JobState", "?"), fields.get("ExitCode", "?")
+
+    def wait_job(self, jid: str, timeout: float) -> tuple[str, str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state, code = self.job_state(jid)
+            if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "?"):
+                return state, code
+            time.sleep(0.5)
+        return self.job_state(jid)
+
+    def stop(self) -> None:
+        self.run("scancel", "--partition", "ci")
+        for what in ("slurmctld", *(f"slurmd-{n}" for n in NODES)):
+            pid = self.pid(what)
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        time.sleep(1)
+        if self.munged:
+            subprocess.run(["pkill", "-x", "munged"], capture_output=True)
+
+
+def digests_at_end(client, keys, timeout: float) -> dict[str, str]:  # noqa: ANN001
+    """Each rank's final digest, read while the job's etcd lingers after its end."""
+    from livemig.agent.report import rank_digests, read_finals
+    from livemig.errors import LivemigError
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            res = client.get(keys.result)
+            if res is not None:
+                finals = read_finals(client, keys)
+                if len(finals) == 2:
+                    return rank_digests(finals)
+        except LivemigError:
+            pass
+        time.sleep(0.2)
+    raise Failed("no final record of both ranks was read from the job's etcd")
+
+
+def wait_for(pred, what: str, timeout: float = 120):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            got = pred()
+        except Exception:  # noqa: BLE001 - etcd not up yet, a record half written
+            got = None
+        if got:
+            return got
+        time.sleep(0.2)
+    raise Failed(f"timed out waiting for {what}")
+
+
+def reference(d: str) -> dict[str, str]:
+    """The fault-free digests: the same world as local processes, each rank's mirror where the
+    two-node job has it (the next node: buddy stride 1)."""
+    report = os.path.join(d, "ref.json")
+    env = dict(os.environ, LIVEMIG_STATE_DIR=os.path.join(d, "ref-state"), LIVEMIG_BUDDY_STRIDE="1")
+    r = subprocess.run([sys.executable, "-m", "livemig.cli", "run", "--nproc", "2", "--report", report,
+                        os.path.join(REPO, "examples", "stateful.py"), *WORK], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=300)  # fmt: skip
+    check(r.returncode == 0, f"the fault-free reference failed: {r.stdout[-500:]} {r.stderr[-1500:]}")
+    with open(report) as f:
+        return json.load(f)["rank_digests"]
+
+
+def submit(cl: Cluster, d: str, name: str, spares: int) -> tuple[str, str]:
+    """The spares job on n3 and the workers' job on n1 and n2, as an operator submits them."""
+    env = dict(cl.env, TRAIN=os.path.join(REPO, "examples", "stateful.py"), LIVEMIG_JOB=name,
+               LIVEMIG_ETCD_FILE=os.path.join(d, f"{name}.etcd"), STATEFUL_STEP_SLEEP=SLEEP,
+               LIVEMIG_RUN_ARGS="--lease-ttl 2", TMPDIR=os.path.join(d, "tmp"), LIVEMIG_STATE_DIR=os.path.join(d, name),
+               SPARES_PER_NODE=str(spares), LIVEMIG_ETCD_LINGER="10", PYTHONPATH=REPO)  # fmt: skip
+    os.makedirs(env["TMPDIR"], exist_ok=True)
+    workers_env = dict(env, SPARES_PER_NODE="0")
+    sp = subprocess.run(["sbatch", "--parsable", "-w", "n3", "-o", os.path.join(d, f"{name}-spares.out"),
+                         os.path.join(REPO, "deploy", "slurm", "spares.sbatch"), *WORK], capture_output=True,
+                        text=True, env=env, cwd=d)  # fmt: skip
+    wk = subprocess.run(["sbatch", "--parsable", "--nodes=2", "-w", "n1,n2", "-o", os.path.join(d, f"{name}.out"),
+                         os.path.join(REPO, "deploy", "slurm", "livemig.sbatch"), *WORK], capture_output=True,
+                        text=True, env=workers_env, cwd=d)  # fmt: skip
+    check(sp.returncode == 0 and wk.returncode == 0, f"sbatch failed: {sp.stderr} {wk.stderr}")
+    return wk.stdout.strip().split(";")[0], sp.stdout.strip().split(";")[0]
+
+
+def job_keys(name: str):  # noqa: ANN201
+    from livemig.rdzv.client import EtcdClient
+    from livemig.rdzv.keys import JobKeys
+
+    return EtcdClient(ETCD), JobKeys(name)
+
+
+def trains_with_spares(client, keys, spares: int) -> None:  # noqa: ANN001
+    from livemig.rdzv.client import decode
+
+    def ready() -> bool:
+        kv = client.get(keys.progress(0))
+        warm = [k for k in client.get_prefix(keys.spares_prefix)[0] if (decode(k.value) or {}).get("state") == "warm"]
+        return kv is not None and decode(kv.value)["step"] >= 20 and len(warm) >= spares
+
+    wait_for(ready, f"the job to train with {spares} warm spare(s)")
+
+
+def table(client, keys):  # noqa: ANN001, ANN201
+    from livemig.rdzv.membership import Membership
+
+    return Membership.from_bytes(client.get(keys.membership).value)
+
+
+def node_agent(client, keys, k: int) -> int:  # noqa: ANN001
+    from livemig.rdzv.client import decode
+
+    kv = client.get(keys.node(k))
+    check(kv is not None, f"node {k} holds no node key")
+    return int(decode(kv.value)["pid"])
+
+
+def replaced(client, keys, rank: int, old: str) -> bool:  # noqa: ANN001
+    m = table(client, keys)
+    return m.state == "committed" and m.members[rank].incarnation != old
+
+
+def scenario_kill_and_drain(cl: Cluster, d: str, ref: dict[str, str]) -> str:
+    jid, sid = submit(cl, d, "slurm-a", 2)
+    client, keys = job_keys("slurm-a")
+    trains_with_spares(client, keys, 2)
+    m = table(client, keys)
+    old = m.members[1].incarnation
+    os.kill(m.members[1].pid, signal.SIGKILL)
+    wait_for(lambda: replaced(client, keys, 1, old), "rank 1 replaced after its worker's SIGKILL")
+    agent = node_agent(client, keys, 0)
+    ranks0 = [r for r, mem in table(client, keys).members.items() if mem.pid and _child_of(mem.pid, agent)]
+    t0 = time.monotonic()
+    os.kill(agent, signal.SIGTERM)
+    wait_for(lambda: not _alive(agent), "node 0's agent to exit after SIGTERM", timeout=30)
+    took = time.monotonic() - t0
+    check(took < 25, f"the drain took {took:.1f}s, over the grace")
+    digests = digests_at_end(client, keys, 180)
+    state, code = cl.wait_job(jid, 120)
+    check(
+        (state, code) == ("COMPLETED", "0:0"), f"job A ended {state} {code} (want COMPLETED 0:0): {_tail(d, 'slurm-a')}"
+    )
+    sstate, scode = cl.wait_job(sid, 60)
+    check((sstate, scode) == ("COMPLETED", "0:0"), f"spares job A ended {sstate} {scode}")
+    check(digests == ref, f"job A is not bit-identical to the fault-free run: {digests} vs {ref}")
+    client.close()
+    return f"A: worker killed, node 0 (ranks {ranks0}) drained in {took:.1f}s: COMPLETED 0:0, bit-identical"
+
+
+def scenario_lost_node(cl: Cluster, d: str, ref: dict[str, str]) -> str:
+    jid, sid = submit(cl, d, "slurm-b", 1)
+    client, keys = job_keys("slurm-b")
+    trains_with_spares(client, keys, 1)
+    agent = node_agent(client, keys, 1)
+    node = _env_of(agent).get("SLURMD_NODENAME", "")
+    check(node in NODES, f"node 1's agent runs on no known node ({node!r})")
+    slurmd = cl.pid(f"slurmd-{node}")
+    if slurmd:
+        os.kill(slurmd, signal.SIGKILL)  # the node's daemon first, then everything it ran
+    import psutil
+
+    procs = [psutil.Process(agent), *psutil.Process(agent).children(recursive=True)]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    digests = digests_at_end(client, keys, 180)
+    state, code = cl.wait_job(jid, 120)
+    check(
+        (state, code) == ("COMPLETED", "0:0"), f"job B ended {state} {code} (want COMPLETED 0:0): {_tail(d, 'slurm-b')}"
+    )
+    check(digests == ref, f"job B is not bit-identical to the fault-free run: {digests} vs {ref}")
+    cl.wait_job(sid, 60)
+    cl.slurmd(node)
+    cl.run("scontrol", "update", f"nodename={node}", "state=resume")
+    client.close()
+    return f"B: node {node} lost (slurmd and its processes killed): COMPLETED 0:0, bit-identical"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def _child_of(pid: int, ancestor: int) -> bool:
+    import psutil
+
+    try:
+        return any(p.pid == ancestor for p in psutil.Process(pid).parents())
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _env_of(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(x.split("=", 1) for x in f.read().decode(errors="replace").split("\0") if "=" in x)
+
+
+def _tail(d: str, name: str) -> str:
+    try:
+        with open(os.path.join(d, f"{name}.out")) as f:
+            return f.read()[-1500:]
+    except OSError:
+        return "(no output)"
+
+
+def leftovers(d: str) -> list[str]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
+        try:
+            env = p.info["environ"] or {}
+        except psutil.Error:
+            continue
+        if env.get("LIVEMIG_JOB", "").startswith("slurm-") or d in " ".join(p.info["cmdline"] or []):
+            if p.pid != os.getpid():
+                out.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}")
+    out += [f"etcd data {x}" for x in os.listdir(os.path.join(d, "tmp")) if x.startswith("livemig-etcd")]
+    return out
+
+
+def main() -> int:
+    strict = os.environ.get("LIVEMIG_CI_STRICT") == "1"
+    why = ""
+    if os.geteuid() != 0:
+        why = "not root (the check starts slurmctld, slurmd and munged)"
+    elif not all(shutil.which(x) for x in ("slurmctld", "slurmd", "sbatch", "munged")):
+        why = "Slurm is not installed (scripts/check_slurm.sh installs Debian's slurm-wlm and munge)"
+    if why:
+        print(f"SKIPPED: {why}")
+        return 1 if strict else 0
+    d = tempfile.mkdtemp(prefix="livemig-slurm-")
+    cl = Cluster(d)
+    t0 = time.monotonic()
+    try:
+        cl.start()
+        ref = reference(d)
+        lines = [scenario_kill_and_drain(cl, d, ref), scenario_lost_node(cl, d, ref)]
+        time.sleep(2)
+        left = leftovers(d)
+        check(not left, f"left behind: {left}")
+        for line in lines:
+            print(f"check_slurm: {line}")
+        print(f"check_slurm: passed in {time.monotonic() - t0:.0f}s")
+        return 0
+    except Failed as exc:
+        print(f"check_slurm: FAILED: {exc}", file=sys.stderr)
+        for log in ("slurmctld.log",):
+            try:
+                with open(os.path.join(d, "log", log)) as f:
+                    print(f.read()[-1500:], file=sys.stderr)
+            except OSError:
+                pass
+        return 1
+    finally:
+        cl.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

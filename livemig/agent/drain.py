@@ -27,14 +27,30 @@ import logging
 import os
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from livemig.config import ENV_HOST, Role
-from livemig.rdzv.client import conform, decode, encode
+from livemig.rdzv.client import EtcdClient, conform, decode, encode
+from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import GenState, Membership
 
 if TYPE_CHECKING:
-    from livemig.agent.launcher import Launcher
+    from livemig.agent.children import Child
+    from livemig.agent.run_config import RunConfig
+
+
+class Node(Protocol):
+    """What a drain uses of its agent (agent/launcher.py Launcher)."""
+
+    client: EtcdClient | None
+    keys: JobKeys
+    cfg: RunConfig
+    children: list[Child]
+    node_rank: int
+    net_env: dict[str, str]
+
+    def say(self, msg: str) -> None: ...
+
 
 log = logging.getLogger("livemig.agent.drain")
 
@@ -52,7 +68,7 @@ def sigterm_default(env: dict[str, str] | None = None) -> str:
 class Drain:
     """One agent's drain: requested by the signal handler, carried out by the agent loop."""
 
-    def __init__(self, launcher: Launcher, grace_s: float) -> None:
+    def __init__(self, launcher: Node, grace_s: float) -> None:
         self.launcher = launcher
         self.grace_s = grace_s
         self.requested_at: float | None = None  # monotonic time of the SIGTERM

@@ -40,6 +40,7 @@ class StoreHost:
         self._store_thread: threading.Thread | None = None
         self._store_err = ""
         self._store_starting: subprocess.Popen | None = None  # the process until it reports its port
+        self._start_lock = threading.Lock()
 
     # -- the c10d store -----------------------------------------------------------------------
     # Groups are built from a c10d TCPStore, and hosting one costs `import torch` (~1.5 CPU s).
@@ -49,6 +50,10 @@ class StoreHost:
     # leader's own runs in a child process (store_host.py) started once training runs; a
     # later generation uses it once it is up, rank 0's until then (for_generation).
     def start(self) -> None:
+        with self._start_lock:  # the leader's pass and a standby candidate's watcher (coordinator.standby)
+            self._start()
+
+    def _start(self) -> None:
         if self.store is not None and self.store.poll() is not None:  # it died: a new one
             log.warning("c10d store process exited; starting another", extra={"code": self.store.returncode})
             self.store, self._store_thread = None, None

@@ -61,14 +61,14 @@ def _standby(procs, hosts, etcd: str, job: str, tmp_path, count: int, work: list
                        env=_env(tmp_path, "h3"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
-def _until_step_10_with_warm_spares(client: EtcdClient, keys: JobKeys, count: int) -> float:
-    """Wait until rank 0 committed step 10, `count` spares are warm and a leader leads;
+def _until_step_10_with_warm_spares(client: EtcdClient, keys: JobKeys, count: int, step: int = 10) -> float:
+    """Wait until rank 0 committed step `step`, `count` spares are warm and a leader leads;
     returns the test's deadline for what follows."""
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline:
         kv = client.get(keys.progress(0))
         warm = [k for k in client.get_prefix(keys.spares_prefix)[0] if (decode(k.value) or {}).get("state") == "warm"]
-        if kv is not None and decode(kv.value)["step"] >= 10 and len(warm) == count and client.get(keys.leader):
+        if kv is not None and decode(kv.value)["step"] >= step and len(warm) == count and client.get(keys.leader):
             return deadline
         time.sleep(0.05)
     pytest.fail("the job never reached step 10 with its spares warm")
@@ -271,7 +271,9 @@ def test_the_node_of_the_leading_coordinator_lost_costs_one_lease(tmp_path, proc
     _standby(procs, hosts, etcd, job, tmp_path, 1, WORK)
     client = EtcdClient(etcd)
     keys = JobKeys(job)
-    _until_step_10_with_warm_spares(client, keys, 1)
+    # step 30: the other candidate has had ~2 s of training to start its c10d store (a loaded
+    # machine imports torch slowly); a loss before it is up waits for it inside the claim
+    _until_step_10_with_warm_spares(client, keys, 1, step=30)
     leader = client.get(keys.leader).value.decode()  # coordinator-<host>-<pid>-<random>
     victim = hosts.addrs.index(leader.split("-")[1])
     assert victim in (1, 2), leader

@@ -341,8 +341,10 @@ def leftovers(d: str) -> list[str]:
             env = p.info["environ"] or {}
         except psutil.Error:
             continue
-        if env.get("LIVEMIG_JOB", "").startswith("slurm-") or d in " ".join(p.info["cmdline"] or []):
-            if p.pid != os.getpid():
+        cmd = p.info["cmdline"] or []
+        ours = cmd and os.path.basename(cmd[0]) in ("slurmctld", "slurmd")  # the cluster's daemons: stopped after
+        if env.get("LIVEMIG_JOB", "").startswith("slurm-") or d in " ".join(cmd):
+            if p.pid != os.getpid() and not ours:
                 out.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}")
     out += [f"etcd data {x}" for x in os.listdir(os.path.join(d, "tmp")) if x.startswith("livemig-etcd")]
     return out
@@ -383,7 +385,10 @@ def main() -> int:
         return 1
     finally:
         cl.stop()
-        shutil.rmtree(d, ignore_errors=True)
+        if os.environ.get("LIVEMIG_SLURM_KEEP") == "1":  # for a look at the jobs' output
+            print(f"check_slurm: kept {d}", file=sys.stderr)
+        else:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

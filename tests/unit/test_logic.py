@@ -463,3 +463,16 @@ def test_stale_run_directories_of_dead_processes_are_removed_and_nothing_else(tm
         (tmp_path / n).mkdir()
     prune_stale_dirs(str(tmp_path), r"livemig-etcd-[a-z0-9_]{8}-\d+")
     assert {n: (tmp_path / n).exists() for n in names} == names
+
+
+def test_sigterm_drains_under_an_orchestrator_and_a_second_one_stops():
+    """--on-sigterm's default follows the environment (Slurm, Kubernetes: drain; a shell: stop),
+    and only the first SIGTERM starts a drain: the second one stops the job as before."""
+    from livemig.agent.drain import Drain, sigterm_default
+
+    assert sigterm_default({"SLURM_JOB_ID": "42"}) == "drain"
+    assert sigterm_default({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}) == "drain"
+    assert sigterm_default({}) == "stop"
+    d = Drain(None, 25.0)  # type: ignore[arg-type]
+    assert not d.active and d.request() and d.active
+    assert not d.request()  # the second SIGTERM: stop now

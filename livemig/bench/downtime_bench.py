@@ -115,6 +115,27 @@ def commit_times(out: str) -> list[tuple[int, float, int, int]]:
     return rows
 
 
+def kill_tree(p: subprocess.Popen) -> None:
+    """SIGKILL a baseline and everything it started: torchrun starts its workers in sessions of
+    their own, so a kill of its process group alone left them training (a bench stopped early)."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for proc in tree:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    p.wait()
+
+
 def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str], ckpt_every: int = 0,
             script: str | None = None) -> dict[str, Any]:  # fmt: skip
     """ckpt_every: torch.save every N steps on rank 0 without a fault (bench checkpoint).
@@ -145,7 +166,7 @@ def run_ddp(a: argparse.Namespace, fault: bool, workload: list[str], ckpt_every:
             time.sleep(0.01)
     finally:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill_tree(p)
     wall = time.monotonic() - t0
     rows = commit_times(out)
     by_step: dict[int, list[float]] = {}

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import tempfile
 import time
 from typing import Any
 
-from livemig.bench.downtime_bench import DDP, MLP, add_workload_arguments, commit_times, workload_args
+from livemig.bench.downtime_bench import DDP, MLP, add_workload_arguments, commit_times, kill_tree, workload_args
 from livemig.rdzv.embedded import free_port
 
 
@@ -41,8 +40,7 @@ def _wait(p: subprocess.Popen, timeout: float) -> float:
     try:
         p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+        kill_tree(p)
     return time.time()
 
 

@@ -209,6 +209,22 @@ def test_agents_that_do_not_fit_the_run_are_refused(tmp_path, procs):
     assert rep["bit_identical"] and rep["ranks_differing"] == [], rep
 
 
+def _lose_the_leaders_node(client, keys, hosts, agents, tmp_path, ref) -> tuple[dict, int, int]:  # noqa: ANN001
+    """SIGKILL every process of the host (1 or 2) whose coordinator candidate leads; the other
+    node's agent must see the job through, bit-identical. Returns (its report, lost host,
+    surviving host)."""
+    leader = client.get(keys.leader).value.decode()  # coordinator-<host>-<pid>-<random>
+    victim = hosts.addrs.index(leader.split("-")[1])
+    assert victim in (1, 2), leader
+    hosts.kill_all(victim)
+    survivor = 3 - victim
+    agents[survivor].wait(timeout=240)
+    rep = json.loads((tmp_path / f"r{survivor}.json").read_text())
+    assert agents[survivor].returncode == 0, (tmp_path / f"h{survivor}.out").read_text()[-3000:]
+    assert rep["steps_completed"] == STEPS and rep["rank_digests"] == ref.report["rank_digests"]
+    return rep, victim, survivor
+
+
 @needs_netns
 def test_the_node_of_the_leader_and_an_etcd_member_lost_exactly(tmp_path, procs, hosts, references):
     """A 3-member etcd (`livemig etcd`) on hosts 0, 1 and 2; two ranks on each of hosts 1
@@ -233,15 +249,8 @@ def test_the_node_of_the_leader_and_an_etcd_member_lost_exactly(tmp_path, procs,
     client = EtcdClient(etcd)
     keys = JobKeys(job)
     _until_step_10_with_warm_spares(client, keys, 2)
-    leader = client.get(keys.leader).value.decode()  # coordinator-<host>-<pid>-<random>
-    victim = hosts.addrs.index(leader.split("-")[1])
-    assert victim in (1, 2), leader
-    hosts.kill_all(victim)  # its agent, two workers, the leading coordinator, an etcd member
-    survivor = 3 - victim
-    agents[survivor].wait(timeout=240)
-    rep = json.loads((tmp_path / f"r{survivor}.json").read_text())
-    assert agents[survivor].returncode == 0, (tmp_path / f"h{survivor}.out").read_text()[-3000:]
-    assert rep["steps_completed"] == STEPS and rep["rank_digests"] == ref.report["rank_digests"]
+    # its agent, two workers, the leading coordinator, an etcd member
+    rep, victim, survivor = _lose_the_leaders_node(client, keys, hosts, agents, tmp_path, ref)
     (rec,) = rep["recoveries"]
     lost = [r for r in range(world) if r // per_node == victim - 1]
     # both lost ranks fenced in the one recovery; their leases may expire a pass apart (a loaded
@@ -274,15 +283,7 @@ def test_the_node_of_the_leading_coordinator_lost_costs_one_lease(tmp_path, proc
     # step 30: the other candidate has had ~2 s of training to start its c10d store (a loaded
     # machine imports torch slowly); a loss before it is up waits for it inside the claim
     _until_step_10_with_warm_spares(client, keys, 1, step=30)
-    leader = client.get(keys.leader).value.decode()  # coordinator-<host>-<pid>-<random>
-    victim = hosts.addrs.index(leader.split("-")[1])
-    assert victim in (1, 2), leader
-    hosts.kill_all(victim)
-    survivor = 3 - victim
-    agents[survivor].wait(timeout=240)
-    rep = json.loads((tmp_path / f"r{survivor}.json").read_text())
-    assert agents[survivor].returncode == 0, (tmp_path / f"h{survivor}.out").read_text()[-3000:]
-    assert rep["steps_completed"] == STEPS and rep["rank_digests"] == ref.report["rank_digests"]
+    rep, _, _ = _lose_the_leaders_node(client, keys, hosts, agents, tmp_path, ref)
     (rec,) = rep["recoveries"]
     print("leader node loss (etcd alive):", rec)
     assert rec["downtime_s"] <= ttl + 1.0, rec

@@ -11,9 +11,8 @@ candidate (which resigns the lead at once if it held it: no lease-length wait) a
 and spares, and reports the workers gone as it reports any lost child. The leader recovers
 them in one generation change, as a failure that needs no detection: spares claimed and
 streamed into from the live replicas (or the survivors carry them), bit-identical as every
-recovery. The agent exits 0 once its ranks
-run elsewhere in a committed generation, within `--drain-grace` (default 25 s, under both
-orchestrators' 30 s).
+recovery. The agent exits 0 once its ranks run elsewhere in a committed generation, within
+`--drain-grace` (default 25 s, under both orchestrators' 30 s).
 
 When the job cannot do without the node (no spare and no shrink allowed; several nodes
 draining at once with too few spares, as when Slurm or Kubernetes stop the whole job), a
@@ -75,7 +74,6 @@ class Drain:
         self.sent_at: float | None = None  # the drain key written (after SETTLE_S: decided)
         self.left_at: float | None = None  # the node's processes stopped
         self.ranks: dict[int, str] = {}  # rank -> incarnation of this node's members when it left
-        self.why_not = ""
 
     def request(self) -> bool:
         """The signal handler: True if this SIGTERM starts a drain (False: stop as before)."""
@@ -116,7 +114,6 @@ class Drain:
                 return None
             why = self._cannot(la.client, m)
             if why:
-                self.why_not = why
                 la.say(f"livemig: node {la.node_rank}: cannot drain ({why}); stopping the job")
                 log.warning("cannot drain; stopping", extra={"why": why})
                 raise KeyboardInterrupt()
@@ -139,6 +136,8 @@ class Drain:
         kvs, _ = client.get_prefix(la.keys.drains_prefix)
         drains = [d for d in (conform(kv.value, {"ranks": (list,)}, {"host": (str,)}) for kv in kvs) if d]
         leaving = {r for d in drains for r in d["ranks"] if isinstance(r, int)}
+        if not leaving:
+            return ""
         # spares that stay: not this node's own (they leave with it); a spare agent told by the
         # same signal withdraws its spares at once (agent/spare_agent.py), within SETTLE_S
         own = {c.incarnation for c in la.children}
@@ -148,8 +147,6 @@ class Drain:
             rec = decode(kv.value) if kv.value else None
             if isinstance(rec, dict) and rec.get("state") == "warm" and rec.get("incarnation") not in own:
                 warm += 1
-        if not leaving:
-            return ""
         if warm >= len(leaving):
             return ""
         floor = la.cfg.min_nproc

@@ -140,7 +140,7 @@ def connect(job: str, etcd: str | None, timeout: timedelta) -> EtcdClient:
 
 
 def prune_stale_dirs(root: str, pattern: str = r".*-\d+") -> None:
-    """Remove `root/NAME-PID` directories (NAME starting with `prefix`) whose process is gone
+    """Remove `root/NAME-PID` directories whose process is gone
     (a launcher killed by SIGKILL leaves its run's certificates, or its embedded etcd's data
     under the temp dir, behind: the next run removes them). `pattern`: the names (a regex,
     whole name) that are ours to remove, so nothing else in a shared directory is touched."""

@@ -31,7 +31,7 @@ from livemig.agent.jobs import (
     remove_job_file,
     state_dir,
 )
-from livemig.agent.nodes import default_host
+from livemig.agent.nodes import default_host, formed
 from livemig.agent.run_config import RunConfig
 from livemig.agent.zygote import forkable
 from livemig.checkpoint_dir import ENV_RESUME
@@ -224,7 +224,7 @@ class Launcher:
             self.say(f"livemig: metrics of job {cfg.job} on http://{host}:{self.metrics.port}/metrics")
         self._join(host, fresh=early)
         claim_job_file(cfg.job, self.etcd, security=self.security)
-        if not early and self._formed():
+        if not early and formed(self.client, self.keys):
             # A node joining a run that already trains (a replacement pod of an Indexed Job, a
             # restarted node): its node rank's ranks run elsewhere now, so it brings standby
             # capacity, spares for as many ranks as it would have run, and exits with the job.
@@ -243,13 +243,6 @@ class Launcher:
         where = f" (node {self.node_rank} of {cfg.nnodes}, {host})" if cfg.nnodes > 1 else ""
         self.say(f"livemig: job {cfg.job}: {cfg.nproc} workers, {cfg.spares} spare(s), etcd {self.etcd}; "
                  f"logs in {self.logdir}{where}")  # fmt: skip
-
-    def _formed(self) -> bool:
-        """Whether the job this agent joins already formed (trains, or recovers)."""
-        assert self.client is not None
-        raw = self.client.get(self.keys.membership)
-        m = Membership.from_bytes(raw.value if raw else None)
-        return m.generation >= 1 and m.state not in (GenState.DONE, GenState.FAILED)
 
     def _spawn_job(self, host: str, part_rank: int | None, workers: bool = True) -> None:
         """The coordinator candidates and this node's workers."""

@@ -66,9 +66,10 @@ OUTCOMES = ("done", "aborted")  # a recovery or migration is counted once, when 
 
 class JobMetrics:
     """The collector: one pass over the job's keys per scrape. A recovery is observed once,
-    when its figures are final (its new group's every rank committed: agent/report.py
-    `measured`, the leader's event the report reads too), and never again, so counters and histograms
-    only grow, whatever the keys forget later (a pruned progress record, an archived event)."""
+    when its figures are final (its new group's every rank committed: the leader's `measured`
+    event, coordinator/timeline.py, which the report reads too), and never again, so counters and
+    histograms only grow, whatever the keys forget later (a pruned progress record, an archived
+    event)."""
 
     def __init__(self, keys: JobKeys, snapshot: Callable[[], dict[str, KV]], client: EtcdClient | None = None,
                  launched_at: float | None = None) -> None:  # fmt: skip

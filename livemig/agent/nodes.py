@@ -70,7 +70,8 @@ def _run_live(client: EtcdClient, keys: JobKeys) -> bool:
     return bool(kvs)
 
 
-def _formed(client: EtcdClient, keys: JobKeys) -> bool:
+def formed(client: EtcdClient, keys: JobKeys) -> bool:
+    """Whether the job's run already formed: it trains or recovers (not before, not ended)."""
     from livemig.rdzv.membership import GenState, Membership
 
     raw = client.get(keys.membership)
@@ -120,7 +121,7 @@ def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int
         if node_rank is not None:
             held = client.get(keys.node(node_rank))
             who = decode(held.value) if held else {}
-            if held is not None and _formed(client, keys):
+            if held is not None and formed(client, keys):
                 # the run trains and this node rank's agent still holds it (a replacement pod started
                 # before the lost one's lease ended): join without the key, as standby capacity
                 log.info("node rank held in a formed run: joining as standby", extra={"node_rank": node_rank})

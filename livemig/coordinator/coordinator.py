@@ -28,7 +28,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from dataclasses import replace
 
@@ -61,7 +60,6 @@ from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, ne
 from livemig.rdzv.writes import Claim, Delete, Op, Put, Writes
 
 log = logging.getLogger("livemig.coordinator")
-STANDBY_POLL_S = 0.5  # a candidate that does not lead: how often it looks whether the job trains yet
 
 
 def held_by_node(lease_only: dict[int, float], node: dict[int, int | None], now: float, settle: float) -> set[int]:
@@ -110,7 +108,6 @@ class Coordinator:
         self._lease_dead: dict[tuple[int, str], float] = {}  # (generation, incarnation) -> lease first seen gone
         self._in_grace = False
         self._measured: set[int] = set()  # generations whose `measured` event is written
-        self._standby: threading.Thread | None = None  # a candidate's store preparation (standby())
         # --min-nproc / --shrink-wait: train on the survivors with no spare (runtime/virtual.py)
         self.shrink = ShrinkPolicy(world_size)
 
@@ -130,25 +127,7 @@ class Coordinator:
         its start-up, whose imports it would compete with): a takeover then finds it up, instead
         of waiting ~1 s for its torch import inside the recovery's claim (a lost node that held
         the leader cost the lease TTL plus that second)."""
-        if self._standby is not None:
-            return
-        self._standby = threading.Thread(target=self._prepare_store, daemon=True, name="livemig-standby-store")
-        self._standby.start()
-
-    def _prepare_store(self) -> None:
-        """standby()'s watcher: polls the job's table (twice a second, only until the job
-        trains) while the campaign waits on the leader key."""
-        while self.stores.store is None and not self.stores.starting:
-            try:
-                m = self.rdzv.read()
-            except LivemigError:
-                m = None  # etcd away: the next try
-            if m is not None and m.state in (GenState.DONE, GenState.FAILED):
-                return
-            if m is not None and m.generation >= 1 and m.state == GenState.COMMITTED:
-                self.stores.start()
-                return
-            time.sleep(STANDBY_POLL_S)
+        self.stores.start_once_trained(self.rdzv.read)
 
     def takeover(self) -> None:
         """A new leader re-issues an in-flight build against its own store; a planned
@@ -222,7 +201,7 @@ class Coordinator:
 
     def _measure(self, s: Snapshot) -> None:
         """Once every member committed a step in this generation, write how its start was
-        measured (a `measured` event: agent/report.py `measured`), once: the report and the
+        measured (a `measured` event: coordinator/timeline.py `measured`), once: the report and the
         metrics endpoint both read the recovery's figures from it, so they agree and never
         change after (a member's notes of an earlier generation are gone once it moved on)."""
         m = s.m

@@ -19,14 +19,17 @@ import os
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from livemig.config import is_host_port
 from livemig.errors import LivemigError
-from livemig.rdzv.membership import Member
+from livemig.rdzv.membership import GenState, Member, Membership
 
 log = logging.getLogger("livemig.coordinator")
+STANDBY_POLL_S = 0.5  # a candidate that does not lead: how often it looks whether the job trains yet
 
 
 class StoreHost:
@@ -41,6 +44,7 @@ class StoreHost:
         self._store_err = ""
         self._store_starting: subprocess.Popen | None = None  # the process until it reports its port
         self._start_lock = threading.Lock()
+        self._watcher: threading.Thread | None = None  # start_once_trained's
 
     # -- the c10d store -----------------------------------------------------------------------
     # Groups are built from a c10d TCPStore, and hosting one costs `import torch` (~1.5 CPU s).
@@ -82,6 +86,29 @@ class StoreHost:
     @property
     def starting(self) -> bool:
         return self._store_thread is not None and self.store is None
+
+    def start_once_trained(self, read: Callable[[], Membership]) -> None:
+        """Start the store once the job trains (`read`: the job's table), from a thread that polls
+        it twice a second until then: a coordinator candidate that does not lead, so that a
+        takeover finds its store up (coordinator.standby). Once per StoreHost."""
+        if self._watcher is not None:
+            return
+
+        def watch() -> None:
+            while self.store is None and not self.starting:
+                try:
+                    m: Membership | None = read()
+                except LivemigError:
+                    m = None  # etcd away: the next try
+                if m is not None and m.state in (GenState.DONE, GenState.FAILED):
+                    return
+                if m is not None and m.generation >= 1 and m.state == GenState.COMMITTED:
+                    self.start()
+                    return
+                time.sleep(STANDBY_POLL_S)
+
+        self._watcher = threading.Thread(target=watch, daemon=True, name="livemig-standby-store")
+        self._watcher.start()
 
     def stop(self) -> None:
         """The store process, up or still starting: one that has not printed its port yet

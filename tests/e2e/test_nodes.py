@@ -253,11 +253,13 @@ def test_the_node_of_the_leader_and_an_etcd_member_lost_exactly(tmp_path, procs,
     rep, victim, survivor = _lose_the_leaders_node(client, keys, hosts, agents, tmp_path, ref)
     (rec,) = rep["recoveries"]
     lost = [r for r in range(world) if r // per_node == victim - 1]
-    # both lost ranks fenced in the one recovery; their leases may expire a pass apart (a loaded
-    # machine: two fence events of one generation, seen in CI), so the union is what is asserted
+    # both lost ranks replaced in the one recovery above (no commit between their fences). With
+    # an etcd member lost too, the new etcd leader re-times the leases it inherits, so the two
+    # ranks' leases can expire more than the node settle apart (CI: rank 1 fenced in generation
+    # 2, rank 0 in 3, one recovery): the union of the fences is what is asserted, not one event
     fences = [e for e in rep["timeline"] if e["phase"] == "fence"]
     assert sorted({r for e in fences for r in e["ranks"]}) == lost, fences
-    assert len({e["generation"] for e in fences}) == 1, fences
+    assert rec["generation"] >= max(e["generation"] for e in fences), (rec, fences)
     new_leader = client.get(keys.leader)
     assert new_leader is None or hosts.addrs[survivor] in new_leader.value.decode()
     print("leader node loss:", rec)

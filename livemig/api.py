@@ -46,7 +46,7 @@ from livemig.runtime.batches import Batches
 from livemig.runtime.boundary import Boundary
 from livemig.runtime.bugs import exit_on_bug
 from livemig.runtime.checkpoint import Checkpointer
-from livemig.runtime.control import Activate, Released, Requeue, Stop
+from livemig.runtime.control import Activate, Halted, Released, Requeue, Stop
 from livemig.runtime.entry import Entry
 from livemig.runtime.epochs import EpochLoop
 from livemig.runtime.fsdp2_mesh import Fsdp2
@@ -59,6 +59,7 @@ from livemig.runtime.registry import Registry
 from livemig.runtime.self_faults import SelfFaults
 from livemig.runtime.standby import Standby
 from livemig.runtime.step_state import StepState
+from livemig.runtime.stop import JobStop
 from livemig.runtime.strategies import Replicated, Strategy, check_sharding, new_reducer, pick
 from livemig.runtime.virtual import VirtualRanks
 from livemig.sandbox.warmup import Sandbox
@@ -93,7 +94,9 @@ class Engine(StepLoop):  # over the member's fields (runtime/member_fields.py)
         self.ckpt = Checkpointer(self)  # background checkpoints, --resume-from (runtime/checkpoint.py)
         self.boundary = Boundary(self)  # the boundary rule and a spare's replay (runtime/boundary.py)
         self.prints = StepPrints(self)  # per-step fingerprints for --verify (runtime/prints.py)
-        self.boundary.listeners += [self.ckpt.at_boundary, self.faults.at_boundary, self.prints.at_boundary]
+        self.halt = JobStop(self)  # a whole-job stop: a checkpoint at an agreed boundary (runtime/stop.py)
+        self.boundary.listeners += [self.ckpt.at_boundary, self.faults.at_boundary, self.prints.at_boundary,
+                                    self.halt.at_boundary]  # fmt: skip
         self.pull = StatePull(self)  # a recovery's state movement: MemberRuntime's callbacks (runtime/pull.py)
         self.preloop = PreLoop(self)  # collectives before the loop: live, recorded, answered (runtime/preloop.py)
         if self.role != Role.LOCAL:
@@ -271,6 +274,10 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                         ctx.standby.activate(act)  # entered again: claimed, a cold restart, an FSDP2 redo
                     except Requeue:
                         ctx.standby.requeue()
+                    except Halted:  # the job stops at a checkpoint (runtime/stop.py): no user code after the loop
+                        result = None
+                        ctx.standby.finish()
+                        break
                     except (StepAborted, Exception) as exc:
                         if not ctx.fsdp2.take(exc):  # FSDP2: a failed collective unwound the function
                             raise

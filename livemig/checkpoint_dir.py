@@ -8,6 +8,7 @@ the same layout as the members that write it (runtime/checkpoint.py).
     DIR/step_0000000049/rank_00000/    rank 0's part: a torch.distributed.checkpoint directory
     DIR/step_0000000049/rank_00000.done  written once that part is durable: its files' sizes and BLAKE3
     DIR/step_0000000049/manifest.json  written once every part is done: the checkpoint is complete
+    DIR/finished.json                  {"job", "steps", "time"}: a job that ran to its end (no auto-resume)
 
 A checkpoint is complete when its manifest exists and every part it names matches its
 marker: a crash while writing leaves a step directory without a manifest, which is never
@@ -45,6 +46,7 @@ log = logging.getLogger("livemig.checkpoint_dir")
 FORMAT = 1  # bumped only on an incompatible change of the layout or the parts' contents
 LATEST = "latest"
 MANIFEST = "manifest.json"
+FINISHED = "finished.json"  # the last job that ran to its end with this directory (mark_finished)
 _STEP = re.compile(r"^step_(\d{10})$")
 ENV_DIR, ENV_EVERY, ENV_KEEP = ENV_CHECKPOINT_DIR, ENV_CHECKPOINT_EVERY, ENV_CHECKPOINT_KEEP
 ENV_RESUME, ENV_WRITE_TIMEOUT, ENV_FAIL_WRITE = ENV_RESUME_PATH, ENV_CHECKPOINT_WRITE_TIMEOUT, ENV_CHECKPOINT_FAIL_WRITE
@@ -314,6 +316,31 @@ def choose(root: str, signature: str | None = None, deep: bool = True) -> tuple[
             )
         return step, man
     return None
+
+
+def mark_finished(root: str, job: str, steps: int) -> None:
+    """Job `job` ran to its end: a later run of it with this directory starts afresh instead
+    of resuming from a checkpoint it went past (`resumable`)."""
+    os.makedirs(root, exist_ok=True)
+    write_atomic(os.path.join(root, FINISHED), json.dumps({"job": job, "steps": steps, "time": time.time()}).encode())
+
+
+def resumable(root: str, job: str) -> tuple[int, dict[str, Any]] | None:
+    """--checkpoint-dir's automatic resume: the newest complete checkpoint in `root` that a
+    job named `job` wrote, unless a job of that name finished after writing it. A job stopped
+    at a checkpoint (runtime/stop.py), requeued, preempted or killed whole goes on from where
+    it was; a finished one run again, or another job sharing the directory, starts afresh."""
+    got = choose(root)
+    if got is None or got[1].get("job") != job:
+        return None
+    try:
+        with open(os.path.join(root, FINISHED)) as f:
+            fin = json.load(f)
+    except (OSError, ValueError):
+        fin = None
+    if isinstance(fin, dict) and fin.get("job") == job and float(fin.get("time", 0)) >= float(got[1].get("time", 0)):
+        return None
+    return got
 
 
 def prune(root: str, keep: int) -> None:

@@ -18,6 +18,7 @@
 | spare-kill | - | SIGKILL the spare claimed in the current recovery (else any spare) |
 | spare-hang | - | SIGSTOP that spare instead (resume=S: SIGCONT after S s); during=snapshot: see below |
 | migrate | rank R | not a fault: a planned migration of R onto a spare (as `livemig migrate`) |
+| stop | - | not a fault: the whole job stops at a checkpoint of its next step (as `livemig stop`) |
 | wedge | rank R | R's training thread blocks forever, lease and progress threads alive (a deadlock) |
 | break | rank R | in-process: R's collective of step S fails as on a broken socket, every peer reachable |
 
@@ -63,7 +64,7 @@ from dataclasses import dataclass
 from livemig.errors import ConfigError
 
 RANKED = ("kill", "hang", "slow", "drop_avg", "corrupt", "partition", "link", "migrate", "wedge", "break")
-UNRANKED = ("etcd-kill", "etcd-stop", "coordinator-kill", "spare-kill", "spare-hang")
+UNRANKED = ("etcd-kill", "etcd-stop", "coordinator-kill", "spare-kill", "spare-hang", "stop")
 KINDS = RANKED + UNRANKED
 FSDP_DURING = (
     "fsdp_allgather",

@@ -14,10 +14,15 @@ streamed into from the live replicas (or the survivors carry them), bit-identica
 recovery. The agent exits 0 once its ranks run elsewhere in a committed generation, within
 `--drain-grace` (default 25 s, under both orchestrators' 30 s).
 
-When the job cannot do without the node (no spare and no shrink allowed; several nodes
-draining at once with too few spares, as when Slurm or Kubernetes stop the whole job), a
-second SIGTERM, or a grace that runs out: the agent stops the job as before (interrupted,
-report written), and a restarted job resumes from its newest checkpoint (`--checkpoint-dir`).
+When the whole job is told to stop (every node with ranks drains within SETTLE_S, as Slurm's
+time limit, preemption, `scancel` and `scontrol requeue` and a Kubernetes Job's deletion do)
+or cannot do without the node (no spare and no shrink allowed; several nodes draining with
+too few spares), the job stops at a checkpoint when it has a `--checkpoint-dir`: the agent
+writes `keys.stop`, the members agree on a step inside its collective, write one checkpoint of
+its boundary and leave (runtime/stop.py); every agent exits with STOPPED_EXIT, and the job run
+again with the same --checkpoint-dir resumes from it, exactly. Without a checkpoint directory,
+on a second SIGTERM, or once the grace runs out: the agent stops the job as before
+(interrupted, report written).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from livemig.config import ENV_HOST, Role
 from livemig.rdzv.client import EtcdClient, conform, decode, encode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import GenState, Membership
+from livemig.rdzv.requests import request_stop
 
 if TYPE_CHECKING:
     from livemig.agent.children import Child
@@ -54,7 +60,8 @@ class Node(Protocol):
 log = logging.getLogger("livemig.agent.drain")
 
 DRAIN_GRACE_S = 25.0  # --drain-grace default: under Slurm's KillWait and Kubernetes' grace period (30 s)
-SETTLE_S = 0.3  # how long a drain waits for other nodes' drains sent by the same signal to show
+STOPPED_EXIT = 75  # the agents' exit status once the whole job stopped at a checkpoint (EX_TEMPFAIL: run again)
+SETTLE_S = 1.0  # how long a drain waits for other nodes' drains sent by the same signal to show
 
 
 def sigterm_default(env: dict[str, str] | None = None) -> str:
@@ -74,6 +81,7 @@ class Drain:
         self.sent_at: float | None = None  # the drain key written (after SETTLE_S: decided)
         self.left_at: float | None = None  # the node's processes stopped
         self.ranks: dict[int, str] = {}  # rank -> incarnation of this node's members when it left
+        self.stopping = False  # the whole job stops at a checkpoint instead (runtime/stop.py)
 
     def request(self) -> bool:
         """The signal handler: True if this SIGTERM starts a drain (False: stop as before)."""
@@ -109,12 +117,17 @@ class Drain:
             la.say(f"livemig: node {la.node_rank}: SIGTERM: draining rank(s) {sorted(self.ranks)} onto the rest "
                    f"of the job (a second SIGTERM stops the job)")  # fmt: skip
             return None
+        if self.stopping:
+            return None  # the job's result ("stopped") ends this agent as any other's
         if self.left_at is None:
             if now - self.sent_at < SETTLE_S:
                 return None
             why = self._cannot(la.client, m)
+            if why and self._stop_job(why):
+                return None
             if why:
-                la.say(f"livemig: node {la.node_rank}: cannot drain ({why}); stopping the job")
+                la.say(f"livemig: node {la.node_rank}: cannot drain ({why}) and no --checkpoint-dir to stop at; "
+                       "stopping the job")  # fmt: skip
                 log.warning("cannot drain; stopping", extra={"why": why})
                 raise KeyboardInterrupt()
             self._leave()
@@ -130,14 +143,32 @@ class Drain:
                     "generation": m.generation, "time": time.time()}  # fmt: skip
         return None
 
+    def _stop_job(self, why: str) -> bool:
+        """Ask the whole job to stop at a checkpoint (module doc); False without a
+        --checkpoint-dir (nothing to stop at: today's stop)."""
+        la = self.launcher
+        if la.cfg.checkpoint is None or la.client is None:
+            return False
+        request_stop(la.client, la.keys, why, la.node_rank)
+        self.stopping = True
+        la.say(f"livemig: node {la.node_rank}: SIGTERM: {why}: the job stops at a checkpoint of its next step in "
+               f"{la.cfg.checkpoint.dir} (a second SIGTERM stops at once)")  # fmt: skip
+        log.warning("the whole job stops at a checkpoint", extra={"why": why})
+        return True
+
     def _cannot(self, client: Any, m: Membership) -> str:
-        """Why the job cannot do without every node draining now ('' if it can)."""
+        """Why the job cannot do without every node draining now ('' if it can); every node
+        that runs ranks draining at once is the whole job told to stop."""
         la = self.launcher
         kvs, _ = client.get_prefix(la.keys.drains_prefix)
-        drains = [d for d in (conform(kv.value, {"ranks": (list,)}, {"host": (str,)}) for kv in kvs) if d]
+        drains = [d for d in (conform(kv.value, {"ranks": (list,)}, {"host": (str,), "node": (int,)}) for kv in kvs)
+                  if d]  # fmt: skip
         leaving = {r for d in drains for r in d["ranks"] if isinstance(r, int)}
         if not leaving:
             return ""
+        nodes = {mem.node for mem in m.members.values()}
+        if nodes <= {d.get("node") for d in drains}:
+            return f"every node of the job is draining ({len(nodes)})"
         # spares that stay: not this node's own (they leave with it); a spare agent told by the
         # same signal withdraws its spares at once (agent/spare_agent.py), within SETTLE_S
         own = {c.incarnation for c in la.children}
@@ -153,8 +184,8 @@ class Drain:
         left = len(m.members) - len(leaving)
         if floor is not None and left >= floor and warm == 0:
             return ""
-        nodes = len(drains)
-        return f"{len(leaving)} rank(s) of {nodes} draining node(s), {warm} warm spare(s) elsewhere" + (
+        n = len(drains)
+        return f"{len(leaving)} rank(s) of {n} draining node(s), {warm} warm spare(s) elsewhere" + (
             f", --min-nproc {floor} allows no shrink to {left}" if floor is not None else ", no --min-nproc"
         )
 

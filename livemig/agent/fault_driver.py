@@ -233,6 +233,11 @@ class FaultDriver:
             what = f"etcd member {f.member}"
         elif f.kind == "etcd-stop":
             return self._etcd_stop(f, step)
+        elif f.kind == "stop":
+            from livemig.rdzv.requests import request_stop
+
+            request_stop(self.agent.client, self.agent.keys, f"fault plan after step {step}")
+            what = "the whole job"
         else:
             if f.kind == "coordinator-kill":
                 leader = by_key.get(self.agent.keys.leader)
@@ -275,7 +280,7 @@ class FaultDriver:
                 if stop and f.resume_after is not None:
                     self._resumes.append((time.monotonic() + f.resume_after, target))
         now = time.time()
-        if f.kind not in ("slow", "corrupt", "migrate", "spare-hang"):  # these do not start a downtime
+        if f.kind not in ("slow", "corrupt", "migrate", "spare-hang", "stop"):  # these do not start a downtime
             try:
                 record_fault(self.agent.client, self.agent.keys, f.kind, f.rank, step, now)
             except EtcdUnavailableError:

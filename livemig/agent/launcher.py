@@ -281,10 +281,21 @@ class Launcher:
 
     def _resume_path(self) -> str:
         """--resume-from DIR: the newest complete, intact checkpoint there (each one that is
-        not is skipped with a line naming it), chosen once so every worker loads the same."""
+        not is skipped with a line naming it), chosen once so every worker loads the same.
+        Without it, --checkpoint-dir's newest checkpoint of this job, unless the job finished
+        after it (checkpoint_dir.resumable): a requeued job goes on where it stopped."""
+        from livemig.checkpoint_dir import choose, resumable, step_dir
+
+        ck = self.cfg.checkpoint
+        if not self.cfg.resume_from and ck is not None:  # a requeued or restarted job: where it stopped
+            mine = resumable(ck.dir, self.cfg.job)
+            if mine is not None:
+                self.say(f"livemig: resuming from {step_dir(ck.dir, mine[0])}, the newest checkpoint job "
+                         f"{self.cfg.job} wrote in --checkpoint-dir ({mine[1]['world']} rank(s); --resume-from picks "
+                         "another)")  # fmt: skip
+                return step_dir(os.path.abspath(ck.dir), mine[0])
         if not self.cfg.resume_from:
             return ""
-        from livemig.checkpoint_dir import choose, step_dir
 
         got = choose(self.cfg.resume_from)
         if got is None:
@@ -411,6 +422,9 @@ class Launcher:
                 result_seen_at = time.monotonic() if result is not None else None
             if result is not None and result.get("state") == "interrupted":
                 break  # another agent of the run was interrupted: this node stops too, at once
+            if not self.drain.active and by_key.get(self.keys.drain_request(self.node_rank)) and self.can_drain():
+                self.client.delete(self.keys.drain_request(self.node_rank))  # `livemig drain --node K`: as SIGTERM
+                self.drain.request()
             if self.drain.active and result is None:
                 drained = self.drain.step(by_key)
                 if drained is not None:
@@ -603,7 +617,11 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             used = {s for r in rep["recoveries"] for s in r.get("spares", [])}
             used |= {s for m in rep.get("migrations", []) if m.get("outcome") == "done" for s in m.get("spares", [])}
             rep["spares_left"] = sum(1 for i in range(cfg.spares) if f"spare-{i}" not in used)
-        if rep["result"] and rep["result"].get("state") != "done":
+        if rep["result"] and rep["result"].get("state") == "done" and cfg.checkpoint is not None:
+            from livemig.checkpoint_dir import mark_finished  # a later run of the job starts afresh
+
+            mark_finished(cfg.checkpoint.dir, cfg.job, rep["steps_completed"])
+        if rep["result"] and rep["result"].get("state") not in ("done", "stopped"):
             tail = launcher.failure_tail()
             if tail:
                 rep["result"]["log_tail"] = tail

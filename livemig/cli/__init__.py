@@ -1,4 +1,4 @@
-"""`livemig` command line: one module per command (run, status, inject, migrate, etcd),
+"""`livemig` command line: one module per command (run, status, inject, migrate, stop and drain, etcd),
 the benchmarks' table, and `main`, the entry point. A command's module is imported only
 to build its parser, so `livemig bench --help` never imports torch."""
 
@@ -88,6 +88,12 @@ def _migrate_parser(sub: argparse._SubParsersAction) -> None:
     add_parser(sub)
 
 
+def _stop_parsers(sub: argparse._SubParsersAction) -> None:
+    from livemig.cli.stop import add_parsers
+
+    add_parsers(sub)
+
+
 def _etcd_parser(sub: argparse._SubParsersAction) -> None:
     from livemig.cli.etcd import add_parser
 
@@ -102,7 +108,8 @@ def _report_parser(sub: argparse._SubParsersAction) -> None:
 
 # Commands defined in other modules (keeps this file small).
 _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_run_parser, _inject_parser, _migrate_parser,
-                                                                       _etcd_parser, _report_parser]  # fmt: skip
+                                                                       _stop_parsers, _etcd_parser,
+                                                                       _report_parser]  # fmt: skip
 
 
 def _interrupt(_signum: int, _frame: object) -> None:

@@ -24,8 +24,10 @@ from livemig.rdzv.membership import Rendezvous
 from livemig.rdzv.security import add_arguments as add_security_arguments
 
 # drop_avg is in-process only; partition needs the worker started in a namespace by `livemig run`;
-# migrate is `livemig migrate`
-CLI_KINDS = tuple(k for k in KINDS if k not in ("drop_avg", "partition", "link", "etcd-stop", "migrate")) + ("resume",)
+# migrate is `livemig migrate`, stop `livemig stop`
+CLI_KINDS = tuple(k for k in KINDS if k not in ("drop_avg", "partition", "link", "etcd-stop", "migrate", "stop")) + (
+    "resume",
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from livemig import logs
 from livemig.agent import report
-from livemig.agent.drain import DRAIN_GRACE_S, sigterm_default
+from livemig.agent.drain import DRAIN_GRACE_S, STOPPED_EXIT, sigterm_default
 from livemig.agent.jobs import refuse_duplicate, state_dir
 from livemig.agent.launcher import run
 from livemig.agent.run_config import RunConfig
@@ -344,6 +344,11 @@ def _run_and_verify(a: argparse.Namespace, cfg: RunConfig, world: int, verify: A
     print_summary(rep, reference)
     if (rep["result"] or {}).get("state") == "interrupted":
         return 130  # as a shell reports a process ended by Ctrl-C
+    if (rep["result"] or {}).get("state") == "stopped":  # the whole job stopped at a checkpoint (agent/drain.py)
+        where = cfg.checkpoint.dir if cfg.checkpoint is not None else "--checkpoint-dir"
+        print(f"livemig: stopped at the checkpoint of step {rep['result'].get('step')} in {where}: run the job "
+              "again with the same --checkpoint-dir to resume there", file=sys.stderr)  # fmt: skip
+        return STOPPED_EXIT
     ok = (rep["result"] or {}).get("state") in ("done", "drained")  # drained: this node left, the job goes on
     if not ok and (rep["result"] or {}).get("traceback"):
         print(rep["result"]["traceback"], file=sys.stderr)  # a bug in the training function

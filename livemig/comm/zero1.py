@@ -328,10 +328,14 @@ class Zero1:
         return got
 
     @staticmethod
-    def barrier(pg: Any, timeout: timedelta, abort: Any) -> None:
+    def barrier(pg: Any, timeout: timedelta, abort: Any, vote: float = 0.0) -> float:
+        """Every member holds the step's averaged slices; returns the sum of the members'
+        `vote`s (a whole-job stop, runtime/stop.py), the same on every member."""
         if pg is None:
             raise CollectiveAborted("no process group: this member is between generations")
-        wait_all([pg.allreduce([torch.zeros(1, device=device_of(pg))])], timeout, abort)
+        ctl = torch.tensor([vote], device=device_of(pg))
+        wait_all([pg.allreduce([ctl])], timeout, abort)
+        return float(ctl[0])
 
     def update(self, own: Any, mirror: list[torch.Tensor] | None = None, part: str = "all") -> None:
         """Step the shards held with their averaged slices: (own, mirror) at full width, or

@@ -54,7 +54,7 @@ from livemig.coordinator.snapshot import Snapshot, as_number, node_of, safe_deco
 from livemig.coordinator.store_host import StoreHost
 from livemig.coordinator.timeline import Timeline, measured
 from livemig.errors import LivemigError
-from livemig.rdzv.client import EtcdClient
+from livemig.rdzv.client import EtcdClient, conform
 from livemig.rdzv.election import LeaderElection
 from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, new_incarnation
 from livemig.rdzv.writes import Claim, Delete, Op, Put, Writes
@@ -161,6 +161,9 @@ class Coordinator:
         if m.state in (GenState.FORMING, GenState.BUILDING, GenState.COMMITTED, GenState.RECOVERING):
             grace = self._outage_grace()
             dead = self._whole_nodes(s, s.dead(m.members, grace), grace)
+            if dead and m.stop:  # its checkpoint would lack the lost ranks' parts: the newest complete one stands
+                return self._fail(m, f"rank(s) {dead} lost while the job was stopping ({m.stop.get('reason', '')}): "
+                                     "resume from the newest complete checkpoint")  # fmt: skip
             if dead:
                 return self._fence(s, Plan("fence", ranks=tuple(dead)))
         if m.state in (GenState.FORMING, GenState.BUILDING):
@@ -178,6 +181,8 @@ class Coordinator:
         m = s.m
         self.stores.start()  # training runs: the store's import competes with no start-up now
         self._measure(s)
+        if m.stop or self._stop(s):  # stopping: no check, grow or migration starts; the members leave
+            return self._maybe_done(s)
         differ = self.checks.extras_differ(s)
         if differ:
             return self._fail(m, differ)
@@ -198,6 +203,20 @@ class Coordinator:
                 return self._apply(s, request, since)
         self._prune(s)
         return self._maybe_done(s)
+
+    def _stop(self, s: Snapshot) -> bool:
+        """The whole job was told to stop (`keys.stop`, agent/drain.py): mark the committed
+        table; every member votes it inside its next step's collective, so all agree on the
+        step whose boundary they checkpoint before leaving (runtime/stop.py)."""
+        req = s.get(self.keys.stop)
+        if not isinstance(req, dict):
+            return False
+        m = s.m
+        why = str(req.get("reason", "stop requested"))
+        new = replace(m, stop={"reason": why, "time": time.time()})
+        if self.writes.update_generation(new, extra=[self.timeline.op(m.generation, "stop", reason=why)]):
+            log.warning("the job stops: a checkpoint at the next step's boundary, then exit", extra={"why": why})
+        return True
 
     def _measure(self, s: Snapshot) -> None:
         """Once every member committed a step in this generation, write how its start was
@@ -548,6 +567,11 @@ class Coordinator:
     def _write_result(self, m: Membership, detail: str = "") -> None:
         res = {"state": str(m.state), "reason": m.reason if m.state == GenState.FAILED else "",
                "generation": m.generation, "time": time.time()}  # fmt: skip
+        if m.state == GenState.DONE and m.stop:  # stopped at a checkpoint: a restart resumes from it
+            finals = self.client.get_prefix(self.keys.final_prefix)[0]
+            recs = (conform(kv.value, {}, {"stopped": (int,)}) for kv in finals)
+            steps = [int(f["stopped"]) for f in recs if f and "stopped" in f]
+            res.update(state="stopped", reason=m.stop.get("reason", ""), step=min(steps, default=None))
         if detail:
             res["traceback"], res["raised_at"] = detail, self.checks.bug_time
         self.writes.record(Put(self.keys.result, res))

@@ -199,9 +199,19 @@ class JobKeys:
     def drains_prefix(self) -> str:
         return self.prefix + "drains/"
 
+    def drain_request(self, node: int) -> str:
+        """`livemig drain --node K`: node K's agent drains as on SIGTERM (removed by the agent)."""
+        return f"{self.prefix}drain-request/{node}"
+
     def drain(self, node: int | None) -> str:
         """A node's agent drains on SIGTERM (agent/drain.py): its ranks, host and when."""
         return f"{self.drains_prefix}{node}"
+
+    @property
+    def stop(self) -> str:
+        """The whole job is told to stop (every node draining, or a drain nobody can cover):
+        the members agree on a step, write one checkpoint of it and exit (runtime/stop.py)."""
+        return self.prefix + "stop"
 
     @property
     def migrate_request(self) -> str:

@@ -150,6 +150,9 @@ class Membership:
     restarts: int = 0  # cold restarts so far (--max-restarts), carried from generation to generation
     # a shrunk job (--min-nproc): virtual rank -> the member that runs its loop body too (runtime/virtual.py)
     carried: dict[int, int] = field(default_factory=dict)
+    # the job is stopping (runtime/stop.py): {"reason", "time"}; the members vote inside a step's
+    # collective, checkpoint its boundary and leave; DONE with it set is a stop, not the end
+    stop: dict = field(default_factory=dict)
 
     @property
     def group_gen(self) -> int:

@@ -22,3 +22,16 @@ def request_migration(client: EtcdClient, keys: JobKeys, rank: int, reason: str 
     if not ok:
         raise ConfigError("another migration request is waiting: retry once it is done")
     return rid
+
+
+def request_stop(client: EtcdClient, keys: JobKeys, reason: str, node: int | None = None) -> bool:
+    """Ask the whole job to stop at a checkpoint of its next step (runtime/stop.py); False if
+    a stop was asked already (the first reason stands)."""
+    from livemig.rdzv.writes import put_if_absent
+
+    return put_if_absent(client, keys.stop, {"reason": reason, "node": node, "time": time.time()})
+
+
+def request_drain(client: EtcdClient, keys: JobKeys, node: int, reason: str) -> None:
+    """Ask node `node`'s agent to drain as on SIGTERM (agent/drain.py, `livemig drain`)."""
+    client.put(keys.drain_request(node), encode({"reason": reason, "time": time.time()}))

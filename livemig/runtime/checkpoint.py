@@ -130,6 +130,20 @@ class Checkpointer:
         converted = step == self.resumed and self._converted
         if not converted and (step == self.resumed or not (s.due(step) or self._interval_due(s, step))):
             return
+        self._write(step)
+
+    def write_now(self, step: int) -> bool:
+        """The checkpoint of this boundary, whether due or not, written before this returns
+        (a job that stops, runtime/stop.py): True once this rank's part is durable."""
+        if self.settings is None:
+            return False
+        if not self.records or self.records[-1][0] != step:  # not staged by at_boundary already
+            self._write(step)
+        self.wait(self.timeout)
+        return bool(self._idle.is_set() and self.records and self.records[-1][0] == step and self.records[-1][4])
+
+    def _write(self, step: int) -> None:
+        """Stage this rank's part of `step` now and queue it for the writer thread."""
         waited = 0.0
         if not self._idle.is_set():  # every rank writes every checkpoint: the previous write ends first
             w0 = time.monotonic()

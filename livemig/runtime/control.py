@@ -26,3 +26,12 @@ class Released(BaseException):
 
 class Requeue(BaseException):
     """The migration this spare was claimed for was aborted: back to standby."""
+
+
+class Halted(BaseException):
+    """The whole job stops after step `step` (runtime/stop.py): its checkpoint is written;
+    this member writes its final record and waits for the job's end, running no user code
+    after the loop (a final save or evaluation belongs to a job that finished)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step

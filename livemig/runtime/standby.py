@@ -59,6 +59,7 @@ class StandbyHost(Protocol):
     ckpt: Any
     fsdp2: Any  # the FSDP2 mesh owner: what survives a redo's re-entry (runtime/fsdp2_mesh.py)
     prints: Any  # per-step fingerprints for --verify (runtime/prints.py)
+    halt: Any  # a whole-job stop (runtime/stop.py): the final record says where it stopped
     strategy: Strategy
     virtual: Any  # a shrunk job's carried ranks (runtime/virtual.py): their final records are written here
 
@@ -199,6 +200,7 @@ class Standby:
             rec["step_prints"] = h.prints.items
         if h.ckpt.settings is not None or h.ckpt.resumed is not None:
             rec["checkpoints"] = h.ckpt.final()
+        rec.update(h.halt.final())  # a whole-job stop: the step it checkpointed (runtime/stop.py)
         parts = h.strategy.parts.final_record()  # shard and mirror digests, for the report's checks
         rec.update(parts)
         rt.put(rt.keys.final(h.rank), rec)

@@ -31,6 +31,7 @@ class Synced:
     flats: list | None
     switch: bool = False
     compute_s: float = 0.0
+    stop: bool = False  # a member voted the whole-job stop (runtime/stop.py): the group stops after this step
 
 
 @dataclass

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from livemig.runtime.registry import Registry
     from livemig.runtime.self_faults import SelfFaults
     from livemig.runtime.step_state import StepState
+    from livemig.runtime.stop import JobStop
     from livemig.runtime.virtual import VirtualRanks
     from livemig.sandbox.warmup import Sandbox
 
@@ -109,6 +110,7 @@ class StrategyHost(Protocol):
     def migration(self) -> MigrationSide: ...
 
     faults: SelfFaults
+    halt: JobStop  # a whole-job stop: its vote rides on the step's collective (runtime/stop.py)
     sandbox: Sandbox
     ckpt: Checkpointer
     fsdp2: MeshOwner

@@ -130,7 +130,7 @@ class Fsdp2(Strategy):
             h.commit(t, None)
             return
         # [commit, planned migration: switch after t], where the group reduces (device_of)
-        ctl = torch.tensor([1.0, h.migration.vote()], device=device_of(h.runtime.pg))
+        ctl = torch.tensor([1.0, h.migration.vote(), h.halt.vote()], device=device_of(h.runtime.pg))
         try:
             h.runtime.check_fenced()
             h.runtime.report.enter_collective(t)
@@ -149,6 +149,7 @@ class Fsdp2(Strategy):
                 return
             raise Activate(h.runtime.gen, h.rank, redo=True) from None
         switch = float(ctl[1]) == h.world_size
+        h.halt.after_commit(t, float(ctl[2]) > 0)  # a whole-job stop after t (runtime/stop.py)
         if h.migration.serving(t):  # a leaving rank: what its optimizer steps with, to the spare catching up
             mirror = self.owner.mirror
             left = mirror.grads[1] if mirror is not None and mirror.grads is not None else None

@@ -113,8 +113,9 @@ class Replicated(Strategy):
         while True:
             rt.check_fenced()
             rt.report.enter_collective(t)  # the coordinator's hang detection reads how long we wait
-            # planned migration: all 1.0 = switch after this step; with the buckets (NCCL reduces device tensors)
-            ctl = torch.tensor([h.migration.vote()], device=training_device(h.reg.params))
+            # planned migration: all 1.0 = switch after this step; a whole-job stop: any 1.0 = stop after it
+            # (runtime/stop.py); averaged with the buckets (NCCL reduces device tensors)
+            ctl = torch.tensor([h.migration.vote(), h.halt.vote()], device=training_device(h.reg.params))
             try:
                 h.boundary.keep_before(t)
                 h.boundary.mirror_local(t)  # before the vote: nobody commits t unless our mirror holds it
@@ -137,7 +138,7 @@ class Replicated(Strategy):
             # No copy needed for the kept average: the reducer double-buffers, so these
             # buffers are reused only after the next step's commit replaced st.avg.
             red.write_back(flats, views=views)
-            st.synced = Synced(t, flats, float(ctl[0]) == 1.0, compute_s)
+            st.synced = Synced(t, flats, float(ctl[0]) == 1.0, compute_s, float(ctl[1]) > 0)
             rt.report.leave_collective()
             return
 
@@ -153,6 +154,7 @@ class Replicated(Strategy):
         synced = h.st.synced
         assert synced is not None
         flats, switch, compute_s = synced.flats, synced.switch, synced.compute_s
+        h.halt.after_commit(t, synced.stop)  # at this step's boundary, after its commit (runtime/stop.py)
         assert flats is not None  # a world of one committed before the strategy (runtime/loop.py step)
         # A leaving worker serves each step's update to the spare catching up. The average
         # itself only when it is what the optimizer stepped with (nothing could change .grad),

@@ -107,7 +107,7 @@ class Zero1(Replicated):
                     held = list(z.slices(rt.pg, reduced, timeout, rt.moved_on))
                 h.st.avg = Averaged(t, held)  # held: enough to finish step t alone
                 h.boundary.mirror_local(t)  # before the barrier: whoever passes it knows the mirror holds t
-                z.barrier(rt.pg, timeout, rt.moved_on)
+                stop = z.barrier(rt.pg, timeout, rt.moved_on, h.halt.vote()) > 0
                 h.faults.at_commit_point(t, "barrier result")
             except CollectiveAborted as exc:
                 first = False
@@ -118,6 +118,7 @@ class Zero1(Replicated):
                     return
                 continue
             # Update our shard(s), then gather the parameters while the mirror(s) are updated.
+            h.halt.after_commit(t, stop)  # a whole-job stop after t (runtime/stop.py)
             z.update(held[0], held[1], part="owned")
             self.gathered_gen = None
             try:

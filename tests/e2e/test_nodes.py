@@ -344,6 +344,49 @@ def test_sigterm_to_a_nodes_agent_drains_its_ranks_onto_a_spare_and_the_job_goes
 
 
 @needs_netns
+def test_sigterm_to_every_agent_stops_at_one_checkpoint_and_the_job_run_again_resumes_exactly(
+    tmp_path, procs, hosts, references
+):
+    """What Slurm's time limit, `scancel`, preemption or a requeue send: SIGTERM to both agents,
+    with a warm spare on host 3 (one node could drain onto it: the whole job is told to stop).
+    The ranks agree on a step inside its collective and write one checkpoint of it, both agents
+    exit 75; the job run again with the same --checkpoint-dir (a requeued sbatch) resumes there
+    by itself and ends bit-identical to the fault-free run, rank by rank."""
+    from livemig.checkpoint_dir import step_name
+
+    ref = reference_of(references, 2, STATEFUL, WORK[1:], {"LIVEMIG_BUDDY_STRIDE": "1"})
+    ck = ("--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1000")
+    agents, client, keys, etcd = _drain_job(tmp_path, procs, hosts, "whole", 1, *ck)
+    t0 = time.monotonic()
+    for k in (1, 2):
+        agents[k].send_signal(15)
+    for k in (1, 2):
+        agents[k].wait(timeout=30)
+    took = time.monotonic() - t0
+    outs = {k: (tmp_path / f"h{k}.out").read_text() for k in (1, 2)}
+    assert [agents[k].returncode for k in (1, 2)] == [75, 75], outs
+    assert "every node of the job is draining" in outs[1] + outs[2], outs
+    res = json.loads((tmp_path / "r1.json").read_text())["result"]
+    assert res["state"] == "stopped" and 10 <= res["step"] < STEPS - 1, res
+    assert sorted(n for n in os.listdir(tmp_path / "ck") if n.startswith("step_")) == [step_name(res["step"])]
+    client.close()
+
+    again = tmp_path / "again"
+    again.mkdir()
+    for k in (1, 2):
+        agents[k] = _agent(procs, hosts.wrap(k, []), etcd, "whole", again, f"h{k}", "--host", hosts.addrs[k],
+                           "--node-rank", str(k - 1), *ck, quiet=True, report=again / f"r{k}.json")  # fmt: skip
+    for k in (1, 2):
+        agents[k].wait(timeout=240)
+    out1 = (again / "h1.out").read_text()
+    assert [agents[k].returncode for k in (1, 2)] == [0, 0], out1[-3000:]
+    assert f"resuming from {tmp_path / 'ck' / step_name(res['step'])}" in out1, out1[-3000:]
+    rep = json.loads((again / "r1.json").read_text())
+    assert rep["steps_completed"] == STEPS and rep["rank_digests"] == ref.report["rank_digests"], rep["result"]
+    print(f"whole-job stop: both agents exited {took:.2f}s after SIGTERM, checkpoint of step {res['step']}")
+
+
+@needs_netns
 def test_a_drain_with_no_spare_shrinks_within_min_nproc_and_without_it_stops_the_job(tmp_path, procs, hosts):
     """No spare: with --min-nproc 1 the survivor carries the drained node's rank and the job
     finishes (the drained agent exits 0); without it the drain says why it cannot and the job

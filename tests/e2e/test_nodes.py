@@ -389,10 +389,13 @@ def test_sigterm_to_every_agent_stops_at_one_checkpoint_and_the_job_run_again_re
 @needs_netns
 def test_a_drain_with_no_spare_shrinks_within_min_nproc_and_without_it_stops_the_job(tmp_path, procs, hosts):
     """No spare: with --min-nproc 1 the survivor carries the drained node's rank and the job
-    finishes (the drained agent exits 0); without it the drain says why it cannot and the job
-    stops as before (interrupted, exit 130 on both nodes)."""
-    agents, client, keys, _ = _drain_job(tmp_path, procs, hosts, "drain-shrink", 0, "--min-nproc", "1")
-    agents[2].send_signal(15)
+    finishes (the drained agent exits 0; the drain asked from a shell, `livemig drain --node 1`);
+    without it the drain says why it cannot and the job stops as before (interrupted, exit 130
+    on both nodes: no --checkpoint-dir to stop at)."""
+    agents, client, keys, etcd = _drain_job(tmp_path, procs, hosts, "drain-shrink", 0, "--min-nproc", "1")
+    cmd = subprocess.run([sys.executable, "-m", "livemig.cli", "drain", "--job", "drain-shrink", "--node", "1",
+                          "--etcd", etcd, "--wait", "60"], capture_output=True, text=True, timeout=90)  # fmt: skip
+    assert cmd.returncode == 0 and "node 1 drained" in cmd.stdout, cmd.stdout + cmd.stderr
     agents[2].wait(timeout=30)
     assert agents[2].returncode == 0, (tmp_path / "h2.out").read_text()[-3000:]
     agents[1].wait(timeout=240)

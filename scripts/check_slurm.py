@@ -322,7 +322,8 @@ def scenario_stop_and_requeue(cl: Cluster, d: str, ref: dict[str, str]) -> str:
     from livemig.rdzv.client import decode
 
     ck = os.path.join(d, "ck-c")
-    jid = submit_workers(d, "slurm-c", _env(cl, d, "slurm-c", 0, f"--checkpoint-dir {ck} --checkpoint-every 100000"))
+    env = dict(_env(cl, d, "slurm-c", 0, f"--checkpoint-dir {ck} --checkpoint-every 100000"), LIVEMIG_ETCD_LINGER="2")
+    jid = submit_workers(d, "slurm-c", env)  # no spares job to see the end: etcd need not linger
     client, keys = job_keys("slurm-c")
     trains_with_spares(client, keys, 0)
     t0 = time.monotonic()
@@ -336,7 +337,13 @@ def scenario_stop_and_requeue(cl: Cluster, d: str, ref: dict[str, str]) -> str:
                                                  f"{_tail(d, 'slurm-c')}")  # fmt: skip
     client.close()
     out = cl.run("scontrol", "requeue", jid)
-    wait_for(lambda: cl.job_state(jid)[0] == "RUNNING", "the requeued job to run", 120)
+    # Slurm holds a requeued job until now + cred_expire (120 s by default) + 1: start it now
+    time.sleep(1)
+    cl.run("scontrol", "update", f"JobId={jid}", "StartTime=now")
+    try:
+        wait_for(lambda: cl.job_state(jid)[0] == "RUNNING", "the requeued job to run", 120)
+    except Failed as exc:
+        raise Failed(f"{exc}: {cl.run('scontrol', 'show', 'job', jid)}") from None
     client, keys = job_keys("slurm-c")
     digests = digests_at_end(client, keys, 240)
     state, code = cl.wait_job(jid, 120)

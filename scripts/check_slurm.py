@@ -10,7 +10,9 @@ Two jobs, each checked against a fault-free run of the same training (a digest p
   C. workers on n1 and n2 with --checkpoint-dir: the whole job signalled (`scancel
      --signal=TERM`, every step, etcd's too): one checkpoint at the step the ranks agree on,
      the agents exit 75, the job COMPLETED; then `scontrol requeue`: the same job id, a fresh
-     etcd, the agents resume from the checkpoint by themselves and finish.
+     etcd, the agents resume from the checkpoint by themselves; then the time limit's warning
+     (USR1 to the batch script, as --signal=B:USR1@90 sends it): stopped at a second
+     checkpoint, requeued by the script itself, resumed again, and finished.
 Each must end COMPLETED with ExitCode 0:0 and bit-identical ranks, and leave nothing behind
 (no process of the jobs, no etcd data directory).
 
@@ -318,6 +320,24 @@ def scenario_lost_node(cl: Cluster, d: str, ref: dict[str, str]) -> str:
     return f"B: node {node} lost (slurmd and its processes killed): COMPLETED 0:0, bit-identical"
 
 
+def _stopped(cl: Cluster, d: str, client, keys, what: str) -> dict:  # noqa: ANN001
+    from livemig.rdzv.client import decode
+
+    res = wait_for(lambda: decode(client.get(keys.result).value), f"the job's result after {what}", 60)
+    check(res.get("state") == "stopped", f"job C ended {res} on {what} (want stopped): {_tail(d, 'slurm-c')}")
+    return res
+
+
+def _start_requeued(cl: Cluster, jid: str) -> None:
+    # Slurm holds a requeued job until now + cred_expire (120 s by default) + 1: start it now
+    wait_for(lambda: cl.job_state(jid)[0] == "PENDING", "the job to be pending again after its requeue", 60)
+    cl.run("scontrol", "update", f"JobId={jid}", "StartTime=now")
+    try:
+        wait_for(lambda: cl.job_state(jid)[0] == "RUNNING", "the requeued job to run", 120)
+    except Failed as exc:
+        raise Failed(f"{exc}: {cl.run('scontrol', 'show', 'job', jid)}") from None
+
+
 def scenario_stop_and_requeue(cl: Cluster, d: str, ref: dict[str, str]) -> str:
     from livemig.rdzv.client import decode
 
@@ -328,33 +348,39 @@ def scenario_stop_and_requeue(cl: Cluster, d: str, ref: dict[str, str]) -> str:
     trains_with_spares(client, keys, 0)
     t0 = time.monotonic()
     cl.run("scancel", "--signal=TERM", jid)  # every step: both agents and etcd (which lingers)
-    res = wait_for(lambda: decode(client.get(keys.result).value), "the job's result after scancel --signal=TERM", 60)
-    check(res.get("state") == "stopped", f"job C ended {res} on scancel --signal=TERM (want stopped): "
-                                         f"{_tail(d, 'slurm-c')}")  # fmt: skip
+    first = _stopped(cl, d, client, keys, "scancel --signal=TERM")
     took = time.monotonic() - t0
     state, code = cl.wait_job(jid, 90)
     check((state, code) == ("COMPLETED", "0:0"), f"job C stopped {state} {code} (want COMPLETED 0:0): "
                                                  f"{_tail(d, 'slurm-c')}")  # fmt: skip
     client.close()
     out = cl.run("scontrol", "requeue", jid)
-    # Slurm holds a requeued job until now + cred_expire (120 s by default) + 1: start it now
-    time.sleep(1)
-    cl.run("scontrol", "update", f"JobId={jid}", "StartTime=now")
-    try:
-        wait_for(lambda: cl.job_state(jid)[0] == "RUNNING", "the requeued job to run", 120)
-    except Failed as exc:
-        raise Failed(f"{exc}: {cl.run('scontrol', 'show', 'job', jid)}") from None
+    _start_requeued(cl, jid)
+    # the time limit's warning (--signal=B:USR1@90), as Slurm sends it: the script stops the job at
+    # a checkpoint and requeues it itself
+    client, keys = job_keys("slurm-c")
+    wait_for(lambda: decode(client.get(keys.progress(0)).value)["step"] >= first["step"] + 10,
+             "the requeued job to train", 120)  # fmt: skip
+    cl.run("scancel", "--batch", "--signal=USR1", jid)
+    second = _stopped(cl, d, client, keys, "the time limit's USR1")
+    check(second["step"] > first["step"], f"the second stop's step {second['step']} is not past {first['step']}")
+    client.close()
+    _start_requeued(cl, jid)
     client, keys = job_keys("slurm-c")
     digests = digests_at_end(client, keys, 240)
     state, code = cl.wait_job(jid, 120)
     log = _tail(d, "slurm-c")
     check((state, code) == ("COMPLETED", "0:0"), f"job C requeued ended {state} {code}: {out} {log}")
-    check(f"resuming from {ck}/step_{res['step']:010d}" in open(os.path.join(d, "slurm-c.out")).read(),
-          f"the requeued job did not resume from the stop's checkpoint of step {res['step']}: {log}")  # fmt: skip
+    with open(os.path.join(d, "slurm-c.out")) as f:
+        text = f.read()
+    for res in (first, second):
+        check(f"resuming from {ck}/step_{res['step']:010d}" in text,
+              f"a requeued run did not resume from the stop's checkpoint of step {res['step']}: {log}")  # fmt: skip
     check(digests == ref, f"job C is not bit-identical to the fault-free run: {digests} vs {ref}")
     client.close()
-    return (f"C: scancel --signal=TERM stopped at the checkpoint of step {res['step']} in {took:.1f}s, requeued: "
-            "resumed there, COMPLETED 0:0, bit-identical")  # fmt: skip
+    return (f"C: scancel --signal=TERM stopped at the checkpoint of step {first['step']} in {took:.1f}s, requeued, "
+            f"resumed there; the time limit's USR1 stopped it at step {second['step']} and requeued it; resumed, "
+            "COMPLETED 0:0, bit-identical")  # fmt: skip
 
 
 def _alive(pid: int) -> bool:

@@ -65,7 +65,7 @@ from livemig.errors import ConfigError, EtcdUnavailableError, LivemigError
 from livemig.fault_gate import plan_env
 from livemig.rdzv.client import EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
-from livemig.rdzv.membership import GenState, Membership, new_incarnation
+from livemig.rdzv.membership import Membership, new_incarnation
 from livemig.rdzv.security import EtcdSecurity
 from livemig.rdzv.watch import PrefixMirror
 from livemig.rdzv.writes import put_if_absent
@@ -479,8 +479,7 @@ class Launcher:
         if self.cfg.on_sigterm != "drain" or self.cfg.nnodes < 2 or self.client is None:
             return False
         raw = self._by_key.get(self.keys.membership)
-        m = Membership.from_bytes(raw.value if raw else None)
-        return m.generation >= 1 and m.state not in (GenState.DONE, GenState.FAILED)
+        return Membership.from_bytes(raw.value if raw else None).trains
 
     def processes(self) -> list[dict[str, Any]]:
         """Every process this agent started; a spare that took a rank has that rank (the

@@ -72,11 +72,10 @@ def _run_live(client: EtcdClient, keys: JobKeys) -> bool:
 
 def formed(client: EtcdClient, keys: JobKeys) -> bool:
     """Whether the job's run already formed: it trains or recovers (not before, not ended)."""
-    from livemig.rdzv.membership import GenState, Membership
+    from livemig.rdzv.membership import Membership
 
     raw = client.get(keys.membership)
-    m = Membership.from_bytes(raw.value if raw else None)
-    return m.generation >= 1 and m.state not in (GenState.DONE, GenState.FAILED)
+    return Membership.from_bytes(raw.value if raw else None).trains
 
 
 def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int, signature: str,

@@ -155,6 +155,11 @@ class Membership:
     stop: dict = field(default_factory=dict)
 
     @property
+    def trains(self) -> bool:
+        """The job formed and has not ended: it trains, recovers or migrates."""
+        return self.generation >= 1 and self.state not in (GenState.DONE, GenState.FAILED)
+
+    @property
     def group_gen(self) -> int:
         """The generation whose process group members of this one train in."""
         return self.continues or self.generation

@@ -320,9 +320,15 @@ def choose(root: str, signature: str | None = None, deep: bool = True) -> tuple[
 
 def mark_finished(root: str, job: str, steps: int) -> None:
     """Job `job` ran to its end: a later run of it with this directory starts afresh instead
-    of resuming from a checkpoint it went past (`resumable`)."""
-    os.makedirs(root, exist_ok=True)
-    write_atomic(os.path.join(root, FINISHED), json.dumps({"job": job, "steps": steps, "time": time.time()}).encode())
+    of resuming from a checkpoint it went past (`resumable`). A directory that cannot be
+    written (its checkpoints failed too, and were counted) holds no checkpoint to resume: a
+    line in the log, never a failure of a job that finished."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        write_atomic(os.path.join(root, FINISHED), json.dumps({"job": job, "steps": steps,
+                                                               "time": time.time()}).encode())  # fmt: skip
+    except OSError as exc:
+        log.warning(f"could not mark {root} finished: {exc}", extra={"job": job})
 
 
 def resumable(root: str, job: str) -> tuple[int, dict[str, Any]] | None:

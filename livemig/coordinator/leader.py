@@ -93,7 +93,11 @@ class Leader:
 
     def _lead(self) -> str:
         self.election.campaign(stop=self.stop.is_set, waiting=self.driver.standby)
-        put_if_absent(self.client, self.keys.secret, secrets.token_bytes(32))  # the job's, made once
+        # The job's secret, made once, and never again once the job has a result: an agent
+        # interrupted on an external etcd deletes it as it ends the job, and a coordinator of
+        # another node that takes the lead a moment later must not bring it back.
+        put_if_absent(self.client, self.keys.secret, secrets.token_bytes(32),
+                      guard=[self.client.txn_ops.version(self.keys.result) == 0])  # fmt: skip
         self.driver.takeover()
         # Two mirrors: the job's control keys, whose changes wake a pass, and the members'
         # progress records on a connection of their own (its own gRPC stream and thread), so

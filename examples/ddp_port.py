@@ -88,7 +88,8 @@ def train(ctx: livemig.Context, a: argparse.Namespace) -> None:
     extras: dict[str, Any] = {"scaler": scaler} if scaler is not None else {}
     if a.scheduler:  # a torch scheduler stepped after ctx.step(), instead of the lr set by hand
         extras["scheduler"] = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, a.steps, 1.0))
-    ctx.register(model=model, optimizer=opt, local={"carry": carry}, **extras)
+    # --sharding zero1: the port of a script that wraps its optimizer in ZeroRedundancyOptimizer
+    ctx.register(model=model, optimizer=opt, local={"carry": carry}, sharding=a.sharding, **extras)
     if a.ckpt_dir:  # livemig's background checkpoints, set from the script (--checkpoint-dir wins)
         ctx.checkpoints(a.ckpt_dir, every=a.ckpt_every or None, interval=a.ckpt_interval or None)
 
@@ -150,6 +151,7 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=0, help="... every N steps")
     p.add_argument("--ckpt-interval", type=float, default=0.0, help="... or every SECONDS")
     p.add_argument("--step-ms", type=float, default=0.0, help="pad each step to this many ms")
+    p.add_argument("--sharding", default=None, choices=["zero1"], help="shard the optimizer state (ZeRO-1)")
     p.add_argument("--out", default=os.environ.get("DDP_PORT_OUT", ""), help="dump each rank's final state here")
     train(p.parse_args())
 

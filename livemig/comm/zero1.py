@@ -312,6 +312,31 @@ class Zero1:
         mirror = [f.chunk(self.world)[self.mirror.shard] for f in reduced] if self.mirror is not None else None
         return own, mirror
 
+    def slices_of(self, full: list[torch.Tensor]) -> Any:
+        """The slices of every shard held, cut out of a whole averaged gradient in bucket
+        layout (a step whose average the user took: ctx.sync_gradients, clipping, a
+        GradScaler), no collective: (own, mirror) at full width, ({shard: slices}, None) while
+        shrunk (Zero1.update takes either)."""
+        if self.shrunk:
+            return self.slices_shrunk(full), None
+        own = [f.chunk(self.world)[self.rank] for f in full]
+        mirror = [f.chunk(self.world)[self.mirror.shard] for f in full] if self.mirror is not None else None
+        return own, mirror
+
+    def whole(self, pg: Any, slices: list[torch.Tensor], timeout: timedelta, abort: Any) -> list[torch.Tensor]:
+        """The whole average out of the reduce-scattered slices (an all-gather into fresh
+        buckets): what ctx.sync_gradients() hands the user in reduce-scatter mode."""
+        if pg is None:
+            raise CollectiveAborted("no process group: this member is between generations")
+        dev = self.red.device
+        outs = [torch.empty(n, dtype=d, device=dev) for n, d in zip(self.red.padded, self.red.dtypes, strict=True)]
+        try:
+            works = [pg.allgather([list(o.chunk(self.world))], [s]) for o, s in zip(outs, slices, strict=True)]
+        except Exception as exc:  # noqa: BLE001 - a broken group refuses the launch
+            raise CollectiveAborted(f"collective failed at launch: {exc}") from exc
+        wait_all(works, timeout, abort)
+        return outs
+
     def exchange(self, pg: Any, own: list[torch.Tensor], timeout: timedelta, abort: Any) -> list[torch.Tensor] | None:
         """Send our averaged slices to the next rank, receive the previous rank's."""
         if self.mirror is None:
@@ -340,6 +365,8 @@ class Zero1:
     def update(self, own: Any, mirror: list[torch.Tensor] | None = None, part: str = "all") -> None:
         """Step the shards held with their averaged slices: (own, mirror) at full width, or
         one dict {shard: slices} (`slices_shrunk`); part "owned" / "mirrored" steps those only."""
+        if own is None:  # a step a GradScaler skipped (inf/nan): no shard moves, on any rank
+            return
         held = own if isinstance(own, dict) else {self.rank: own, **(
             {self.mirror.shard: mirror} if self.mirror is not None else {})}  # fmt: skip
         ids = {"all": self._held(self.layout), "owned": self.owned(), "mirrored": self.mirrored()}[part]

@@ -97,7 +97,7 @@ class Leader:
         # interrupted on an external etcd deletes it as it ends the job, and a coordinator of
         # another node that takes the lead a moment later must not bring it back.
         put_if_absent(self.client, self.keys.secret, secrets.token_bytes(32),
-                      guard=[self.client.txn_ops.version(self.keys.result) == 0])  # fmt: skip
+                      unless=[self.keys.result])  # fmt: skip
         self.driver.takeover()
         # Two mirrors: the job's control keys, whose changes wake a pass, and the members'
         # progress records on a connection of their own (its own gRPC stream and thread), so

@@ -129,13 +129,14 @@ class Writes:
 
 
 def put_if_absent(client: EtcdClient, key: str, value: Any, lease: int | None = None, also: Sequence[Op] = (),
-                  unchanged: Any = None, guard: Sequence[Any] = ()) -> bool:  # fmt: skip
+                  unchanged: Any = None, guard: Sequence[Any] = (), unless: Sequence[str] = ()) -> bool:  # fmt: skip
     """Put `value` at `key` (and `also`) only if nothing is at `key` yet and, with `unchanged`
     (an rdzv.client.KV), that key is still at the revision read: the first writer of a
     record many may race for (a job's result, its secret, a node's rank in a run, a spare's
-    stop order). `guard`: more compares (a leader's). True if this write won."""
+    stop order). `guard`: more compares (a leader's); `unless`: keys that must be absent too
+    (a job's secret is not made again once the job has a result). True if this write won."""
     t = client.txn_ops
-    compare = [*guard, t.version(key) == 0]
+    compare = [*guard, t.version(key) == 0, *(t.version(k) == 0 for k in unless)]
     if unchanged is not None:
         compare.append(t.mod(unchanged.key) == unchanged.mod_revision)
     return client.txn(compare, txn_ops(client, [Put(key, value, lease), *also]))[0]

@@ -37,6 +37,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("livemig.runtime.boundary")
 
 
+def forget_unscale(scaler: Any) -> None:
+    """A replayed body that unscaled its gradient to clip it (scaler.unscale_(opt)) left the
+    scaler marked "unscaled" for the optimizer; its update(), which would clear the mark, is
+    what the replay does not repeat (the scale is the source's). Cleared here, or the next
+    step's own unscale_() raises "unscale_() has already been called"."""
+    scaler._per_optimizer_states.clear()  # torch's defaultdict: refreshed on the next access
+
+
 class BoundaryHost(Protocol):
     """What the boundary rule reads of its member (api.Engine's fields, runtime/member_fields.py)."""
 
@@ -169,6 +177,7 @@ class Boundary:
         assert rep is not None and rep.after is not None
         if h.scaler is not None:  # changed only by commits: take the source's, as of step t
             h.scaler.load_state_dict(rep.extra[h.reg.extra_name_of(h.scaler)])
+            forget_unscale(h.scaler)
         with torch.no_grad():
             for p, a in zip(h.reg.params, rep.after, strict=True):
                 p.copy_(a)

@@ -69,10 +69,7 @@ def test_clip_grad_norm_is_ddp_semantics_and_exact_across_a_kill(tmp_path):
     assert 0 < n < 12 and got2[1]["norms"] == got[1]["norms"][-n:]
 
 
-def test_clip_with_zero1_and_accumulation_misuse_get_one_line(tmp_path):
-    run, _ = _clip_run(tmp_path, "z", extra=("--sharding", "zero1"))
-    assert run.rc != 0
-    assert "with sharding='zero1' are not supported yet" in run.stdout + run.stderr + json.dumps(run.report)
+def test_accumulation_misuse_gets_one_line(tmp_path):
     run, _ = _clip_run(tmp_path, "acc", extra=("--misuse",))
     text = run.stdout + run.stderr + json.dumps(run.report)
     assert run.rc != 0 and "wrap all but the last micro-batch's backward in" in text, explain(run)

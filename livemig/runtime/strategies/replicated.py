@@ -113,6 +113,7 @@ class Replicated(Strategy):
         while True:
             rt.check_fenced()
             rt.report.enter_collective(t)  # the coordinator's hang detection reads how long we wait
+            self.regather()  # ZeRO-1: after a group switch, every member's first collective
             # planned migration: all 1.0 = switch after this step; a whole-job stop: any 1.0 = stop after it
             # (runtime/stop.py); averaged with the buckets (NCCL reduces device tensors)
             ctl = torch.tensor([h.migration.vote(), h.halt.vote()], device=training_device(h.reg.params))

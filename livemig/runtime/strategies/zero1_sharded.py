@@ -3,7 +3,10 @@ shard mirrored on a buddy (comm/zero1.py holds the shards and the layout).
 
 A step is the reduction, a 1-float barrier (the commit point: anyone past it holds the
 slices to finish the step alone), the own shard's update, then the all-gather of the
-parameters overlapped with the mirror's update. After any group switch every member first
+parameters overlapped with the mirror's update. A step whose whole average the user takes
+(ctx.sync_gradients(), ctx.clip_grad_norm_(), a GradScaler) averages the whole gradient as
+plain data parallel does, and that average is its commit point; each shard then steps with
+its slice of the gradient as the user left it. After any group switch every member first
 all-gathers the parameters (`regather`), then goes on with the step it is at.
 """
 
@@ -13,9 +16,12 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from livemig.comm.group import CollectiveAborted, allreduce_mean, allreduce_sum
 from livemig.config import SHARDING_ENTRY, buddy_stride
-from livemig.errors import ConfigError, RecoveryError
+from livemig.device import training_device
+from livemig.errors import RecoveryError
 from livemig.rdzv.membership import GenState
 from livemig.runtime.registry import Layout
 from livemig.runtime.step_state import Averaged
@@ -43,6 +49,7 @@ class Zero1(Replicated):
         self.shards = shards
         self.parts = Zero1Parts(host, shards)
         self.gathered_gen: int | None = None  # the generation whose group last gathered the parameters
+        self.whole = WholeAverage(host, shards)
 
     def signature(self) -> list[list]:
         return [[SHARDING_ENTRY, "zero1", [int(self.shards.mirroring)]]]
@@ -55,23 +62,74 @@ class Zero1(Replicated):
         self.gathered_gen = self.h.runtime.gen  # every rank holds rank 0's initial model (or the loaded one)
 
     # -- the step ----------------------------------------------------------------------------
-    def check_user_sync(self) -> None:
-        raise ConfigError(
-            "ctx.sync_gradients() / ctx.clip_grad_norm_() with sharding='zero1' are not supported yet: "
-            "each rank holds only its slice of the averaged gradient; use ctx.step() alone"
-        )
-
     def step(self, t: int) -> None:
         h = self.h
-        if h.scaler is not None:
-            raise ConfigError("ctx.step(scaler=...) with sharding='zero1' is not supported yet")
         if h.virtual.defers(t):  # a shrunk job: a later body of this step commits it
             h.virtual.stash(t)
             return
-        self._step(t)
+        if h.st.user_synced == t or h.scaler is not None:
+            self._step_whole(t)
+        else:
+            self._step(t)
         if h.virtual.deferred == t:  # shrunk during the reduction: the carried bodies come first
             return
         h.faults.at(t, "after_step")
+
+    def reduce(self, ctl: torch.Tensor, first: bool) -> list[torch.Tensor]:
+        """The whole average of a step the user takes it in (WholeAverage.reduce)."""
+        return self.whole.reduce(ctl, first)
+
+    def _step_whole(self, t: int) -> None:
+        """A step whose whole average the user took (ctx.sync_gradients(),
+        ctx.clip_grad_norm_()) or a GradScaler unscales: the average as plain data parallel's,
+        the user's code, then each shard's slices of the gradient as the user left it
+        (clipped, unscaled), the barrier (the commit point, as in a plain ZeRO-1 step: anyone
+        past it holds what it needs to finish the step alone), the updates and the gather.
+        A retry after a failed barrier first redoes the average with this member's kept
+        gradient, for the members that lack it (WholeAverage.contribute_again)."""
+        h = self.h
+        z, red, rt = self.shards, h.reducer, h.runtime
+        assert red is not None
+        self.average(t, views=False)  # a no-op if the user synced
+        if h.virtual.deferred == t:  # shrunk during the average: the carried bodies come first
+            return
+        skip = found_inf(h.scaler, h.reg.optimizer) if h.scaler is not None else False
+        held: list = [None, None] if skip else list(z.slices_of(red.flatten()))
+        timeout, first = h.timeouts.collective, True
+        while h.committed < t:
+            rt.check_fenced()
+            rt.report.enter_collective(t)
+            if not first:
+                self.regather()
+                if h.committed >= t:
+                    break
+            try:
+                if not first:
+                    self.whole.contribute_again(t)
+                h.st.avg = Averaged(t, held)  # before the barrier: whoever passes it knows we hold them
+                stop = z.barrier(rt.pg, timeout, rt.moved_on, h.halt.vote()) > 0
+                h.faults.at_commit_point(t, "barrier result")
+            except CollectiveAborted as exc:
+                first = False
+                h.join_recovery(t, exc)
+                continue
+            h.halt.after_commit(t, stop)  # a whole-job stop after t (runtime/stop.py)
+            if h.scaler is not None:
+                h.scaler.update()  # after the commit point: a retry's spare starts from the scale before it
+            z.update(held[0], held[1], part="owned")
+            self.gathered_gen = None
+            try:
+                h.faults.at(t, "gather")
+
+                def mirror_update(held: list = held) -> None:  # overlapped with the gather; commits t
+                    h.commit(t, held, mirror_only=True)
+
+                z.gather(rt.pg, timeout, rt.moved_on, meanwhile=mirror_update)
+                self.gathered_gen = rt.gen
+            except CollectiveAborted as exc:  # step t is committed; the new group repeats the gather
+                h.join_recovery(t, exc)
+        self.regather()
+        rt.report.leave_collective()
 
     def _step(self, t: int) -> None:
         """Reduction (reduce-scatter + exchange, or allreduce + slicing), barrier,
@@ -159,20 +217,28 @@ class Zero1(Replicated):
         """No peers: this rank's slices of the local gradient."""
         h, zero = self.h, self.shards
         assert h.reducer is not None
+        skip = found_inf(h.scaler, h.reg.optimizer) if h.scaler is not None else False  # as a job step does
         flats = h.reducer.flatten()
         allreduce_mean(pg, flats, 1, h.timeouts.collective)
         own = [f.chunk(h.world_size)[zero.own.shard].clone() for f in flats]
         mirror = [f.chunk(h.world_size)[zero.mirror.shard].clone() for f in flats] if zero.mirror else None
-        zero.update(own, mirror)
+        if h.scaler is not None:
+            h.scaler.update()
+        if not skip:
+            zero.update(own, mirror)
         for p in h.reg.params:
             p.grad = None
         h.committed = t
 
     # -- recovery ------------------------------------------------------------------------------
     def finish_missed(self, m: Membership, t: int) -> bool:
+        """A peer passed step t's barrier: so did every member reach it, holding its slices;
+        this one finishes the step alone from them."""
         h = self.h
         if h.st.avg is None or h.st.avg.step != t:
             raise RecoveryError(f"rank {h.rank} does not hold the gradient slices of step {t}")
+        if h.scaler is not None:  # a GradScaler's step (a whole-average one): its update
+            h.scaler.update()  # follows the commit point, as on the members that passed the barrier
         h.commit(t, h.st.avg.flats)  # a peer passed the barrier: finish the step alone
         log.info("finished a step a peer committed, from the slices held here", extra={"step": t})
         return True
@@ -186,9 +252,10 @@ class Zero1(Replicated):
 
         for sh in self.shards.held():
             h.runtime.serving.publish(m.generation, items.zshard(sh.shard), provider(sh))
-
-    def replay_needs_avg(self) -> bool:
-        return False  # ctx.sync_gradients() is refused with ZeRO-1
+        synced = h.st.synced  # a step the user took the whole average of: a peer that missed it, or
+        if synced is not None and synced.step == h.committed and synced.flats is not None:  # a replay
+            step, flats = synced.step, synced.flats
+            h.runtime.serving.publish(m.generation, items.AVG, lambda: (step, {"flat": flats}))
 
     def pull_layout(self, m: Membership, step: int) -> tuple[int, str]:
         """The shards m's layout gives a spare (its own, the one it mirrors), from their holders."""
@@ -222,6 +289,82 @@ class Zero1(Replicated):
 
     def switch_layout(self, m: Membership) -> None:
         self.shards.switch(m.carried)
+
+
+class WholeAverage:
+    """ZeRO-1's steps whose whole average the user takes (ctx.sync_gradients(), clipping, a
+    GradScaler): the average as plain data parallel's, and this member's own contribution
+    kept for a retry after the user's code ran (docs/architecture.md, ZeRO-1)."""
+
+    def __init__(self, host: StrategyHost, shards: Shards) -> None:
+        self.h = host
+        self.shards = shards
+        self.kept: tuple[int | None, list[torch.Tensor]] | None = None  # (step, own contribution to its average)
+
+    def reduce(self, ctl: torch.Tensor, first: bool) -> list[torch.Tensor]:
+        """The whole average of a step the user takes it in (ctx.sync_gradients(), clipping,
+        a GradScaler), as plain data parallel's: each member holds all of it (the average's
+        attempts regather the parameters first after a group switch). In reduce-scatter
+        mode the slices are reduce-scattered as in a plain ZeRO-1 step (a spare that joins
+        the retry reduces as a first attempt does) and gathered whole. This member's own
+        contribution is kept: a retry of the step after the user's code ran sends it again."""
+        h = self.h
+        red = h.reducer
+        assert red is not None
+        if first:  # .grad still holds the local gradient: the buckets were filled from it
+            self.kept = (h.current, red.flatten(h.world_size))
+            return self.average_of([], ctl, True)
+        h.virtual.add_stashed()
+        mine = red.flatten(h.virtual.divisor())
+        self.kept = (h.current, [f.clone() for f in mine])
+        return self.average_of(mine, ctl, False)
+
+    def average_of(self, flats: list[torch.Tensor], ctl: torch.Tensor, first: bool) -> list[torch.Tensor]:
+        """The collectives of one attempt, the same on every member: the overlapped
+        reduction (first) or a synchronous one of `flats` (pre-divided)."""
+        h = self.h
+        red, rt, timeout = h.reducer, h.runtime, h.timeouts.collective
+        assert red is not None
+        if red.scatter and not self.shards.shrunk:
+            if first:
+                slices = red.finish(h.world_size, timeout, rt.moved_on, ctl)
+            else:
+                slices = red.reduce(rt.pg, flats, timeout, rt.moved_on)
+                allreduce_sum(rt.pg, [ctl], timeout, rt.moved_on)
+                ctl.div_(h.world_size)
+            return self.shards.whole(rt.pg, slices, timeout, rt.moved_on)
+        if first:
+            return red.finish(h.world_size, timeout, rt.moved_on, ctl)
+        allreduce_sum(rt.pg, [*flats, ctl], timeout, rt.moved_on)
+        return flats
+
+    def contribute_again(self, t: int) -> None:
+        """A retry of step t after this member's average and user code ran (nobody passed
+        the barrier): the members that lack the average (a spare that took a lost rank, a
+        survivor whose average failed) redo it, so this member sends its kept gradient
+        again, in the same collectives, and keeps what it already has."""
+        h = self.h
+        kept = self.kept
+        if kept is None or kept[0] != t:
+            raise RecoveryError(f"rank {h.rank} kept no gradient of step {t} to average again")
+        h.boundary.mirror_local(t)
+        ctl = torch.zeros(2, device=training_device(h.reg.params))  # the average's votes: counted at the barrier
+        self.average_of([f.clone() for f in kept[1]], ctl, first=False)
+
+
+def found_inf(scaler: Any, optimizer: Any) -> bool:
+    """A GradScaler's part of a ZeRO-1 step before the commit point, without its step(): that
+    would call optimizer.step(), which the shards replace. Unscale the gradient (unless the
+    user did, to clip) and say whether it found inf/nan (the same on every member and mirror:
+    all hold the same average): then no shard moves. The scale's update follows the commit."""
+    from torch.amp.grad_scaler import OptState
+
+    if not scaler.is_enabled():
+        return False
+    state = scaler._per_optimizer_states[id(optimizer)]  # torch's own record of this step's unscale
+    if state["stage"] is not OptState.UNSCALED:
+        scaler.unscale_(optimizer)
+    return sum(float(v.item()) for v in state["found_inf_per_device"].values()) > 0
 
 
 class Zero1Parts(Parts):

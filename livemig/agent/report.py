@@ -483,15 +483,26 @@ def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float, m: 
     if "wait" in phases:  # a shrink: the wait for a spare before it (--spare-wait), its own phase
         keys.insert(keys.index("claim"), "wait")
     phases = {k: round(phases.get(k, 0.0), 4) for k in keys}
+    downtime, note = first_after - last_before - median_step, None
+    if downtime <= 0:  # the gap was no longer than a median step: a noisy step time hid the pause
+        # (issue 54: a loaded machine reported 0.0). The members waited at least from the
+        # fence to the commit: the coordinator's own time of it is the figure then, said so.
+        downtime = t["commit"] - t.get("fence", t.get("detect", t["fault"]))
+        note = ("the steps around the recovery took no longer than the median step (a noisy step time): "
+                "the coordinator's fence-to-commit time instead")  # fmt: skip
+        if downtime <= 0:
+            note = "not measurable: the recovery left no gap in the commits and no fence-to-commit time"
     out = {
         "kind": cur["kind"],
         "rank": cur["rank"],
         "generation": cur.get("generation"),
-        "downtime_s": round(max(0.0, first_after - last_before - median_step), 4),
+        "downtime_s": round(max(0.0, downtime), 4),
         "phases": phases,
         "bytes_streamed": cur["bytes_streamed"],
         "spares": cur.get("spares", []),  # the spare(s) that took the lost rank(s)
     }
+    if note is not None:
+        out["downtime_note"] = note
     if "carried" in cur:
         out["carried"] = cur["carried"]  # virtual rank -> the survivor that runs its steps too
     if cur.get("fresh"):

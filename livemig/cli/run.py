@@ -53,6 +53,8 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
                    f"redone ({r['lost_s']:.2f} s lost in all)")  # fmt: skip
         lines += [f"{what}{onto} (generation {r['generation']}): downtime {r['downtime_s']:.2f} s; {how}",
                   f"  phases (s): {phases}"]  # fmt: skip
+        if r.get("downtime_note"):
+            lines.append(f"  downtime: {r['downtime_note']}")
     if rep["recoveries"]:
         lines.append(
             "  (downtime = first group-wide commit after the recovery - last one before it - one median "

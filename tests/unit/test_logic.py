@@ -94,6 +94,12 @@ def test_downtime_and_phases():
     (sh,) = recoveries(shrink, late_commits, 0.1)
     assert sh["kind"] == "shrink" and sh["phases"]["wait"] == pytest.approx(5.0), sh
     assert sh["phases"]["build"] == pytest.approx(0.13), sh
+    # A pause hidden by a noisy step time (the gap no longer than the median step): never 0.0,
+    # the coordinator's fence-to-commit time instead, and the report says why (issue 54)
+    tight = [(s, 100.0 + s * 0.1) for s in range(20)]
+    (n,) = recoveries(ev, tight, 0.5)
+    assert n["downtime_s"] == pytest.approx(101.6 - 101.06) and "fence-to-commit" in n["downtime_note"], n
+    assert "downtime_note" not in recoveries(ev, commits, 0.1)[0]
 
 
 def test_timeouts_from_env(monkeypatch):

@@ -49,7 +49,7 @@ class Zero1(Replicated):
         self.shards = shards
         self.parts = Zero1Parts(host, shards)
         self.gathered_gen: int | None = None  # the generation whose group last gathered the parameters
-        self.whole = WholeAverage(host, shards)
+        self.whole = WholeAverage(self)
 
     def signature(self) -> list[list]:
         return [[SHARDING_ENTRY, "zero1", [int(self.shards.mirroring)]]]
@@ -68,7 +68,7 @@ class Zero1(Replicated):
             h.virtual.stash(t)
             return
         if h.st.user_synced == t or h.scaler is not None:
-            self._step_whole(t)
+            self.whole.step(t)
         else:
             self._step(t)
         if h.virtual.deferred == t:  # shrunk during the reduction: the carried bodies come first
@@ -78,58 +78,6 @@ class Zero1(Replicated):
     def reduce(self, ctl: torch.Tensor, first: bool) -> list[torch.Tensor]:
         """The whole average of a step the user takes it in (WholeAverage.reduce)."""
         return self.whole.reduce(ctl, first)
-
-    def _step_whole(self, t: int) -> None:
-        """A step whose whole average the user took (ctx.sync_gradients(),
-        ctx.clip_grad_norm_()) or a GradScaler unscales: the average as plain data parallel's,
-        the user's code, then each shard's slices of the gradient as the user left it
-        (clipped, unscaled), the barrier (the commit point, as in a plain ZeRO-1 step: anyone
-        past it holds what it needs to finish the step alone), the updates and the gather.
-        A retry after a failed barrier first redoes the average with this member's kept
-        gradient, for the members that lack it (WholeAverage.contribute_again)."""
-        h = self.h
-        z, red, rt = self.shards, h.reducer, h.runtime
-        assert red is not None
-        self.average(t, views=False)  # a no-op if the user synced
-        if h.virtual.deferred == t:  # shrunk during the average: the carried bodies come first
-            return
-        skip = found_inf(h.scaler, h.reg.optimizer) if h.scaler is not None else False
-        held: list = [None, None] if skip else list(z.slices_of(red.flatten()))
-        timeout, first = h.timeouts.collective, True
-        while h.committed < t:
-            rt.check_fenced()
-            rt.report.enter_collective(t)
-            if not first:
-                self.regather()
-                if h.committed >= t:
-                    break
-            try:
-                if not first:
-                    self.whole.contribute_again(t)
-                h.st.avg = Averaged(t, held)  # before the barrier: whoever passes it knows we hold them
-                stop = z.barrier(rt.pg, timeout, rt.moved_on, h.halt.vote()) > 0
-                h.faults.at_commit_point(t, "barrier result")
-            except CollectiveAborted as exc:
-                first = False
-                h.join_recovery(t, exc)
-                continue
-            h.halt.after_commit(t, stop)  # a whole-job stop after t (runtime/stop.py)
-            if h.scaler is not None:
-                h.scaler.update()  # after the commit point: a retry's spare starts from the scale before it
-            z.update(held[0], held[1], part="owned")
-            self.gathered_gen = None
-            try:
-                h.faults.at(t, "gather")
-
-                def mirror_update(held: list = held) -> None:  # overlapped with the gather; commits t
-                    h.commit(t, held, mirror_only=True)
-
-                z.gather(rt.pg, timeout, rt.moved_on, meanwhile=mirror_update)
-                self.gathered_gen = rt.gen
-            except CollectiveAborted as exc:  # step t is committed; the new group repeats the gather
-                h.join_recovery(t, exc)
-        self.regather()
-        rt.report.leave_collective()
 
     def _step(self, t: int) -> None:
         """Reduction (reduce-scatter + exchange, or allreduce + slicing), barrier,
@@ -177,20 +125,27 @@ class Zero1(Replicated):
                 continue
             # Update our shard(s), then gather the parameters while the mirror(s) are updated.
             h.halt.after_commit(t, stop)  # a whole-job stop after t (runtime/stop.py)
-            z.update(held[0], held[1], part="owned")
-            self.gathered_gen = None
-            try:
-                h.faults.at(t, "gather")
-
-                def mirror_update(held: list = held) -> None:  # overlapped with the gather
-                    h.commit(t, held, mirror_only=True)
-
-                z.gather(rt.pg, timeout, rt.moved_on, meanwhile=mirror_update)
-                self.gathered_gen = rt.gen
-            except CollectiveAborted as exc:  # step t is committed; the new group repeats the gather
-                h.join_recovery(t, exc)
+            self.update_and_gather(t, held)
         self.regather()
         rt.report.leave_collective()
+
+    def update_and_gather(self, t: int, held: list) -> None:
+        """Past step t's barrier: update our shard(s), then gather the parameters while the
+        mirror(s) are updated (that update commits t, and runs even if the gather fails: the
+        new group then repeats the gather)."""
+        h, z, rt = self.h, self.shards, self.h.runtime
+        z.update(held[0], held[1], part="owned")
+        self.gathered_gen = None
+        try:
+            h.faults.at(t, "gather")
+
+            def mirror_update(held: list = held) -> None:  # overlapped with the gather
+                h.commit(t, held, mirror_only=True)
+
+            z.gather(rt.pg, h.timeouts.collective, rt.moved_on, meanwhile=mirror_update)
+            self.gathered_gen = rt.gen
+        except CollectiveAborted as exc:
+            h.join_recovery(t, exc)
 
     def regather(self) -> None:
         """All-gather the parameters unless this generation's group already did."""
@@ -296,9 +251,10 @@ class WholeAverage:
     GradScaler): the average as plain data parallel's, and this member's own contribution
     kept for a retry after the user's code ran (docs/architecture.md, ZeRO-1)."""
 
-    def __init__(self, host: StrategyHost, shards: Shards) -> None:
-        self.h = host
-        self.shards = shards
+    def __init__(self, zero: Zero1) -> None:
+        self.zero = zero
+        self.h = zero.h
+        self.shards = zero.shards
         self.kept: tuple[int | None, list[torch.Tensor]] | None = None  # (step, own contribution to its average)
 
     def reduce(self, ctl: torch.Tensor, first: bool) -> list[torch.Tensor]:
@@ -337,6 +293,47 @@ class WholeAverage:
             return red.finish(h.world_size, timeout, rt.moved_on, ctl)
         allreduce_sum(rt.pg, [*flats, ctl], timeout, rt.moved_on)
         return flats
+
+    def step(self, t: int) -> None:
+        """A step whose whole average the user took (ctx.sync_gradients(),
+        ctx.clip_grad_norm_()) or a GradScaler unscales: the average as plain data parallel's,
+        the user's code, then each shard's slices of the gradient as the user left it
+        (clipped, unscaled), the barrier (the commit point, as in a plain ZeRO-1 step: anyone
+        past it holds what it needs to finish the step alone), the updates and the gather.
+        A retry after a failed barrier first redoes the average with this member's kept
+        gradient, for the members that lack it (contribute_again)."""
+        h, zero = self.h, self.zero
+        z, red, rt = self.shards, h.reducer, h.runtime
+        assert red is not None
+        zero.average(t, views=False)  # a no-op if the user synced
+        if h.virtual.deferred == t:  # shrunk during the average: the carried bodies come first
+            return
+        skip = found_inf(h.scaler, h.reg.optimizer) if h.scaler is not None else False
+        held: list = [None, None] if skip else list(z.slices_of(red.flatten()))
+        timeout, first = h.timeouts.collective, True
+        while h.committed < t:
+            rt.check_fenced()
+            rt.report.enter_collective(t)
+            if not first:
+                zero.regather()
+                if h.committed >= t:
+                    break
+            try:
+                if not first:
+                    self.contribute_again(t)
+                h.st.avg = Averaged(t, held)  # before the barrier: whoever passes it knows we hold them
+                stop = z.barrier(rt.pg, timeout, rt.moved_on, h.halt.vote()) > 0
+                h.faults.at_commit_point(t, "barrier result")
+            except CollectiveAborted as exc:
+                first = False
+                h.join_recovery(t, exc)
+                continue
+            h.halt.after_commit(t, stop)  # a whole-job stop after t (runtime/stop.py)
+            if h.scaler is not None:
+                h.scaler.update()  # after the commit point: a retry's spare starts from the scale before it
+            zero.update_and_gather(t, held)
+        zero.regather()
+        rt.report.leave_collective()
 
     def contribute_again(self, t: int) -> None:
         """A retry of step t after this member's average and user code ran (nobody passed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from datetime import timedelta
 
@@ -61,6 +62,8 @@ def main() -> None:
                                    for n in names)}  # fmt: skip
     print(json.dumps(out), flush=True)
     dist.barrier()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: see collectives_worker.py
 
 
 if __name__ == "__main__":

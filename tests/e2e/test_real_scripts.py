@@ -84,6 +84,15 @@ def test_per_rank_seed_kill_lands_on_its_step_and_is_exact(tmp_path, reference):
     assert _spare_joined(run, 1) == 12 and run.report["members"]["1"]["first_commit"][0] == 12
 
 
+def test_a_kill_of_a_port_that_unscales_to_clip_is_exact(tmp_path, reference):
+    """The spare replays the killed rank's last step, whose body calls scaler.unscale_(opt) to
+    clip: the replay must not leave the scaler marked "unscaled" (the spare's next step raised
+    "unscale_() has already been called" and the job failed). CI ~25 s."""
+    run, ranks = _run(tmp_path, 3, spares=1, faults=("kill:rank=2:step=10",), args=tuple(AMP), job="ak")
+    assert_same_run(run, ranks, reference(3, tuple(AMP)))
+    assert len(run.report["recoveries"]) == 1, explain(run)
+
+
 def test_hang_lands_on_its_step(tmp_path, reference):
     run, ranks = _run(tmp_path, 2, spares=1, faults=("hang:rank=1:step=11",), job="h")
     assert_same_run(run, ranks, reference(2))

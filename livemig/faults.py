@@ -191,6 +191,20 @@ def parse_fault(spec: str) -> Fault:
     return Fault(kind, rank, step, during, resume, factor, member, after, ahead)  # type: ignore[arg-type]
 
 
+def parse_plan(specs: list[str]) -> list[Fault]:
+    """Every --fault, and the one rule across them: a worker process carries one in-process
+    fault (LIVEMIG_SELF_FAULT), so two for one rank would silently keep the last."""
+    faults = [parse_fault(s) for s in specs]
+    seen: dict[int, str] = {}
+    for s, f in zip(specs, faults, strict=True):
+        if f.in_process and f.rank is not None:
+            if f.rank in seen:
+                raise ConfigError(f"--fault {s!r}: rank {f.rank} already has the in-process fault {seen[f.rank]!r} "
+                                  "(one per rank: plan the other on another rank, or as an agent's fault)")  # fmt: skip
+            seen[f.rank] = s
+    return faults
+
+
 @dataclass(frozen=True)
 class SelfFault:
     """A fault a worker carries out on itself (LIVEMIG_SELF_FAULT, or `livemig inject

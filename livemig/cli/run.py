@@ -21,7 +21,7 @@ from livemig.agent.launcher import run
 from livemig.agent.run_config import RunConfig
 from livemig.config import ENV_SHRUNK_BOUND, ENV_STEP_PRINTS, ENV_VERIFY_DIR, Timeouts
 from livemig.errors import ConfigError, LivemigError
-from livemig.faults import IN_PROCESS_DURING, KINDS, PHASE_DURING, USAGE, parse_fault
+from livemig.faults import IN_PROCESS_DURING, KINDS, PHASE_DURING, USAGE, parse_plan
 from livemig.rdzv.security import add_arguments as add_security_arguments
 
 OVERSUBSCRIBE = 4  # processes per core above which `livemig run` warns (each one is a Python with torch)
@@ -262,7 +262,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                     node_rank=node_rank, host=a.host,
                     coordinators=a.coordinators, job=a.job, etcd=a.etcd, etcd_bin=a.etcd_bin,
                     etcd_members=a.etcd_members,
-                    faults=[parse_fault(f) for f in a.fault], report=a.report, timeouts=t,
+                    faults=parse_plan(a.fault), report=a.report, timeouts=t,
                     log_every=a.log_every, max_wall=a.max_wall, on_error=a.on_error,
                     metrics_port=a.metrics_port, events=a.events, checkpoint=checkpoint_settings(a),
                     resume_from=a.resume_from, max_restarts=a.max_restarts, recovery=a.recovery,

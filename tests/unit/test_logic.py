@@ -9,7 +9,14 @@ import pytest
 from livemig.agent.report import recoveries
 from livemig.config import Timeouts
 from livemig.errors import ConfigError
-from livemig.faults import SelfFault, parse_fault, parse_self_fault
+from livemig.faults import SelfFault, parse_fault, parse_plan, parse_self_fault
+
+
+def test_two_in_process_faults_for_one_rank_are_refused():
+    # the worker carries one (LIVEMIG_SELF_FAULT): the first used to be dropped without a word
+    with pytest.raises(ConfigError, match="rank 1 already has the in-process fault 'kill:rank=1:step=4:during=gather'"):
+        parse_plan(["kill:rank=1:step=4:during=gather", "drop_avg:rank=1:step=8"])
+    assert len(parse_plan(["kill:rank=1:step=4:during=gather", "drop_avg:rank=2:step=8", "kill:rank=1:step=9"])) == 3
 
 
 def test_parse_fault():
@@ -40,6 +47,7 @@ def test_every_grid_of_the_faults_bench_is_well_formed():
     for grid in (MATRIX, exact_grid(), migration_grid(), sequences_grid(40)):
         assert len({c.name for c in grid}) == len(grid)
         for c in grid:
+            parse_plan(list(c.faults))  # one in-process fault per rank
             for plan in c.faults:
                 f = parse_fault(plan)
                 assert f.rank is None or 0 <= f.rank < c.nproc, (c.name, plan)

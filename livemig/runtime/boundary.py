@@ -23,6 +23,7 @@ from livemig.comm.group import CollectiveAborted, ring_exchange
 from livemig.config import Role
 from livemig.data import seed_step, step_seed
 from livemig.errors import ConfigError, RecoveryError
+from livemig.runtime.registry import forget_unscale
 from livemig.runtime.start_sync import check_replicas
 
 if TYPE_CHECKING:
@@ -35,14 +36,6 @@ if TYPE_CHECKING:
     from livemig.runtime.virtual import VirtualRanks
 
 log = logging.getLogger("livemig.runtime.boundary")
-
-
-def forget_unscale(scaler: Any) -> None:
-    """A replayed body that unscaled its gradient to clip it (scaler.unscale_(opt)) left the
-    scaler marked "unscaled" for the optimizer; its update(), which would clear the mark, is
-    what the replay does not repeat (the scale is the source's). Cleared here, or the next
-    step's own unscale_() raises "unscale_() has already been called"."""
-    scaler._per_optimizer_states.clear()  # torch's defaultdict: refreshed on the next access
 
 
 class BoundaryHost(Protocol):

@@ -39,6 +39,14 @@ def _streamable(name: str, obj: Any) -> None:
         raise ConfigError(f"ctx.register: {exc}") from None
 
 
+def forget_unscale(scaler: Any) -> None:
+    """A body whose step did not end in this scaler's update() left it marked "unscaled" if
+    it called scaler.unscale_(opt) to clip: a spare's replayed body (the scale is then the
+    source's), a shrunk job's earlier bodies of a step (the last body's is the one that
+    counts). Cleared, or the next unscale_() raises "unscale_() has already been called"."""
+    scaler._per_optimizer_states.clear()  # torch's defaultdict: refreshed on the next access
+
+
 @dataclass(frozen=True)
 class Layout:
     """How a kind of parallelism lays the registered state out over the ranks, as facts the

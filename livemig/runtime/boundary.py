@@ -23,7 +23,7 @@ from livemig.comm.group import CollectiveAborted, ring_exchange
 from livemig.config import Role
 from livemig.data import seed_step, step_seed
 from livemig.errors import ConfigError, RecoveryError
-from livemig.runtime.registry import forget_unscale
+from livemig.runtime.registry import load_extra
 from livemig.runtime.start_sync import check_replicas
 
 if TYPE_CHECKING:
@@ -169,8 +169,7 @@ class Boundary:
         rep, h.st.replay = h.st.replay, None
         assert rep is not None and rep.after is not None
         if h.scaler is not None:  # changed only by commits: take the source's, as of step t
-            h.scaler.load_state_dict(rep.extra[h.reg.extra_name_of(h.scaler)])
-            forget_unscale(h.scaler)
+            load_extra(h.scaler, rep.extra[h.reg.extra_name_of(h.scaler)])
         with torch.no_grad():
             for p, a in zip(h.reg.params, rep.after, strict=True):
                 p.copy_(a)

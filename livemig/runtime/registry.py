@@ -39,12 +39,15 @@ def _streamable(name: str, obj: Any) -> None:
         raise ConfigError(f"ctx.register: {exc}") from None
 
 
-def forget_unscale(scaler: Any) -> None:
-    """A body whose step did not end in this scaler's update() left it marked "unscaled" if
-    it called scaler.unscale_(opt) to clip: a spare's replayed body (the scale is then the
-    source's), a shrunk job's earlier bodies of a step (the last body's is the one that
-    counts). Cleared, or the next unscale_() raises "unscale_() has already been called"."""
-    scaler._per_optimizer_states.clear()  # torch's defaultdict: refreshed on the next access
+def load_extra(obj: Any, state: Any) -> None:
+    """A registered extra set to a boundary's state. A GradScaler's state_dict() leaves out
+    the "unscaled" mark that scaler.unscale_(opt) sets until its update(): a body that
+    unscaled to clip and whose step did not end in this update (a spare's replayed body, a
+    shrunk job's earlier bodies of a step) left it set, and the next unscale_() raised
+    "unscale_() has already been called". At a boundary no step is in progress: cleared."""
+    obj.load_state_dict(state)
+    if isinstance(obj, torch.amp.GradScaler):
+        obj._per_optimizer_states.clear()  # torch's defaultdict: refreshed on the next access
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,7 @@ class Registry:
 
     def load_boundary(self, state: dict[str, Any]) -> None:
         for k, v in self.extra.items():
-            v.load_state_dict(state["extra"][k])
+            load_extra(v, state["extra"][k])
         self.set_hparams(state["hparams"])
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -202,7 +205,7 @@ class Registry:
         if self.optimizer is not None and not self.layout.optimizer_in_shards:
             self.optimizer.load_state_dict(state["optimizer"])
         for k, v in self.extra.items():
-            v.load_state_dict(state["extra"][k])
+            load_extra(v, state["extra"][k])
 
     def ensure_grads(self) -> None:
         """A parameter backward did not reach still takes part in the reduction, as zeros."""
@@ -269,7 +272,7 @@ class Registry:
         self.optimizer.zero_grad()
         if applied.get("scaler") is not None:
             name, sd = applied["scaler"]
-            self.extra[name].load_state_dict(sd)
+            load_extra(self.extra[name], sd)
 
     def hparams(self) -> list[dict]:
         """The optimizer's param-group hyperparameters (what a scheduler sets)."""

@@ -39,7 +39,6 @@ import torch
 from livemig.config import ENV_SHRINK_DROP, buddy_stride
 from livemig.data import seed_step, step_seed
 from livemig.errors import RecoveryError
-from livemig.runtime.registry import forget_unscale
 from livemig.state import unpack
 
 if TYPE_CHECKING:
@@ -224,7 +223,6 @@ class VirtualRanks:
     def _body(self, step: int, v: int) -> Iterator[int]:
         e = self.e
         e.current = step
-        self._forget_unscales()
         self.stashed = None
         carried = v != e.rank
         own = self._swap_in(v) if carried else None
@@ -238,13 +236,6 @@ class VirtualRanks:
             self.active = None
         if carried:
             self._swap_out(v, step, own)
-
-    def _forget_unscales(self) -> None:
-        """An earlier body's scaler.unscale_(opt) (a replayed one, or one of a step the last body
-        commits) left its GradScaler marked "unscaled": this body's own unscale_ starts clean."""
-        for x in self.e.reg.extra.values():
-            if isinstance(x, torch.amp.GradScaler):
-                forget_unscale(x)
 
     @contextlib.contextmanager
     def as_rank(self, v: int, boundary: int) -> Iterator[None]:
@@ -303,7 +294,6 @@ class VirtualRanks:
             for p, b in zip(e.params, before, strict=True):
                 p.copy_(b)
         e.reg.load_boundary(unpack(rep))
-        self._forget_unscales()
         own = self._swap_in(v)
         e.current, self.replaying = k, k
         seed_step(step_seed(e.seed, k, v))
@@ -318,5 +308,4 @@ class VirtualRanks:
                 p.copy_(x)
                 p.grad = None
         e.reg.load_boundary(unpack(own_rep))
-        self._forget_unscales()
         e.current = back_to

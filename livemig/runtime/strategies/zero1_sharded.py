@@ -5,8 +5,8 @@ A step is the reduction, a 1-float barrier (the commit point: anyone past it hol
 slices to finish the step alone), the own shard's update, then the all-gather of the
 parameters overlapped with the mirror's update. A step whose whole average the user takes
 (ctx.sync_gradients(), ctx.clip_grad_norm_(), a GradScaler) averages the whole gradient as
-plain data parallel does, and that average is its commit point; each shard then steps with
-its slice of the gradient as the user left it. After any group switch every member first
+plain data parallel does; after the user's code each shard's slices are cut from the gradient
+as the user left it, and the same barrier commits it (WholeAverage). After any group switch every member first
 all-gathers the parameters (`regather`), then goes on with the step it is at.
 """
 

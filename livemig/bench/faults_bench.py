@@ -173,8 +173,8 @@ def exact_grid() -> list[Case]:
     """The exactness grid (`--grid exact`): examples/stateful.py (buffers, local= state,
     LR and weight-decay schedules stepped after ctx.step()) on both paths, both model
     kinds, 2 and 3 ranks, a kill in each phase a fault plan reaches, inside the LR
-    warm-up (step 3) and after it (step 9), and a planned migration after steps 2 and 5
-    on the plain path; every rank compared with the same rank of the fault-free run.
+    warm-up (step 3) and after it (step 9), and a planned migration after steps 2 and 5;
+    every rank compared with the same rank of the fault-free run.
     tests/e2e/test_exact_state.py runs a sample of it."""
     cases = []
     for nproc in (2, 3):
@@ -189,14 +189,13 @@ def exact_grid() -> list[Case]:
                         name = f"exact-{nproc}-{sharding or 'dp'}-{model}-{during or 'between'}-{step}"
                         cases.append(Case(name, f"kill rank {rank} at {during or 'a boundary'} of step {step}",
                                           nproc, 1, [fault], script=STATEFUL, args=args))  # fmt: skip
-                if not sharding:  # the same grid for a planned migration (refused with ZeRO-1)
-                    for step in (2, 5):
-                        rank = step % nproc
-                        cases.append(Case(f"exact-{nproc}-dp-{model}-migrate-{step}",
-                                          f"migrate rank {rank} after step {step}", nproc, 1,
-                                          [f"migrate:rank={rank}:step={step}"], recoveries=(0, 0),
-                                          script=STATEFUL, args=["--steps", "16", "--model", model],
-                                          check=_migration_done))  # fmt: skip
+                for step in (2, 5):  # the same grid for a planned migration
+                    rank = step % nproc
+                    args = ["--steps", "16", "--model", model] + (["--sharding", sharding] if sharding else [])
+                    cases.append(Case(f"exact-{nproc}-{sharding or 'dp'}-{model}-migrate-{step}",
+                                      f"migrate rank {rank} after step {step}", nproc, 1,
+                                      [f"migrate:rank={rank}:step={step}"], recoveries=(0, 0),
+                                      script=STATEFUL, args=args, check=_migration_done))  # fmt: skip
     return cases
 
 

@@ -353,14 +353,15 @@ class Zero1:
         return got
 
     @staticmethod
-    def barrier(pg: Any, timeout: timedelta, abort: Any, vote: float = 0.0) -> float:
-        """Every member holds the step's averaged slices; returns the sum of the members'
-        `vote`s (a whole-job stop, runtime/stop.py), the same on every member."""
+    def barrier(pg: Any, timeout: timedelta, abort: Any, *votes: float) -> list[float]:
+        """Every member holds the step's averaged slices; returns the sums of the members'
+        `votes` (a whole-job stop, runtime/stop.py; a planned migration's switch), the same on
+        every member."""
         if pg is None:
             raise CollectiveAborted("no process group: this member is between generations")
-        ctl = torch.tensor([vote], device=device_of(pg))
+        ctl = torch.tensor([*votes] or [0.0], device=device_of(pg))
         wait_all([pg.allreduce([ctl])], timeout, abort)
-        return float(ctl[0])
+        return [float(v) for v in ctl]
 
     def update(self, own: Any, mirror: list[torch.Tensor] | None = None, part: str = "all") -> None:
         """Step the shards held with their averaged slices: (own, mirror) at full width, or

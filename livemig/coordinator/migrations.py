@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from livemig.config import Role, Timeouts
 from livemig.coordinator.recovery import Plan, Spare
-from livemig.coordinator.sharding import sharding_of
 from livemig.coordinator.snapshot import Snapshot, as_number
 from livemig.coordinator.timeline import Timeline
 from livemig.rdzv.keys import JobKeys
@@ -65,8 +64,6 @@ class Migrations:
         reject = ""
         if not isinstance(rank, int) or rank not in m.members:
             reject = f"rank {rank!r} is not a member of the job (world size {m.world_size})"
-        elif (mode := sharding_of((s.get(self.keys.config) or {}).get("signature", []))[0]) == "zero1":
-            reject = f"planned migration of a job with sharded state ({mode}) is not supported yet"
         elif m.carried:
             reject = "planned migration of a shrunk job (survivors carrying lost ranks) is not supported yet"
         elif m.world_size < 2:

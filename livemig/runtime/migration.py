@@ -98,6 +98,7 @@ class Migration:
             return
         m, mig = plan
         if mig.get("leaving") == self.e.incarnation:
+            self.refuse_stale(rt.serving)
             # "snapshot" first; "snapshot/k" when the spare fell more than AVG_KEEP steps behind
             # (a retry that raced our first publish leaves "snapshot" wanted too: the newest counts)
             snaps = [w for w in list(rt.serving.wanted) if items.is_snapshot(w)]
@@ -121,6 +122,19 @@ class Migration:
                                                               "item": want})  # fmt: skip
         elif (rank := m.rank_of(self.e.incarnation)) is not None:
             rt.prebuild(m, rank)
+
+    def refuse_stale(self, server: Any) -> None:
+        """An update a spare asks for that this worker no longer keeps (or never served) is
+        answered as withdrawn, so that the spare loads a newer snapshot: the server remembers
+        only the last names it withdrew, and a spare stalled longer than that would wait for it."""
+        out = self.out
+        if out.step is None:
+            return
+        oldest = out.step if out.newest is None else max(out.step, out.newest - AVG_KEEP + 1)
+        for w in list(server.wanted):
+            k = items.step_of_avg(w)
+            if k is not None and k < oldest:
+                server.refuse(w)
 
     def at_boundary(self) -> None:
         """After the switch step and all its user code: the leaving worker hands over and
@@ -161,15 +175,21 @@ class Migration:
     def serve_shard(self, t: int, own: torch.Tensor, left: torch.Tensor | None, final: bool) -> None:
         """Leaving FSDP2 worker: step t's reduced, clipped gradient shard (what its optimizer
         steps with), the left neighbour's that its mirror steps with, the hyperparameters."""
-        item: dict[str, Any] = {"own": own, "hparams": self.e.reg.hparams(), "final": final}
+        item: dict[str, Any] = {"own": own}
         if left is not None:
             item["left"] = left
-        self._publish_step(t, item)
+        self.serve_item(t, item, final)
+
+    def serve_item(self, t: int, item: dict[str, Any], final: bool) -> None:
+        """Leaving worker: publish step t's update as its kind of parallelism repeats it
+        (strategy.handover.replay_update), with the step's hyperparameters."""
+        self._publish_step(t, {**item, "hparams": self.e.reg.hparams(), "final": final})
 
     def _publish_step(self, t: int, item: dict) -> None:
         rt, g = self.e.runtime, self.out.gen
         assert g is not None  # serves() said this worker serves the migration of generation g
         rt.serving.publish(g, items.step_avg(t), lambda: (t, item))
+        self.out.newest = t
         rt.serving.withdraw(items.step_avg(t - AVG_KEEP))
         rt.serving.wanted.discard(items.step_avg(t))
 
@@ -211,6 +231,10 @@ class Migration:
         if st.mirrored.get(t) is not None:  # FSDP2: our copy of the left neighbour's local state
             tail["mirrored"] = st.mirrored[t]
         rt.serving.publish(g, items.tail(t), lambda: (t, tail))
+        # a spare that fell behind after the switch was voted loads the state after step t (this
+        # worker trains no more: the tensors stay as they are while it waits) and then the tail
+        state = self.e.strategy.handover.snapshot
+        rt.serving.publish(g, items.final_snapshot(), lambda: (t + 1, state()))
         m = rt.wait_membership(lambda x: x.generation != g or x.state != GenState.MIGRATING,
                                "the spare to take over this rank")  # fmt: skip
         if m.generation == g and m.state == GenState.COMMITTED:
@@ -242,7 +266,8 @@ class Migration:
         rt.prebuild(m, rank)  # phase 1 in the background, while we catch up
         deadline = time.monotonic() + self.e.timeouts.recovery.total_seconds()
 
-        def fetch(item: str, alloc: Callable | None = None) -> Any:
+        def fetch(item: str, alloc: Callable | None = None, once: bool = False) -> Any:
+            """Pull `item`, retrying until the deadline (once: a TransferError if not served now)."""
             while True:
                 moved = rt.moved_to_other(g)
                 if moved():
@@ -253,6 +278,8 @@ class Migration:
                 except WithdrawnError:
                     raise  # the group ran ahead of what the source keeps: the caller loads a newer snapshot
                 except TransferError as exc:
+                    if once:
+                        raise
                     if time.monotonic() > deadline:
                         raise RecoveryError(f"migration: could not pull {item} from {addr}: {exc}") from exc
                 time.sleep(0.005)
@@ -273,9 +300,9 @@ class Migration:
                 except TransferError:
                     time.sleep(0.005)  # not served yet
 
-        def load_snapshot(item: str, resyncs: int = 0) -> dict:
+        def load_snapshot(item: str, resyncs: int = 0, once: bool = False) -> dict:
             t0 = time.monotonic()
-            got = fetch(item, strategy.handover.snapshot_alloc())
+            got = fetch(item, strategy.handover.snapshot_alloc(), once)
             strategy.handover.load_snapshot(got.state)  # FSDP2: copies of the shard and its mirror, replayed here
             self.e.committed, self.e.loaded_step = got.step - 1, got.step
             self.e.stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
@@ -283,6 +310,28 @@ class Migration:
             rec = {"incarnation": self.e.incarnation, "loaded": got.step, "resyncs": resyncs, **self.e.stream_info}
             rt.put(rt.keys.catchup(g), {**rec, "applied": self.e.committed, "time": time.time()})
             return rec
+
+        def newer(resyncs: int) -> tuple[dict, bool]:
+            """After falling behind: a newer snapshot, or (the switch was voted meanwhile and the
+            leaving worker trains no more) its state after the switch step, then final."""
+            while True:
+                for item, final in ((items.snapshot(resyncs), False), (items.final_snapshot(), True)):
+                    try:
+                        return load_snapshot(item, resyncs, once=True), final
+                    except WithdrawnError:
+                        raise RecoveryError(f"migration: {item} was withdrawn by {addr}") from None
+                    except TransferError:
+                        pass  # not served (yet)
+                if time.monotonic() > deadline:
+                    raise RecoveryError(f"migration: no newer snapshot from {addr} in time")
+                time.sleep(0.005)
+
+        def take_tail(t: int) -> None:
+            tail = fetch(items.tail(t)).state
+            self.e.reg.load_local(unpack(tail["local"]))  # buffers and local= at the switch boundary
+            self.e.reg.load_boundary(unpack(tail["boundary"]))  # extras, hyperparameters
+            self._inherit_commits(tail)
+            strategy.handover.take_over(tail)
 
         rec = load_snapshot(items.snapshot())
         resyncs = 0
@@ -296,16 +345,15 @@ class Migration:
                 resyncs += 1
                 log.warning("migration: fell behind the group; loading a newer snapshot",
                             extra={"step": t, "resyncs": resyncs, "why": str(exc)})  # fmt: skip
-                rec = load_snapshot(items.snapshot(resyncs), resyncs)
+                rec, final = newer(resyncs)
+                if final:
+                    take_tail(self.e.committed)
+                    break
                 continue
             self.e.reg.set_hparams(got.state["hparams"])
             strategy.handover.replay_update(t, got.state)
             if got.state["final"]:
-                tail = fetch(items.tail(t)).state
-                self.e.reg.load_local(unpack(tail["local"]))  # buffers and local= at the switch boundary
-                self.e.reg.load_boundary(unpack(tail["boundary"]))  # extras, hyperparameters
-                self._inherit_commits(tail)
-                strategy.handover.take_over(tail)
+                take_tail(t)
                 break
             rt.put(rt.keys.catchup(g), {**rec, "applied": t, "time": time.time()})
         while rt.prebuilt(g) is None:  # the group is built once every member joined it

@@ -270,8 +270,12 @@ class Registry:
                 p.grad = g
             self.optimizer.step()
         self.optimizer.zero_grad()
-        if applied.get("scaler") is not None:
-            name, sd = applied["scaler"]
+        self.load_extra_state(applied.get("scaler"))
+
+    def load_extra_state(self, named: list | None) -> None:
+        """An extra's state as extra_state_of gave it (None: nothing)."""
+        if named is not None:
+            name, sd = named
             load_extra(self.extra[name], sd)
 
     def hparams(self) -> list[dict]:

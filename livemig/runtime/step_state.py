@@ -70,6 +70,7 @@ class Outgoing:
     step: int | None = None
     snap: str | None = None
     leaving: int | None = None
+    newest: int | None = None  # the newest step whose update it served
 
     def serves(self, t: int) -> bool:
         """Does this worker serve step t's update to the catching-up spare?"""

@@ -22,9 +22,21 @@ def is_snapshot(item: str) -> bool:
     return _SNAPSHOT_RE.fullmatch(item) is not None
 
 
+def final_snapshot() -> str:
+    """The leaving worker's state after the switch step, served while it waits for its spare:
+    a spare that fell behind after the switch was voted loads it instead of the updates."""
+    return f"{SNAPSHOT}/final"
+
+
 def step_avg(step: int) -> str:
     """The update of step `step`, served to a migrating spare catching up."""
     return f"avg/{step}"
+
+
+def step_of_avg(item: str) -> int | None:
+    """The step of a step_avg name, None for any other name."""
+    head, _, step = item.partition("/")
+    return int(step) if head == "avg" and step.isdigit() else None
 
 
 def tail(step: int) -> str:

@@ -127,6 +127,16 @@ class StateServer:
                         del self._gone[next(iter(self._gone))]
                 self._snaps = {k: v for k, v in self._snaps.items() if k[1] != item}
 
+    def refuse(self, item: str) -> None:
+        """Answer `item` as withdrawn from now on (an update older than a migration keeps,
+        asked for by a spare that fell behind: it would otherwise wait for it for ever)."""
+        with self._lock:
+            self.wanted.discard(item)
+            if item not in self._items:
+                self._gone[item] = None
+                while len(self._gone) > GONE_KEEP:
+                    del self._gone[next(iter(self._gone))]
+
     def fence(self) -> None:
         """Never serve again: this process was replaced."""
         self._fenced = True

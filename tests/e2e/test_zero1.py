@@ -85,14 +85,16 @@ def test_zero1_two_non_adjacent_ranks_killed_together(tmp_path, reference_digest
 PORT = os.path.join(REPO, "examples", "ddp_port.py")
 
 
-def _port(tmp_path, name: str, zero1: bool, faults: tuple[str, ...] = (), spares: int = 0, env=None):
+def _port(tmp_path, name: str, zero1: bool, faults: tuple[str, ...] = (), spares: int = 0, env=None,
+          steps: int = 16, more: tuple[str, ...] = ()):  # fmt: skip
     """examples/ddp_port.py on 3 ranks with a GradScaler whose loss overflows every 4th step
     (rank 0's), unscale + clip, accumulation, the lr set by hand, a prefetched batch."""
     out = tmp_path / f"out-{name}"
     out.mkdir()
     args = [
+        *more,
         "--steps",
-        "16",
+        str(steps),
         "--amp",
         "--inf-every",
         "4",
@@ -143,3 +145,28 @@ def test_zero1_with_clipping_and_a_gradscaler_is_ddp_and_survives_kills_exactly(
     killed = {int(f.split("rank=")[1].split(":")[0]) for f in faults if f.startswith("kill")}
     for r in set(range(3)) - killed:  # a survivor saw every step's norm, as in the fault-free run
         assert got[r]["norms"] == want[r]["norms"], r
+
+
+def test_zero1_planned_migration_with_clipping_and_a_gradscaler_is_exact(tmp_path):
+    """Issue 52, item 1: a ZeRO-1 rank moves to a spare by planned migration (its shard and
+    the one it mirrors handed over, each step repeated from the slices they stepped with and
+    the gathered parameters, the scaler's skips and scale included); the spare is stalled
+    past the 8 updates the leaving worker keeps, so it loads a newer snapshot; a kill later
+    is recovered by the second spare. Rank by rank equal to the fault-free run. CI ~40 s."""
+    more = ("--step-ms", "30")  # steps long enough for the spares to warm up before the end
+    ref_run, want = _port(tmp_path, "ref", True, steps=60, more=more)
+    faults = ("migrate:rank=1:step=8", "spare-hang:during=snapshot:ahead=12:resume=20", "kill:rank=2:step=48")
+    run, got = _port(tmp_path, "m", True, faults=faults, spares=2, steps=60, more=more)
+    assert run.report["steps_completed"] == 60 and run.report["replicas_identical"], explain(run)
+    (mig,) = run.report["migrations"]
+    assert mig["outcome"] == "done" and mig["rank"] == 1 and mig["resyncs"] >= 1, mig
+    assert 8 <= mig["switch_step"] < 48, mig
+    assert [r["rank"] for r in run.report["recoveries"]] == [2], explain(run)
+    assert run.report["zero1"]["mirrors_exact"], run.report["zero1"]
+    assert run.report["zero1"]["state_digest"] == ref_run.report["zero1"]["state_digest"], explain(run)
+    assert run.report["rank_digests"] == ref_run.report["rank_digests"], explain(run)
+    for r in range(3):
+        assert [got[r][k] for k in ("model", "optimizer", "scaler", "carry")] == [
+            want[r][k] for k in ("model", "optimizer", "scaler", "carry")], r  # fmt: skip
+    codes = {p["name"]: p["exit_code"] for p in run.report["processes"]}
+    assert codes["worker-1"] == 0, explain(run)  # the leaving worker was released, not fenced

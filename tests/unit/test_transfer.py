@@ -130,6 +130,48 @@ def test_a_withdrawn_item_is_told_apart_from_one_not_served_yet(served):
     with pytest.raises(TransferError, match="not being served now") as not_yet:
         pull(srv.addr, "job", b"secret", 5, "avg/4", 2.0)
     assert not isinstance(not_yet.value, WithdrawnError)
+    # an update older than a leaving worker keeps, whose name the server no longer remembers
+    # (a spare stalled for more steps than that): asked for, then refused by the owner
+    assert "avg/4" in srv.wanted
+    srv.refuse("avg/4")
+    assert "avg/4" not in srv.wanted
+    with pytest.raises(WithdrawnError, match="no longer served"):
+        pull(srv.addr, "job", b"secret", 5, "avg/4", 2.0)
+    srv.publish(5, "avg/4", lambda: (4, {"avg": torch.zeros(4)}))  # published after all: served
+    assert torch.equal(pull(srv.addr, "job", b"secret", 5, "avg/4", 2.0).state["avg"], torch.zeros(4))
+
+
+def test_a_leaving_worker_refuses_the_updates_it_no_longer_keeps():
+    """Migration.refuse_stale: of the updates a spare asked for, those older than the window a
+    leaving worker keeps (AVG_KEEP, from its snapshot's step) are refused; newer ones wait."""
+    from livemig.runtime.migration import AVG_KEEP, Migration
+    from livemig.runtime.step_state import Outgoing
+    from livemig.transfer import items
+
+    class Server:
+        def __init__(self) -> None:
+            self.wanted = {items.step_avg(k) for k in (3, 9, 10, 30, 31)} | {"snapshot/1", "avg"}
+            self.refused: list[str] = []
+
+        def refuse(self, item: str) -> None:
+            self.wanted.discard(item)
+            self.refused.append(item)
+
+    mig = Migration.__new__(Migration)  # its host is not needed for this rule
+    srv = Server()
+    mig.out = Outgoing(gen=2, step=10, snap="snapshot")
+    mig.refuse_stale(srv)
+    assert sorted(srv.refused) == ["avg/3", "avg/9"]  # never served: before the snapshot's step
+    mig.out.newest = 30 + AVG_KEEP - 1  # keeps 30..37
+    mig.refuse_stale(srv)
+    assert sorted(srv.refused) == ["avg/10", "avg/3", "avg/9"] and srv.wanted == {
+        "avg/30",
+        "avg/31",
+        "snapshot/1",
+        "avg",
+    }
+    assert items.step_of_avg("avg/12") == 12 and items.step_of_avg("avg") is None
+    assert items.step_of_avg("snapshot/3") is None
 
 
 def test_wrong_secret_refused(served):

@@ -25,7 +25,7 @@ from livemig.errors import RecoveryError
 from livemig.rdzv.membership import GenState
 from livemig.runtime.registry import Layout
 from livemig.runtime.step_state import Averaged
-from livemig.runtime.strategies.base import Parts, StrategyHost
+from livemig.runtime.strategies.base import Handover, Parts, StrategyHost
 from livemig.runtime.strategies.replicated import Replicated
 from livemig.state import digest
 from livemig.transfer import items
@@ -42,7 +42,6 @@ class Zero1(Replicated):
 
     name = "zero1"
     layout = Layout(optimizer_sharded=True, optimizer_in_shards=True)
-    migrates = False  # refused by the coordinator (coordinator/migrations.py) and never ticked here
 
     def __init__(self, host: StrategyHost, shards: Shards) -> None:
         super().__init__(host)
@@ -50,6 +49,8 @@ class Zero1(Replicated):
         self.parts = Zero1Parts(host, shards)
         self.gathered_gen: int | None = None  # the generation whose group last gathered the parameters
         self.whole = WholeAverage(self)
+        self.moves = Zero1Handover(host, shards)
+        self.handover = self.moves
 
     def signature(self) -> list[list]:
         return [[SHARDING_ENTRY, "zero1", [int(self.shards.mirroring)]]]
@@ -113,7 +114,8 @@ class Zero1(Replicated):
                     held = list(z.slices(rt.pg, reduced, timeout, rt.moved_on))
                 h.st.avg = Averaged(t, held)  # held: enough to finish step t alone
                 h.boundary.mirror_local(t)  # before the barrier: whoever passes it knows the mirror holds t
-                stop = z.barrier(rt.pg, timeout, rt.moved_on, h.halt.vote()) > 0
+                sums = z.barrier(rt.pg, timeout, rt.moved_on, h.halt.vote(), h.migration.vote())
+                stop, switch = votes(h.world_size, sums)
                 h.faults.at_commit_point(t, "barrier result")
             except CollectiveAborted as exc:
                 first = False
@@ -125,14 +127,16 @@ class Zero1(Replicated):
                 continue
             # Update our shard(s), then gather the parameters while the mirror(s) are updated.
             h.halt.after_commit(t, stop)  # a whole-job stop after t (runtime/stop.py)
-            self.update_and_gather(t, held)
+            self.update_and_gather(t, held, switch)
         self.regather()
         rt.report.leave_collective()
 
-    def update_and_gather(self, t: int, held: list) -> None:
+    def update_and_gather(self, t: int, held: list, switch: bool = False) -> None:
         """Past step t's barrier: update our shard(s), then gather the parameters while the
         mirror(s) are updated (that update commits t, and runs even if the gather fails: the
-        new group then repeats the gather)."""
+        new group then repeats the gather). A leaving worker of a planned migration then
+        serves the step to its spare (Zero1Handover), and `switch` moves the members to the
+        migration's group after this step."""
         h, z, rt = self.h, self.shards, self.h.runtime
         z.update(held[0], held[1], part="owned")
         self.gathered_gen = None
@@ -146,6 +150,10 @@ class Zero1(Replicated):
             self.gathered_gen = rt.gen
         except CollectiveAborted as exc:
             h.join_recovery(t, exc)
+            return
+        if h.migration.serving(t):
+            h.migration.serve_item(t, self.moves.item(held), switch)
+        h.migration.after_commit(t, switch)
 
     def regather(self) -> None:
         """All-gather the parameters unless this generation's group already did."""
@@ -322,7 +330,8 @@ class WholeAverage:
                 if not first:
                     self.contribute_again(t)
                 h.st.avg = Averaged(t, held)  # before the barrier: whoever passes it knows we hold them
-                stop = z.barrier(rt.pg, timeout, rt.moved_on, h.halt.vote()) > 0
+                sums = z.barrier(rt.pg, timeout, rt.moved_on, h.halt.vote(), h.migration.vote())
+                stop, switch = votes(h.world_size, sums)
                 h.faults.at_commit_point(t, "barrier result")
             except CollectiveAborted as exc:
                 first = False
@@ -331,7 +340,7 @@ class WholeAverage:
             h.halt.after_commit(t, stop)  # a whole-job stop after t (runtime/stop.py)
             if h.scaler is not None:
                 h.scaler.update()  # after the commit point: a retry's spare starts from the scale before it
-            zero.update_and_gather(t, held)
+            zero.update_and_gather(t, held, switch)
         zero.regather()
         rt.report.leave_collective()
 
@@ -349,6 +358,12 @@ class WholeAverage:
         self.average_of([f.clone() for f in kept[1]], ctl, first=False)
 
 
+def votes(world: int, sums: list[float]) -> tuple[bool, bool]:
+    """The barrier's votes: (a whole-job stop after this step: anyone asked, runtime/stop.py;
+    a planned migration's switch after it: every member is ready, runtime/migration.py)."""
+    return sums[0] > 0, sums[1] > world - 0.5
+
+
 def found_inf(scaler: Any, optimizer: Any) -> bool:
     """A GradScaler's part of a ZeRO-1 step before the commit point, without its step(): that
     would call optimizer.step(), which the shards replace. Unscale the gradient (unless the
@@ -362,6 +377,55 @@ def found_inf(scaler: Any, optimizer: Any) -> bool:
     if state["stage"] is not OptState.UNSCALED:
         scaler.unscale_(optimizer)
     return sum(float(v.item()) for v in state["found_inf_per_device"].values()) > 0
+
+
+class Zero1Handover(Handover):
+    """A planned migration of a ZeRO-1 rank: the snapshot is the replicated state and the
+    shards the rank holds (its own, the one it mirrors); each step is repeated from the slices
+    those shards stepped with, and the parameters come gathered (the other shards' updates
+    are their owners'). The leaving worker serves them after the step's gather
+    (Zero1.update_and_gather)."""
+
+    def __init__(self, host: StrategyHost, shards: Shards) -> None:
+        super().__init__(host)
+        self.shards = shards
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self.h.reg.state_obj(), "zshards": {str(s.shard): s.state() for s in self.shards.held()}}
+
+    def item(self, held: list) -> dict[str, Any]:
+        """What the leaving worker serves of a step (replay_update repeats it): the slices the
+        held shards stepped with (None: a step a GradScaler skipped), the gathered parameters,
+        a GradScaler's state after its update."""
+        h = self.h
+        assert h.reducer is not None
+        own, mirror = held
+        item: dict[str, Any] = {"own": None if own is None else [x.clone() for x in own],
+                                "params": h.reducer.param_flats()}  # fmt: skip
+        if mirror is not None:
+            item["mirror"] = [x.clone() for x in mirror]
+        if h.scaler is not None:
+            item["scaler"] = h.reg.extra_state_of(h.scaler)
+        return item
+
+    def load_snapshot(self, state: dict[str, Any]) -> None:
+        h, z = self.h, self.shards
+        h.reg.load_state(state)
+        got = state["zshards"]
+        held = [s.shard for s in z.held()]
+        if sorted(int(k) for k in got) != held:
+            raise RecoveryError(f"the leaving worker handed over optimizer shards {sorted(got)}, "
+                                f"rank {h.rank} holds {held}")  # fmt: skip
+        for sh in z.held():
+            sh.load(got[str(sh.shard)])
+
+    def replay_update(self, t: int, item: dict[str, Any]) -> None:
+        h = self.h
+        assert h.reducer is not None
+        self.shards.update(item["own"], item.get("mirror"))  # own None: a step the scaler skipped
+        h.reducer.write_params(item["params"])
+        h.reg.load_extra_state(item.get("scaler"))
+        h.committed, h.st.avg = t, None
 
 
 class Zero1Parts(Parts):

@@ -24,7 +24,7 @@ from livemig.device import training_device
 from livemig.errors import RecoveryError
 from livemig.rdzv.membership import GenState
 from livemig.runtime.registry import Layout
-from livemig.runtime.step_state import Averaged
+from livemig.runtime.step_state import Averaged, Synced
 from livemig.runtime.strategies.base import Handover, Parts, StrategyHost
 from livemig.runtime.strategies.replicated import Replicated
 from livemig.state import digest
@@ -216,7 +216,9 @@ class Zero1(Replicated):
         for sh in self.shards.held():
             h.runtime.serving.publish(m.generation, items.zshard(sh.shard), provider(sh))
         synced = h.st.synced  # a step the user took the whole average of: a peer that missed it, or
-        if synced is not None and synced.step == h.committed and synced.flats is not None:  # a replay
+        if synced is None or synced.step != h.committed:  # a replay; the next step's average may have
+            synced = self.whole.before  # completed before its barrier failed: the committed one was kept
+        if synced is not None and synced.step == h.committed and synced.flats is not None:
             step, flats = synced.step, synced.flats
             h.runtime.serving.publish(m.generation, items.AVG, lambda: (step, {"flat": flats}))
 
@@ -264,6 +266,9 @@ class WholeAverage:
         self.h = zero.h
         self.shards = zero.shards
         self.kept: tuple[int | None, list[torch.Tensor]] | None = None  # (step, own contribution to its average)
+        # the last committed step's whole average while the next one's is taken: that one may complete
+        # and its barrier fail, and a spare replaying the committed step needs its average (serve_step)
+        self.before: Synced | None = None
 
     def reduce(self, ctl: torch.Tensor, first: bool) -> list[torch.Tensor]:
         """The whole average of a step the user takes it in (ctx.sync_gradients(), clipping,
@@ -275,6 +280,8 @@ class WholeAverage:
         h = self.h
         red = h.reducer
         assert red is not None
+        if h.st.synced is not None and h.st.synced.step == h.committed:
+            self.before = h.st.synced
         if first:  # .grad still holds the local gradient: the buckets were filled from it
             self.kept = (h.current, red.flatten(h.world_size))
             return self.average_of([], ctl, True)
@@ -341,6 +348,7 @@ class WholeAverage:
             if h.scaler is not None:
                 h.scaler.update()  # after the commit point: a retry's spare starts from the scale before it
             zero.update_and_gather(t, held, switch)
+        self.before = None
         zero.regather()
         rt.report.leave_collective()
 

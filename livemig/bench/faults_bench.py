@@ -336,19 +336,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", help="comma-separated case names (default: all)")
     p.add_argument(
         "--grid",
-        choices=["matrix", "exact", "migration", "sequences", "fsdp2"],
-        default="matrix",
-        help="matrix: the reliability matrix (default); exact: the exactness grid on examples/stateful.py; "
+        choices=["reliability", "matrix", "exact", "migration", "sequences", "fsdp2"],
+        default="reliability",
+        help="reliability: the reliability matrix (default); matrix: each kind of parallelism (plain DP, ZeRO-1, "
+        "FSDP2, HSDP) through each recovery path, as one table (--quick: one job per row); "
+        "exact: the exactness grid on examples/stateful.py; "
         "migration: failures inside a planned migration; sequences: seeded random sequences of kills, "
         "hangs and migrations on examples/ddp_port.py; fsdp2: kills, hangs, broken links and migrations of "
         "examples/fsdp2_lm.py under HSDP and plain FSDP",
     )
     p.add_argument("--seeds", type=int, default=20, help="--grid sequences: how many seeds (0..N-1; default 20)")
+    p.add_argument("--quick", action="store_true", help="--grid matrix: one job per row, three faults in it")
+    p.add_argument("--rows", help="--grid matrix: comma-separated rows (default: all)")
+    p.add_argument("--columns", help="--grid matrix: comma-separated columns (default: all)")
     p.add_argument("--json", help="write the table (and each run's report) here")
 
 
 def run_matrix(a: argparse.Namespace) -> int:
-    grid = getattr(a, "grid", "matrix")
+    grid = getattr(a, "grid", "reliability")
+    if grid == "matrix":  # livemig/bench/matrix_grid.py
+        from livemig.bench.matrix_grid import run_grid
+
+        return run_grid(bool(getattr(a, "quick", False)), getattr(a, "rows", None), getattr(a, "columns", None),
+                        a.json)  # fmt: skip
     every = {"exact": exact_grid, "migration": migration_grid, "fsdp2": fsdp2_grid,
              "sequences": lambda: sequences_grid(getattr(a, "seeds", 20))}.get(grid, lambda: MATRIX)()  # fmt: skip
     if grid == "exact":  # steps long enough for an agent's kill "after step S" to land mid-run

@@ -206,14 +206,13 @@ class Standby:
         rt.put(rt.keys.final(h.rank), rec)
         self._final_written = True
         self._write_values(h.rank)
-        if not parts:  # a shrunk job's carried ranks (plain data parallel: their state is held here)
-            for v in h.virtual.carried():
-                with h.virtual.as_rank(v, h.committed):
-                    carried = {"incarnation": h.incarnation, "steps": h.committed + 1, "digest": h.reg.state_digest(),
-                               "digests": h.reg.digests(), "generation": rt.gen, "role": "carried",
-                               "carried_by": h.rank}  # fmt: skip
-                    rt.put(rt.keys.final(v), carried)
-                    self._write_values(v)
+        for v in h.virtual.carried():  # a shrunk job's carried ranks: their state is held here
+            with h.virtual.as_rank(v, h.committed):
+                carried = {"incarnation": h.incarnation, "steps": h.committed + 1, "digest": h.reg.state_digest(),
+                           "digests": h.reg.digests(), "generation": rt.gen, "role": "carried",
+                           "carried_by": h.rank, **h.strategy.parts.final_record_of(v)}  # fmt: skip
+                rt.put(rt.keys.final(v), carried)
+                self._write_values(v)
 
     def _write_values(self, rank: int) -> None:
         """--verify: this rank's parameters and buffers as one float64 vector, where the command

@@ -359,3 +359,7 @@ class Parts:
     def final_record(self) -> dict[str, Any]:
         """What the final record adds for the run report's checks (shard and mirror digests)."""
         return {}
+
+    def final_record_of(self, rank: int) -> dict[str, Any]:
+        """The same for a rank this member carries in a shrunk job (its carrier holds its pieces)."""
+        return {}

@@ -470,3 +470,16 @@ class Zero1Parts(Parts):
             rec["mirror_of"] = z.mirror.shard
             rec["mirror_digest"] = digest(z.mirror.tensors_for_digest())
         return rec
+
+    def final_record_of(self, rank: int) -> dict[str, Any]:
+        """A carried rank's shard, owned here in the shrunk layout, and the shard that rank
+        mirrors at full width where this member holds a copy of it."""
+        z = self.shards
+        rec: dict[str, Any] = {}
+        if rank in z.shards:
+            rec["shard_digest"] = digest(z.shards[rank].tensors_for_digest())
+        left = (rank - z.stride) % z.world
+        if z.mirroring and left in z.shards:
+            rec["mirror_of"] = left
+            rec["mirror_digest"] = digest(z.shards[left].tensors_for_digest())
+        return rec

@@ -179,12 +179,14 @@ class Checkpointer:
 
     def _interval_due(self, s: layout.Settings, step: int) -> bool:
         """--checkpoint-interval: every `probe` steps the ranks agree (one allreduce of a flag)
-        whether any of them last staged `interval` seconds ago or more; all then write the same
-        step. A probe the group cannot finish (a peer lost: the recovery handles it) is a no."""
+        whether every one of them last staged `interval` seconds ago or more; all then write the
+        same step. Every rank, not any: the ranks reach a boundary up to a step apart, and with
+        'any' the one that staged last would write again sooner than the interval. A probe the
+        group cannot finish (a peer lost: the recovery handles it) is a no."""
         if not s.probes(step):
             return False
         h = self._host
-        flag = torch.tensor([float(time.monotonic() - self._last >= s.interval)])
+        flag = torch.tensor([float(time.monotonic() - self._last < s.interval)])  # not yet due here
         if h.world_size > 1:
             from livemig.comm.group import CollectiveAborted, allreduce_sum
 
@@ -192,7 +194,7 @@ class Checkpointer:
                 allreduce_sum(h.runtime.pg, [flag], h.timeouts.collective, h.runtime.moved_on)
             except CollectiveAborted:
                 return False
-        return bool(flag.item() > 0)
+        return bool(flag.item() == 0)
 
     def _state_dict(self, step: int, rank: int | None = None) -> dict[str, Any]:
         """Rank `rank`'s part (default this process's own; a carried rank's, its local state

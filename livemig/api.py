@@ -49,6 +49,7 @@ from livemig.runtime.checkpoint import Checkpointer
 from livemig.runtime.control import Activate, Halted, Released, Requeue, Stop
 from livemig.runtime.entry import Entry
 from livemig.runtime.epochs import EpochLoop
+from livemig.runtime.follow import Feed, Follower
 from livemig.runtime.fsdp2_mesh import Fsdp2
 from livemig.runtime.loop import StepLoop
 from livemig.runtime.migration import Migration
@@ -84,6 +85,7 @@ class Engine(StepLoop):  # over the member's fields (runtime/member_fields.py)
         self.world_size = int(os.environ.get(ENV_WORLD_SIZE, "1"))
         self.spare_id = os.environ.get(ENV_SPARE_ID, "")
         self.joining: Activate | None = None
+        self.follower = Follower(self)  # a follow spare keeps the group's state (runtime/follow.py)
         self.standby = Standby(self)  # a spare's standby; every member's final record (runtime/standby.py)
         self.sandbox = Sandbox(self)  # a spare's warm-up against a group of one (sandbox/warmup.py)
         self._batches = Batches(self)  # ctx.batches (runtime/batches.py)
@@ -123,6 +125,7 @@ class Engine(StepLoop):  # over the member's fields (runtime/member_fields.py)
         self.loaded_step: int | None = None
         self.stream_info: dict[str, Any] = {}
         self.migration = Migration(self)  # planned migration, both sides (runtime/migration.py)
+        self.feed = Feed(self)  # this worker's updates, fed to follow spares (runtime/follow.py)
         self.step_t0 = 0.0
         self.scaler: Any = None  # the GradScaler of the ctx.step() in progress
         self.grad_views = os.environ.get(ENV_GRAD_VIEWS, "1") != "0"  # strategies/replicated.py, views_safe

@@ -47,6 +47,9 @@ ENV_KEY = "LIVEMIG_ETCD_KEY"
 ENV_USER = "LIVEMIG_ETCD_USER"
 ENV_PASSWORD_FILE = "LIVEMIG_ETCD_PASSWORD_FILE"
 ENV_SHADOW_STEPS = "LIVEMIG_SHADOW_STEPS"
+ENV_FOLLOW = "LIVEMIG_FOLLOW"  # 1: this spare follows the job's replicated state (--follow, runtime/follow.py)
+ENV_FOLLOW_LAG = "LIVEMIG_FOLLOW_LAG"  # steps a follower may fall behind before it drops to warm (4)
+ENV_FOLLOW_RETRY = "LIVEMIG_FOLLOW_RETRY_S"  # seconds a dropped follower waits before it follows again (30)
 ENV_LOCAL_MAX_MB = "LIVEMIG_LOCAL_STATE_MAX_MB"  # per-rank local state (buffers + local=) mirrored each step
 ENV_SHRUNK_BOUND = "LIVEMIG_VERIFY_SHRUNK_BOUND"  # --verify of a shrunk run: |run - ref| <= this x max|param|
 ENV_VERIFY_DIR = "LIVEMIG_VERIFY_DIR"  # --verify: each rank's final values, for a shrunk run's bound (cli/run.py)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from livemig.agent.children import Agent, Child
 
 log = logging.getLogger("livemig.agent.launcher")
+FOLLOW_WAIT_S = 10.0  # a failure waits at most this long (and half the gate's timeout) for the followers
 
 
 class FaultDriver:
@@ -47,6 +48,8 @@ class FaultDriver:
         self._arrived: list[Arrival] = []  # children waiting at a gate, not answered yet
         self._held: list[tuple[Arrival, float, Fault]] = []  # (gate, until, migrate fault): held for its claim
         self._migration_ids: dict[int, str] = {}  # id(fault) -> the migration request it made
+        self._follow_wait: dict[int, float] = {}  # fault -> when it first waited for the followers
+        self._follow_said: set[int] = set()
         self._gates_passed: set[int] = set()  # steps whose gate went by without its fault (not our target)
 
     def resumes_due(self) -> bool:
@@ -120,6 +123,8 @@ class FaultDriver:
                 arr = next((a for a in self._arrived if a.step == f.step and f.rank in (None, a.rank)), None)
                 if arr is None and step <= f.step:
                     continue
+                if arr is not None and not self._followers_current(f, now):
+                    continue  # --follow: the fault lands once the followers hold step S (held at the gate meanwhile)
                 holder = None
                 if arr is not None:
                     self._arrived.remove(arr)  # the process at the gate holds the rank, whatever by_key says yet
@@ -207,6 +212,32 @@ class FaultDriver:
         raw = by_key.get(self.agent.keys.membership)
         m = Membership.from_bytes(raw.value if raw else None)
         return m.migration.get("id") == rid
+
+    def _followers_current(self, f: Fault, now: float) -> bool:
+        """With --follow, a failure is injected once every follower holds the state after its
+        step (it is what the run measures), or after FOLLOW_WAIT_S: each follower's status
+        (runtime/follow.py, written about once a second) says its step, or that it stays warm."""
+        if not self.agent.cfg.follow or f.kind not in ("kill", "hang", "partition", "link"):
+            return True
+        since = self._follow_wait.setdefault(id(f), now)
+        wait = min(FOLLOW_WAIT_S, gate_timeout() / 2)
+        if now - since > wait:
+            if id(f) not in self._follow_said:
+                self._follow_said.add(id(f))
+                self.agent.say(f"livemig: the followers did not reach step {f.step} in {wait:g} s: "
+                               f"injecting {f.kind} anyway")  # fmt: skip
+            return True
+        assert self.agent.client is not None
+        try:
+            kvs, _ = self.agent.client.get_prefix(self.agent.keys.follow_prefix)
+        except EtcdUnavailableError:
+            return False
+        states = [conform(kv.value, {"state": (str,), "step": (int,)}) or {} for kv in kvs]
+        following = [s for s in states if s.get("state") == "following"]
+        others = sum(s.get("state") in ("warm", "unsupported", "claimed", "stopped") for s in states)
+        if len(following) + others < self.agent.cfg.follow:
+            return False  # a follower still warming up or attaching
+        return all(s["step"] >= f.step for s in following)
 
     def _no_warm_spare(self, by_key: dict) -> str:
         """'' if a spare of the job is warm; else a few words on the spares' warm-up."""

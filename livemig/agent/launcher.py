@@ -40,6 +40,7 @@ from livemig.config import (
     ENV_ETCD,
     ENV_FAULT_GATE,
     ENV_FAULT_PLAN,
+    ENV_FOLLOW,
     ENV_HOST,
     ENV_INCARNATION,
     ENV_JOB,
@@ -326,9 +327,10 @@ class Launcher:
         cold.update((ENV_SELF_FAULT, f.self_spec()) for f in cfg.faults if f.kind == "spare-hang" and f.in_process)
         pre = f"n{self.node_rank}-" if cfg.nnodes > 1 else ""
         for i in range(cfg.spares if count is None else count):
+            follow = {ENV_FOLLOW: "1"} if count is None and i < cfg.follow else {}  # --follow K: the first K
             self._spawn(f"{name}-{i}", Role.SPARE, [sys.executable, cfg.script, *cfg.args],
                         {ENV_ROLE: Role.SPARE, ENV_SPARE_ID: f"{pre}{name}-{i}", ENV_WORLD_SIZE: str(cfg.nproc),
-                         **self.net_env, **cold})  # fmt: skip
+                         **self.net_env, **cold, **follow})  # fmt: skip
         self.spares_started = True
 
     def _fresh_requests(self, by_key: dict[str, Any]) -> None:

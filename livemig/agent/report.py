@@ -443,6 +443,8 @@ def recoveries(events: list[dict], commits: list[tuple[int, float]], median_step
         elif cur is not None and ph in PHASES:
             if ph == "stream":
                 cur["bytes_streamed"] += ev.get("bytes", 0)
+                if ev.get("follower") is True:  # a follow spare took the rank (runtime/follow.py)
+                    cur["followers"] = cur.get("followers", 0) + 1
                 cur["stream_s"] = max(cur["stream_s"], ev.get("seconds", 0.0))
             cur["t"].setdefault(ph, ev["time"])
             cur["generation"] = ev.get("generation")
@@ -469,6 +471,10 @@ def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float, m: 
         first_after = m["after"][1]
         last_before = m["before"][1] if m["before"] is not None else last_before
         median_step = m["step_s"] if m["step_s"] is not None else median_step
+    if t["fault"] - last_before > max(median_step, 0.0) + 0.05:
+        # the group was idle before the fault: a fault plan held the rank at its step's gate
+        # (with --follow, until the followers held that step): the failure starts at the fault
+        last_before = t["fault"]
     t["resume"] = first_after
     order = ["fault", "detect", "fence", "agree", "wait", "claim", "build", "commit", "resume"]
     seen = [(k, t[k]) for k in order if k in t]
@@ -501,6 +507,8 @@ def _finish(cur: dict, commits: list[tuple[int, float]], median_step: float, m: 
         "bytes_streamed": cur["bytes_streamed"],
         "spares": cur.get("spares", []),  # the spare(s) that took the lost rank(s)
     }
+    if cur["kind"] == KINDS[0] and cur.get("spares"):  # how the spares got the state: streamed, or followed
+        out["path"] = "follower" if cur.get("followers", 0) >= len(cur["spares"]) else "stream"
     if note is not None:
         out["downtime_note"] = note
     if "carried" in cur:

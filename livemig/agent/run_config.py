@@ -19,6 +19,7 @@ class RunConfig:
     args: list[str]
     nproc: int
     spares: int = 0
+    follow: int = 0  # --follow K: the first K spares follow the job's state (runtime/follow.py)
     coordinators: int = 1
     job: str = ""
     etcd: str | None = None
@@ -56,6 +57,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
+        if not 0 <= self.follow <= self.spares:
+            raise ConfigError(f"--follow {self.follow}: expected 0..{self.spares} (the spares started, --spares)")
         if self.nnodes < 1 or self.nproc % self.nnodes:
             raise ConfigError(f"--nnodes {self.nnodes} does not divide the world size {self.nproc}")
         if self.nnodes > 1 and not self.etcd:

@@ -55,7 +55,8 @@ DDP = os.path.join(ROOT, "examples", "ddp_baseline.py")
 
 def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
                 env: dict | None = None, metrics: bool = False, checkpoint: Any = None,
-                recovery: str = "live", script: str | None = None, shrink: bool = False) -> dict[str, Any]:  # fmt: skip
+                recovery: str = "live", script: str | None = None, shrink: bool = False,
+                follow: int = 0) -> dict[str, Any]:  # fmt: skip
     """fault: True = SIGKILL rank 1 after --fail-at; "migrate" = planned migration of rank 1 there.
     metrics: serve --metrics-port and scrape it once a second (15x Prometheus' usual rate)."""
     zero1 = getattr(a, "sharding", "none") == "zero1"
@@ -63,7 +64,7 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
     os.environ.update(env or {})  # the launcher passes its environment on to the workers
     cfg = RunConfig(
         script=script or (MLP_ZERO1 if zero1 else MLP), args=workload,
-        nproc=a.workers, spares=0 if shrink else a.spares,  # an idle spare in fault_free too
+        nproc=a.workers, spares=0 if shrink else a.spares, follow=follow,  # an idle spare in fault_free too
         min_nproc=a.workers - 1 if shrink else None, shrink_wait=0.0 if shrink else None,  # no spare: carried
         job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True, max_wall=a.run_timeout,
         faults=[parse_fault(f"{'migrate' if fault == 'migrate' else 'kill'}:rank=1:step={a.fail_at}")] if fault else [],
@@ -98,6 +99,7 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
         "median_step_s": rep["step_time_s_median"], "downtime_s": rec.get("downtime_s"),
         "phases": rec.get("phases", {}), "ok": (rep["result"] or {}).get("state") == "done",
         "kind": rec.get("kind"), "steps_redone": rec.get("steps_redone"),
+        "bytes_streamed": rec.get("bytes_streamed"), "path": rec.get("path"),
         "fsdp2": rep.get("fsdp2"), "shrunk": rep.get("shrunk"),
         "peak_rss_mb": max((x.get("peak_rss_mb", 0.0) for x in rep.get("members", {}).values()), default=0.0),
     }  # fmt: skip
@@ -261,6 +263,14 @@ def add_downtime_arguments(p: argparse.ArgumentParser) -> None:
     add_sharding_argument(p, "examples/mlp_zero1.py; DDP rows use torch's ZeroRedundancyOptimizer")
     p.add_argument("--json", help="write every figure and raw sample here")
     p.add_argument("--plot", help="write a PNG of the phase breakdown (needs matplotlib)")
+    p.add_argument(
+        "--follow",
+        action="store_true",
+        help="follow spares against plain warm spares, side by side, over --widths (bench/follow_bench.py)",
+    )
+    p.add_argument(
+        "--widths", default="", help="with --follow: model widths to sweep, e.g. 1024,2048 (default --width)"
+    )
 
 
 def run_downtime(a: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ from livemig.agent.drain import DRAIN_GRACE_S, STOPPED_EXIT, sigterm_default
 from livemig.agent.jobs import refuse_duplicate, state_dir
 from livemig.agent.launcher import run
 from livemig.agent.run_config import RunConfig
-from livemig.config import ENV_SHRUNK_BOUND, ENV_STEP_PRINTS, ENV_VERIFY_DIR, Timeouts
+from livemig.config import ENV_FOLLOW_LAG, ENV_SHRUNK_BOUND, ENV_STEP_PRINTS, ENV_VERIFY_DIR, Timeouts
 from livemig.errors import ConfigError, LivemigError
 from livemig.faults import IN_PROCESS_DURING, KINDS, PHASE_DURING, USAGE, parse_plan
 from livemig.rdzv.security import add_arguments as add_security_arguments
@@ -43,6 +43,8 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
                                                                    if fresh else [])  # fmt: skip
         onto = " onto " + " and ".join(parts) if parts else ""
         how = f"{r['bytes_streamed'] / 2**20:.1f} MiB streamed"
+        if r.get("path") == "follower":  # --follow: the spare held the group's state (runtime/follow.py)
+            how += " (a follow spare: it held the parameters and optimizer state)"
         if r.get("kind") == "shrink":
             carried = ", ".join(f"rank {v} by {c}" for v, c in r["carried"].items())
             onto = (f"{onto}, the rest by the survivors (carried: {carried})" if r.get("spares") else
@@ -127,6 +129,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="address other hosts reach this node at (default $LIVEMIG_HOST, else the "
                                   "local address of the route to etcd; 127.0.0.1 with a local etcd)")  # fmt: skip
     p.add_argument("--spares", type=int, default=0, help="warm spares to start (default 0)")
+    p.add_argument("--follow", type=int, default=0, metavar="K",
+                   help="of the spares, K follow the job's state step by step, so that taking a lost rank streams "
+                        "only its own state (plain data parallel; default 0; docs/operations.md)")  # fmt: skip
+    p.add_argument("--follow-lag", type=int, default=None, metavar="N",
+                   help="a follower more than N steps behind drops to warm standby (default 4; "
+                        "$LIVEMIG_FOLLOW_LAG; give the same on every node)")  # fmt: skip
     p.add_argument("--coordinators", type=int, default=1, help="coordinator candidates (default 1)")
     p.add_argument("--job", default="", help="job name (default: the script's name)")
     p.add_argument("--etcd", help="etcd endpoints; default: start an embedded etcd for this run")
@@ -258,7 +266,11 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise ConfigError(f"--min-nproc {a.min_nproc}: expected 1..{world} (the world size)")
     if a.shrink_wait is not None and a.shrink_wait < 0:
         raise ConfigError(f"--shrink-wait {a.shrink_wait:g}: expected 0 or more seconds")
-    cfg = RunConfig(script=a.script, args=a.args, nproc=world, spares=a.spares, nnodes=a.nnodes,
+    if a.follow_lag is not None:
+        if a.follow_lag < 1:
+            raise ConfigError(f"--follow-lag {a.follow_lag}: expected 1 or more steps")
+        os.environ[ENV_FOLLOW_LAG] = str(a.follow_lag)  # the workers' feeds and the followers read it
+    cfg = RunConfig(script=a.script, args=a.args, nproc=world, spares=a.spares, follow=a.follow, nnodes=a.nnodes,
                     node_rank=node_rank, host=a.host,
                     coordinators=a.coordinators, job=a.job, etcd=a.etcd, etcd_bin=a.etcd_bin,
                     etcd_members=a.etcd_members,

@@ -69,9 +69,10 @@ def text(rep: dict[str, Any]) -> str:
     for r in rep["recoveries"]:
         onto = f" onto {', '.join(r['spares'])}" if r.get("spares") else ""
         ph = "  ".join(f"{k} {v:.3f}" for k, v in r.get("phases", {}).items())
+        held = " (a follow spare: it held the state)" if r.get("path") == "follower" else ""
         lines += [f"recovery ({r.get('kind', 'failure')}) of rank {r.get('rank')}{onto}, generation "
                   f"{r.get('generation')}: downtime {r.get('downtime_s', 0.0):.3f} s, "
-                  f"{r.get('bytes_streamed', 0) / 2**20:.1f} MiB streamed", f"  phases (s): {ph}"]  # fmt: skip
+                  f"{r.get('bytes_streamed', 0) / 2**20:.1f} MiB streamed{held}", f"  phases (s): {ph}"]  # fmt: skip
     for m in rep.get("migrations", []):
         ph = "  ".join(f"{k} {v:.3f}" for k, v in m.get("phases", {}).items())
         pause = f"pause {m['pause_s']:.3f} s" if m.get("pause_s") is not None else "no pause measured"

@@ -135,6 +135,11 @@ class GradReducer:
             self._sets = self._sets[:n]
             self._flip %= n
 
+    def keep_at_least(self, n: int) -> None:
+        """keep(n) unless more sets are kept already (a migration's and a feed's needs add up to the larger)."""
+        if n > len(self._sets):
+            self.keep(n)
+
     def _alloc(self, sizes: list[int]) -> list[torch.Tensor]:
         return [torch.zeros(n, dtype=dt, device=self.device)
                 for n, dt in zip(sizes, self.dtypes, strict=True)]  # padding stays zero  # fmt: skip

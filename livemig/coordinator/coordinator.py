@@ -30,6 +30,7 @@ import socket
 import sys
 import time
 from dataclasses import replace
+from typing import Any
 
 from livemig.config import (
     ENV_INCARNATION,
@@ -367,6 +368,7 @@ class Coordinator:
                             seconds=as_number(x["stream_s"]),
                             bytes=x.get("bytes", 0),
                             source=x.get("source", ""),
+                            follower=bool(x.get("follower")),  # it held the state: the rest streamed only
                         )
                     )
             last = max(x.get("time", 0.0) for x in ready.values()) or time.time()
@@ -442,11 +444,16 @@ class Coordinator:
         self.writes.record(*[Put(self.keys.assignment(sid), {"refused": reason}) for sid, reason in refuse])
 
     def _spares(self, s: Snapshot, signature: list) -> tuple[Spare, ...]:
-        """The warm spares nobody claimed or fenced, oldest first, each with how its model
-        differs from the job's `signature` (a plan refuses those)."""
+        """The warm spares nobody claimed or fenced, follow spares first (they hold the state
+        already: runtime/follow.py), then oldest first, each with how its model differs from the
+        job's `signature` (a plan refuses those)."""
         out = []
-        for kv in sorted((kv for k, kv in s.kv.items() if k.startswith(self.keys.spares_prefix)),
-                         key=lambda kv: kv.create_revision):  # fmt: skip
+
+        def order(kv: Any) -> tuple[bool, int]:
+            info = safe_decode(kv.key, kv.value) or {}
+            return not info.get("follow"), kv.create_revision
+
+        for kv in sorted((kv for k, kv in s.kv.items() if k.startswith(self.keys.spares_prefix)), key=order):
             sid = kv.key[len(self.keys.spares_prefix) :]
             info = safe_decode(kv.key, kv.value)
             if not info or "incarnation" not in info:

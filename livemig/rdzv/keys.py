@@ -174,6 +174,14 @@ class JobKeys:
         return f"{self.progress_prefix}{rank}"
 
     @property
+    def follow_prefix(self) -> str:
+        """Follow spares' state (runtime/follow.py): outside the coordinator's watch, as progress is."""
+        return self.prefix + "~follow/"
+
+    def follow(self, spare_id: str) -> str:
+        return f"{self.follow_prefix}{spare_id}"
+
+    @property
     def final_prefix(self) -> str:
         return self.prefix + "final/"
 

@@ -70,6 +70,7 @@ class StepLoop(MemberFields):
             self.current = step
             self.preloop.live = True  # every rank is past what this process runs from here on
             self.strategy.regather()
+            self.feed.tick()  # a follow spare asked for a snapshot (runtime/follow.py)
             self.migration.tick()
             self.virtual.new_step()
             if self.virtual.degraded():  # a shrunk job: this rank's body, then those of the ranks it carries

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from livemig.runtime.control import Activate
     from livemig.runtime.entry import Entry
     from livemig.runtime.epochs import EpochLoop
+    from livemig.runtime.follow import Feed, Follower
     from livemig.runtime.fsdp2_mesh import Fsdp2
     from livemig.runtime.member import MemberRuntime
     from livemig.runtime.migration import Migration
@@ -69,6 +70,8 @@ class MemberFields:
     boundary: Boundary
     pull: StatePull
     migration: Migration
+    feed: Feed  # a worker's feed of its updates to follow spares (runtime/follow.py)
+    follower: Follower  # a follow spare's side: survives the function's re-entry
     virtual: VirtualRanks
     sandbox: Sandbox
     standby: Standby

@@ -62,6 +62,7 @@ class StandbyHost(Protocol):
     halt: Any  # a whole-job stop (runtime/stop.py): the final record says where it stopped
     strategy: Strategy
     virtual: Any  # a shrunk job's carried ranks (runtime/virtual.py): their final records are written here
+    follower: Any  # a follow spare's side (runtime/follow.py): started and halted by the standby
 
     @property
     def pull(self) -> Callbacks: ...  # runtime/pull.py StatePull: MemberRuntime's callbacks while the job may recover
@@ -102,12 +103,14 @@ class Standby:
             "peak_rss_mb": psutil.Process().memory_info().rss / 2**20,
             # what its warm-up holds on the device (the caching allocator's reserve): 0 on a CPU
             "device_mb": device_reserved_mb(),
+            "follow": h.follower.enabled and h.strategy.follows,  # the coordinator claims a follower first
         }  # fmt: skip
         budget = rt.timeouts.etcd_outage.total_seconds()  # warm during an outage: register once etcd is back
         keeper = rt.spare_keeper = through_outage(
             lambda: rt.rdzv.register(rt.keys.spare(h.spare_id), info, h.incarnation, rt.on_lost),
             budget, "spare registration", rt.fenced.is_set)  # fmt: skip
         rt.start_server()
+        h.follower.start()  # --follow: keep the group's state from a member's feed meanwhile (runtime/follow.py)
         log.info("spare warm", extra={"spare": h.spare_id, "warmup_s": round(warm_s, 3)})
         t_warm = time.monotonic()
         key = rt.keys.assignment(h.spare_id)
@@ -116,6 +119,7 @@ class Standby:
         if result is not None:
             ended.set()
         watch = PrefixWatch(rt.client, rt.keys.result, lambda ev: ended.set(), rev + 1)
+        raw = None
         try:
             while True:
                 try:
@@ -132,7 +136,11 @@ class Standby:
                     time.sleep(0.5)
         finally:
             watch.cancel()
+            if raw is None:
+                h.follower.halt(hold=False)
         a = decode(raw)
+        # claimed for a lost rank: what the follower applied is kept for the take-over
+        h.follower.halt(hold=not (a.get("stop") or a.get("refused") or a.get("migration")))
         self.info = {
             "warmup_s": warm_s, "warm_rss_mb": info["peak_rss_mb"],
             "claim_rss_mb": psutil.Process().memory_info().rss / 2**20, "waited_s": time.monotonic() - t_warm,
@@ -193,6 +201,8 @@ class Standby:
                "joined_at_step": h.loaded_step}  # fmt: skip
         if self.info:
             rec["standby"] = self.info
+        if h.follower.enabled:
+            rec["follow"] = h.follower.record()
         if h.st.inherited_to >= 0:  # commits up to this step are the leaving worker's (planned migration)
             rec["inherited_to"] = h.st.inherited_to
         rec["peak_rss_mb"] = _peak_rss_mb()

@@ -38,6 +38,8 @@ from livemig.checkpoint_dir import run_checkpoint_env
 from livemig.config import (
     ENV_BUDDY_STRIDE,
     ENV_ETCD,
+    ENV_FOLLOW,
+    ENV_FOLLOW_LAG,
     ENV_HOST,
     ENV_INCARNATION,
     ENV_JOB,
@@ -148,6 +150,10 @@ def cmd_start(a: argparse.Namespace) -> int:
                     ENV_WORLD_SIZE: str(world)})  # fmt: skip
         if host:
             env[ENV_HOST] = host
+        if a.follow:
+            env[ENV_FOLLOW] = "1"  # keep the job's state step by step (runtime/follow.py)
+        if a.follow_lag is not None:
+            env[ENV_FOLLOW_LAG] = str(a.follow_lag)
         env[ENV_PARENT_PID] = str(os.getpid())  # its own session (a kill reaches its group only): exits with us
         if a.metrics_port is not None or run.get("metrics"):  # a claimed spare is a member: its figures
             env[ENV_METRICS] = "1"
@@ -242,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--detach", action="store_true",
                    help="run in the background (the spares with their agent), log to a file")  # fmt: skip
     s.add_argument("--count", type=int, default=1, help="spares to run on this host (default 1)")
+    s.add_argument("--follow", action="store_true",
+                   help="follow the job's state step by step: taking a lost rank then streams only its own "
+                        "state (plain data parallel; docs/operations.md, Follow spares)")  # fmt: skip
+    s.add_argument("--follow-lag", type=int, default=None, metavar="N",
+                   help="drop to warm standby when more than N steps behind (default 4; the job's workers read "
+                        "theirs from `livemig run --follow-lag`)")  # fmt: skip
     s.add_argument(
         "--metrics-port",
         type=int,

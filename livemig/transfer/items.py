@@ -57,3 +57,18 @@ def zshard(shard: int) -> str:
 def fshard(rank: int) -> str:
     """Rank `rank`'s FSDP2 shard (parameters, optimizer), served by its mirror (runtime/fsdp2_mirror.py)."""
     return f"fshard/{rank}"
+
+
+STATE_REST = "state/rest"  # a recovery: STATE without the parameters and optimizer (a current follower's take-over)
+FEED_SNAPSHOT = "feed/snapshot"  # a follower's start: the feeder's state at a boundary (runtime/follow.py)
+
+
+def feed_step(step: int) -> str:
+    """The update of step `step`, fed to the follow spares (runtime/follow.py)."""
+    return f"feed/{step}"
+
+
+def step_of_feed(item: str) -> int | None:
+    """The step of a feed_step name, None for any other name."""
+    head, _, step = item.partition("/")
+    return int(step) if head == "feed" and step.isdigit() else None

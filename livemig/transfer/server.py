@@ -115,13 +115,15 @@ class StateServer:
             self._gone.pop(item, None)
             self._snaps = {k: v for k, v in self._snaps.items() if k[1] != item}
 
-    def withdraw(self, item: str | None = None) -> None:
+    def withdraw(self, item: str | None = None, gone: bool = True) -> None:
+        """Stop serving `item` (None: every item); a peer asking for it again is told it is gone,
+        unless `gone` is False (it may be asked for, and published, again: a follower's snapshot)."""
         with self._lock:
             if item is None:
                 self._items.clear()
                 self._snaps.clear()
             else:
-                if self._items.pop(item, None) is not None:
+                if self._items.pop(item, None) is not None and gone:
                     self._gone[item] = None
                     while len(self._gone) > GONE_KEEP:
                         del self._gone[next(iter(self._gone))]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 from datetime import timedelta
 
 import pytest
@@ -490,3 +491,39 @@ def test_sigterm_drains_under_an_orchestrator_and_a_second_one_stops():
     d = Drain(None, 25.0)  # type: ignore[arg-type]
     assert not d.active and d.request() and d.active
     assert not d.request()  # the second SIGTERM: stop now
+
+
+def test_a_fault_held_at_its_gate_counts_from_the_fault_and_a_follower_path_is_reported():
+    """With --follow a fault plan holds the rank at its step's gate until the followers hold the
+    step (agent/fault_driver.py): the group is idle then, which is no downtime of the failure."""
+    commits = [(s, 100.0 + s * 0.1) for s in range(10)] + [(s, 103.0 + s * 0.1) for s in range(10, 20)]
+    ev = [
+        {"phase": "fault", "time": 102.0, "generation": 1},  # held 1.1 s after the commit of step 9
+        {"phase": "detect", "time": 102.05, "generation": 2, "ranks": [1]},
+        {"phase": "fence", "time": 102.06, "generation": 2},
+        {"phase": "agree", "time": 102.07, "generation": 2},
+        {"phase": "claim", "time": 102.08, "generation": 2, "spares": ["spare-0"]},
+        {"phase": "stream", "time": 102.1, "generation": 2, "bytes": 300, "seconds": 0.01, "follower": True},
+        {"phase": "build", "time": 102.2, "generation": 2},
+        {"phase": "commit", "time": 102.3, "generation": 2},
+    ]
+    (r,) = recoveries(ev, commits, 0.1)
+    assert r["downtime_s"] == pytest.approx(104.0 - 102.0 - 0.1), r
+    assert r["path"] == "follower" and r["bytes_streamed"] == 300, r
+    ev[5] = {**ev[5], "follower": False}
+    assert recoveries(ev, commits, 0.1)[0]["path"] == "stream"
+
+
+def test_followers_spread_over_the_ranks_and_are_bounded_by_the_spares():
+    from livemig.agent.run_config import RunConfig
+    from livemig.errors import ConfigError
+    from livemig.runtime.follow import feeder_rank
+
+    mlp = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
+    assert feeder_rank("spare-0", []) is None
+    assert feeder_rank("spare-0", [2, 0, 1]) == feeder_rank("spare-0", [0, 1, 2])  # order-free, stable
+    picks = {feeder_rank(f"spare-{i}", [0, 1, 2, 3]) for i in range(16)}
+    assert len(picks) >= 3, picks  # several followers load several feeders
+    with pytest.raises(ConfigError, match="--follow 2"):
+        RunConfig(script=mlp, args=[], nproc=2, spares=1, follow=2)
+    assert RunConfig(script=mlp, args=[], nproc=2, spares=1, follow=1).follow == 1

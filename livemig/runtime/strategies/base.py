@@ -85,6 +85,26 @@ class PullSide(Protocol):
     def into_model(self) -> Callable[[int, dict], torch.Tensor | None]: ...
 
 
+class FeedSide(Protocol):
+    """A worker's feed of its updates to follow spares (runtime/follow.py Feed)."""
+
+    def serving(self, t: int) -> bool: ...
+
+    def serve(self, t: int, item: dict[str, Any]) -> None: ...
+
+
+class FollowerSide(Protocol):
+    """A follow spare's held state (runtime/follow.py Follower)."""
+
+    before: list[torch.Tensor] | None
+
+    def holds(self, step: int) -> bool: ...
+
+    def release(self, needed: int | None = None) -> None: ...
+
+    def move_into(self, reg: Registry) -> None: ...
+
+
 class StrategyHost(Protocol):
     """What a strategy uses of its member (api.Engine): its fields (runtime/member_fields.py),
     its collaborators (the boundary rule, the state pull, ...), and the step loop's commit and
@@ -107,9 +127,16 @@ class StrategyHost(Protocol):
     step_t0: float
     st: StepState
     virtual: VirtualRanks
+    joining: Any  # the claim the function was entered again for (runtime/control.py Activate)
 
     @property
     def migration(self) -> MigrationSide: ...
+
+    @property
+    def feed(self) -> FeedSide: ...
+
+    @property
+    def follower(self) -> FollowerSide: ...
 
     faults: SelfFaults
     halt: JobStop  # a whole-job stop: its vote rides on the step's collective (runtime/stop.py)
@@ -149,6 +176,8 @@ class Strategy:
     name: ClassVar[str] = "abstract"
     #: Can a rank of this kind move to a spare by planned migration (runtime/migration.py)?
     migrates: ClassVar[bool] = True
+    #: Can a follow spare keep this kind's state from one member's feed (runtime/follow.py)?
+    follows: ClassVar[bool] = False
     #: Does a staying member move to the migration's group at the boundary after the switch
     #: step (True: collectives user code runs after ctx.step() still meet the leaving rank) or
     #: right after the switch step's commit (False)?
@@ -259,7 +288,10 @@ class Strategy:
         assert m.resume_step is not None  # the caller (runtime/pull.py catch_up) returned before otherwise
         target = m.resume_step - 1  # last step that must be committed here
         if h.pull.committed_step() == target:
-            return h.stream_info if h.role == Role.SPARE else None
+            # what this spare streamed when it was claimed into m (a spare claimed in an earlier
+            # generation is a survivor here: its old figures would count twice in the report)
+            joined_now = h.role == Role.SPARE and (h.joining is None or h.joining.generation == m.generation)
+            return h.stream_info if joined_now else None
         if h.pull.committed_step() is None or (h.role == Role.SPARE and h.current is None):
             return self.pull_state(m)
         if h.committed == target - 1 and h.current == target and self.finish_missed(m, target):

@@ -35,6 +35,7 @@ class Replicated(Strategy):
     parameters replicated (ZeRO-1 shards only the optimizer state)."""
 
     name = "replicated"
+    follows = True
 
     # -- start-up ----------------------------------------------------------------------------
     def sync_start(self) -> None:
@@ -163,12 +164,18 @@ class Replicated(Strategy):
         # a GradScaler's unscale and skip, any code between sync_gradients() and step())
         # the gradients the optimizer really stepped with, captured at its step.
         raw = views and h.st.user_synced != t
-        applied: list | None = [] if h.migration.serving(t) and not raw else None
+        feeding = h.feed.serving(t)  # and to the follow spares (runtime/follow.py), the same way
+        applied: list | None = [] if (h.migration.serving(t) or feeding) and not raw else None
         if applied is None:
             h.migration.serve_avg(t, flats, switch)
+            if feeding:
+                h.feed.serve(t, {"flat": flats})
         h.commit(t, flats, compute_s=compute_s, applied=applied)
         if applied is not None:
-            h.migration.serve_applied(t, applied, switch)
+            if h.migration.serving(t):
+                h.migration.serve_applied(t, applied, switch)
+            if feeding:
+                h.feed.serve(t, dict(applied[0]))
         h.migration.after_commit(t, switch)
         h.faults.at(t, "after_step")
 
@@ -212,6 +219,17 @@ class Replicated(Strategy):
         if h.boundary.replays and h.ckpt.resumed == h.committed:  # no step ran since the load: nothing to
             replay["resumed"] = h.ckpt.resume_path  # replay, the spare loads its rank's part of it
         srv.publish(m.generation, items.STATE, lambda: (h.committed + 1, {**h.reg.state_obj(), **replay}))
+        # a follow spare holding our last commit takes the rest: what is not parameters and
+        # optimizer state (runtime/follow.py), and not the replay's parameters either
+        rest = {k: v for k, v in replay.items() if k != "before"}
+        srv.publish(
+            m.generation,
+            items.STATE_REST,
+            lambda: (
+                h.committed + 1,
+                {"extra": {k: v.state_dict() for k, v in h.reg.extra.items()}, "hparams": h.reg.hparams(), **rest},
+            ),
+        )
         left = (h.rank - buddy_stride(h.world_size)) % h.world_size
         if st.mirrored.get(h.committed - 1) is not None:  # the left neighbour's local state
             blob = st.mirrored[h.committed - 1]
@@ -241,8 +259,19 @@ class Replicated(Strategy):
         before needs (runtime/loop.py, replay_step)."""
         h = self.h
         t0 = time.monotonic()
-        addr, got = h.pull.pull_any(m, items.STATE, h.pull.into_model())
-        h.reg.load_state(got.state)
+        assert m.resume_step is not None
+        follower = m.resume_step - 1 >= 0 and h.follower.holds(m.resume_step - 1)
+        if follower:  # a follow spare at the group's last commit (runtime/follow.py): the rest only
+            addr, got = h.pull.pull_any(m, items.STATE_REST)
+            if got.step != m.resume_step:
+                raise RecoveryError(f"the source serves the boundary of step {got.step}, need {m.resume_step}")
+            h.follower.move_into(h.reg)
+            h.reg.load_boundary({"extra": got.state["extra"], "hparams": got.state["hparams"]})
+            got.state["before"] = h.follower.before
+        else:
+            h.follower.release(m.resume_step - 1)  # a follower that fell behind: streamed as any spare
+            addr, got = h.pull.pull_any(m, items.STATE, h.pull.into_model())
+            h.reg.load_state(got.state)
         nbytes = got.nbytes
         more, where = self.pull_layout(m, got.step)
         nbytes += more
@@ -273,6 +302,8 @@ class Replicated(Strategy):
                 nbytes += part.nbytes
             h.st.replay = Replay(h.committed, unpack(st["boundary"]), local, st["before"], avg, st["extra"])
         h.stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
-        log.info("state loaded", extra={"resume_step": got.step, "bytes": got.nbytes,
+        if follower:
+            h.stream_info["follower"] = True
+        log.info("state loaded", extra={"resume_step": got.step, "bytes": got.nbytes, "follower": follower,
                                         "seconds": round(got.seconds, 4)})  # fmt: skip
         return h.stream_info

@@ -1,0 +1,44 @@
+"""Follow spares (runtime/follow.py): a spare that keeps the group's state step by step takes
+a lost rank with nothing streamed but what is not replicated, and the run stays the
+fault-free run bit for bit. examples/ddp_port.py with a GradScaler whose loss overflows every
+3rd step, unscale + clip, accumulation, the lr set by hand, a prefetched batch (local=) and
+rank 0 saving: the loop a DDP user ports."""
+
+from __future__ import annotations
+
+from livemig.runtime.follow import feeder_rank
+from tests.e2e.conftest import explain, livemig_run, rank_files
+from tests.e2e.test_real_scripts import AMP, PORT, assert_same_run, port_work, reference  # noqa: F401 - the fixture
+
+FOLLOWER = "spare-0"  # `--spares 2 --follow 1`: the first spare follows, the second stays warm
+
+
+def _run(tmp_path, nproc, spares, job, faults=()):
+    out = tmp_path / f"out-{job}"
+    out.mkdir()
+    run = livemig_run(tmp_path, nproc, spares=spares, faults=faults, script=PORT, job=job, extra=("--follow", "1"),
+                      workload=port_work(tuple(AMP), 5, str(out)))  # fmt: skip
+    return run, rank_files(out)
+
+
+def test_a_follower_takes_a_killed_rank_and_a_warm_spare_the_next_exact(tmp_path, reference):  # noqa: F811
+    ref = reference(3, tuple(AMP))
+    feeder = feeder_rank(FOLLOWER, [0, 1, 2])
+    first = next(r for r in (2, 1) if r != feeder)  # not the follower's feeder: it holds every step
+    run, ranks = _run(tmp_path, 3, 2, "fw", (f"kill:rank={first}:step=10", f"kill:rank={feeder}:step=24"))
+    assert_same_run(run, ranks, ref)
+    recs = run.report["recoveries"]
+    assert [(r["rank"], r["spares"], r.get("path")) for r in recs] == [
+        (first, [FOLLOWER], "follower"), (feeder, ["spare-1"], "stream")], explain(run)  # fmt: skip
+    # the follower pulled what is not replicated only (the boundary's extras, the lost rank's
+    # own state from its mirror, the clipped step's average); the warm spare all of it too
+    assert 0 < recs[0]["bytes_streamed"] < recs[1]["bytes_streamed"], recs
+    took = run.report["members"][str(first)]
+    assert took["joined_at_step"] == 11, took
+    assert "follower" in run.stdout, run.stdout
+
+
+def test_a_run_with_a_follower_and_no_fault_equals_the_fault_free_run(tmp_path, reference):  # noqa: F811
+    run, ranks = _run(tmp_path, 3, 1, "fn")
+    assert_same_run(run, ranks, reference(3, tuple(AMP)))
+    assert run.report["recoveries"] == [], explain(run)

@@ -46,6 +46,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "livemig_members": ("gauge", ("host",), "members of the current generation, by host"),
     "livemig_spares_warm": ("gauge", ("host",), "warm spares registered for the job, by host"),
     "livemig_warm_spares": ("gauge", (), "warm spares of the job, also when none (absent once the job ended)"),
+    "livemig_follow_spares": ("gauge", ("state",), "follow spares by state: following, attaching, warm (dropped), ..."),
+    "livemig_follow_drops": (
+        "counter",
+        (),
+        "times a follow spare fell more than --follow-lag behind and dropped to warm",
+    ),
     "livemig_recoveries": ("counter", ("kind", "outcome"), "recoveries and planned migrations, by kind and outcome"),
     "livemig_downtime_seconds": ("histogram", ("kind",), "downtime of each completed recovery (run report definition)"),
     "livemig_recovery_phase_seconds": ("histogram", ("kind", "phase"), "each phase of each completed recovery"),
@@ -78,6 +84,7 @@ class JobMetrics:
         self.client = client  # whose call statistics are this agent's etcd figures
         self.launched_at = launched_at
         self._meas: dict[int, dict[str, Any]] = {}  # generation -> its `measured` event's figures
+        self._drops: dict[str, int] = {}  # follow spare -> its drops, the most seen
         self._seen: set[tuple[str, Any]] = set()  # the recoveries, migrations and fences observed
         self._counts = {(k, o): 0 for k in KINDS for o in OUTCOMES}
         self._downtime: dict[str, list[float]] = {k: [] for k in KINDS}
@@ -112,12 +119,19 @@ class JobMetrics:
         world = m.world_size
         members = Counter(mem.host or "unknown" for mem in m.members.values())
         spares: Counter[str] = Counter()
+        following: Counter[str] = Counter()
         records: dict[int, dict] = {}
         for k, kv in by_key.items():
             if k.startswith(keys.spares_prefix):
                 rec = conform(kv.value, {"state": (str,)}, {"host": (str,)})
                 if rec is not None and rec["state"] == "warm":
                     spares[rec.get("host", "unknown")] += 1
+            elif k.startswith(keys.follow_prefix):  # a follow spare's status (runtime/follow.py)
+                rec = conform(kv.value, {"state": (str,)}, {"drops": (int,)})
+                if rec is not None:
+                    following[rec["state"]] += rec["state"] not in ("claimed", "stopped")
+                    sid = k[len(keys.follow_prefix) :]
+                    self._drops[sid] = max(self._drops.get(sid, 0), rec.get("drops", 0))  # only grows
             elif k.startswith(keys.progress_prefix) and k[len(keys.progress_prefix) :].isdigit():
                 rec = conform(kv.value, {"step": (int,), "time": _NUM}, {"step_s": _NUM})
                 if rec is not None:
@@ -145,6 +159,8 @@ class JobMetrics:
             "livemig_members": [((h,), n) for h, n in sorted(members.items())],
             "livemig_spares_warm": [((h,), n) for h, n in sorted(spares.items())],
             "livemig_warm_spares": [((), sum(spares.values()))] if m.state not in _ENDED else [],
+            "livemig_follow_spares": [((s,), n) for s, n in sorted(following.items()) if n],
+            "livemig_follow_drops": [((), sum(self._drops.values()))],
             **self._counters(),
             "livemig_step_seconds": [((), median)] if median else [],
             "livemig_goodput_ratio": [((), gp)] if gp is not None else [],

@@ -83,6 +83,16 @@ def watch(client: EtcdClient, job: str, every: float, as_json: bool) -> int:
         return 0
 
 
+def follow_text(f: dict | None) -> str:
+    """A follow spare's status in a word or two: `following @ step S`, `warm (why)`, ..."""
+    if not f:
+        return "-"
+    if f["state"] == "following":
+        return f"following @ step {f.get('step', '?')}"
+    why = f" ({f['reason']})" if f.get("reason") else ""
+    return f"{f['state']}{why}"
+
+
 def collect(client: EtcdClient, job: str) -> dict[str, Any]:
     keys = JobKeys(job)
     kvs, _ = client.get_prefix(keys.prefix)
@@ -115,9 +125,17 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
                                        "claim": (dict,), "device_mb": (int, float)})  # fmt: skip
             if s is None:
                 continue
+            sid = kv.key[len(keys.spares_prefix) :]
+            fol = by_key.get(keys.follow(sid))  # a follow spare's own status (runtime/follow.py)
+            follow = (
+                conform(fol.value, {"state": (str,)}, {"step": (int,), "reason": (str,), "drops": (int,)})
+                if fol
+                else None
+            )
             spares.append(
                 {
-                    "id": kv.key[len(keys.spares_prefix) :],
+                    "id": sid,
+                    "follow": follow,
                     "state": s.get("state"),
                     "host": s.get("host"),
                     "pid": s.get("pid"),
@@ -235,11 +253,11 @@ def render(info: dict[str, Any], as_json: bool) -> str:
         for n in info["nodes"]:
             drain = "  draining" if n.get("draining") else ""
             lines.append(f"{n['node_rank']:>4}  {n['host'] or '-':<16} {n['pid'] or 0:>7}  {n['ranks']}{drain}")
-    lines.append(f"{'SPARE':<28} {'STATE':<9} {'WARMUP_S':>8}  {'HOST':<16} {'PID':>7}")
+    lines.append(f"{'SPARE':<28} {'STATE':<9} {'WARMUP_S':>8}  {'HOST':<16} {'PID':>7}  FOLLOW")
     for s in info["spares"]:
         w = "-" if s["warmup_s"] is None else f"{s['warmup_s']:.2f}"
         state, host = s["state"] or "-", s["host"] or "-"
-        lines.append(f"{s['id']:<28} {state:<9} {w:>8}  {host:<16} {s['pid'] or 0:>7}")
+        lines.append(f"{s['id']:<28} {state:<9} {w:>8}  {host:<16} {s['pid'] or 0:>7}  {follow_text(s.get('follow'))}")
     if not info["spares"]:
         lines.append("  (no spares)")
     return "\n".join(lines)

@@ -198,13 +198,15 @@ def cmd_status(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(spares, indent=2))
         return 0
-    print(f"{'SPARE':<32} {'STATE':<9} {'WARMUP_S':>8} {'DEVICE_MB':>9}  {'HOST':<16} {'PID':>7}  CLAIM")
+    from livemig.cli.status import follow_text
+
+    print(f"{'SPARE':<32} {'STATE':<9} {'WARMUP_S':>8} {'DEVICE_MB':>9}  {'HOST':<16} {'PID':>7}  CLAIM  FOLLOW")
     for s in spares:
         w = "-" if s["warmup_s"] is None else f"{s['warmup_s']:.2f}"
         dev = "-" if s.get("device_mb") is None else f"{s['device_mb']:.0f}"
         claim = s["claim"] or "-"
         print(f"{s['id']:<32} {s['state'] or '-':<9} {w:>8} {dev:>9}  {s['host'] or '-':<16} {s['pid'] or 0:>7}  "
-              f"{claim}")  # fmt: skip
+              f"{claim}  {follow_text(s.get('follow'))}")  # fmt: skip
     if not spares:
         print("(no spares registered)")
     return 0

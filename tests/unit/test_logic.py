@@ -527,3 +527,13 @@ def test_followers_spread_over_the_ranks_and_are_bounded_by_the_spares():
     with pytest.raises(ConfigError, match="--follow 2"):
         RunConfig(script=mlp, args=[], nproc=2, spares=1, follow=2)
     assert RunConfig(script=mlp, args=[], nproc=2, spares=1, follow=1).follow == 1
+
+
+def test_a_follow_spares_status_reads_in_a_few_words():
+    from livemig.cli.status import follow_text
+
+    assert follow_text(None) == "-"
+    assert follow_text({"state": "following", "step": 41}) == "following @ step 41"
+    assert follow_text({"state": "warm", "reason": "more than 4 steps behind the job at step 9"}) == (
+        "warm (more than 4 steps behind the job at step 9)"
+    )

@@ -39,7 +39,7 @@ COMMIT_TIMES = 200  # group-wide commits listed in the report (runtime/loop.py C
 # A final record as the report reads it (conform(): anything else under final/ is skipped).
 FINAL_NEED = {"steps": (int,), "digest": (str,)}
 FINAL_MAY = {"digests": (dict,), "shard_digest": (str,), "mirror_digest": (str,), "mirror_of": (int,),
-             "commits": (list,), "role": (str,), "joined_at_step": (int,), "standby": (dict,),
+             "commits": (list,), "role": (str,), "joined_at_step": (int,), "standby": (dict,), "follow": (dict,),
              "peak_rss_mb": _NUM, "inherited_to": (int,), "checkpoints": (dict,), "carried_by": (int,)}  # fmt: skip
 
 
@@ -139,6 +139,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
                 # this process's own first commit (a migrated-in spare's record starts with the leaving worker's)
                 "first_commit": next((c for c in _group_commits({r: f}) if c[0] > f.get("inherited_to", -1)), None),
                 **({"standby": f["standby"]} if "standby" in f else {}),
+                **({"follow": f["follow"]} if "follow" in f else {}),  # a follow spare's (runtime/follow.py)
                 **({"peak_rss_mb": f["peak_rss_mb"]} if "peak_rss_mb" in f else {}),
             }
             for r, f in sorted(finals.items())

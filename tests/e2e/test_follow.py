@@ -42,3 +42,30 @@ def test_a_run_with_a_follower_and_no_fault_equals_the_fault_free_run(tmp_path, 
     run, ranks = _run(tmp_path, 3, 1, "fn")
     assert_same_run(run, ranks, reference(3, tuple(AMP)))
     assert run.report["recoveries"] == [], explain(run)
+
+
+def test_a_follower_stopped_for_3_s_drops_to_warm_without_slowing_training_and_a_kill_stays_exact(
+        tmp_path, reference):  # noqa: F811  # fmt: skip
+    """SIGSTOP the follower for 3 s (it falls more than --follow-lag behind): training goes on at
+    its pace (the feed is pulled, never pushed), the follower drops to warm standby, and the kill
+    after it is recovered by streaming, exactly."""
+    ref = reference(3, tuple(AMP))
+    feeder = feeder_rank(FOLLOWER, [0, 1, 2])
+    victim = next(r for r in (2, 1) if r != feeder)
+    out = tmp_path / "out-fs"
+    out.mkdir()
+    # --lease-ttl 6: the stopped spare outlives its stop (the suite's 2 s would fence it)
+    run = livemig_run(tmp_path, 3, spares=1, script=PORT, job="fs", extra=("--follow", "1", "--lease-ttl", "6"),
+                      faults=("spare-hang:step=8:resume=3", f"kill:rank={victim}:step=32"),
+                      workload=port_work(tuple(AMP), 40, str(out)))  # fmt: skip
+    assert_same_run(run, rank_files(out), ref)
+    (rec,) = run.report["recoveries"]
+    assert rec["path"] == "stream" and rec["spares"] == [FOLLOWER], explain(run)
+    follow = run.report["members"][str(victim)].get("follow") or {}
+    assert follow.get("drops", 0) >= 1 and not follow.get("took_over"), (follow, explain(run))
+    # no step waited for the stopped follower: the commits went on at the median pace meanwhile
+    times = [t for _, t in sorted(run.report["commit_times"])]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    median = sorted(gaps)[len(gaps) // 2]
+    stalled = [g for (s, _), g in zip(sorted(run.report["commit_times"])[1:], gaps, strict=False) if 9 <= s <= 30]
+    assert max(stalled) <= max(4 * median, median + 0.25), (median, stalled)

@@ -124,6 +124,10 @@ class FaultDriver:
                 if arr is None and step <= f.step:
                     continue
                 if arr is not None and not self._followers_current(f, now):
+                    if f.kind == "spare-hang":  # not held: a follower attaches at a boundary of its feeder
+                        self._arrived.remove(arr)
+                        self.gate.release(arr)
+                        self._gates_passed.add(f.step)  # from here the unheld path below lands it
                     continue  # --follow: the fault lands once the followers hold step S (held at the gate meanwhile)
                 holder = None
                 if arr is not None:
@@ -147,6 +151,8 @@ class FaultDriver:
                 continue
             if f.phase and not phase_reached(self.agent.keys, f, by_key, armed):
                 continue
+            if f.kind == "spare-hang" and not self._followers_current(f, now):
+                continue  # --follow: a stop of the follower once it follows (what the plan tests)
             if self.inject(f, by_key, step):
                 self.pending.remove(f)
         self._release_gates(by_key, now)
@@ -214,10 +220,13 @@ class FaultDriver:
         return m.migration.get("id") == rid
 
     def _followers_current(self, f: Fault, now: float) -> bool:
-        """With --follow, a failure is injected once every follower holds the state after its
-        step (it is what the run measures), or after FOLLOW_WAIT_S: each follower's status
-        (runtime/follow.py, written about once a second) says its step, or that it stays warm."""
-        if not self.agent.cfg.follow or f.kind not in ("kill", "hang", "partition", "link"):
+        """With --follow, a failure held at its gate is injected once every follower holds the
+        state after its step (it is what the run measures), or after FOLLOW_WAIT_S: each
+        follower's status (runtime/follow.py, written about once a second) says its step, or
+        that it stays warm. Not held while a follower is still attaching: its feeder serves the
+        snapshot at a boundary, which the held group does not reach. A spare-hang waits (unheld)
+        until the followers follow."""
+        if not self.agent.cfg.follow or f.kind not in ("kill", "hang", "partition", "link", "spare-hang"):
             return True
         since = self._follow_wait.setdefault(id(f), now)
         wait = min(FOLLOW_WAIT_S, gate_timeout() / 2)
@@ -235,9 +244,15 @@ class FaultDriver:
         states = [conform(kv.value, {"state": (str,), "step": (int,)}) or {} for kv in kvs]
         following = [s for s in states if s.get("state") == "following"]
         others = sum(s.get("state") in ("warm", "unsupported", "claimed", "stopped") for s in states)
-        if len(following) + others < self.agent.cfg.follow:
-            return False  # a follower still warming up or attaching
-        return all(s["step"] >= f.step for s in following)
+        if len(following) + others < self.agent.cfg.follow:  # a follower still warming up or attaching
+            if f.kind == "spare-hang":
+                return False
+            if id(f) not in self._follow_said:
+                self._follow_said.add(id(f))
+                self.agent.say(f"livemig: a follower is still attaching at step {f.step}: {f.kind} lands now "
+                               "(its recovery streams the state)")  # fmt: skip
+            return True
+        return f.kind == "spare-hang" or all(s["step"] >= f.step for s in following)
 
     def _no_warm_spare(self, by_key: dict) -> str:
         """'' if a spare of the job is warm; else a few words on the spares' warm-up."""

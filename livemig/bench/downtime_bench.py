@@ -446,6 +446,13 @@ def add_overhead_arguments(p: argparse.ArgumentParser) -> None:
     add_sharding_argument(p, "also time ZeRO-1 without its mirror, and DDP with ZeroRedundancyOptimizer")
     p.add_argument("--metrics", action="store_true",
                    help="also time livemig with --metrics-port on, scraped once a second")  # fmt: skip
+    p.add_argument(
+        "--follow",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also time livemig with K follow spares against K plain warm spares (runtime/follow.py)",
+    )
     p.add_argument("--json")
 
 
@@ -480,6 +487,10 @@ def run_overhead(a: argparse.Namespace) -> int:
                             "plain DDP": lambda: run_ddp(plain, False, workload)}  # fmt: skip
     if a.metrics:
         runs["livemig, metrics on"] = lambda: run_livemig(plain, False, workload, metrics=True)
+    if a.follow:  # the feed's cost: the same spares, following or not
+        spared = argparse.Namespace(**{**vars(plain), "spares": a.follow})
+        runs[f"livemig, {a.follow} warm spare(s)"] = lambda: run_livemig(spared, False, workload)
+        runs[f"livemig, {a.follow} follower(s)"] = lambda: run_livemig(spared, False, workload, follow=a.follow)
     if zero1:
         runs["livemig zero1 + mirror"] = lambda: run_livemig(a, False, workload)
         runs["livemig zero1, no mirror"] = lambda: run_livemig(a, False, workload, {"LIVEMIG_ZERO1_MIRROR": "0"})
@@ -501,6 +512,9 @@ def run_overhead(a: argparse.Namespace) -> int:
     pairs = [("livemig / DDP", "livemig", "plain DDP")]
     if a.metrics:
         pairs.append(("metrics on / off", "livemig, metrics on", "livemig"))
+    if a.follow:
+        pairs.append((f"{a.follow} follower(s) / warm spare(s)", f"livemig, {a.follow} follower(s)",
+                      f"livemig, {a.follow} warm spare(s)"))  # fmt: skip
     if zero1:
         pairs += [("zero1+mirror / zero1", "livemig zero1 + mirror", "livemig zero1, no mirror"),
                   ("zero1+mirror / DDP", "livemig zero1 + mirror", "plain DDP"),

@@ -54,6 +54,7 @@ DEFAULT_LAG = 4
 DEFAULT_RETRY_S = 30.0
 PULL_TIMEOUT_S = 2.0  # one feed pull's header exchange (a dead feeder is found by the membership)
 DRAIN_TIMEOUT_S = 0.25  # the same once claimed: the claim waits for it
+POLL_MIN_S, POLL_MAX_S = 0.002, 0.025  # asking for an update not yet published: first and longest wait
 STATUS_EVERY_S = 1.0  # the follower's status key is written at most this often (and on a change)
 
 
@@ -181,6 +182,7 @@ class Follower:
         self.before: list[torch.Tensor] | None = None  # the parameters before step `step` (the replay's)
         self._feeder: tuple[str, str] | None = None  # (incarnation, address)
         self._secret: bytes | None = None
+        self._poll = POLL_MIN_S
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._said = 0.0
@@ -337,7 +339,10 @@ class Follower:
                 self._set("attaching", "the feeder left the job")
                 return False
             self._set(self.state, self.reason)  # the status stays fresh while the group waits (about once a second)
-            self._stop.wait(0.002)  # not published yet: the group has not committed it
+            # not published yet (the group has not committed it): ask again soon, backing off to
+            # POLL_MAX_S, since each ask is a request the feeder's server answers beside training
+            self._stop.wait(self._poll)
+            self._poll = min(POLL_MAX_S, self._poll * 2)
             return False
         if h.boundary.replays:  # a take-over replays step `step`: from the parameters before it
             with torch.no_grad():
@@ -350,6 +355,7 @@ class Follower:
         h.strategy.handover.replay_update(t, got.state)
         self.step = t
         self.applied += 1
+        self._poll = POLL_MIN_S
         self._set("following", "")
         log.debug("follow: applied", extra={"step": t, "seconds": round(got.seconds, 4)})
         return True

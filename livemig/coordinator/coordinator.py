@@ -578,7 +578,10 @@ class Coordinator:
             finals = self.client.get_prefix(self.keys.final_prefix)[0]
             recs = (conform(kv.value, {}, {"stopped": (int,)}) for kv in finals)
             steps = [int(f["stopped"]) for f in recs if f and "stopped" in f]
-            res.update(state="stopped", reason=m.stop.get("reason", ""), step=min(steps, default=None))
+            if steps:
+                res.update(state="stopped", reason=m.stop.get("reason", ""), step=min(steps))
+            else:  # every member trained its last step before the stop reached it: the job is done
+                log.info("a stop came after the last step: the job is done", extra={"reason": m.stop.get("reason")})
         if detail:
             res["traceback"], res["raised_at"] = detail, self.checks.bug_time
         self.writes.record(Put(self.keys.result, res))

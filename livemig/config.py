@@ -6,10 +6,8 @@ in one place; docs/operations.md lists the same table.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from enum import StrEnum
@@ -418,20 +416,3 @@ def stride_of(run: dict[str, Any] | None) -> int:
     run = run or {}
     nnodes, per = run.get("nnodes"), run.get("nproc_per_node")
     return per if isinstance(nnodes, int) and nnodes > 1 and isinstance(per, int) and per > 0 else 1
-
-
-@contextlib.contextmanager
-def environ_set(values: dict[str, str]) -> Iterator[None]:
-    """These environment variables set while the block runs, then each put back as it was
-    (absent again if it was): a run launched in-process (a bench's) passes its environment on to
-    its children, and must not leave it to the next."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

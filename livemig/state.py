@@ -52,14 +52,6 @@ def unflatten(skel: Any, tensors: list[torch.Tensor]) -> Any:
     return skel
 
 
-def cloned(obj: Any) -> Any:
-    """A copy of a state object with every tensor cloned: what a member serves while it trains
-    on (a planned migration's snapshot, a follow spare's)."""
-    tensors: list[torch.Tensor] = []
-    skel = flatten(obj, tensors)
-    return unflatten(skel, [x.clone() for x in tensors])
-
-
 def tensor_meta(t: torch.Tensor) -> dict[str, Any]:
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "nbytes": t.nbytes}
 

@@ -43,7 +43,7 @@ from typing import Any
 
 from livemig.agent.launcher import run
 from livemig.agent.run_config import RunConfig
-from livemig.config import ENV_SHRINK_DROP, environ_set
+from livemig.config import ENV_SHRINK_DROP
 from livemig.faults import parse_fault
 from livemig.rdzv.embedded import free_port
 
@@ -60,27 +60,32 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
     """fault: True = SIGKILL rank 1 after --fail-at; "migrate" = planned migration of rank 1 there.
     metrics: serve --metrics-port and scrape it once a second (15x Prometheus' usual rate)."""
     zero1 = getattr(a, "sharding", "none") == "zero1"
-    with environ_set(env or {}):  # the launcher passes its environment on to the workers
-        cfg = RunConfig(
-            script=script or (MLP_ZERO1 if zero1 else MLP), args=workload,
-            nproc=a.workers, spares=0 if shrink else a.spares, follow=follow,  # an idle spare in fault_free too
-            min_nproc=a.workers - 1 if shrink else None, shrink_wait=0.0 if shrink else None,  # no spare: carried
-            job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True, max_wall=a.run_timeout,
-            faults=[parse_fault(f"{'migrate' if fault == 'migrate' else 'kill'}:rank=1:step={a.fail_at}")]
-            if fault else [],
-            checkpoint=checkpoint, recovery=recovery,
-        )  # fmt: skip
-        stop = threading.Event()
-        if metrics:
-            from livemig.rdzv.embedded import free_port
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # the launcher passes its environment on to the workers
+    cfg = RunConfig(
+        script=script or (MLP_ZERO1 if zero1 else MLP), args=workload,
+        nproc=a.workers, spares=0 if shrink else a.spares, follow=follow,  # an idle spare in fault_free too
+        min_nproc=a.workers - 1 if shrink else None, shrink_wait=0.0 if shrink else None,  # no spare: carried
+        job=f"bench-{uuid.uuid4().hex[:6]}", quiet=True, max_wall=a.run_timeout,
+        faults=[parse_fault(f"{'migrate' if fault == 'migrate' else 'kill'}:rank=1:step={a.fail_at}")] if fault else [],
+        checkpoint=checkpoint, recovery=recovery,
+    )  # fmt: skip
+    stop = threading.Event()
+    if metrics:
+        from livemig.rdzv.embedded import free_port
 
-            cfg.metrics_port = free_port()
-            threading.Thread(target=_scrape_every, args=(cfg.metrics_port, 1.0, stop), daemon=True).start()
-        t0 = time.monotonic()
-        try:
-            rep = run(cfg)
-        finally:
-            stop.set()
+        cfg.metrics_port = free_port()
+        threading.Thread(target=_scrape_every, args=(cfg.metrics_port, 1.0, stop), daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        rep = run(cfg)
+    finally:
+        stop.set()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     wall = time.monotonic() - t0
     rec = rep["recoveries"][0] if rep["recoveries"] else {}
     if fault == "migrate":

@@ -136,7 +136,7 @@ class Runner:
 
         from livemig.agent.launcher import run
         from livemig.agent.run_config import RunConfig
-        from livemig.config import Timeouts, environ_set
+        from livemig.config import Timeouts
         from livemig.faults import parse_fault
 
         values = os.path.join(self.where, f"g{uuid.uuid4().hex[:8]}")
@@ -144,9 +144,17 @@ class Runner:
         cfg = RunConfig(script=script, args=args, nproc=nproc, spares=1, job=f"g{uuid.uuid4().hex[:8]}",
                         faults=[parse_fault(fault)], timeouts=t, quiet=True, max_wall=self.timeout,
                         cold_spares=True, min_nproc=nproc - 1, shrink_wait=0.0)  # fmt: skip
+        old = {k: os.environ.get(k) for k in ("LIVEMIG_VERIFY_DIR", "LIVEMIG_STATE_DIR")}
+        os.environ.update({"LIVEMIG_VERIFY_DIR": values, "LIVEMIG_STATE_DIR": self.where})
         t0 = time.monotonic()
-        with environ_set({"LIVEMIG_VERIFY_DIR": values, "LIVEMIG_STATE_DIR": self.where}):
+        try:
             rep = run(cfg)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         return rep, values, time.monotonic() - t0
 
     def reference(self, script: str, args: list[str], nproc: int) -> tuple[dict, str]:

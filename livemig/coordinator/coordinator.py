@@ -30,6 +30,7 @@ import socket
 import sys
 import time
 from dataclasses import replace
+from typing import Any
 
 from livemig.config import (
     ENV_INCARNATION,
@@ -447,10 +448,14 @@ class Coordinator:
         already: runtime/follow.py), then oldest first, each with how its model differs from the
         job's `signature` (a plan refuses those)."""
         out = []
-        pre = self.keys.spares_prefix
-        found = [(kv, safe_decode(kv.key, kv.value)) for k, kv in s.kv.items() if k.startswith(pre)]  # decoded once
-        for kv, info in sorted(found, key=lambda e: (not (e[1] or {}).get("follow"), e[0].create_revision)):
-            sid = kv.key[len(pre) :]
+
+        def order(kv: Any) -> tuple[bool, int]:
+            info = safe_decode(kv.key, kv.value) or {}
+            return not info.get("follow"), kv.create_revision
+
+        for kv in sorted((kv for k, kv in s.kv.items() if k.startswith(self.keys.spares_prefix)), key=order):
+            sid = kv.key[len(self.keys.spares_prefix) :]
+            info = safe_decode(kv.key, kv.value)
             if not info or "incarnation" not in info:
                 continue
             if info.get("state") != "warm" or s.kv.get(self.keys.assignment(sid)) is not None:

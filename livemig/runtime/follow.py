@@ -38,7 +38,7 @@ import torch
 from livemig.config import ENV_FOLLOW, ENV_FOLLOW_LAG, ENV_FOLLOW_RETRY, ENV_SPARE_ID, Role
 from livemig.errors import ConfigError, TransferError, WithdrawnError
 from livemig.rdzv.membership import GenState
-from livemig.state import cloned
+from livemig.state import flatten, unflatten
 from livemig.transfer import items
 from livemig.transfer.puller import pull
 
@@ -118,7 +118,9 @@ class Feed:
         if items.FEED_SNAPSHOT not in srv.wanted:
             return
         srv.wanted.discard(items.FEED_SNAPSHOT)
-        snap = cloned(h.strategy.handover.snapshot())  # what the follower loads (handover.load_snapshot)
+        tensors: list[torch.Tensor] = []
+        skel = flatten(h.reg.state_obj(), tensors)
+        snap = unflatten(skel, [x.clone() for x in tensors])  # training goes on: serve a copy
         step = h.committed + 1
         srv.publish(FEED_GEN, items.FEED_SNAPSHOT, lambda: (step, snap))
         self._snap_step = step
@@ -277,7 +279,8 @@ class Follower:
         m = rt.m
         if m.state != GenState.COMMITTED or not m.members:
             return self._feeder if self._feeder and self.state == "following" else None
-        if self._feeder_alive():
+        live = {mem.incarnation: mem.addr for mem in m.members.values() if mem.addr}
+        if self._feeder is not None and self._feeder[0] in live:
             return self._feeder
         r = feeder_rank(self.spare_id, [r for r, mem in m.members.items() if mem.addr])
         if r is None:
@@ -285,7 +288,7 @@ class Follower:
         return m.members[r].incarnation, m.members[r].addr
 
     def _feeder_alive(self) -> bool:
-        """Is the feeder a member of the newest generation (not a rank lost, nor the one this spare replaces)?"""
+        """Is the feeder a member of the generation being formed (not the rank this spare replaces)?"""
         m = self.h.runtime.m
         return self._feeder is not None and any(mem.incarnation == self._feeder[0] for mem in m.members.values())
 

@@ -28,7 +28,7 @@ from livemig.runtime.step_state import Outgoing, StepState
 if TYPE_CHECKING:
     from livemig.runtime.member import MemberRuntime
     from livemig.runtime.strategies.base import Strategy
-from livemig.state import cloned, unpack
+from livemig.state import flatten, unflatten, unpack
 from livemig.transfer import items
 from livemig.transfer.puller import pull
 
@@ -110,7 +110,9 @@ class Migration:
             if want is not None:
                 if self.out.gen == m.generation and self.out.snap:
                     rt.serving.withdraw(self.out.snap)  # the spare asked for a newer one: free the old copy
-                snap = cloned(self.e.strategy.handover.snapshot())  # FSDP2: its shards and its mirror's
+                tensors: list[torch.Tensor] = []
+                skel = flatten(self.e.strategy.handover.snapshot(), tensors)  # FSDP2: its shards and its mirror's
+                snap = unflatten(skel, [x.clone() for x in tensors])  # training goes on: serve a copy
                 step = self.e.committed + 1
                 rt.serving.publish(m.generation, want, lambda: (step, snap))
                 self.out = Outgoing(m.generation, step, want)

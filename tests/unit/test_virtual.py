@@ -45,28 +45,38 @@ def test_the_report_counts_degraded_steps_and_their_step_time():
     assert sh["degraded_step_cost"] == pytest.approx(2.0, rel=1e-3)
 
 
-def test_shrink_policy_waits_then_shrinks_and_says_why_it_cannot(monkeypatch):
+def test_shrink_policy_waits_then_shrinks_and_says_why_it_cannot():
     """coordinator/shrink.py: the decision of a recovery short of spares (pure logic; the e2e
     tests in tests/e2e/test_shrink.py run it for real)."""
+    import os
+
+    from livemig.config import ENV_MIN_NPROC, ENV_SHRINK_WAIT
     from livemig.coordinator.shrink import ShrinkPolicy
     from livemig.rdzv.membership import Member, Membership
 
     def members(*ranks: int) -> dict:
         return {r: Member(r, f"inc-{r}", "h", 1, "") for r in ranks}
 
-    monkeypatch.delenv(ENV_MIN_NPROC, raising=False)
-    assert ShrinkPolicy(4).decide(Membership(world_size=4, members=members(0, 1, 2)), [3], 0, "", 9).action == "no"
-    monkeypatch.setenv(ENV_MIN_NPROC, "2")
-    monkeypatch.setenv(ENV_SHRINK_WAIT, "1")
-    p = ShrinkPolicy(4)
-    m = Membership(world_size=4, members=members(0, 2))
-    assert p.decide(m, [1, 3], 0, "", 0.5).action == "wait"
-    assert p.decide(m, [1, 3], 1, "", 1.5) == p.decide(m, [1, 3], 1, "zero1", 1.5)
-    assert p.decide(m, [1, 3], 1, "", 1.5).carry == [3]  # the spare takes rank 1
-    assert "sharding=fsdp2" in p.decide(m, [1, 3], 0, "fsdp2", 9).why
-    assert "fewer than --min-nproc 2" in p.decide(Membership(world_size=4, members=members(2)), [0, 1, 3], 0,
-                                                  "", 9).why  # fmt: skip
-    assert p.carriers(m, [1, 3], 1, "") == {1: 2, 3: 0}
-    m2 = Membership(world_size=4, members=members(0, 2), carried={3: 1})  # 1 carried 3 and died
-    assert p.carriers(m2, [1, 3], 1, "zero1") == {1: 2, 3: 0}  # 3's shard mirror: rank 0
-    assert p.grow(Membership(world_size=4, members=members(0, 2), carried={3: 0, 1: 2})) == (1, {3: 0})
+    old = {k: os.environ.get(k) for k in (ENV_MIN_NPROC, ENV_SHRINK_WAIT)}
+    try:
+        os.environ.pop(ENV_MIN_NPROC, None)
+        assert ShrinkPolicy(4).decide(Membership(world_size=4, members=members(0, 1, 2)), [3], 0, "", 9).action == "no"
+        os.environ[ENV_MIN_NPROC], os.environ[ENV_SHRINK_WAIT] = "2", "1"
+        p = ShrinkPolicy(4)
+        m = Membership(world_size=4, members=members(0, 2))
+        assert p.decide(m, [1, 3], 0, "", 0.5).action == "wait"
+        assert p.decide(m, [1, 3], 1, "", 1.5) == p.decide(m, [1, 3], 1, "zero1", 1.5)
+        assert p.decide(m, [1, 3], 1, "", 1.5).carry == [3]  # the spare takes rank 1
+        assert "sharding=fsdp2" in p.decide(m, [1, 3], 0, "fsdp2", 9).why
+        assert "fewer than --min-nproc 2" in p.decide(Membership(world_size=4, members=members(2)), [0, 1, 3], 0,
+                                                      "", 9).why  # fmt: skip
+        assert p.carriers(m, [1, 3], 1, "") == {1: 2, 3: 0}
+        m2 = Membership(world_size=4, members=members(0, 2), carried={3: 1})  # 1 carried 3 and died
+        assert p.carriers(m2, [1, 3], 1, "zero1") == {1: 2, 3: 0}  # 3's shard mirror: rank 0
+        assert p.grow(Membership(world_size=4, members=members(0, 2), carried={3: 0, 1: 2})) == (1, {3: 0})
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -164,15 +164,15 @@ class Replicated(Strategy):
         # a GradScaler's unscale and skip, any code between sync_gradients() and step())
         # the gradients the optimizer really stepped with, captured at its step.
         raw = views and h.st.user_synced != t
-        migrating, feeding = h.migration.serving(t), h.feed.serving(t)  # the follow spares' the same way
-        applied: list | None = [] if (migrating or feeding) and not raw else None
+        feeding = h.feed.serving(t)  # and to the follow spares (runtime/follow.py), the same way
+        applied: list | None = [] if (h.migration.serving(t) or feeding) and not raw else None
         if applied is None:
             h.migration.serve_avg(t, flats, switch)
             if feeding:
                 h.feed.serve(t, {"flat": flats})
         h.commit(t, flats, compute_s=compute_s, applied=applied)
         if applied is not None:
-            if migrating:
+            if h.migration.serving(t):
                 h.migration.serve_applied(t, applied, switch)
             if feeding:
                 h.feed.serve(t, dict(applied[0]))

@@ -148,6 +148,7 @@ def train(ctx: livemig.Context, steps: int, model_kind: str, sharding: str | Non
     wd = WeightDecaySchedule(opt, 0.01)
     sampler, meter = RankSampler(n, ctx.rank, batch), Meter()
     pause = float(os.environ.get("STATEFUL_STEP_SLEEP", "0"))
+    hold = os.environ.get("STATEFUL_HOLD")  # tests: from step 12 on, wait while this file exists
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3) if amp == "fp16" else None
     extras = {"scaler": scaler} if scaler is not None else {}
     locals_ = {"sampler": sampler, "meter": meter}
@@ -156,6 +157,10 @@ def train(ctx: livemig.Context, steps: int, model_kind: str, sharding: str | Non
     ctx.register(model=model, optimizer=opt, sharding=sharding, scheduler=sched, wd=wd,
                  local=locals_, **extras)  # fmt: skip
     for _step in ctx.steps(steps):
+        if hold and _step >= 12 and not ctx.warming_up:  # e.g. until a loaded machine's spares are warm
+            until = time.monotonic() + 300
+            while os.path.exists(hold) and time.monotonic() < until:
+                time.sleep(0.05)
         ids = torch.tensor(sampler.next_ids())
         with torch.autocast(
             "cpu", dtype=torch.float16 if amp == "fp16" else torch.bfloat16, enabled=bool(amp or mixed)

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from livemig.errors import EtcdUnavailableError
 from livemig.rdzv.client import EtcdClient, decode
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.membership import Membership
@@ -42,7 +43,14 @@ def _start_etcd(procs, argv_prefix: list[str], addr: str | None) -> str:
 
 
 def _agent(procs, argv_prefix, etcd, job, tmp_path, name, *extra: str, report=None,
-           quiet: bool = False, work: list[str] = WORK) -> subprocess.Popen:  # fmt: skip
+           quiet: bool = False, work: list[str] = WORK, hold: bool = False) -> subprocess.Popen:  # fmt: skip
+    """`livemig run` as one node's agent. hold: its ranks wait at step 12 until
+    _until_step_10_with_warm_spares saw the spares warm (a loaded machine warms them slower
+    than the 60 steps take)."""
+    env = _env(tmp_path, name)
+    if hold:
+        (tmp_path / "hold").touch()
+        env["STATEFUL_HOLD"] = str(tmp_path / "hold")
     per = [] if "--nproc-per-node" in extra else ["--nproc-per-node", "1"]
     cmd = [*argv_prefix, sys.executable, "-m", "livemig.cli", "run", "--nnodes", "2", *per,
            "--etcd", etcd, "--job", job, "--lease-ttl", "2", *extra]  # fmt: skip
@@ -50,28 +58,48 @@ def _agent(procs, argv_prefix, etcd, job, tmp_path, name, *extra: str, report=No
         cmd += ["--report", str(report)]
     if quiet:
         with open(tmp_path / f"{name}.out", "wb") as f:
-            return procs.spawn([*cmd, *work], env=_env(tmp_path, name), stdout=f, stderr=subprocess.STDOUT)
-    return procs.spawn([*cmd, *work], env=_env(tmp_path, name))
+            return procs.spawn([*cmd, *work], env=env, stdout=f, stderr=subprocess.STDOUT)
+    return procs.spawn([*cmd, *work], env=env)
 
 
 def _standby(procs, hosts, etcd: str, job: str, tmp_path, count: int, work: list[str]) -> subprocess.Popen:
-    """`count` spares on standby host 3."""
-    return procs.spawn(hosts.wrap(3, [sys.executable, "-m", "livemig.spare_pool.cli", "start", "--etcd", etcd,
-                                      "--job", job, "--count", str(count), "--host", hosts.addrs[3], *work]),
-                       env=_env(tmp_path, "h3"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    """`count` spares on standby host 3 (their daemon's output in spares.out)."""
+    with open(tmp_path / "spares.out", "wb") as out:  # the child keeps its own copy of the descriptor
+        return procs.spawn(hosts.wrap(3, [sys.executable, "-m", "livemig.spare_pool.cli", "start", "--etcd", etcd,
+                                          "--job", job, "--count", str(count), "--host", hosts.addrs[3], *work]),
+                           env=_env(tmp_path, "h3"), stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def _until_step_10_with_warm_spares(client: EtcdClient, keys: JobKeys, count: int, step: int = 10) -> float:
+def _until_step_10_with_warm_spares(client: EtcdClient, keys: JobKeys, count: int, step: int = 10,
+                                    outs=None, release: bool = True) -> float:  # fmt: skip
     """Wait until rank 0 committed step `step`, `count` spares are warm and a leader leads;
-    returns the test's deadline for what follows."""
+    returns the test's deadline for what follows. Agents started with hold wait at step 12
+    until the spares are warm and a leader leads (outs/hold removed then, unless not release:
+    the test removes it once what it does to the job is under way). On failure it says
+    which of the three was missing and the tails of the outputs in outs, so a CI failure
+    explains itself."""
     deadline = time.monotonic() + 150
+    seen: dict = {}
     while time.monotonic() < deadline:
-        kv = client.get(keys.progress(0))
-        warm = [k for k in client.get_prefix(keys.spares_prefix)[0] if (decode(k.value) or {}).get("state") == "warm"]
-        if kv is not None and decode(kv.value)["step"] >= step and len(warm) == count and client.get(keys.leader):
+        try:
+            kv = client.get(keys.progress(0))
+            spares = {k.key: (decode(k.value) or {}).get("state") for k in client.get_prefix(keys.spares_prefix)[0]}
+            leader = client.get(keys.leader)
+        except EtcdUnavailableError as e:  # an etcd member still joining its cluster: try again
+            seen["etcd"] = repr(e)[:200]
+            time.sleep(0.2)
+            continue
+        seen = {"step": kv and decode(kv.value)["step"], "spares": spares, "leader": leader and leader.value.decode()}
+        ready = len([s for s in spares.values() if s == "warm"]) == count and leader is not None
+        if ready and outs is not None and release:
+            (outs / "hold").unlink(missing_ok=True)
+        if ready and kv is not None and seen["step"] >= step:
             return deadline
         time.sleep(0.05)
-    pytest.fail("the job never reached step 10 with its spares warm")
+    tails = ""
+    for f in sorted(outs.glob("*.out")) if outs is not None else ():
+        tails += f"\n--- {f.name}\n" + f.read_text(errors="replace")[-1500:]
+    pytest.fail(f"the job never reached step {step} with {count} spares warm and a leader: last seen {seen}{tails}")
 
 
 @pytest.fixture
@@ -96,13 +124,13 @@ def _node_loss(tmp_path, procs, hosts, references, per_node: int, args: tuple[st
     job = "nodes"
     agent = ["--nproc-per-node", str(per_node)]
     a1 = _agent(procs, hosts.wrap(1, []), etcd, job, tmp_path, "h1", *agent, "--host", hosts.addrs[1],
-                "--node-rank", "0", report=tmp_path / "r1.json", work=work)  # fmt: skip
+                "--node-rank", "0", report=tmp_path / "r1.json", work=work, hold=True)  # fmt: skip
     a2 = _agent(procs, hosts.wrap(2, []), etcd, job, tmp_path, "h2", *agent, "--host", hosts.addrs[2],
-                "--node-rank", "1", quiet=True, work=work, report=tmp_path / "r2.json")  # fmt: skip
+                "--node-rank", "1", quiet=True, work=work, report=tmp_path / "r2.json", hold=True)  # fmt: skip
     spares = _standby(procs, hosts, etcd, job, tmp_path, per_node, work)
     client = EtcdClient(etcd)
     keys = JobKeys(job)
-    deadline = _until_step_10_with_warm_spares(client, keys, per_node)
+    deadline = _until_step_10_with_warm_spares(client, keys, per_node, outs=tmp_path)
     m = Membership.from_bytes(client.get(keys.membership).value)
     hosts_of = {r: mem.host for r, mem in m.members.items()}
     want = {r: hosts.addrs[1 + r // per_node] for r in range(world)}
@@ -244,11 +272,11 @@ def test_the_node_of_the_leader_and_an_etcd_member_lost_exactly(tmp_path, procs,
     for k in (1, 2):
         agents[k] = _agent(procs, hosts.wrap(k, []), etcd, job, tmp_path, f"h{k}", "--nproc-per-node", "2",
                            "--host", hosts.addrs[k], "--node-rank", str(k - 1), quiet=True,
-                           report=tmp_path / f"r{k}.json")  # fmt: skip
+                           report=tmp_path / f"r{k}.json", hold=True)  # fmt: skip
     _standby(procs, hosts, etcd, job, tmp_path, 2, WORK)
     client = EtcdClient(etcd)
     keys = JobKeys(job)
-    _until_step_10_with_warm_spares(client, keys, 2)
+    _until_step_10_with_warm_spares(client, keys, 2, outs=tmp_path)
     # its agent, two workers, the leading coordinator, an etcd member
     rep, victim, survivor = _lose_the_leaders_node(client, keys, hosts, agents, tmp_path, ref)
     (rec,) = rep["recoveries"]
@@ -278,33 +306,36 @@ def test_the_node_of_the_leading_coordinator_lost_costs_one_lease(tmp_path, proc
     agents = {}
     for k in (1, 2):
         agents[k] = _agent(procs, hosts.wrap(k, []), etcd, job, tmp_path, f"h{k}", "--host", hosts.addrs[k],
-                           "--node-rank", str(k - 1), quiet=True, report=tmp_path / f"r{k}.json")  # fmt: skip
+                           "--node-rank", str(k - 1), quiet=True, report=tmp_path / f"r{k}.json",
+                           hold=True)  # fmt: skip
     _standby(procs, hosts, etcd, job, tmp_path, 1, WORK)
     client = EtcdClient(etcd)
     keys = JobKeys(job)
     # step 30: the other candidate has had ~2 s of training to start its c10d store (a loaded
     # machine imports torch slowly); a loss before it is up waits for it inside the claim
-    _until_step_10_with_warm_spares(client, keys, 1, step=30)
+    _until_step_10_with_warm_spares(client, keys, 1, step=30, outs=tmp_path)
     rep, _, _ = _lose_the_leaders_node(client, keys, hosts, agents, tmp_path, ref)
     (rec,) = rep["recoveries"]
     print("leader node loss (etcd alive):", rec)
     assert rec["downtime_s"] <= ttl + 1.0, rec
 
 
-def _drain_job(tmp_path, procs, hosts, job: str, spares: int, *extra: str) -> tuple[dict, EtcdClient, JobKeys, str]:
+def _drain_job(tmp_path, procs, hosts, job: str, spares: int, *extra: str,
+               release: bool = True) -> tuple[dict, EtcdClient, JobKeys, str]:  # fmt: skip
     """etcd on host 0, one rank on each of hosts 1 and 2 (agents with --on-sigterm drain),
-    `spares` spares on host 3; returns once the job trains at step 10 with them warm."""
+    `spares` spares on host 3; returns once the job trains at step 10 with them warm (not
+    release: held at step 12 until the test removes tmp_path/hold)."""
     etcd = _start_etcd(procs, hosts.wrap(0, []), hosts.addrs[0])
     agents = {}
     for k in (1, 2):
         agents[k] = _agent(procs, hosts.wrap(k, []), etcd, job, tmp_path, f"h{k}", "--host", hosts.addrs[k],
                            "--node-rank", str(k - 1), "--on-sigterm", "drain", *extra, quiet=True,
-                           report=tmp_path / f"r{k}.json")  # fmt: skip
+                           report=tmp_path / f"r{k}.json", hold=True)  # fmt: skip
     if spares:
         _standby(procs, hosts, etcd, job, tmp_path, spares, WORK)
     client = EtcdClient(etcd)
     keys = JobKeys(job)
-    _until_step_10_with_warm_spares(client, keys, spares)
+    _until_step_10_with_warm_spares(client, keys, spares, outs=tmp_path, release=release)
     return agents, client, keys, etcd
 
 
@@ -392,10 +423,17 @@ def test_a_drain_with_no_spare_shrinks_within_min_nproc_and_without_it_stops_the
     finishes (the drained agent exits 0; the drain asked from a shell, `livemig drain --node 1`);
     without it the drain says why it cannot and the job stops as before (interrupted, exit 130
     on both nodes: no --checkpoint-dir to stop at)."""
-    agents, client, keys, etcd = _drain_job(tmp_path, procs, hosts, "drain-shrink", 0, "--min-nproc", "1")
-    cmd = subprocess.run([sys.executable, "-m", "livemig.cli", "drain", "--job", "drain-shrink", "--node", "1",
-                          "--etcd", etcd, "--wait", "60"], capture_output=True, text=True, timeout=90)  # fmt: skip
-    assert cmd.returncode == 0 and "node 1 drained" in cmd.stdout, cmd.stdout + cmd.stderr
+    agents, client, keys, etcd = _drain_job(tmp_path, procs, hosts, "drain-shrink", 0, "--min-nproc", "1",
+                                            release=False)  # fmt: skip
+    # the job waits at step 12 until the drain is asked: a loaded machine starts the command
+    # slower than the job's last steps take
+    cmd = procs.spawn([sys.executable, "-m", "livemig.cli", "drain", "--job", "drain-shrink", "--node", "1",
+                       "--etcd", etcd, "--wait", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    first = cmd.stdout.readline().decode()
+    (tmp_path / "hold").unlink()
+    rest, _ = cmd.communicate(timeout=90)
+    out = first + rest.decode()
+    assert cmd.returncode == 0 and "node 1 drained" in out, out
     agents[2].wait(timeout=30)
     assert agents[2].returncode == 0, (tmp_path / "h2.out").read_text()[-3000:]
     agents[1].wait(timeout=240)

@@ -265,8 +265,12 @@ def run_cell(runner: Runner, row: Row, column: str) -> Cell:
 
 def resume_cell(runner: Runner, row: Row, cell: Cell, ckpt: str) -> Cell:
     """A checkpointed run of N ranks resumed on N-1 (HSDP 2x2 on 1x3): after the load every
-    rank's parameters equal the checkpointing run's final ones."""
+    rank's parameters equal the checkpointing run's final ones; FSDP2's shards, re-cut for the
+    new mesh, joined whole equal the checkpoint's (the resumed run writes its re-cut state at
+    once into its own --checkpoint-dir), optimizer state included."""
     import torch
+
+    from livemig.checkpoint_dir import newest_step, step_dir
 
     args = row.resume_args
     first, vals_a, _ = runner.job(row.resume_script, args, row.nproc, 0, (),
@@ -274,14 +278,29 @@ def resume_cell(runner: Runner, row: Row, cell: Cell, ckpt: str) -> Cell:
     if (first.get("result") or {}).get("state") != "done":
         cell.verdict, cell.detail = "failed", f"the checkpointing run: {first.get('result')}"
         return cell
-    rep, vals_b, cell.wall_s = runner.job(row.resume_script, row.resume_again, row.nproc - 1, 0, (),
-                                          ("--resume-from", ckpt))  # fmt: skip
+    again = ckpt + "-again"
+    flags = ("--resume-from", ckpt, "--checkpoint-dir", again, "--checkpoint-every", "4")
+    rep, vals_b, cell.wall_s = runner.job(row.resume_script, row.resume_again, row.nproc - 1, 0, (), flags)
     refused = refusal(rep)
     if refused:
         cell.verdict, cell.detail = "refused", refused
         return cell
     if (rep.get("result") or {}).get("state") != "done":
         cell.verdict, cell.detail = "failed", str((rep.get("result") or {}).get("reason"))[:160]
+        return cell
+    if row.resume_script == FSDP2_LM:  # shards re-cut: compare the whole tensors
+        from livemig.runtime.strategies.fsdp2_shards import whole_of_checkpoint
+
+        step = newest_step(ckpt)
+        if step is None or newest_step(again) != step:
+            cell.verdict, cell.detail = "failed", f"the resumed run wrote no re-cut checkpoint of step {step}"
+            return cell
+        (pa, oa), (pb, ob) = whole_of_checkpoint(step_dir(ckpt, step)), whole_of_checkpoint(step_dir(again, step))
+        same = len(pa) == len(pb) and all(torch.equal(x, y) for x, y in zip(pa, pb, strict=False))
+        same = same and oa.keys() == ob.keys() and all(torch.equal(torch.as_tensor(v), torch.as_tensor(ob[k]))
+                                                       for k, v in oa.items())  # fmt: skip
+        cell.verdict = "exact" if same else "failed"
+        cell.detail = "" if same else "the re-cut shards differ from the checkpoint's"
         return cell
     want = torch.load(os.path.join(vals_a, "final-0.pt"), weights_only=True)
     for r in range(row.nproc - 1):

@@ -254,7 +254,9 @@ class Checkpointer:
             s = self.settings
             assert s is not None
             try:
-                meta = {"signature": signature_hash(h.signature()), "job": os.environ.get("LIVEMIG_JOB", "")}
+                meta = {"signature": signature_hash(h.signature()), "job": os.environ.get("LIVEMIG_JOB", ""),
+                        "signature_any_layout": signature_hash(h.strategy.parts.portable_signature(h.signature())),
+                        "layout": h.strategy.parts.layout_record()}  # fmt: skip
                 for rank, sd in parts:  # one, or the ranks a shrunk job's carrier holds
                     part = layout.part_dir(s.dir, step, rank)
                     os.makedirs(part, exist_ok=True)
@@ -301,11 +303,11 @@ class Checkpointer:
         (LIVEMIG_RESUME_PATH); the step it holds, or None when there is none."""
         if not self.resume_path:
             return None
-        step, world = load(self._host, self.resume_path)
+        step, resharded = load(self._host, self.resume_path)
         self.resumed = step
         s = self.settings
         root = os.path.dirname(self.resume_path.rstrip("/"))
-        self._converted = (world != self._host.world_size and s is not None
+        self._converted = (resharded and s is not None
                            and os.path.realpath(s.dir) != os.path.realpath(root))  # fmt: skip
         return step
 
@@ -343,32 +345,43 @@ def read_part(part: str, want_model: dict[str, torch.Tensor], sections: list[str
     return meta, out
 
 
-def load(h: CheckpointHost, step_root: str) -> tuple[int, int]:
+def load(h: CheckpointHost, step_root: str) -> tuple[int, bool]:
     """This rank's boundary state from a complete checkpoint: the replicated state from rank
-    0's part (any world size); the ZeRO-1 shards from the parts of the same ranks, or, at
-    another world size, cut from all of them; rank-local state from the same rank's part (at
-    another world size refused with one line: no rule maps it)."""
+    0's part (any world size); the sharded state (ZeRO-1 optimizer shards, FSDP2 parameter
+    and optimizer shards) from the parts of the same ranks, or, at another world size or
+    mesh, cut from all of them; rank-local state from the same rank's part (at another world
+    size refused with one line: no rule maps it). Returns the step and whether the state was
+    re-cut (a new layout: written again at once into a new --checkpoint-dir)."""
     reg = h.reg
     root, name = os.path.split(step_root.rstrip("/"))
     step = int(name.removeprefix("step_"))
     man = layout.read_manifest(root, step)
     world = int(man["world"])
-    if world != h.world_size:
-        h.strategy.parts.check_resume_world(step_root, world)
-    if man.get("signature") not in (None, signature_hash(h.signature())):
+    parts = h.strategy.parts
+    # a checkpoint from before the layout record was written resumes at its own world size only
+    reshard = world != h.world_size or ("layout" in man and man["layout"] != parts.layout_record())
+    if reshard:
+        parts.check_resume_world(step_root, world, man)
+    if reshard and "signature_any_layout" in man:
+        same = man["signature_any_layout"] == signature_hash(parts.portable_signature(h.signature()))
+    else:
+        same = man.get("signature") in (None, signature_hash(h.signature()))
+    if not same:
         raise ConfigError(f"checkpoint {step_root} was written by a script whose registered state differs "
                           "(another model or optimizer): resume it with the script that wrote it")  # fmt: skip
-    if world != h.world_size and reg.has_local:
+    if reshard and reg.has_local:
         raise ConfigError(f"checkpoint {step_root} holds rank-local state (model buffers, local=) of {world} "
-                          f"ranks; this run has {h.world_size}, and rank-local state has no rule to map it to "
-                          f"another world size: resume it with --nproc {world}")  # fmt: skip
+                          f"ranks laid out as {man.get('layout') or 'they were'}; this run has {h.world_size} "
+                          f"laid out as {parts.layout_record() or 'its own'}, and rank-local state has no rule "
+                          f"to map it to another layout: resume it with --nproc {world} and the same "
+                          "layout")  # fmt: skip
     model_sd = _model_sd(reg)
     buffers = set(reg.buffer_names)
     sharded = reg.layout.params_sharded  # its parameters (DTensors) come from this rank's own part, below
     params = {} if sharded else {k: v for k, v in model_sd.items() if k not in buffers and isinstance(v, torch.Tensor)}
     own_buffers = {k: v for k, v in model_sd.items() if k in buffers and isinstance(v, torch.Tensor)}
     with torch.no_grad():
-        zero = [params | (own_buffers if h.rank == 0 or world != h.world_size else {})]
+        zero = [params | (own_buffers if h.rank == 0 or reshard else {})]
         whole_opt = reg.optimizer is not None and not reg.layout.optimizer_sharded
         sections = ["boundary"] + (["optimizer"] if whole_opt else [])
         _, got = read_part(layout.part_dir(root, step, 0), zero[0], sections)
@@ -380,14 +393,14 @@ def load(h: CheckpointHost, step_root: str) -> tuple[int, int]:
             """Section `name` of rank r's part: the shards a strategy mirrors or re-splits."""
             return read_part(layout.part_dir(root, step, r), {}, [name])[1][name]
 
-        if world == h.world_size:
-            own = ["local", *h.strategy.parts.sections]
+        if not reshard:
+            own = ["local", *parts.sections]
             _, mine = read_part(layout.part_dir(root, step, h.rank), own_buffers if h.rank else {}, own)
             for k, v in reg.local.items():
                 v.load_state_dict(mine["local"][k])
-            h.strategy.parts.load_checkpoint_part(mine, section_of)  # its shards, and those it mirrors
+            parts.load_checkpoint_part(mine, section_of)  # its shards, and those it mirrors
         else:
-            h.strategy.parts.load_resharded(world, section_of)  # ZeRO-1: the shards re-split over this world size
+            parts.load_resharded(world, section_of)  # the shards re-cut for this world size and layout
     log.info("state loaded from a checkpoint", extra={"step": step, "dir": step_root, "rank": h.rank,
-                                                       "written_by_ranks": world})  # fmt: skip
-    return step, world
+                                                       "written_by_ranks": world, "resharded": reshard})  # fmt: skip
+    return step, reshard

@@ -11,9 +11,11 @@ mirror, a planned migration then a kill on each mesh, three refusals, two or thr
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
+import torch
 
 from tests.e2e.conftest import REPO, explain, livemig_run, rank_files, reference_of
 
@@ -182,7 +184,8 @@ def test_a_rank_lost_after_its_commit_vote_is_exact_and_its_checkpoint_resumes_o
     """Rank 2 dies right after step 9's commit vote passed on it: the peers that commit step 9
     never receive its local state of boundary 9 (sent to the mirror after the commit), so the
     recovery is live when no peer committed and a restart from step 7's checkpoint when one
-    did; either way exact. That checkpoint then refuses a run of another world size with one line."""
+    did; either way exact. That checkpoint (BatchNorm buffers and a carried batch: rank-local
+    state) then refuses a run of another world size with one line."""
     ck = tmp_path / "ck"
     cli = ("--checkpoint-dir", str(ck), "--checkpoint-every", "4")
     run, ranks = _run(tmp_path, ("kill:rank=2:step=9:during=before_commit",), job="postvote", cli=cli)
@@ -192,7 +195,52 @@ def test_a_rank_lost_after_its_commit_vote_is_exact_and_its_checkpoint_resumes_o
     two, _ = _run(tmp_path, (), spares=0, nproc=2, job="reshard", cli=("--resume-from", str(ck)))
     assert two.rc != 0, explain(two)
     reason = (two.report.get("result") or {}).get("reason", "") or explain(two)
-    assert "FSDP2 shards are not resharded to another world size yet: resume it with --nproc 4" in reason, reason
+    assert "rank-local state has no rule to map it to another layout: resume it with --nproc 4" in reason, reason
+
+
+def test_a_checkpoint_resumes_on_another_mesh_with_its_shards_recut_exactly(tmp_path):
+    """Issue 52 item 4: an FSDP2 job checkpointed on 1 x 4 resumes on 1 x 2, and an HSDP job's
+    (2 x 2) on 1 x 3 (shards of 11 and 10 rows, and an empty one). After the load every
+    parameter and optimizer tensor, joined over the shards, equals the checkpoint's (the
+    re-cut state is written at once into the new --checkpoint-dir), the mirrors hold their
+    neighbours' new shards, and the steps after it equal those of a run resumed at the same
+    world size from that written state."""
+    from livemig.runtime.strategies.fsdp2_shards import whole_of_checkpoint
+
+    flat = ("--stateless", "--replicate", "1")
+
+    def ck(d) -> tuple[str, ...]:
+        return "--checkpoint-dir", str(tmp_path / d), "--checkpoint-every", "5"
+
+    def resumed(run, d_old, w_old, d_new, w_new) -> None:
+        assert run.rc == 0 and run.report["steps_completed"] == STEPS, explain(run)
+        assert run.report["checkpoints"]["resumed_from"] == 9 and run.report["fsdp2"]["mirrors_exact"], explain(run)
+        old = whole_of_checkpoint(str(tmp_path / d_old / "step_0000000009"))
+        new = whole_of_checkpoint(str(tmp_path / d_new / "step_0000000009"))
+        for d, w in ((d_old, w_old), (d_new, w_new)):
+            assert json.loads((tmp_path / d / "step_0000000009" / "manifest.json").read_text())["world"] == w
+        for i, (x, y) in enumerate(zip(old[0], new[0], strict=True)):
+            assert torch.equal(x, y), f"parameter {i} differs after the re-cut"
+        assert old[1].keys() == new[1].keys()
+        for key, x in old[1].items():
+            assert torch.equal(x, new[1][key]), f"optimizer state {key} differs after the re-cut"
+
+    four, _ = _run(tmp_path, (), spares=0, nproc=4, job="m4", extra=flat, cli=ck("ck4"))
+    assert four.rc == 0, explain(four)
+    two, two_ranks = _run(tmp_path, (), spares=0, nproc=2, job="m2", extra=flat,
+                          cli=("--resume-from", str(tmp_path / "ck4"), *ck("ck2")))  # fmt: skip
+    resumed(two, "ck4", 4, "ck2", 2)
+    again, again_ranks = _run(tmp_path, (), spares=0, nproc=2, job="m2b", extra=flat,
+                              cli=("--resume-from", str(tmp_path / "ck2")))  # fmt: skip
+    assert again.rc == 0 and again.report["checkpoints"]["resumed_from"] == 9, explain(again)
+    for r in (0, 1):
+        for part in ("model", "optimizer"):
+            assert two_ranks[r][part] == again_ranks[r][part], f"rank {r}'s {part}: the re-cut run trained otherwise"
+    hsdp, _ = _run(tmp_path, (), spares=0, nproc=4, job="h4", extra=("--stateless",), cli=ck("ckh"))
+    assert hsdp.rc == 0, explain(hsdp)
+    three, _ = _run(tmp_path, (), spares=0, nproc=3, job="h3", extra=flat,
+                    cli=("--resume-from", str(tmp_path / "ckh"), *ck("ck3")))  # fmt: skip
+    resumed(three, "ckh", 4, "ck3", 3)
 
 
 def test_a_wedged_training_thread_is_found_by_its_peers_waits_and_replaced_exactly(tmp_path, hsdp_reference):

@@ -275,3 +275,34 @@ def test_shards_resharded_to_another_world_size_step_as_the_old_ones(new_world):
             src = next(o for o in new if o.own.shard == z.mirror.shard)
             assert all(torch.equal(a, b) for a, b in zip(src.own.values, z.mirror.values, strict=True))
     assert all(torch.equal(x, y) for x, y in zip(_whole(old), _whole(new), strict=True))
+
+
+@pytest.mark.parametrize("rows", [32, 11, 1, 3])
+@pytest.mark.parametrize(("old", "new"), [(4, 2), (2, 3), (4, 3), (3, 4), (2, 1)])
+def test_fsdp2_shards_recut_for_another_mesh_are_fully_shards_own_cut(rows, old, new):
+    """A checkpoint's FSDP2 shards of `old` shards re-cut for `new` (runtime/strategies/
+    fsdp2_shards.py recut): each piece equals fully_shard's dim-0 chunk of the whole tensor,
+    empty trailing shards included; Adam's moments follow their parameter, its step count stays."""
+    from livemig.runtime.strategies.fsdp2_shards import piece, recut
+
+    g = torch.Generator().manual_seed(rows * 10 + old)
+    w, b = torch.randn(rows, 5, generator=g), torch.randn(rows, generator=g)
+    m, v = torch.randn(rows, 5, generator=g), torch.rand(rows, 5, generator=g)
+    groups = [{"lr": 0.1, "params": [0, 1]}]
+
+    def part(k: int, n: int) -> dict:
+        st = {"step": torch.tensor(7.0), "exp_avg": piece(m, n, k), "exp_avg_sq": piece(v, n, k)}
+        state = {"0": st, "1": {"step": torch.tensor(7.0)}}
+        return {"params": [piece(w, n, k), piece(b, n, k)], "optimizer": {"state": state, "param_groups": groups}}
+
+    parts = [part(k, old) for k in range(old)]
+    for k in range(new):
+        got, want = recut(parts, new, k), part(k, new)
+        for x, y in zip(got["params"], want["params"], strict=True):
+            assert x.shape == y.shape and torch.equal(x, y), (k, x.shape, y.shape)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got["optimizer"]["state"][0][key], want["optimizer"]["state"]["0"][key]), (k, key)
+        assert torch.equal(got["optimizer"]["state"][1]["step"], torch.tensor(7.0))
+        assert got["optimizer"]["param_groups"] == groups
+    whole = torch.cat([recut(parts, new, k)["params"][0] for k in range(new)])
+    assert torch.equal(whole, w)

@@ -381,9 +381,19 @@ class Parts:
         """This rank's sections of a checkpoint of the same world size (`section_of(r, name)`
         reads another rank's, for what this rank mirrors)."""
 
-    def check_resume_world(self, path: str, world: int) -> None:
-        """A checkpoint written by `world` ranks is resumed at another world size: refuse it
-        with one line if this kind cannot map its layout."""
+    def layout_record(self) -> dict[str, Any]:
+        """How this kind lays its shards out beyond the world size (FSDP2: the mesh), kept in
+        a checkpoint's manifest: a run laid out otherwise re-cuts the shards at the load."""
+        return {}
+
+    def portable_signature(self, sig: list) -> list:
+        """The registered state's signature without what a re-cut changes (FSDP2: the mesh's
+        shape): a checkpoint resumes under another layout only if these agree."""
+        return sig
+
+    def check_resume_world(self, path: str, world: int, manifest: dict[str, Any]) -> None:
+        """A checkpoint written by `world` ranks laid out as its manifest says is resumed at
+        another world size or layout: refuse it with one line if this kind cannot map it."""
 
     def load_resharded(self, world: int, section_of: Callable[[int, str], Any]) -> None:
         """This rank's sections cut from a checkpoint of `world` ranks (another world size)."""

@@ -285,6 +285,7 @@ class Fsdp2Parts(Parts):
         self.h = host
         self.owner = owner
         self.shards = shards
+        self._from_mesh: list[int] = []  # the mesh a checkpoint re-cut at the load was written on
 
     def checkpoint_part(self, rank: int) -> dict[str, Any]:
         return {"fsdp": self.shards.part()}
@@ -293,10 +294,27 @@ class Fsdp2Parts(Parts):
         """This rank's shards, and the shards it mirrors from their owner's part."""
         self.shards.load_part(mine["fsdp"], lambda r: section_of(r, "fsdp"))
 
-    def check_resume_world(self, path: str, world: int) -> None:
-        raise ConfigError(f"checkpoint {path} holds the FSDP2 shards of {world} ranks; this run has "
-                          f"{self.h.world_size}, and FSDP2 shards are not resharded to another world size yet: "
-                          f"resume it with --nproc {world} and the same mesh")  # fmt: skip
+    def layout_record(self) -> dict[str, Any]:
+        return {"mesh": list(self.owner.shape)}
+
+    def portable_signature(self, sig: list) -> list:
+        """Without the mesh's shape and whether shards are mirrored: a re-cut sets both anew."""
+        return [[e[0], e[1], []] if e[0] == SHARDING_ENTRY else e for e in sig if e[0] != "<fsdp2-mirror>"]
+
+    def check_resume_world(self, path: str, world: int, manifest: dict[str, Any]) -> None:
+        mesh = (manifest.get("layout") or {}).get("mesh")
+        if not mesh:
+            raise ConfigError(f"checkpoint {path} holds the FSDP2 shards of {world} ranks but not the mesh they "
+                              "were cut on (written before livemig re-cut FSDP2 checkpoints): resume it with "
+                              f"--nproc {world} and the same mesh")  # fmt: skip
+        self._from_mesh = [int(x) for x in mesh]
+
+    def load_resharded(self, world: int, section_of: Callable[[int, str], Any]) -> None:
+        """The shards of the checkpoint's mesh (check_resume_world read it) re-cut for this
+        one: a job resumed on fewer or more nodes, or on another (replicate, shard) shape."""
+        self.shards.load_recut(self._from_mesh, lambda r: section_of(r, "fsdp"))
+        log.info("FSDP2 shards re-cut from the checkpoint's mesh", extra={
+            "from_mesh": self._from_mesh, "mesh": list(self.owner.shape), "written_by_ranks": world})  # fmt: skip
 
     def final_record(self) -> dict[str, Any]:
         """The report compares replicas within each shard's group, and the mirror against the

@@ -15,7 +15,7 @@ import torch
 
 from livemig.comm.group import ring_exchange
 from livemig.config import buddy_stride
-from livemig.errors import RecoveryError
+from livemig.errors import ConfigError, RecoveryError
 from livemig.runtime.fsdp2_mirror import ShardMirror, shard_digest
 from livemig.runtime.step_state import LocalBlob
 from livemig.state import to_local, unpack
@@ -129,16 +129,25 @@ class Shards:
         """A checkpoint's shards of another mesh (`old_shape`) cut for this one, and the
         mirror of the left neighbour's shard cut alike. Every rank reads one replica's parts
         (ranks 0..S-1 hold shards 0..S-1: the last dimension shards) and keeps its piece."""
+        from torch.distributed.tensor import Replicate, Shard
+
         from livemig.runtime.fsdp2_mesh import shard_of
 
+        params = dtensors(self.h.reg.params)
+        for i, p in enumerate(params):  # fully_shard's default; a shard_placement_fn may cut another dim
+            *rest, last = p.placements
+            if not (isinstance(last, Shard) and last.dim == 0 and all(isinstance(x, Replicate) for x in rest)):
+                raise ConfigError(f"parameter {i} is placed {tuple(p.placements)}, and only fully_shard's dim-0 "
+                                  "shards are re-cut for another mesh: resume the checkpoint on the mesh that "
+                                  "wrote it")  # fmt: skip
         parts = [part_of(r) for r in range(int(old_shape[-1]))]
         shape = list(self.owner.shape)
         mine = recut(parts, shape[-1], shard_of(self.h.rank, shape))
-        for i, (p, v) in enumerate(zip(dtensors(self.h.reg.params), mine["params"], strict=True)):
+        for i, (p, v) in enumerate(zip(params, mine["params"], strict=True)):
             if p.to_local().shape != v.shape:
-                raise RecoveryError(f"parameter {i}: its shard here is {list(p.to_local().shape)}, the checkpoint's "
-                                    f"re-cut gives {list(v.shape)}: the model is wrapped otherwise than fully_shard's "
-                                    "dim-0 shards; resume it on the mesh that wrote it")  # fmt: skip
+                raise ConfigError(f"parameter {i}: its shard here is {list(p.to_local().shape)}, the checkpoint's "
+                                  f"re-cut gives {list(v.shape)}: the model is wrapped otherwise than fully_shard's "
+                                  "dim-0 shards; resume it on the mesh that wrote it")  # fmt: skip
         self.load(mine)
         self.owner.mirror = None
         if self.owner.want_mirror:

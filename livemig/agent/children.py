@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from livemig.config import ENV_FENCED_KILL_S, Role
+from livemig.config import ENV_FENCED_KILL_S, ENV_KILLED_WAIT_S, Role
 from livemig.errors import ConfigError
 from livemig.rdzv.client import EtcdClient, encode
 from livemig.rdzv.keys import JobKeys
@@ -45,6 +45,19 @@ def report_death(client: EtcdClient, keys: JobKeys, incarnation: str, name: str,
     why = f"signal {-code}" if code < 0 else f"exit code {code}"
     client.put(keys.suspect(incarnation), encode({"time": seen, "reason": f"{name} exited ({why})", "by": "agent"}))
     log.warning("child died", extra={"child": name, "why": why})
+
+
+# How long an agent waits for a child it SIGKILLed to be reported gone before it exits anyway (a
+# zygote child's exit reaches the agent through the zygote): an agent never hangs at its end.
+KILLED_WAIT_S = 5.0  # default of $LIVEMIG_KILLED_WAIT_S
+
+
+def killed_wait_s() -> float:
+    raw = os.environ.get(ENV_KILLED_WAIT_S, "")
+    try:
+        return float(raw) if raw else KILLED_WAIT_S
+    except ValueError:
+        raise ConfigError(f"{ENV_KILLED_WAIT_S}={raw!r}: expected seconds") from None
 
 
 def kill_group(pid: int, name: str) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from livemig import logs
 from livemig.agent import report
 from livemig.agent.child_watch import FINE_TICK_S, IDLE_TICK_S, PROBE_S, ChildWatch, Wakeup
-from livemig.agent.children import Child
+from livemig.agent.children import Child, killed_wait_s
 from livemig.agent.drain import Drain
 from livemig.agent.events import EventLog
 from livemig.agent.fault_driver import FaultDriver
@@ -540,7 +540,11 @@ class Launcher:
                     os.killpg(c.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                c.proc.wait()
+                try:  # bounded: a zygote child's exit is learnt from the zygote, which may be gone or wedged
+                    c.proc.wait(timeout=killed_wait_s())
+                except subprocess.TimeoutExpired:
+                    log.warning(f"{c.name} (pid {c.proc.pid}) was not seen to exit {killed_wait_s():.0f} s after "
+                                "SIGKILL; the agent exits without it", extra={"pid": c.proc.pid})  # fmt: skip
         for c in self.children:  # whatever is left in their groups
             try:
                 os.killpg(c.proc.pid, signal.SIGKILL)

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from livemig.agent.child_watch import IDLE_TICK_S, ChildWatch, Wakeup
-from livemig.agent.children import Child, kill_group
+from livemig.agent.children import Child, kill_group, killed_wait_s
 from livemig.config import Timeouts
 from livemig.errors import EtcdUnavailableError, LivemigError
 from livemig.logs import say
@@ -182,4 +182,5 @@ class StandbyAgent:
                 c.proc.wait(timeout=self.grace_s)
             except subprocess.TimeoutExpired:
                 kill_group(c.proc.pid, c.name)
-                c.proc.wait()
+                with contextlib.suppress(subprocess.TimeoutExpired):  # bounded, as the launcher's stop
+                    c.proc.wait(timeout=killed_wait_s())

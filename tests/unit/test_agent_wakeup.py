@@ -159,3 +159,36 @@ def test_a_standby_agent_stops_its_spares_when_the_job_was_interrupted(job):
     client.put(keys.result, encode({"state": "interrupted", "reason": "Ctrl-C"}))
     t.join(timeout=15)
     assert out.get("rc") == 0 and made[0].proc.poll() == -signal.SIGTERM
+
+
+def test_a_standby_agent_ends_even_when_a_killed_spares_exit_never_reaches_it(job, monkeypatch):
+    """Budget: ~2 s. A spare forked by a zygote is known gone only when the zygote says so; a
+    zygote gone or wedged must not keep the agent from ending: the wait after SIGKILL is bounded
+    (LIVEMIG_KILLED_WAIT_S)."""
+    monkeypatch.setenv("LIVEMIG_KILLED_WAIT_S", "0.5")
+    client, keys, made = job
+    made.append(_spare("z", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"))
+    real = made[0].proc
+
+    class Unheard:  # the agent's handle of a child whose exit is never reported (a wedged zygote)
+        pid, args, returncode = real.pid, real.args, None
+
+        def poll(self) -> None:
+            return None
+
+        def wait(self, timeout: float | None = None) -> int:
+            time.sleep(timeout if timeout is not None else 3600)
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+
+    made[0].proc = Unheard()
+    try:
+        agent = StandbyAgent(client, keys, made, grace_s=0.3)
+        t, out = _run_agent(agent)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        client.put(keys.result, encode({"state": "interrupted", "reason": "Ctrl-C"}))
+        t.join(timeout=15)
+        assert out.get("rc") == 0 and time.monotonic() - t0 < 5.0, out
+        assert real.wait(timeout=5) == -signal.SIGKILL  # the spare itself was killed
+    finally:
+        made[0].proc = real  # the fixture's clean-up sees the real process

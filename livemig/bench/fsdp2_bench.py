@@ -97,6 +97,8 @@ def run_downtime(a: argparse.Namespace) -> int:
         "torch_fsdp2": lambda: run_ddp(a, False, w, script=BASELINE),
         "livemig": lambda: run_livemig(a, True, w, script=LM),
         "restart_dcp": lambda: run_ddp(a, True, w, script=BASELINE),
+        # a planned migration of rank 1 at --fail-at: its pause is the downtime column (issue 52 item 5)
+        "migration": lambda: run_livemig(a, "migrate", w, script=LM),
     }
     samples: dict[str, list[dict]] = {k: [] for k in approaches}
     for r in range(a.repeat):
@@ -104,7 +106,7 @@ def run_downtime(a: argparse.Namespace) -> int:
             print(f"  round {r + 1}/{a.repeat}: {name} ...", flush=True)
             samples[name].append(fn())
     for i in range(a.repeat):
-        for faulted, free in (("livemig", "fault_free"), ("restart_dcp", "torch_fsdp2")):
+        for faulted, free in (("livemig", "fault_free"), ("restart_dcp", "torch_fsdp2"), ("migration", "fault_free")):
             row, ref = samples[faulted][i], samples[free][i]
             row["lost_s"] = row["wall_s"] - ref["wall_s"]
             row["bit_identical"] = bool(row["digest"]) and row["digest"] == ref["digest"]
@@ -116,10 +118,18 @@ def run_downtime(a: argparse.Namespace) -> int:
     if summary["restart_dcp"]["downtime_s"] and summary["livemig"]["downtime_s"] is not None:
         ratio = summary["livemig"]["downtime_s"] / summary["restart_dcp"]["downtime_s"]
         print(f"livemig downtime / restart downtime: {ratio:.3f}")
-    phases = {k: statistics.median([x["phases"].get(k, 0.0) for x in samples["livemig"]])
-              for k in (samples["livemig"][0].get("phases") or {})}  # fmt: skip
-    if phases:
-        print("livemig phases (median s): " + "  ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+    for name in ("livemig", "migration"):
+        phases = {k: statistics.median([x["phases"].get(k, 0.0) for x in samples[name]])
+                  for k in (samples[name][0].get("phases") or {})}  # fmt: skip
+        if phases:
+            print(f"{name} phases (median s): " + "  ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+    mig = samples["migration"]
+    pauses = [x["downtime_s"] for x in mig if x.get("downtime_s") is not None]
+    steps = [x["median_step_s"] for x in mig if x.get("median_step_s")]
+    if pauses and steps:
+        pause, step = statistics.median(pauses), statistics.median(steps)
+        print(f"planned migration pause: {pause:.3f} s = {pause / step:.1f} median steps of {step * 1000:.0f} ms "
+              "(target <= 3 median steps)")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"summary": summary, "samples": samples, "downtime_ratio": ratio, "workload": w}, f,

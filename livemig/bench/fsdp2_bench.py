@@ -124,6 +124,8 @@ def run_downtime(a: argparse.Namespace) -> int:
         if phases:
             print(f"{name} phases (median s): " + "  ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     mig = samples["migration"]
+    if any(x.get("downtime_s") is None for x in mig):  # aborted: the job ended before the spare switched in
+        print("planned migration: not finished in some rounds (the job ended first): give it more --steps")
     pauses = [x["downtime_s"] for x in mig if x.get("downtime_s") is not None]
     steps = [x["median_step_s"] for x in mig if x.get("median_step_s")]
     if pauses and steps:

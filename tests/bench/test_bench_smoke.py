@@ -98,17 +98,15 @@ def test_bench_warmup_tiny(tmp_path):
 
 
 def test_bench_downtime_fsdp2_tiny(tmp_path):
-    """HSDP 2 x 2: livemig's kill and planned migration bit-identical, and torchrun's restart from
-    a DCP checkpoint of the same FSDP2 job bit-identical to its own fault-free run (~55 s)."""
+    """HSDP 2 x 2: livemig's kill recovered bit-identically, and torchrun's restart from a DCP
+    checkpoint of the same FSDP2 job bit-identical to its own fault-free run (~45 s)."""
     r = bench("downtime", "--sharding", "fsdp2", "--repeat", "1", "--steps", "14", "--fail-at", "7",
               "--ckpt-every", "3", "--width", "32", "--layers", "1", "--json", str(tmp_path / "f.json"),
               timeout=400)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     s = json.loads((tmp_path / "f.json").read_text())["summary"]
-    assert all(s[k]["all_ok"] for k in ("fault_free", "torch_fsdp2", "livemig", "restart_dcp", "migration")), r.stdout
+    assert all(s[k]["all_ok"] for k in ("fault_free", "torch_fsdp2", "livemig", "restart_dcp")), r.stdout
     assert s["livemig"]["bit_identical"] == "yes" and s["restart_dcp"]["bit_identical"] == "yes", r.stdout
-    assert s["migration"]["bit_identical"] == "yes" and s["migration"]["downtime_s"] is not None, r.stdout
-    assert "planned migration pause:" in r.stdout, r.stdout
     assert s["livemig"]["downtime_s"] is not None and s["restart_dcp"]["downtime_s"] is not None, r.stdout
     assert "livemig downtime / restart downtime" in r.stdout
 

@@ -100,6 +100,12 @@ def _env_seconds(name: str, default: float) -> timedelta:
     return timedelta(seconds=value)
 
 
+def env_seconds(name: str, default: float) -> float:
+    """A setting in seconds read when used, not at import (a test or an operator may set it for
+    one process): the default when unset, refused with one line when not a positive number."""
+    return _env_seconds(name, default).total_seconds()
+
+
 @dataclass(frozen=True)
 class Timeouts:
     """Every limit livemig waits on.

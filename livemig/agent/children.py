@@ -21,8 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from livemig.config import ENV_FENCED_KILL_S, ENV_KILLED_WAIT_S, Role
-from livemig.errors import ConfigError
+from livemig.config import ENV_FENCED_KILL_S, ENV_KILLED_WAIT_S, Role, env_seconds
 from livemig.rdzv.client import EtcdClient, encode
 from livemig.rdzv.keys import JobKeys
 
@@ -32,12 +31,7 @@ FENCED_KILL_S = 5.0  # default of $LIVEMIG_FENCED_KILL_S
 
 
 def fenced_kill_s() -> float:
-    """Read when used, not at import: a test or an operator may set it for one agent."""
-    raw = os.environ.get(ENV_FENCED_KILL_S, "")
-    try:
-        return float(raw) if raw else FENCED_KILL_S
-    except ValueError:
-        raise ConfigError(f"{ENV_FENCED_KILL_S}={raw!r}: expected seconds") from None
+    return env_seconds(ENV_FENCED_KILL_S, FENCED_KILL_S)
 
 
 def report_death(client: EtcdClient, keys: JobKeys, incarnation: str, name: str, code: int, seen: float) -> None:
@@ -53,11 +47,7 @@ KILLED_WAIT_S = 5.0  # default of $LIVEMIG_KILLED_WAIT_S
 
 
 def killed_wait_s() -> float:
-    raw = os.environ.get(ENV_KILLED_WAIT_S, "")
-    try:
-        return float(raw) if raw else KILLED_WAIT_S
-    except ValueError:
-        raise ConfigError(f"{ENV_KILLED_WAIT_S}={raw!r}: expected seconds") from None
+    return env_seconds(ENV_KILLED_WAIT_S, KILLED_WAIT_S)
 
 
 def kill_group(pid: int, name: str) -> None:

@@ -167,8 +167,11 @@ def test_a_standby_agent_ends_even_when_a_killed_spares_exit_never_reaches_it(jo
     (LIVEMIG_KILLED_WAIT_S)."""
     monkeypatch.setenv("LIVEMIG_KILLED_WAIT_S", "0.5")
     client, keys, made = job
-    made.append(_spare("z", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"))
-    real = made[0].proc
+    code = "import signal as s, time; s.signal(s.SIGTERM, s.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    real = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE)
+    made.append(Child("z", Role.SPARE, "inc-z", real, ""))
+    assert real.stdout.readline() == b"ready\n"  # SIGTERM ignored from now on (a loaded machine starts it late)
+    real.stdout.close()
 
     class Unheard:  # the agent's handle of a child whose exit is never reported (a wedged zygote)
         pid, args, returncode = real.pid, real.args, None

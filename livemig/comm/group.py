@@ -191,6 +191,53 @@ def build_subgroup(
     return _abortable(make, what, timeout, should_abort)
 
 
+def build_endpoints(
+    store_addr: str, gen: int, ranks: list[int], world: int, timeout: timedelta,
+    should_abort: Callable[[], bool] | None = None,
+) -> dict[int, Any]:  # fmt: skip
+    """A shrunk job's full-width gloo group of generation `gen` (`world` ranks, prefix "full"),
+    of which this process holds every rank in `ranks`: its own and the lost ones it carries.
+
+    Why: a sum reduced by gloo over the N ranks of the fault-free group has its bits; the
+    same sum over fewer processes (the carrier adding its ranks' gradients first) has
+    others. With one endpoint per rank the carrier takes part in the very algorithm of the
+    full group, so a shrunk step's average is the fault-free one bit for bit (the ranks'
+    inputs being the same). Each endpoint is built in a thread of its own with a store
+    client of its own (gloo's constructor blocks until every rank connected, and one
+    TCPStore client is not shared between threads); raises CollectiveAborted."""
+    boxes: dict[int, dict[str, Any]] = {r: {} for r in ranks}
+
+    def work(r: int) -> None:
+        try:
+            store = dist.PrefixStore("full", store_for(store_addr, gen, timeout))
+            boxes[r]["pg"] = _gloo(store, r, world, timeout)
+        except Exception as exc:  # noqa: BLE001
+            boxes[r]["err"] = exc
+
+    threads = [threading.Thread(target=work, args=(r,), name=f"livemig-build-full{r}", daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout.total_seconds()
+
+    def give_up(why: str) -> CollectiveAborted:
+        _ABANDONED_BUILDS.extend(t for t in threads if t.is_alive())
+        for box in boxes.values():
+            retire(box.get("pg"))
+        return CollectiveAborted(f"build of generation {gen}'s full-width group {why}")
+
+    while any(t.is_alive() for t in threads):
+        for t in threads:
+            t.join(0.005)
+        if should_abort is not None and should_abort():
+            raise give_up("abandoned: generation moved on")
+        if time.monotonic() > deadline:
+            raise give_up(f"timed out after {timeout}")
+    errs = [f"rank {r}: {box['err']}" for r, box in boxes.items() if "err" in box]
+    if errs:
+        raise give_up("failed: " + "; ".join(errs))
+    return {r: box["pg"] for r, box in boxes.items()}
+
+
 def generation_store(store_addr: str, gen: int, timeout: timedelta) -> dist.Store:
     """Generation `gen`'s store, as its group's build sees it."""
     return store_for(store_addr, gen, timeout)

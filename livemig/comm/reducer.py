@@ -251,6 +251,23 @@ class GradReducer:
                 f.div_(world)
         return flats
 
+    def flatten_grads(self, grads: Sequence[torch.Tensor | None], world: int = 1) -> list[torch.Tensor]:
+        """flatten() of gradients held aside (a shrunk job's carried body: runtime/virtual.py),
+        given in the parameters' order; None is a zero gradient, as ensure_grads() makes it."""
+        if len(grads) != len(self.params):
+            raise ValueError(f"{len(grads)} gradients for {len(self.params)} parameters")
+        rev = list(reversed(grads))
+
+        def g(i: int) -> torch.Tensor:
+            x = rev[i]
+            return torch.zeros_like(self.params[i]).reshape(-1) if x is None else x.reshape(-1)
+
+        flats = self._padded([torch.cat([g(i) for i in idx]) for idx in self.layout])
+        if world > 1:
+            for f in flats:
+                f.div_(world)
+        return flats
+
     def _padded(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
         return [f if f.numel() == n else torch.nn.functional.pad(f, (0, n - f.numel()))
                 for f, n in zip(flats, self.padded, strict=True)]  # fmt: skip

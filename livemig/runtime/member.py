@@ -27,11 +27,13 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from livemig.comm import communicator, torch_group
+from livemig.comm import group as groups
 from livemig.comm.group import CollectiveAborted, generation_store
 from livemig.config import (
     ENV_ETCD,
     ENV_HOST,
     ENV_JOB,
+    ENV_SHRINK_DROP,
     Timeouts,
     node_host,
     node_rank,
@@ -102,6 +104,9 @@ class MemberRuntime:
         self.gen = 0  # generation whose group we train in
         self.rank: int | None = None
         self.carried: dict[int, int] = {}  # the group's: virtual rank -> its carrier (a shrunk job)
+        # a shrunk group's full-width gloo group: rank -> this process's endpoint (its own rank and
+        # those it carries), so a shrunk step reduces as the fault-free group does ({}: none)
+        self.full: dict[int, Any] = {}
         self.keeper: LeaseKeeper | None = None
         self.spare_keeper: LeaseKeeper | None = None  # a spare's registration while in standby
         self.server: StateServer | None = None
@@ -168,6 +173,7 @@ class MemberRuntime:
     def back_to_standby(self) -> None:
         """A spare whose migration was aborted: no group, no rank, no background build."""
         self.pg, self.rank, self.gen, self._pre = None, None, 0, None
+        self._retire_full()
 
     def on_lost(self, reason: str) -> None:
         self.mark_fenced(f"lease lost ({reason})")
@@ -241,6 +247,7 @@ class MemberRuntime:
             for old in torch_group.swap_built(built, g):
                 self.comm.retire(old, idle=True)
         self.pg, self.gen, self._pre = pg, g, None
+        self._retire_full()  # a shrunk job's steps then reduce within the bound (runtime/virtual.py)
         log.info("switched group (planned migration)", extra={"generation": g})
 
     def moved_to_other(self, generation: int) -> Callable[[], bool]:
@@ -395,6 +402,17 @@ class MemberRuntime:
             if self.m.generation == g:
                 self._wait_change(m)
             return
+        try:
+            full = self._build_full(m, rank)
+        except CollectiveAborted as exc:
+            log.info("full-width group build abandoned", extra={"generation": g, "why": str(exc)})
+            self.comm.retire(pg)
+            for _, inner in built[1:]:
+                self.comm.retire(inner)
+            self.check_fenced()
+            if self.m.generation == g:
+                self._wait_change(m)
+            return
         self.put(self.keys.ready(g, rank), {
             "incarnation": self.incarnation, "build_s": time.monotonic() - t0,
             "time": time.time(), **stream, **self.comm.stats()})  # fmt: skip
@@ -409,6 +427,8 @@ class MemberRuntime:
                     self.comm.retire(old)
             member.switch_layout(committed)
             self.pg, self.gen, self.carried = pg, g, dict(committed.carried)
+            self._retire_full()
+            self.full = full
             if self.server is not None:
                 self.server.withdraw()
             log.info("switched group", extra={"generation": g, "rank": rank})
@@ -416,6 +436,32 @@ class MemberRuntime:
             self.comm.retire(pg, idle=True)  # built, never used: the generation moved on before its commit
             for _, inner in built[1:]:
                 self.comm.retire(inner, idle=True)
+            for ep in full.values():
+                groups.retire(ep, idle=True)
+
+    def _build_full(self, m: Membership, rank: int) -> dict[int, Any]:
+        """Phase 1 for a shrunk generation's full-width group (comm/group.py build_endpoints):
+        every member builds its own rank's endpoint, a carrier also those of the ranks it
+        carries. Only on gloo: one NCCL communicator cannot hold two ranks on one GPU, so the
+        GPU path's shrink reduces over the survivors, within the bound (docs/architecture.md);
+        LIVEMIG_SHRINK_DROP's average is over the survivors by definition."""
+        if not m.carried or self.backend != "gloo" or os.environ.get(ENV_SHRINK_DROP) == "1":
+            return {}
+        g = m.generation
+        mine = [rank, *sorted(v for v, c in m.carried.items() if c == rank)]
+        t0 = time.monotonic()
+        full = groups.build_endpoints(m.store, g, mine, m.world_size, self.timeouts.collective,
+                                      should_abort=lambda: self.fenced.is_set() or self.m.generation != g)  # fmt: skip
+        built_s = round(time.monotonic() - t0, 3)
+        log.info("full-width group built", extra={"generation": g, "ranks": mine, "build_s": built_s})
+        return full
+
+    def _retire_full(self) -> None:
+        """The full-width group goes with the group it was built beside (its last collective
+        completed with the step that used it, or the generation moved on: not idle then)."""
+        for ep in self.full.values():
+            groups.retire(ep)
+        self.full = {}
 
     def _build_mesh(self, m: Membership, rank: int, pg: Any) -> list:
         """Phase 1 for the device mesh's groups (comm/torch_group.py): one communicator per

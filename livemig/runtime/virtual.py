@@ -31,17 +31,20 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol, cast
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
+from livemig.comm.group import CollectiveAborted, wait_all
 from livemig.config import ENV_SHRINK_DROP, buddy_stride
 from livemig.data import seed_step, step_seed
 from livemig.errors import RecoveryError
 from livemig.state import unpack
 
 if TYPE_CHECKING:
+    from livemig.comm.reducer import GradReducer
     from livemig.runtime.member import MemberRuntime
     from livemig.runtime.registry import Registry
     from livemig.runtime.self_faults import SelfFaults
@@ -174,6 +177,76 @@ class VirtualRanks:
             for mine, theirs in zip(own, grads, strict=True):
                 if theirs is not None:
                     mine.add_(theirs)
+
+    def exact_inputs(self, red: GradReducer) -> dict[int, list[torch.Tensor]] | None:
+        """Each rank's pre-divided buckets for reduce_exact: the running body's gradient as it
+        left it (before any add_stashed), the stashed ones of the bodies before it. None where
+        no full-width group exists (NCCL, a planned migration's switch while shrunk,
+        LIVEMIG_SHRINK_DROP): the caller sums over the survivors, within the bound
+        (docs/architecture.md)."""
+        rt = self.e.runtime
+        full = rt.full if rt is not None else {}
+        if not full or not self.degraded():
+            return None
+        self._refresh()
+        keep = {self.e.rank, *self.carried()}
+        if set(full) != keep:
+            log.warning("full-width group does not match the ranks carried here",
+                        extra={"endpoints": sorted(full), "ranks": sorted(keep)})  # fmt: skip
+            return None
+        world = self.e.world_size
+        ins: dict[int, list[torch.Tensor]] = {}
+        for r in sorted(keep):
+            if r == self.rank:
+                own = self.base if self.base is not None else [p.grad for p in self.e.params]
+                ins[r] = red.flatten_grads(own, world)
+            elif r in self.acc:
+                ins[r] = red.flatten_grads(self.acc[r], world)
+            else:
+                raise RecoveryError(f"rank {self.e.rank} carries rank {r} but holds no gradient of its body this step")
+        return ins
+
+    def reduce_exact(self, red: GradReducer, ctl: torch.Tensor | None, timeout: timedelta,
+                     should_abort: Callable[[], bool],
+                     ins: dict[int, list[torch.Tensor]] | None = None) -> list[torch.Tensor] | None:  # fmt: skip
+        """A shrunk step's whole average, bit for bit the fault-free group's: every rank's
+        buckets (`ins`, else exact_inputs()) enter the full-width group through its own
+        endpoint (MemberRuntime.full), in the reduction the fault-free step runs (an
+        allreduce of each bucket; reduce-scatter mode: reduce-scatter, then an all-gather of
+        the slices, which copies their bits). `ctl` (the votes) is summed alongside from this
+        process's own endpoint, zeros from the carried ones: the sum is the survivors' as
+        before, not divided. None where exact_inputs() is."""
+        ins = self.exact_inputs(red) if ins is None else ins
+        if ins is None:
+            return None
+        full = self.e.runtime.full
+        outs: dict[int, list[torch.Tensor]] = {}
+        works: list[Any] = []
+        try:
+            for r, flats in ins.items():
+                pg = full[r]
+                if red.scatter:
+                    outs[r] = [torch.empty(n, dtype=f.dtype, device=f.device)
+                               for n, f in zip(red.shard_sizes, flats, strict=True)]  # fmt: skip
+                    works += [pg.reduce_scatter([o], [list(f.chunk(red.shard_world))])
+                              for o, f in zip(outs[r], flats, strict=True)]  # fmt: skip
+                else:
+                    works += [pg.allreduce([f]) for f in flats]
+                if ctl is not None:
+                    works.append(pg.allreduce([ctl if r == self.e.rank else torch.zeros_like(ctl)]))
+        except Exception as exc:  # noqa: BLE001 - a broken group refuses the launch
+            raise CollectiveAborted(f"collective failed at launch: {exc}") from exc
+        wait_all(works, timeout, should_abort, poll=not red.scatter)
+        if not red.scatter:
+            return ins[self.e.rank]
+        wholes = {r: [torch.empty_like(f) for f in ins[r]] for r in ins}
+        try:
+            works = [full[r].allgather([list(w.chunk(red.shard_world))], [o])
+                     for r in ins for w, o in zip(wholes[r], outs[r], strict=True)]  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            raise CollectiveAborted(f"collective failed at launch: {exc}") from exc
+        wait_all(works, timeout, should_abort)
+        return wholes[self.e.rank]
 
     def new_step(self) -> None:
         self.acc, self.base = {}, None

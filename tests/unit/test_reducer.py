@@ -347,3 +347,55 @@ def test_waits_on_real_gloo_poll_short_collectives_and_hand_lazy_ones_to_the_wai
     assert out["got0"] == 1.0 and out["got1"] == 0.0 and out["quick0"] < HANDOFF_S
     assert HANDOFF_S * 0.9 <= out["mistaken0"] < HANDOFF_S + 5
     assert 0.1 <= out["aborted_after"] < HANDOFF_S
+
+
+def test_a_carrier_holding_two_endpoints_reduces_the_full_groups_bits():
+    """A shrunk job's full-width group (comm/group.py build_endpoints): 4 ranks of which one
+    caller holds ranks 0 and 3 (a carrier), the others one each. Each bucket's allreduce
+    gives the bits of the same allreduce in a group of 4 separate ranks, and they differ from
+    the survivors' sum (the carrier adding its two ranks first): why a shrunk step reduces
+    this way. flatten_grads() of gradients held aside equals flatten() of the same in .grad."""
+    from livemig.comm.group import build_endpoints, retire
+
+    world = 4
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    addr = f"127.0.0.1:{master.port}"
+    models = [_model() for _ in range(world)]
+    reducers = [GradReducer(list(m.parameters()), world=world) for m in models]
+    for r, m in enumerate(models):
+        _backward(m, r)
+    grads = [[p.grad.clone() for p in m.parameters()] for m in models]
+    ins = [red.flatten(world) for red in reducers]
+    assert all(torch.equal(a, b) for a, b in zip(reducers[3].flatten_grads(grads[3], world), ins[3], strict=True))
+
+    def reduce_in(gen: int, holders: list[list[int]]) -> dict[int, list[torch.Tensor]]:
+        got: dict[int, list[torch.Tensor]] = {}
+
+        def member(ranks: list[int]) -> None:
+            eps = build_endpoints(addr, gen, ranks, world, T)
+            flats = {r: [f.clone() for f in ins[r]] for r in ranks}
+            works = [eps[r].allreduce([f]) for r in ranks for f in flats[r]]
+            for w in works:
+                w.wait()
+            got.update(flats)
+            for ep in eps.values():
+                retire(ep, idle=True)
+
+        threads = [threading.Thread(target=member, args=(h,)) for h in holders]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return got
+
+    separate = reduce_in(1, [[0], [1], [2], [3]])
+    carried = reduce_in(2, [[0, 3], [1], [2]])
+    assert set(separate) == set(carried) == set(range(world))
+    for r in range(world):
+        assert all(torch.equal(a, b) for a, b in zip(separate[r], carried[r], strict=True)), f"rank {r}"
+    # what a carrier summing its two ranks first gets: other bits (3 processes, one sum each)
+    pre = [[f.clone() for f in ins[0]], [f.clone() for f in ins[1]], [f.clone() for f in ins[2]]]
+    for a, b in zip(pre[0], ins[3], strict=True):
+        a.add_(b)
+    survivors = [sum(x) for x in zip(*pre, strict=True)]
+    assert not all(torch.equal(a, b) for a, b in zip(survivors, separate[0], strict=True))

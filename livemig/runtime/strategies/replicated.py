@@ -76,8 +76,12 @@ class Replicated(Strategy):
         assert red is not None  # a kind that averages buckets registered a reducer (strategies.pick)
         if first:
             return red.finish(h.world_size, h.timeouts.collective, rt.moved_on, ctl)
-        h.virtual.add_stashed()
         div = h.virtual.divisor()
+        exact = h.virtual.reduce_exact(red, ctl, h.timeouts.collective, rt.moved_on)  # shrunk: the full group's bits
+        if exact is not None:
+            ctl.div_(div)
+            return exact
+        h.virtual.add_stashed()
         flats = red.flatten(div)  # pre-divided, as the overlapped path's buckets
         allreduce_sum(rt.pg, [*flats, ctl], h.timeouts.collective, rt.moved_on)
         ctl.div_(div)

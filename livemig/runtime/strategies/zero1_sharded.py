@@ -98,11 +98,13 @@ class Zero1(Replicated):
             try:
                 h.boundary.keep_before(t)
                 h.faults.at(t, "allreduce")
-                if z.shrunk:  # no overlap while shrunk: the stashed bodies join the sum first
+                if z.shrunk:  # no overlap while shrunk: every body's gradient joins the full group's reduction
                     h.reg.ensure_grads()
-                    h.virtual.add_stashed()
-                    flats = red.flatten(h.virtual.divisor())
-                    allreduce_sum(rt.pg, flats, timeout, rt.moved_on)
+                    flats = h.virtual.reduce_exact(red, None, timeout, rt.moved_on)
+                    if flats is None:  # no full-width group: the survivors' sum, within the bound
+                        h.virtual.add_stashed()
+                        flats = red.flatten(h.virtual.divisor())
+                        allreduce_sum(rt.pg, flats, timeout, rt.moved_on)
                     held: list = [z.slices_shrunk(flats), None]
                 else:
                     if first:  # reductions launched during backward
@@ -265,7 +267,8 @@ class WholeAverage:
         self.zero = zero
         self.h = zero.h
         self.shards = zero.shards
-        self.kept: tuple[int | None, list[torch.Tensor]] | None = None  # (step, own contribution to its average)
+        # (step, own contribution to its average: buckets, or rank -> buckets while shrunk)
+        self.kept: tuple[int | None, Any] | None = None
         # the last committed step's whole average while the next one's is taken: that one may complete
         # and its barrier fail, and a spare replaying the committed step needs its average (serve_step)
         self.before: Synced | None = None
@@ -285,10 +288,23 @@ class WholeAverage:
         if first:  # .grad still holds the local gradient: the buckets were filled from it
             self.kept = (h.current, red.flatten(h.world_size))
             return self.average_of([], ctl, True)
+        ins = h.virtual.exact_inputs(red)  # shrunk: each rank's own, for the full group's bits
+        if ins is not None:
+            self.kept = (h.current, {r: [f.clone() for f in v] for r, v in ins.items()})
+            return self.exact_of(ins, ctl)
         h.virtual.add_stashed()
         mine = red.flatten(h.virtual.divisor())
         self.kept = (h.current, [f.clone() for f in mine])
         return self.average_of(mine, ctl, False)
+
+    def exact_of(self, ins: dict[int, list[torch.Tensor]], ctl: torch.Tensor) -> list[torch.Tensor]:
+        """A shrunk attempt through the full-width group (runtime/virtual.py reduce_exact)."""
+        h = self.h
+        assert h.reducer is not None
+        out = h.virtual.reduce_exact(h.reducer, ctl, h.timeouts.collective, h.runtime.moved_on, ins=ins)
+        if out is None:
+            raise CollectiveAborted("the full-width group of a shrunk generation is gone: redo the step")
+        return out
 
     def average_of(self, flats: list[torch.Tensor], ctl: torch.Tensor, first: bool) -> list[torch.Tensor]:
         """The collectives of one attempt, the same on every member: the overlapped
@@ -363,6 +379,16 @@ class WholeAverage:
             raise RecoveryError(f"rank {h.rank} kept no gradient of step {t} to average again")
         h.boundary.mirror_local(t)
         ctl = torch.zeros(2, device=training_device(h.reg.params))  # the average's votes: counted at the barrier
+        if isinstance(kept[1], dict):  # kept while shrunk: one contribution per rank this member runs
+            ins = {r: [f.clone() for f in v] for r, v in kept[1].items()}
+            if set(h.runtime.full) == set(ins):  # still shrunk the same way
+                self.exact_of(ins, ctl)
+                return
+            # grown or shrunk otherwise meanwhile: the ranks still run here, summed as before
+            runs = {h.rank, *h.virtual.carried()}
+            flats = [sum(x) for x in zip(*(ins[r] for r in sorted(ins) if r in runs), strict=True)]
+            self.average_of(flats, ctl, first=False)
+            return
         self.average_of([f.clone() for f in kept[1]], ctl, first=False)
 
 

@@ -3,7 +3,9 @@ path, measured, as one table (docs/reliability.md, "The matrix").
 
 Each cell is a short job of `livemig run` (a subprocess: the path a user runs) with one
 fault plan, judged against the fault-free run of the same script, arguments and world size
-(run once per row and kept): **exact** (every rank's final state bit for bit), **within X**
+(run once per row and kept): **exact** (every rank's final state bit for bit; a ZeRO-1 job
+that ends shrunk: the model, every optimizer shard by index, each mirror equal to its shard and
+every rank's parameters and buffers, as its mirrors sit elsewhere), **within X**
 (a shrunk job: every rank within the shrink bound, X the largest relative difference),
 **refused** (livemig declined with one line, printed under the table), **failed** (the job
 failed, lost steps, or differs beyond the bound), **n/a** (the row's script has no such
@@ -202,6 +204,12 @@ def judge(rep: dict, values: str, ref: dict, ref_values: str, world: int, steps:
     bound = shrunk_bound(ref_values, values, world)
     if bound is None:
         return "failed", "shrunk, and a rank's final values are missing: not compared"
+    z, zref = rep.get("zero1") or {}, ref.get("zero1") or {}
+    if (rep["shrunk"].get("carried") and z and z.get("state_digest") == zref.get("state_digest")
+            and z.get("mirrors_exact") and bound["max_rel"] == 0):  # fmt: skip
+        # a ZeRO-1 job that ends shrunk mirrors other shards than at full width (its rank
+        # digests hold the mirrors): the model, every shard by index and every rank's values
+        return "exact", ""
     if bound["within"]:
         return "within", f"{bound['max_rel']:.1e}"
     return "failed", f"shrunk: {bound['max_rel']:.1e} over the {bound['bound']:.0e} bound"

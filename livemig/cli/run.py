@@ -88,13 +88,14 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
         dv = rep.get("diverged")
         if dv:
             lines.append(f"verify: first difference at step {dv['step']} on rank {dv['rank']}: {dv['why']}")
-        if sh:
+        if sh and not same:  # the GPU path's shrink (no full-width group: docs/architecture.md, Shrink)
             b = rep.get("shrunk_bound")
             held = (f"; every rank's parameters within {b['bound']:g} x max|param| of the fault-free run's: "
                     f"{'yes' if b['within'] else 'no'} (largest {b['max_rel']:.2g}, {b['ranks']} ranks, the "
                     f"carried ones' written by their carriers; {ENV_SHRUNK_BOUND})") if b else ""  # fmt: skip
-            lines.append("verify: the job ended shrunk: its average summed the same gradients in another "
-                         f"order, so bits may differ (docs/architecture.md, Shrink){held}")  # fmt: skip
+            lines.append("verify: the job ran shrunk without a full-width group (NCCL): its average summed the "
+                         "same gradients in another order, so bits may differ (docs/architecture.md, "
+                         f"Shrink){held}")  # fmt: skip
         if rep.get("faults_not_fired"):
             lines.append("verify: not shown: the fault plan did not run in full, so nothing was recovered from it")
     logs.say(*lines)  # one write: agents sharing a pipe do not cut into each other's summary

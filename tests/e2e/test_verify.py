@@ -45,18 +45,19 @@ def test_verify_names_the_step_and_the_cause(tmp_path):
     assert r.returncode == 1 and "first difference at step 0" in r.stdout, r.stdout
 
 
-def test_a_shrunk_run_is_compared_rank_by_rank_within_its_bound(tmp_path):
+def test_a_shrunk_run_is_compared_rank_by_rank_and_is_bit_identical(tmp_path):
     """3 ranks, no spare, --min-nproc 2: rank 0 is lost at step 10 and carried by a survivor to
-    the end. The carrier writes the carried rank's final record, so every rank is compared; the
-    shrunk average sums in another order, so the parameters are held to the bound (AdamW
-    magnifies the last bits over 20 steps: the bound is set for it here), and the run passes."""
+    the end. The carrier writes the carried rank's final record, so every rank is compared; a
+    shrunk step reduces every rank's gradient in the full-width group (runtime/virtual.py
+    reduce_exact), so even AdamW on examples/ddp_port.py (whose noise-gradient bias ended
+    2.2e-4 off when the carrier summed first) ends bit for bit the fault-free run's."""
     import json
 
     report = tmp_path / "shrunk.json"
     cmd = [sys.executable, "-m", "livemig.cli", "run", "--nproc", "3", "--spares", "0", "--min-nproc", "2",
            "--job", "shrunk", "--lease-ttl", "2", "--report", str(report), "--fault", "kill:rank=0:step=10",
            "--verify", os.path.join(REPO, "examples", "ddp_port.py"), "--steps", "30"]  # fmt: skip
-    env = {**os.environ, "LIVEMIG_STATE_DIR": str(tmp_path), **RUN_ENV, "LIVEMIG_VERIFY_SHRUNK_BOUND": "1e-3"}
+    env = {**os.environ, "LIVEMIG_STATE_DIR": str(tmp_path), **RUN_ENV}
     work = tmp_path / "work"
     work.mkdir()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=work)
@@ -64,6 +65,5 @@ def test_a_shrunk_run_is_compared_rank_by_rank_within_its_bound(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(rep["rank_digests"], key=int) == ["0", "1", "2"], rep["rank_digests"]  # rank 0's by its carrier
     assert rep["members"]["0"]["role"] == "carried", rep["members"]
-    b = rep["shrunk_bound"]
-    assert b["within"] and b["ranks"] == 3 and 0 < b["max_rel"] <= 1e-3, b
-    assert "every rank's parameters within 0.001 x max|param| of the fault-free run's: yes" in r.stdout, r.stdout
+    assert rep["shrunk"]["carried"] and rep["bit_identical"], rep.get("ranks_differing")
+    assert "bit-identical: yes" in r.stdout and "bits may differ" not in r.stdout, r.stdout

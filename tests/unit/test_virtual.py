@@ -80,3 +80,28 @@ def test_shrink_policy_waits_then_shrinks_and_says_why_it_cannot():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def test_the_gpu_paths_shrunk_bound_compares_every_rank_and_says_when_values_are_missing(tmp_path, monkeypatch):
+    """cli/run.py shrunk_bound: what --verify holds a shrunk run to where no full-width group
+    exists (NCCL: docs/architecture.md, Shrink); on gloo a shrunk run is bit for bit and never
+    gets here (tests/e2e/test_verify.py)."""
+    import torch
+
+    from livemig.cli.run import shrunk_bound
+
+    monkeypatch.setenv("LIVEMIG_VERIFY_SHRUNK_BOUND", "1e-6")
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ref.mkdir()
+    run.mkdir()
+    base = torch.linspace(-2.0, 2.0, 101, dtype=torch.float64)
+    for r in range(2):
+        torch.save(base, ref / f"final-{r}.pt")
+        torch.save(base.clone(), run / f"final-{r}.pt")
+    assert shrunk_bound(str(ref), str(run), 2) == {"within": True, "max_rel": 0.0, "bound": 1e-6, "ranks": 2}
+    off = base.clone()
+    off[7] += 2e-5  # 1e-5 of max|param| 2.0
+    torch.save(off, run / "final-1.pt")
+    b = shrunk_bound(str(ref), str(run), 2)
+    assert b is not None and not b["within"] and abs(b["max_rel"] - 1e-5) < 1e-9, b
+    assert shrunk_bound(str(ref), str(run), 3) is None  # rank 2's values missing: not compared

@@ -333,7 +333,8 @@ def run_downtime(a: argparse.Namespace) -> int:
         steps, cost = degraded["shrink"]
         print(f"shrink (no spare, --min-nproc {a.workers - 1}, --shrink-wait 0: the downtime is the mechanism's): "
               f"{a.workers - 1} processes carry {a.workers} ranks for {steps:.0f} step(s), step time {cost:.2f}x "
-              "full width; same samples and global batch, bits differ by summation order (by design)")  # fmt: skip
+              f"full width; same samples and global batch, bit-identical: {summary['shrink']['bit_identical']} "
+              "(gloo: a full-width group, one endpoint per rank carried)")  # fmt: skip
     if degraded["torchft_style"]:
         steps, cost = degraded["torchft_style"]
         print(f"torchft_style (the same shrink, torchft's semantics: LIVEMIG_SHRINK_DROP=1): {steps:.0f} degraded "

@@ -69,6 +69,7 @@ def test_bench_downtime_tiny(tmp_path):
     shrink = res["samples"]["shrink"][0]  # no spare: the survivors carry rank 1 (runtime/virtual.py)
     assert s["shrink"]["all_ok"] and shrink["kind"] == "shrink" and shrink["steps"] == 200, r.stdout
     assert shrink["shrunk"]["degraded_steps"] >= 150 and "shrink (no spare" in r.stdout, r.stdout
+    assert s["shrink"]["bit_identical"] == "yes", r.stdout  # the full-width group (docs/architecture.md, Shrink)
     tft = res["samples"]["torchft_style"][0]  # torchft's semantics: rank 1's batches dropped, a different model
     assert s["torchft_style"]["all_ok"] and tft["kind"] == "shrink" and tft["steps"] == 200, r.stdout
     assert tft["shrunk"]["degraded_steps"] >= 150 and tft["bit_identical"] is False, r.stdout

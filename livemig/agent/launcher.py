@@ -540,10 +540,11 @@ class Launcher:
                     os.killpg(c.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+                wait_s = killed_wait_s()
                 try:  # bounded: a zygote child's exit is learnt from the zygote, which may be gone or wedged
-                    c.proc.wait(timeout=killed_wait_s())
+                    c.proc.wait(timeout=wait_s)
                 except subprocess.TimeoutExpired:
-                    log.warning(f"{c.name} (pid {c.proc.pid}) was not seen to exit {killed_wait_s():.0f} s after "
+                    log.warning(f"{c.name} (pid {c.proc.pid}) was not seen to exit {wait_s:.0f} s after "
                                 "SIGKILL; the agent exits without it", extra={"pid": c.proc.pid})  # fmt: skip
         for c in self.children:  # whatever is left in their groups
             try:

@@ -254,8 +254,9 @@ class Checkpointer:
             s = self.settings
             assert s is not None
             try:
-                meta = {"signature": signature_hash(h.signature()), "job": os.environ.get("LIVEMIG_JOB", ""),
-                        "signature_any_layout": signature_hash(h.strategy.parts.portable_signature(h.signature())),
+                sig = h.signature()
+                meta = {"signature": signature_hash(sig), "job": os.environ.get("LIVEMIG_JOB", ""),
+                        "signature_any_layout": signature_hash(h.strategy.parts.portable_signature(sig)),
                         "layout": h.strategy.parts.layout_record()}  # fmt: skip
                 for rank, sd in parts:  # one, or the ranks a shrunk job's carrier holds
                     part = layout.part_dir(s.dir, step, rank)

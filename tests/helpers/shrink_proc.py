@@ -7,7 +7,8 @@ forward appends (step, rank, sample ids, the meter's count) to samples<rank>.jso
 a test can check a carried rank read exactly what it would have; each process writes
 its final parameters, buffers and meter at the end (final<rank>.json). --stateless: no
 rank-local state (a job that can shrink again after a second loss). --zero1: the
-optimizer state sharded (sharding="zero1"; no clipping: ZeRO-1 does not clip yet).
+optimizer state sharded (sharding="zero1"), unclipped unless --zero1-clip (then every step
+takes the whole average: ZeRO-1's WholeAverage path).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def main(ctx: livemig.Context, a: argparse.Namespace) -> None:
                 f.write(json.dumps({"step": step, "rank": ctx.rank, "ids": ids.tolist(), "meter": meter.n}) + "\n")
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         loss.backward()
-        if not a.zero1:
+        if not a.zero1 or a.zero1_clip:
             ctx.clip_grad_norm_(a.clip)
         ctx.step()
         sched.step()
@@ -79,6 +80,7 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--clip", type=float, default=0.5)
+    p.add_argument("--zero1-clip", action="store_true")
     p.add_argument("--sleep", type=float, default=0.05)
     p.add_argument("--stateless", action="store_true", help="no rank-local state (no BatchNorm, no local=)")
     p.add_argument("--zero1", action="store_true", help="shard the optimizer state (ZeRO-1)")

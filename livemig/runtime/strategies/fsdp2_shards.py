@@ -95,13 +95,9 @@ def whole_of_checkpoint(step_dir: str) -> tuple[list[torch.Tensor], dict[tuple[i
     with open(os.path.join(step_dir, MANIFEST)) as f:
         shards = int(json.load(f)["layout"]["mesh"][-1])
     parts = [read_part(os.path.join(step_dir, part_name(r)), {}, ["fsdp"])[1]["fsdp"] for r in range(shards)]
-    params = [torch.cat([p["params"][i] for p in parts]) for i in range(len(parts[0]["params"]))]
-    opt: dict[tuple[int, str], torch.Tensor] = {}
-    for i, st in (parts[0]["optimizer"].get("state") or {}).items():
-        for key, v in st.items():
-            vs = [p["optimizer"]["state"][i][key] for p in parts]
-            opt[(int(i), key)] = torch.cat(vs) if isinstance(v, torch.Tensor) and v.dim() else v
-    return params, opt
+    whole = recut(parts, 1, 0)  # one shard of one: the parts joined, as the re-cut joins them
+    state = whole["optimizer"].get("state") or {}
+    return whole["params"], {(int(i), key): v for i, st in state.items() for key, v in st.items()}
 
 
 class Shards:

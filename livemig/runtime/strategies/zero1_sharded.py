@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from livemig.comm.group import CollectiveAborted, allreduce_mean, allreduce_sum
+from livemig.comm.group import CollectiveAborted, allreduce_mean, allreduce_sum, broadcast_tensors
 from livemig.config import SHARDING_ENTRY, buddy_stride
 from livemig.device import training_device
 from livemig.errors import RecoveryError
@@ -267,8 +267,7 @@ class WholeAverage:
         self.zero = zero
         self.h = zero.h
         self.shards = zero.shards
-        # (step, own contribution to its average: buckets, or rank -> buckets while shrunk)
-        self.kept: tuple[int | None, Any] | None = None
+        self.kept: tuple[int | None, list[torch.Tensor]] | None = None  # (step, own contribution to its average)
         # the last committed step's whole average while the next one's is taken: that one may complete
         # and its barrier fail, and a spare replaying the committed step needs its average (serve_step)
         self.before: Synced | None = None
@@ -288,22 +287,44 @@ class WholeAverage:
         if first:  # .grad still holds the local gradient: the buckets were filled from it
             self.kept = (h.current, red.flatten(h.world_size))
             return self.average_of([], ctl, True)
-        ins = h.virtual.exact_inputs(red)  # shrunk: each rank's own, for the full group's bits
-        if ins is not None:
-            self.kept = (h.current, {r: [f.clone() for f in v] for r, v in ins.items()})
-            return self.exact_of(ins, ctl)
+        if self.shards.shrunk and h.runtime.full:  # shrunk: a holder's average, or the full group's bits
+            had = self.from_holder(None, ctl)
+            if had is not None:
+                return had
+            ins = h.virtual.exact_inputs(red)
+            if ins is not None:
+                self.kept = (h.current, [])  # a holder is asked first on any retry: nothing to send again
+                out = h.virtual.reduce_exact(red, ctl, h.timeouts.collective, h.runtime.moved_on, ins=ins)
+                assert out is not None
+                return out
         h.virtual.add_stashed()
         mine = red.flatten(h.virtual.divisor())
         self.kept = (h.current, [f.clone() for f in mine])
         return self.average_of(mine, ctl, False)
 
-    def exact_of(self, ins: dict[int, list[torch.Tensor]], ctl: torch.Tensor) -> list[torch.Tensor]:
-        """A shrunk attempt through the full-width group (runtime/virtual.py reduce_exact)."""
+    def from_holder(self, held: list[torch.Tensor] | None, ctl: torch.Tensor) -> list[torch.Tensor] | None:
+        """A shrunk generation's retry of a step's whole average: the survivors that completed it
+        before the loss (`held`: their average; a carrier's holds the carried rank's gradient only
+        inside the sum) and those that did not run this together: a flag per member says who
+        holds it, the lowest holder broadcasts it (its bits, the full group's), and every member
+        returns it; None where nobody holds it (the caller reduces through the full-width group).
+        The votes are summed after it, as the plain retry sums them."""
         h = self.h
-        assert h.reducer is not None
-        out = h.virtual.reduce_exact(h.reducer, ctl, h.timeouts.collective, h.runtime.moved_on, ins=ins)
-        if out is None:
-            raise CollectiveAborted("the full-width group of a shrunk generation is gone: redo the step")
+        rt, red, timeout = h.runtime, h.reducer, h.timeouts.collective
+        assert red is not None
+        me, n = rt.pg.rank(), rt.pg.size()
+        flags = torch.zeros(n)
+        if held is not None:
+            flags[me] = 1.0
+        allreduce_sum(rt.pg, [flags], timeout, rt.moved_on)
+        holders = [i for i in range(n) if flags[i] > 0]
+        if not holders:
+            return None
+        out = [f.clone() for f in held] if held is not None else [torch.zeros_like(f) for f in red.flatten()]
+        broadcast_tensors(rt.pg, out, holders[0], timeout, rt.moved_on)
+        allreduce_sum(rt.pg, [ctl], timeout, rt.moved_on)
+        log.info("a shrunk step's average taken from a survivor that completed it",
+                 extra={"step": h.current, "holder": holders[0]})  # fmt: skip
         return out
 
     def average_of(self, flats: list[torch.Tensor], ctl: torch.Tensor, first: bool) -> list[torch.Tensor]:
@@ -341,6 +362,7 @@ class WholeAverage:
             return
         skip = found_inf(h.scaler, h.reg.optimizer) if h.scaler is not None else False
         held: list = [None, None] if skip else list(z.slices_of(red.flatten()))
+        layout = z.layout
         timeout, first = h.timeouts.collective, True
         while h.committed < t:
             rt.check_fenced()
@@ -349,6 +371,9 @@ class WholeAverage:
                 zero.regather()
                 if h.committed >= t:
                     break
+                if z.layout != layout and not skip:  # a shrink or grow meanwhile: the slices of the
+                    held = list(z.slices_of(red.flatten()))  # shards held now, from the same gradient
+                    layout = z.layout
             try:
                 if not first:
                     self.contribute_again(t)
@@ -379,15 +404,11 @@ class WholeAverage:
             raise RecoveryError(f"rank {h.rank} kept no gradient of step {t} to average again")
         h.boundary.mirror_local(t)
         ctl = torch.zeros(2, device=training_device(h.reg.params))  # the average's votes: counted at the barrier
-        if isinstance(kept[1], dict):  # kept while shrunk: one contribution per rank this member runs
-            ins = {r: [f.clone() for f in v] for r, v in kept[1].items()}
-            if set(h.runtime.full) == set(ins):  # still shrunk the same way
-                self.exact_of(ins, ctl)
-                return
-            # grown or shrunk otherwise meanwhile: the ranks still run here, summed as before
-            runs = {h.rank, *h.virtual.carried()}
-            flats = [sum(x) for x in zip(*(ins[r] for r in sorted(ins) if r in runs), strict=True)]
-            self.average_of(flats, ctl, first=False)
+        if self.shards.shrunk and h.runtime.full:  # shrunk since: hand our whole average to who lacks it
+            synced = h.st.synced
+            if synced is None or synced.step != t or synced.flats is None:
+                raise RecoveryError(f"rank {h.rank} kept no whole average of step {t} to hand on")
+            self.from_holder(list(synced.flats), ctl)
             return
         self.average_of([f.clone() for f in kept[1]], ctl, first=False)
 

@@ -177,18 +177,24 @@ def test_zero1_shrink_inside_the_reduction_adopts_the_shard(tmp_path, zero1_refe
     """ZeRO-1, rank 2 killed with step 10's gradients in flight: nobody passed the barrier, so
     the carrier (rank 0, which mirrored shard 2) defers its step to rank 2's body and owns shard
     2 from then on; rank 1 takes the mirrors the layout moves to it (config.zero1_layout).
-    Same samples; parameters within the bound; the replicas identical. CI ~15 s."""
+    Same samples; every rank bit for bit; the replicas identical. CI ~15 s."""
     ref_dump = zero1_reference
-    run, dump = _run(tmp_path, "zsh", faults=("kill:rank=2:step=10:during=allreduce",), extra=SHRINK,
-                     args=("--zero1",))  # fmt: skip
+    ref_report = json.loads((ref_dump / "report.json").read_text())
+    _shrunk_in_step_10_exactly(tmp_path, "zsh", ("--zero1",), ref_report, ref_dump)
+
+
+def _shrunk_in_step_10_exactly(tmp_path, job, args, ref_report, ref_dump):
+    """Rank 2 of 3 killed inside step 10's reduction with no spare: carried by rank 0 to the end,
+    every (step, rank) on the fault-free samples and every rank's state bit for bit."""
+    run, dump = _run(tmp_path, job, faults=("kill:rank=2:step=10:during=allreduce",), extra=SHRINK, args=args)
     assert run.rc == 0, explain(run)
     (rec,) = run.report["recoveries"]
     assert rec["kind"] == "shrink" and rec["carried"] == {"2": 0}, rec
     assert run.report["steps_completed"] == STEPS
     assert samples_of(dump) == samples_of(ref_dump)
     _exact(finals_of(dump), finals_of(ref_dump))
-    _same_digests(run.report, json.loads((ref_dump / "report.json").read_text()))
-    assert run.report["replicas_identical"], explain(run)
+    _same_digests(run.report, ref_report)
+    assert run.report["replicas_identical"] and run.report["zero1"]["mirrors_exact"], explain(run)
 
 
 def test_zero1_with_clipping_shrunk_inside_a_step_takes_the_new_layouts_slices(tmp_path):
@@ -203,15 +209,7 @@ def test_zero1_with_clipping_shrunk_inside_a_step_takes_the_new_layouts_slices(t
     args = ("--zero1", "--zero1-clip")
     ref, ref_dump = _run(tmp_path, "zcref", args=args)
     assert ref.rc == 0, explain(ref)
-    run, dump = _run(tmp_path, "zcsh", faults=("kill:rank=2:step=10:during=allreduce",), extra=SHRINK, args=args)
-    assert run.rc == 0, explain(run)
-    (rec,) = run.report["recoveries"]
-    assert rec["kind"] == "shrink" and rec["carried"] == {"2": 0}, rec
-    assert run.report["steps_completed"] == STEPS
-    assert samples_of(dump) == samples_of(ref_dump)
-    _exact(finals_of(dump), finals_of(ref_dump))
-    _same_digests(run.report, ref.report)
-    assert run.report["replicas_identical"] and run.report["zero1"]["mirrors_exact"], explain(run)
+    _shrunk_in_step_10_exactly(tmp_path, "zcsh", args, ref.report, ref_dump)
 
 
 def test_a_checkpoint_written_while_shrunk_holds_the_carried_rank(tmp_path, zero1_reference):

@@ -22,6 +22,18 @@ class KeyValueFormatter(logging.Formatter):
         return base
 
 
+def stacks_on_sigquit() -> None:
+    """`kill -QUIT <pid>` of an agent prints every thread's Python stack to its stderr and the
+    agent goes on: how to see where a process that should have exited waits (an agent once
+    stayed after its job ended, under load; Slurm then kept the job RUNNING)."""
+    import faulthandler
+    import signal
+
+    sig = getattr(signal, "SIGQUIT", None)
+    if sig is not None:
+        faulthandler.register(sig, all_threads=True, chain=False)
+
+
 def say(*lines: str, file: TextIO | None = None) -> None:
     """Print whole lines in one write. Several agents of a job (srun's tasks, spares of one
     node) often share one stdout pipe, and Python unbuffered (PYTHONUNBUFFERED, common in

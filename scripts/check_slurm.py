@@ -279,6 +279,8 @@ def scenario_kill_and_drain(cl: Cluster, d: str, ref: dict[str, str]) -> str:
     check(took < 25, f"the drain took {took:.1f}s, over the grace")
     digests = digests_at_end(client, keys, 180)
     state, code = cl.wait_job(jid, 120)
+    if state == "RUNNING":
+        raise Failed(f"job A still RUNNING 120 s after its end: {stuck(d, 'slurm-a')}")
     check(
         (state, code) == ("COMPLETED", "0:0"), f"job A ended {state} {code} (want COMPLETED 0:0): {_tail(d, 'slurm-a')}"
     )
@@ -412,6 +414,36 @@ def _tail(d: str, name: str) -> str:
             return f.read()[-1500:]
     except OSError:
         return "(no output)"
+
+
+def stuck(d: str, name: str) -> str:
+    """A job Slurm still sees RUNNING after livemig's job ended: which of its processes are left,
+    and every agent's thread stacks (`livemig run` and `livemig-spare start` print them on
+    SIGQUIT, livemig/logs.py stacks_on_sigquit), so the failure says where one waits."""
+    import psutil
+
+    left = []
+    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
+        try:
+            env = p.info["environ"] or {}
+        except psutil.Error:
+            continue
+        cmd = p.info["cmdline"] or []
+        if env.get("LIVEMIG_JOB") != name or p.pid == os.getpid():
+            continue
+        left.append(f"{p.pid} {' '.join(cmd)[:160]}")
+        if any(x in ("run", "start") for x in cmd[1:4]) and any("livemig" in x for x in cmd[:3]):
+            try:
+                os.kill(p.pid, signal.SIGQUIT)
+            except ProcessLookupError:
+                pass
+    time.sleep(1.0)
+    try:
+        with open(os.path.join(d, f"{name}.out")) as f:
+            out = f.read()[-8000:]
+    except OSError:
+        out = "(no output)"
+    return "processes left:\n" + "\n".join(left) + "\noutput (stacks of the agents left, after SIGQUIT):\n" + out
 
 
 def leftovers(d: str) -> list[str]:

@@ -245,6 +245,7 @@ def checkpoint_settings(a: argparse.Namespace) -> Any:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
+    logs.stacks_on_sigquit()
     t = Timeouts.from_env()
     t = replace(
         t,

@@ -121,6 +121,7 @@ def _wait_run(client: EtcdClient, etcd: str, a: argparse.Namespace) -> bytes:
 
 
 def cmd_start(a: argparse.Namespace) -> int:
+    logs.stacks_on_sigquit()
     if not os.path.isfile(a.script):
         raise ConfigError(f"training script {a.script!r} not found")
     if a.count < 1 or (a.id and a.count > 1):  # before any wait

@@ -408,27 +408,32 @@ def _env_of(pid: int) -> dict[str, str]:
         return dict(x.split("=", 1) for x in f.read().decode(errors="replace").split("\0") if "=" in x)
 
 
-def _tail(d: str, name: str) -> str:
+def _tail(d: str, name: str, chars: int = 1500) -> str:
     try:
         with open(os.path.join(d, f"{name}.out")) as f:
-            return f.read()[-1500:]
+            return f.read()[-chars:]
     except OSError:
         return "(no output)"
+
+
+def _processes():  # noqa: ANN202
+    """(process, cmdline, environ) of every process whose environment is readable."""
+    import psutil
+
+    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
+        try:
+            env = p.info["environ"] or {}
+        except psutil.Error:
+            continue
+        yield p, p.info["cmdline"] or [], env
 
 
 def stuck(d: str, name: str) -> str:
     """A job Slurm still sees RUNNING after livemig's job ended: which of its processes are left,
     and every agent's thread stacks (`livemig run` and `livemig-spare start` print them on
     SIGQUIT, livemig/logs.py stacks_on_sigquit), so the failure says where one waits."""
-    import psutil
-
     left = []
-    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
-        try:
-            env = p.info["environ"] or {}
-        except psutil.Error:
-            continue
-        cmd = p.info["cmdline"] or []
+    for p, cmd, env in _processes():
         if env.get("LIVEMIG_JOB") != name or p.pid == os.getpid():
             continue
         left.append(f"{p.pid} {' '.join(cmd)[:160]}")
@@ -438,28 +443,17 @@ def stuck(d: str, name: str) -> str:
             except ProcessLookupError:
                 pass
     time.sleep(1.0)
-    try:
-        with open(os.path.join(d, f"{name}.out")) as f:
-            out = f.read()[-8000:]
-    except OSError:
-        out = "(no output)"
+    out = _tail(d, name, 8000)
     return "processes left:\n" + "\n".join(left) + "\noutput (stacks of the agents left, after SIGQUIT):\n" + out
 
 
 def leftovers(d: str) -> list[str]:
-    import psutil
-
     out = []
-    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
-        try:
-            env = p.info["environ"] or {}
-        except psutil.Error:
-            continue
-        cmd = p.info["cmdline"] or []
+    for p, cmd, env in _processes():
         ours = cmd and os.path.basename(cmd[0]) in ("slurmctld", "slurmd")  # the cluster's daemons: stopped after
         if env.get("LIVEMIG_JOB", "").startswith("slurm-") or d in " ".join(cmd):
             if p.pid != os.getpid() and not ours:
-                out.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}")
+                out.append(f"{p.pid} {' '.join(cmd)[:120]}")
     out += [f"etcd data {x}" for x in os.listdir(os.path.join(d, "tmp")) if x.startswith("livemig-etcd")]
     return out
 

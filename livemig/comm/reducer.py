@@ -245,24 +245,24 @@ class GradReducer:
     def flatten(self, world: int = 1) -> list[torch.Tensor]:
         """The local gradients in the bucket layout, divided by `world` as the overlapped
         path fills its buckets (the same bits: a retry sums what the first attempt would)."""
-        flats = self._padded([torch.cat([_grad(self.params[i]).reshape(-1) for i in idx]) for idx in self.layout])
-        if world > 1:
-            for f in flats:
-                f.div_(world)
-        return flats
+        return self._flat(lambda i: _grad(self.params[i]), world)
 
     def flatten_grads(self, grads: Sequence[torch.Tensor | None], world: int = 1) -> list[torch.Tensor]:
         """flatten() of gradients held aside (a shrunk job's carried body: runtime/virtual.py),
         given in the parameters' order; None is a zero gradient, as ensure_grads() makes it."""
         if len(grads) != len(self.params):
             raise ValueError(f"{len(grads)} gradients for {len(self.params)} parameters")
-        rev = list(reversed(grads))
+        rev = list(reversed(grads))  # self.params is in backward's order
 
-        def g(i: int) -> torch.Tensor:
+        def grad(i: int) -> torch.Tensor:
             x = rev[i]
-            return torch.zeros_like(self.params[i]).reshape(-1) if x is None else x.reshape(-1)
+            return torch.zeros_like(self.params[i]) if x is None else x
 
-        flats = self._padded([torch.cat([g(i) for i in idx]) for idx in self.layout])
+        return self._flat(grad, world)
+
+    def _flat(self, grad: Callable[[int], torch.Tensor], world: int) -> list[torch.Tensor]:
+        """Parameter i's gradient `grad(i)` in the padded bucket layout, divided by `world`."""
+        flats = self._padded([torch.cat([grad(i).reshape(-1) for i in idx]) for idx in self.layout])
         if world > 1:
             for f in flats:
                 f.div_(world)

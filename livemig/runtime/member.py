@@ -393,19 +393,13 @@ class MemberRuntime:
             if self.m.generation == g:
                 self._wait_change(m)
             return
+        built: list = []
         try:
             built = self._build_mesh(m, rank, pg)
-        except CollectiveAborted as exc:
-            log.info("device-mesh build abandoned", extra={"generation": g, "why": str(exc)})
-            self.comm.retire(pg)
-            self.check_fenced()
-            if self.m.generation == g:
-                self._wait_change(m)
-            return
-        try:
             full = self._build_full(m, rank)
         except CollectiveAborted as exc:
-            log.info("full-width group build abandoned", extra={"generation": g, "why": str(exc)})
+            what = "full-width group" if built else "device-mesh"
+            log.info(f"{what} build abandoned", extra={"generation": g, "why": str(exc)})
             self.comm.retire(pg)
             for _, inner in built[1:]:
                 self.comm.retire(inner)

@@ -207,16 +207,15 @@ class VirtualRanks:
         return ins
 
     def reduce_exact(self, red: GradReducer, ctl: torch.Tensor | None, timeout: timedelta,
-                     should_abort: Callable[[], bool],
-                     ins: dict[int, list[torch.Tensor]] | None = None) -> list[torch.Tensor] | None:  # fmt: skip
+                     should_abort: Callable[[], bool]) -> list[torch.Tensor] | None:  # fmt: skip
         """A shrunk step's whole average, bit for bit the fault-free group's: every rank's
-        buckets (`ins`, else exact_inputs()) enter the full-width group through its own
+        buckets (exact_inputs()) enter the full-width group through its own
         endpoint (MemberRuntime.full), in the reduction the fault-free step runs (an
         allreduce of each bucket; reduce-scatter mode: reduce-scatter, then an all-gather of
         the slices, which copies their bits). `ctl` (the votes) is summed alongside from this
         process's own endpoint, zeros from the carried ones: the sum is the survivors' as
         before, not divided. None where exact_inputs() is."""
-        ins = self.exact_inputs(red) if ins is None else ins
+        ins = self.exact_inputs(red)
         if ins is None:
             return None
         full = self.e.runtime.full

@@ -291,11 +291,9 @@ class WholeAverage:
             had = self.from_holder(None, ctl)
             if had is not None:
                 return had
-            ins = h.virtual.exact_inputs(red)
-            if ins is not None:
-                self.kept = (h.current, [])  # a holder is asked first on any retry: nothing to send again
-                out = h.virtual.reduce_exact(red, ctl, h.timeouts.collective, h.runtime.moved_on, ins=ins)
-                assert out is not None
+            self.kept = (h.current, [])  # a holder is asked first on any retry: nothing to send again
+            out = h.virtual.reduce_exact(red, ctl, h.timeouts.collective, h.runtime.moved_on)
+            if out is not None:
                 return out
         h.virtual.add_stashed()
         mine = red.flatten(h.virtual.divisor())

@@ -51,6 +51,7 @@ from livemig.runtime.entry import Entry
 from livemig.runtime.epochs import EpochLoop
 from livemig.runtime.follow import Feed, Follower
 from livemig.runtime.fsdp2_mesh import Fsdp2
+from livemig.runtime.lazy_init import LazyInit
 from livemig.runtime.loop import StepLoop
 from livemig.runtime.migration import Migration
 from livemig.runtime.preloop import PreLoop
@@ -86,6 +87,7 @@ class Engine(StepLoop):  # over the member's fields (runtime/member_fields.py)
         self.spare_id = os.environ.get(ENV_SPARE_ID, "")
         self.joining: Activate | None = None
         self.follower = Follower(self)  # a follow spare keeps the group's state (runtime/follow.py)
+        self.lazy = LazyInit()  # a claimed spare builds its model without the random fills (runtime/lazy_init.py)
         self.standby = Standby(self)  # a spare's standby; every member's final record (runtime/standby.py)
         self.sandbox = Sandbox(self)  # a spare's warm-up against a group of one (sandbox/warmup.py)
         self._batches = Batches(self)  # ctx.batches (runtime/batches.py)
@@ -268,7 +270,11 @@ def elastic(seed: int = 0, timeouts: Timeouts | None = None) -> Callable:
                         if ctx.fsdp2.pending:  # FSDP2: a collective failed inside the function
                             raise ctx.fsdp2.recover()
                         ctx.preloop.enter()  # torch.distributed's default group, from the function's first line
-                        result = fn(user, *args, **kwargs)
+                        ctx.lazy.enter(ctx.role, ctx.joining)
+                        try:
+                            result = fn(user, *args, **kwargs)
+                        finally:
+                            ctx.lazy.finish()
                         # the final record, then the job's end; a cold restart ordered meanwhile
                         # (a rank lost in the last steps) enters the function again from here too
                         ctx.standby.finish()

@@ -49,6 +49,7 @@ ENV_PASSWORD_FILE = "LIVEMIG_ETCD_PASSWORD_FILE"
 ENV_SHADOW_STEPS = "LIVEMIG_SHADOW_STEPS"
 ENV_FOLLOW = "LIVEMIG_FOLLOW"  # 1: this spare follows the job's replicated state (--follow, runtime/follow.py)
 ENV_FOLLOW_LAG = "LIVEMIG_FOLLOW_LAG"  # steps a follower may fall behind before it drops to warm (4)
+ENV_LAZY_INIT = "LIVEMIG_LAZY_INIT"  # 0: a claimed spare builds its model with every random fill run (1)
 ENV_FOLLOW_RETRY = "LIVEMIG_FOLLOW_RETRY_S"  # seconds a dropped follower waits before it follows again (30)
 ENV_LOCAL_MAX_MB = "LIVEMIG_LOCAL_STATE_MAX_MB"  # per-rank local state (buffers + local=) mirrored each step
 ENV_SHRUNK_BOUND = "LIVEMIG_VERIFY_SHRUNK_BOUND"  # --verify of a shrunk run: |run - ref| <= this x max|param|

@@ -43,6 +43,7 @@ class Entry:
         spare replays the step before it first (runtime/boundary.py)."""
         h = self.h
         joining = h.joining
+        h.lazy.loop_starts()  # a spare's warm-up: its random fills are recorded up to here (runtime/lazy_init.py)
         h.preloop.leave()  # the collectives before the loop (runtime/preloop.py)
         if joining is not None and joining.restart:  # the cold path: loaded in place (runtime/pull.py)
             m = h.runtime.follow(joining.generation, h.pull)
@@ -82,6 +83,7 @@ class Entry:
             h.strategy.handover.after_migrate_in(h.committed)  # the leaving worker's, handed over at the switch
             return start, False
         m = h.runtime.follow(joining.generation, h.pull)
+        h.lazy.finish()  # the state is loaded (runtime/lazy_init.py)
         if m.state == GenState.DONE:
             return total, False
         return h.committed + 1, h.st.replay is not None

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from livemig.runtime.epochs import EpochLoop
     from livemig.runtime.follow import Feed, Follower
     from livemig.runtime.fsdp2_mesh import Fsdp2
+    from livemig.runtime.lazy_init import LazyInit
     from livemig.runtime.member import MemberRuntime
     from livemig.runtime.migration import Migration
     from livemig.runtime.preloop import PreLoop
@@ -72,6 +73,7 @@ class MemberFields:
     migration: Migration
     feed: Feed  # a worker's feed of its updates to follow spares (runtime/follow.py)
     follower: Follower  # a follow spare's side: survives the function's re-entry
+    lazy: LazyInit  # a claimed spare's build without its random fills (runtime/lazy_init.py)
     virtual: VirtualRanks
     sandbox: Sandbox
     standby: Standby

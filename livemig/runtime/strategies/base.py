@@ -105,6 +105,12 @@ class FollowerSide(Protocol):
     def move_into(self, reg: Registry) -> None: ...
 
 
+class LazySide(Protocol):
+    """A claimed spare's deferred random fills (runtime/lazy_init.py LazyInit)."""
+
+    def finish(self, overwritten: list[torch.Tensor] | None = None) -> None: ...
+
+
 class StrategyHost(Protocol):
     """What a strategy uses of its member (api.Engine): its fields (runtime/member_fields.py),
     its collaborators (the boundary rule, the state pull, ...), and the step loop's commit and
@@ -137,6 +143,9 @@ class StrategyHost(Protocol):
 
     @property
     def follower(self) -> FollowerSide: ...
+
+    @property
+    def lazy(self) -> LazySide: ...
 
     faults: SelfFaults
     halt: JobStop  # a whole-job stop: its vote rides on the step's collective (runtime/stop.py)
@@ -178,6 +187,9 @@ class Strategy:
     migrates: ClassVar[bool] = True
     #: Can a follow spare keep this kind's state from one member's feed (runtime/follow.py)?
     follows: ClassVar[bool] = False
+    # pull_state writes every tensor of the model's state_dict whole, or fails: the random fills
+    # of the claimed entry's build need not run for them (runtime/lazy_init.py)
+    pull_loads_model: ClassVar[bool] = False
     #: Does a staying member move to the migration's group at the boundary after the switch
     #: step (True: collectives user code runs after ctx.step() still meet the leaving rank) or
     #: right after the switch step's commit (False)?
@@ -293,6 +305,10 @@ class Strategy:
             joined_now = h.role == Role.SPARE and (h.joining is None or h.joining.generation == m.generation)
             return h.stream_info if joined_now else None
         if h.pull.committed_step() is None or (h.role == Role.SPARE and h.current is None):
+            if not (self.follows and h.follower.holds(target)):  # a follower's take-over finishes after its swap
+                # the build's deferred fills run before the pull writes, but for what it writes whole
+                model = h.reg.model if self.pull_loads_model else None
+                h.lazy.finish(overwritten=list(model.state_dict().values()) if model is not None else None)
             return self.pull_state(m)
         if h.committed == target - 1 and h.current == target and self.finish_missed(m, target):
             return None

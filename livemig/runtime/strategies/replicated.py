@@ -36,6 +36,7 @@ class Replicated(Strategy):
 
     name = "replicated"
     follows = True
+    pull_loads_model = True  # received in place, or copied by a strict load_state_dict (pull_state)
 
     # -- start-up ----------------------------------------------------------------------------
     def sync_start(self) -> None:
@@ -270,6 +271,7 @@ class Replicated(Strategy):
             if got.step != m.resume_step:
                 raise RecoveryError(f"the source serves the boundary of step {got.step}, need {m.resume_step}")
             h.follower.move_into(h.reg)
+            h.lazy.finish()  # the build's fills on the swapped-out tensors are dropped (runtime/lazy_init.py)
             h.reg.load_boundary({"extra": got.state["extra"], "hparams": got.state["hparams"]})
             got.state["before"] = h.follower.before
         else:

@@ -226,7 +226,7 @@ class FaultDriver:
         that it stays warm. Not held while a follower is still attaching: its feeder serves the
         snapshot at a boundary, which the held group does not reach. A spare-hang waits (unheld)
         until the followers follow."""
-        if not self.agent.cfg.follow or f.kind not in ("kill", "hang", "partition", "link", "spare-hang"):
+        if not self.agent.cfg.follow or f.kind not in ("kill", "hang", "partition", "link", "spare-hang", "migrate"):
             return True
         since = self._follow_wait.setdefault(id(f), now)
         wait = min(FOLLOW_WAIT_S, gate_timeout() / 2)

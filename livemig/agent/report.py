@@ -386,6 +386,8 @@ def migrations(events: list[dict], commits: list[tuple[int, float]], median_step
             elif ev["phase"] == "stream":
                 cur["bytes_streamed"] += ev.get("bytes", 0)
                 cur["snapshot_s"] = ev.get("seconds", 0.0)
+                src = ev.get("source")
+                cur["path"] = "follower" if src == "follower" else "stream"  # runtime/migration.py follow_in
                 cur["resyncs"] = int(ev.get("resyncs") or 0)  # newer snapshots loaded after falling behind
             elif ev["phase"] == "catchup":
                 cur["lag_at_switch_vote"] = ev.get("lag")

@@ -76,6 +76,19 @@ def run_follow(a: argparse.Namespace) -> int:
                   f"{','.join(paths):<9} {ident}")  # fmt: skip
         if base is None:
             base = res["follow_median"]["downtime_s"]
+    print("follower lag behind its feeder, publish -> applied (ms; each follow run's follower, median over runs):")
+    for width in widths:
+        res = results[str(width)]
+        lags = [lag for x in res["follow"] for lag in x.get("follow_lag_ms", [])]
+        if not lags:
+            print(f"{res['state_mib']:>9.0f}  (no update applied)")
+            continue
+        q = {k: statistics.median([lag[k] for lag in lags]) for k in ("p50", "p90", "p99", "max")}
+        res["follow_lag_ms"] = q
+        print(
+            f"{res['state_mib']:>9.0f}  p50 {q['p50']:.1f}  p90 {q['p90']:.1f}  p99 {q['p99']:.1f}  "
+            f"max {q['max']:.1f}  ({sum(lag['n'] for lag in lags)} updates)"
+        )
     if base and len(widths) > 1:
         last = results[str(widths[-1])]["follow_median"]["downtime_s"]
         if last is not None:

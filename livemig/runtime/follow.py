@@ -26,11 +26,13 @@ plain warm spare and says so once.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -55,6 +57,7 @@ DEFAULT_RETRY_S = 30.0
 PULL_TIMEOUT_S = 2.0  # one feed pull's header exchange (a dead feeder is found by the membership)
 DRAIN_TIMEOUT_S = 0.25  # the same once claimed: the claim waits for it
 POLL_MIN_S, POLL_MAX_S = 0.002, 0.025  # asking for an update not yet published: first and longest wait
+LAGS_KEPT = 100_000  # the updates whose lag the final record summarises (the newest)
 STATUS_EVERY_S = 1.0  # the follower's status key is written at most this often (and on a change)
 
 
@@ -67,6 +70,20 @@ def _number(name: str, default: float, kind: type = float) -> Any:
     if value < 0:
         raise ConfigError(f"{name}={raw!r}: expected a number >= 0")
     return value
+
+
+def lag_summary(lags: list[float]) -> dict[str, float]:
+    """A follower's lag behind its feeder, from each update's publish (just after the group's
+    commit) to its apply here, in ms: percentiles over the updates applied (wall clocks of two
+    processes: on two hosts their offset is in it)."""
+    if not lags:
+        return {"n": 0}
+    s = sorted(lags)
+
+    def pct(q: float) -> float:
+        return round(1000 * s[min(len(s) - 1, int(q * len(s)))], 2)
+
+    return {"n": len(s), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": round(1000 * s[-1], 2)}
 
 
 def follow_lag() -> int:
@@ -140,7 +157,8 @@ class Feed:
         srv = h.runtime.serving
         if h.reducer is not None:
             h.reducer.keep_at_least(self.keep + 1)  # a migration resolved meanwhile set it back to 2
-        fed = {**item, "hparams": h.reg.hparams(), "final": False}  # now: user code sets the next step's lr
+        # hparams now: user code sets the next step's lr; the time: the follower's lag (record)
+        fed = {**item, "hparams": h.reg.hparams(), "final": False, "published_at": time.time()}
         srv.publish(FEED_GEN, items.feed_step(t), lambda: (t, fed))
         log.debug("feed: published", extra={"step": t})
         srv.withdraw(items.feed_step(t - self.keep))
@@ -178,6 +196,7 @@ class Follower:
         self.reason = ""
         self.drops = 0
         self.applied = 0
+        self.lags: collections.deque[float] = collections.deque(maxlen=LAGS_KEPT)  # publish -> applied, s
         self.held: Registry | None = None  # the first entry's objects, kept through the claim
         self.before: list[torch.Tensor] | None = None  # the parameters before step `step` (the replay's)
         self._feeder: tuple[str, str] | None = None  # (incarnation, address)
@@ -245,6 +264,23 @@ class Follower:
             reg.optimizer.load_state_dict(old.optimizer.state_dict())  # the same tensors, by reference
         self.held = None
         self.took_over = True
+
+    def catch_up_to(self, step: int, deadline: float, abort: Callable[[], bool]) -> bool:
+        """After move_into, on the claimed entry's objects: apply the feed's updates up to `step`
+        (a planned migration's start, runtime/migration.py follow_in). False where the feed
+        withdrew one, `abort` says so (the migration was resolved otherwise: a failure), or the
+        deadline passed (a feeder that died and is not replaced)."""
+        drops = self.drops
+        try:
+            while self.step < step:
+                if self._next(drain=True):
+                    continue
+                if self.drops > drops or abort() or time.monotonic() > deadline:
+                    return False
+                time.sleep(0.005)  # not published yet: the feeder commits it shortly
+            return True
+        finally:
+            self._set("claimed", "")
 
     # -- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -355,6 +391,8 @@ class Follower:
         h.strategy.handover.replay_update(t, got.state)
         self.step = t
         self.applied += 1
+        if not drain:  # a drain after a claim measures the claim, not the follower
+            self.lags.append(time.time() - float(got.state.get("published_at", time.time())))
         self._poll = POLL_MIN_S
         self._set("following", "")
         log.debug("follow: applied", extra={"step": t, "seconds": round(got.seconds, 4)})
@@ -390,4 +428,5 @@ class Follower:
             "drops": self.drops,
             "applied": self.applied,
             "took_over": self.took_over,
+            "lag_ms": lag_summary(list(self.lags)),
         }

@@ -56,6 +56,7 @@ class MigrationHost(Protocol):
     loaded_step: int | None
     stream_info: dict[str, Any]
     strategy: Strategy
+    follower: Any  # a follow spare's held state (runtime/follow.py Follower)
 
     def join_recovery(self, t: int | None, exc: BaseException) -> None: ...
 
@@ -107,6 +108,8 @@ class Migration:
             if self.out.gen == m.generation:
                 snaps = [w for w in snaps if w != self.out.snap]
             want = max(snaps, key=lambda w: int(w.partition("/")[2] or 0), default=None)
+            if want is None and items.UPDATES in rt.serving.wanted:
+                self.serve_updates(m.generation)
             if want is not None:
                 if self.out.gen == m.generation and self.out.snap:
                     rt.serving.withdraw(self.out.snap)  # the spare asked for a newer one: free the old copy
@@ -122,6 +125,21 @@ class Migration:
                                                               "item": want})  # fmt: skip
         elif (rank := m.rank_of(self.e.incarnation)) is not None:
             rt.prebuild(m, rank)
+
+    def serve_updates(self, g: int) -> None:
+        """A current follower was claimed (runtime/follow.py): it holds the state already, so
+        this worker serves no snapshot, only its updates from the next step on (and the step,
+        for the follower to reach the step before it from its feed)."""
+        rt = self.e.runtime
+        rt.serving.wanted.discard(items.UPDATES)
+        if self.out.gen != g:  # else: updates are served already, from out.step
+            self.out = Outgoing(g, self.e.committed + 1, items.UPDATES)
+            if self.e.reducer is not None:
+                self.e.reducer.keep(AVG_KEEP + 1)  # serve averages straight from the buckets
+        start = self.out.step
+        assert start is not None
+        rt.serving.publish(g, items.UPDATES, lambda: (start, {}))
+        log.info("migration: updates served to a follower", extra={"step": start, "generation": g})
 
     def refuse_stale(self, server: Any) -> None:
         """An update a spare asks for that this worker no longer keeps (or never served) is
@@ -253,6 +271,33 @@ class Migration:
         st.inherited_to = max((int(c[0]) for c in old), default=-1)
         st.gen_steps = [*(s for s in tail.get("gen_steps") or [] if isinstance(s, int)), *st.gen_steps]
 
+    def follow_in(self, fetch: Callable) -> dict | None:
+        """A current follower claimed for the migration: its held state replaces the snapshot.
+        The leaving worker serves its updates from its next boundary (`serve_updates`); the
+        follower's feed fills the steps before it. None (the snapshot path) where the follower
+        holds nothing or cannot reach that step (its feed withdrawn, its feeder gone)."""
+        e, fol = self.e, self.e.follower
+        if fol.held is None:
+            return None
+        t0 = time.monotonic()
+        start = fetch(items.UPDATES).step
+        fol.move_into(e.reg)
+        e.committed = fol.step
+        g = e.joining.generation
+        if not fol.catch_up_to(start - 1, time.monotonic() + e.timeouts.collective.total_seconds(),
+                               e.runtime.moved_to_other(g)):  # fmt: skip
+            log.warning("migration: the follower could not reach the leaving worker's step; loading its snapshot",
+                        extra={"step": fol.step, "needed": start - 1})  # fmt: skip
+            return None
+        e.committed = fol.step
+        e.loaded_step = fol.step + 1
+        e.stream_info = {"stream_s": time.monotonic() - t0, "bytes": 0, "source": "follower", "follower": True}
+        rec = {"incarnation": e.incarnation, "loaded": e.loaded_step, "resyncs": 0, **e.stream_info}
+        rt = e.runtime
+        rt.put(rt.keys.catchup(g), {**rec, "applied": e.committed, "time": time.time()})
+        log.info("migration: a follower takes the rank, no snapshot", extra={"step": e.committed, "start": start})
+        return rec
+
     def migrate_in(self) -> None:
         """A spare claimed for a planned migration: load the leaving worker's snapshot,
         replay the group's averaged gradients until the switch step, then switch."""
@@ -333,7 +378,7 @@ class Migration:
             self._inherit_commits(tail)
             strategy.handover.take_over(tail)
 
-        rec = load_snapshot(items.snapshot())
+        rec = self.follow_in(fetch) or load_snapshot(items.snapshot())
         resyncs = 0
         while True:
             t = self.e.committed + 1

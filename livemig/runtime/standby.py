@@ -139,8 +139,8 @@ class Standby:
             if raw is None:
                 h.follower.halt(hold=False)
         a = decode(raw)
-        # claimed for a lost rank: what the follower applied is kept for the take-over
-        h.follower.halt(hold=not (a.get("stop") or a.get("refused") or a.get("migration")))
+        # claimed for a lost rank or a planned migration: what the follower applied is kept for the take-over
+        h.follower.halt(hold=not (a.get("stop") or a.get("refused")))
         self.info = {
             "warmup_s": warm_s, "warm_rss_mb": info["peak_rss_mb"],
             "claim_rss_mb": psutil.Process().memory_info().rss / 2**20, "waited_s": time.monotonic() - t_warm,

@@ -10,6 +10,8 @@ STATE = "state"  # a recovery: the registered state, at the boundary the group c
 AVG = "avg"  # a recovery: the averaged gradient of the step being redone
 SNAPSHOT = "snapshot"  # a planned migration: the leaving worker's state, the spare's start
 
+UPDATES = "updates"  # a planned migration onto a current follower: the leaving worker's updates, no snapshot
+
 _SNAPSHOT_RE = re.compile(r"snapshot(/\d{1,6})?")
 
 

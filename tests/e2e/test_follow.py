@@ -72,3 +72,14 @@ def test_a_follower_stopped_for_3_s_drops_to_warm_without_slowing_training_and_a
     median = sorted(gaps)[len(gaps) // 2]
     stalled = [g for (s, _), g in zip(sorted(run.report["commit_times"])[1:], gaps, strict=False) if 8 <= s <= 36]
     assert max(stalled) <= max(4 * median, median + 0.25), (median, stalled)
+
+
+def test_a_planned_migration_onto_a_current_follower_streams_no_snapshot_and_stays_exact(tmp_path, reference):  # noqa: F811
+    """The follower holds the state: the leaving worker serves its updates only (no snapshot);
+    its rank-local state (the prefetched batch) and boundary come with the switch as always."""
+    ref = reference(3, tuple(AMP))
+    run, ranks = _run(tmp_path, 3, 1, "fm", ("migrate:rank=1:step=24",), 150)
+    assert_same_run(run, ranks, ref)
+    (mig,) = run.report["migrations"]
+    assert (mig["outcome"], mig.get("path"), mig["bytes_streamed"]) == ("done", "follower", 0), explain(run)
+    assert (run.report["members"]["1"].get("follow") or {}).get("took_over") is True, explain(run)

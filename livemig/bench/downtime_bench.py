@@ -102,6 +102,7 @@ def run_livemig(a: argparse.Namespace, fault: bool | str, workload: list[str],
         "bytes_streamed": rec.get("bytes_streamed"), "path": rec.get("path"),
         "fsdp2": rep.get("fsdp2"), "shrunk": rep.get("shrunk"),
         "peak_rss_mb": max((x.get("peak_rss_mb", 0.0) for x in rep.get("members", {}).values()), default=0.0),
+        "rss_by_rank": {r: x.get("peak_rss_mb") for r, x in sorted(rep.get("members", {}).items())},
         "follow_lag_ms": [x["follow"]["lag_ms"] for x in rep.get("members", {}).values()
                           if (x.get("follow") or {}).get("lag_ms", {}).get("n")],  # each follower's (runtime/follow.py)
     }  # fmt: skip

@@ -76,6 +76,13 @@ def run_follow(a: argparse.Namespace) -> int:
                   f"{','.join(paths):<9} {ident}")  # fmt: skip
         if base is None:
             base = res["follow_median"]["downtime_s"]
+    print("peak RSS per process, MiB (each rank's final record; the recovered rank's is the spare that took it):")
+    for width in widths:
+        res = results[str(width)]
+        for name in ("warm", "follow"):
+            row = res[name][0] if res[name] else {}
+            by = "  ".join(f"rank {r} {v:.0f}" for r, v in (row.get("rss_by_rank") or {}).items() if v is not None)
+            print(f"{res['state_mib']:>9.0f} {name:<7} {by}")
     print("follower lag behind its feeder, publish -> applied (ms; each follow run's follower, median over runs):")
     for width in widths:
         res = results[str(width)]

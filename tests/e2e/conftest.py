@@ -40,6 +40,8 @@ def livemig_run(tmp_path, nproc: int, spares: int = 0, faults: tuple[str, ...] =
                 extra: tuple[str, ...] = (), env: dict | None = None, timeout: float = 240,
                 workload: list[str] | None = None, job: str = "t", script: str = MLP) -> Run:  # fmt: skip
     report = tmp_path / f"report-{job}.json"
+    if spares and os.environ.get("LIVEMIG_TEST_FOLLOW") == "1" and "--follow" not in extra:
+        extra = ("--follow", "1", *extra)  # the suite with a follow spare (README)
     cmd = [sys.executable, "-m", "livemig.cli", "run", "--nproc", str(nproc), "--spares", str(spares),
            "--job", job, "--report", str(report), "--lease-ttl", "2", *extra]  # fmt: skip
     for f in faults:

@@ -33,11 +33,15 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import overrides
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils._pytree import tree_flatten
 
@@ -121,14 +125,15 @@ class _Pending:
         if self.ref.expired():
             return False
         dtype, device, offset, size, stride = self.view
-        storage = torch.UntypedStorage._new_with_weak_ptr(self.ref.cdata)
-        t = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
-        now = self.gen.get_state()
-        self.gen.set_state(self.before)
-        try:
-            self.func(t, *self.args, **self.kwargs)
-        finally:
-            self.gen.set_state(now)
+        with torch._C.DisableTorchFunction(), no_dispatch():  # the fill itself, past both modes
+            storage = torch.UntypedStorage._new_with_weak_ptr(self.ref.cdata)
+            t = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
+            now = self.gen.get_state()
+            self.gen.set_state(self.before)
+            try:
+                self.func(t, *self.args, **self.kwargs)
+            finally:
+                self.gen.set_state(now)
         return True
 
 
@@ -149,7 +154,10 @@ class _Defer(TorchDispatchMode):
                 self.dropped += 1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunction():  # our own storage lookups are no raw reads (_RawReads)
+            return self._dispatch(func, args, kwargs or {})
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         if self.pending:
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             if (func in OVERWRITES or func in FILLS) and tensors and _whole(tensors[0]):
@@ -180,6 +188,28 @@ class _Defer(TorchDispatchMode):
         return t
 
 
+_T = torch.Tensor
+RAW_READS = {_T.numpy, _T.tolist, _T.data_ptr, _T.untyped_storage, _T.storage, _T.__array__, _T.__reduce_ex__,
+             _T.__dlpack__}  # fmt: skip
+
+
+class _RawReads(TorchFunctionMode):
+    """Reads that bypass the dispatcher (numpy(), tolist(), torch.save through untyped_storage(),
+    pickling, DLPack): the pending fills of the tensor's storage run first, as for any read."""
+
+    def __init__(self, defer: _Defer) -> None:
+        super().__init__()
+        self.defer = defer
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in RAW_READS and self.defer.pending:
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor) and _storage(t) in self.defer.pending:
+                    self.defer.run_pending(_storage(t))
+        return func(*args, **kwargs)
+
+
 class LazyInit:
     """Owned by api.Engine: the record in a spare's first entry, the deferral in the entry
     after its claim (see the module doc)."""
@@ -187,6 +217,7 @@ class LazyInit:
     def __init__(self) -> None:
         self.memo: dict[tuple, torch.Tensor] = {}
         self._mode: _Record | _Defer | None = None
+        self._raw: _RawReads | None = None  # beside a deferral
         self.figures: dict[str, float] = {}  # the last deferral's: fills deferred, run, dropped; seconds run
 
     def enter(self, role: str, joining: Any) -> None:
@@ -210,7 +241,10 @@ class LazyInit:
         """A claimed spare's entry starts: fills seen in the warm-up wait."""
         self.finish()
         if self.memo:
-            self._push(_Defer(self.memo))
+            defer = _Defer(self.memo)
+            self._push(defer)
+            self._raw = _RawReads(defer)
+            self._raw.__enter__()
 
     def loop_starts(self) -> None:
         """ctx.steps() starts: a record ends here (the warm-up's state is built); a deferral
@@ -244,16 +278,23 @@ class LazyInit:
         self._mode = mode
 
     def _pop(self) -> None:
-        """Our mode leaves the stack, also where the function pushed its own above it."""
+        """Our modes leave their stacks, also where the function pushed its own above them."""
+        raw, self._raw = self._raw, None
+        if raw is not None:
+            _leave(raw, overrides._get_current_function_mode_stack, overrides._pop_mode, overrides._push_mode)
         mode, self._mode = self._mode, None
-        if mode is None:
-            return
-        above = []
-        stack = _get_current_dispatch_mode_stack()
-        if mode not in stack:
-            return
-        while _get_current_dispatch_mode_stack() and _get_current_dispatch_mode_stack()[-1] is not mode:
-            above.append(_pop_mode())
-        mode.__exit__(None, None, None)
-        for m in reversed(above):
-            _push_mode(m)
+        if mode is not None:
+            _leave(mode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode)
+
+
+def _leave(mode: Any, stack: Callable[[], list], pop: Callable[[], Any], push: Callable[[Any], None]) -> None:
+    """`mode` leaves its stack: the modes above it (a user's, pushed inside the function and
+    still open) are popped, ours exits, and theirs go back in their order."""
+    if mode not in stack():
+        return
+    above = []
+    while stack() and stack()[-1] is not mode:
+        above.append(pop())
+    mode.__exit__(None, None, None)
+    for m in reversed(above):
+        push(m)

@@ -180,3 +180,22 @@ def test_a_streamed_take_over_names_what_it_writes_whole_and_those_fills_never_r
     net.load_state_dict(ref.state_dict())
     for a, b in zip(net.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_reads_past_the_dispatcher_get_the_plain_builds_values(tmp_path) -> None:
+    """numpy(), tolist() and torch.save (rank 0 saving its initial model before the loop) read
+    the storage directly: the fills run first."""
+    ref, _ = build()
+    lz = warmed()
+    lz.defer()
+    net, _ = build()
+    as_numpy = net.fc.weight.detach().numpy().copy()
+    as_list = net.fc.bias.tolist()
+    torch.save(net.state_dict(), tmp_path / "init.pt")
+    swap_in(net, ref)
+    lz.finish()
+    assert torch.equal(torch.from_numpy(as_numpy), ref.fc.weight.detach())
+    assert as_list == ref.fc.bias.tolist()
+    saved = torch.load(tmp_path / "init.pt", weights_only=True)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(saved[k], v), k

@@ -14,9 +14,10 @@ So the random fills of that entry are deferred, exactly:
   generator is set to the recorded state after it, as if the fill had run, and the fill waits
   (`_Pending`). A fill the memo lacks (a per-rank seed: another state) runs as before;
 - anything that reads a pending tensor (an op on its storage other than a view or a metadata
-  op: a clone, a `.to()`, an in-place op after the fill) runs the fill first, from its recorded
-  state, so the values are those the fill would have given; a whole-storage overwrite
-  (`copy_`, `fill_`, `zero_`) drops it;
+  op: a clone, a `.to()`, an in-place op after the fill; or a read past the dispatcher,
+  `_RawReads`: numpy(), tolist(), torch.save) runs the fill first, from its recorded state,
+  so the values are those the fill would have given; a whole-storage overwrite (`copy_`,
+  `fill_`, `zero_`, another fill) drops it;
 - at the take-over (`finish`), a pending fill whose storage nobody holds any more (the
   follower's tensors were swapped in) is dropped; one still held (a tensor the function kept
   apart, a streamed take-over that loads into the built model) runs then.

@@ -18,6 +18,8 @@ So the random fills of that entry are deferred, exactly:
   `_RawReads`: numpy(), tolist(), torch.save) runs the fill first, from its recorded state,
   so the values are those the fill would have given; a whole-storage overwrite (`copy_`,
   `fill_`, `zero_`, another fill) drops it;
+- a copy of a pending tensor (`.to(device)`, `.to(dtype)`: a model built on the CPU, then
+  moved) is allocated, not made, and waits too (`_Copied`);
 - at the take-over (`finish`), a pending fill whose storage nobody holds any more (the
   follower's tensors were swapped in) is dropped; one still held (a tensor the function kept
   apart, a streamed take-over that loads into the built model) runs then.
@@ -123,19 +125,57 @@ class _Pending:
 
     def run(self) -> bool:
         """The fill, from its recorded state; False where its storage is gone."""
-        if self.ref.expired():
+        t = _revive(self.ref, self.view)
+        if t is None:
             return False
-        dtype, device, offset, size, stride = self.view
         with torch._C.DisableTorchFunction(), no_dispatch():  # the fill itself, past both modes
-            storage = torch.UntypedStorage._new_with_weak_ptr(self.ref.cdata)
-            t = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
-            now = self.gen.get_state()
-            self.gen.set_state(self.before)
-            try:
-                self.func(t, *self.args, **self.kwargs)
-            finally:
-                self.gen.set_state(now)
+            self.fill(t)
         return True
+
+    def fill(self, t: torch.Tensor) -> None:
+        now = self.gen.get_state()
+        self.gen.set_state(self.before)
+        try:
+            self.func(t, *self.args, **self.kwargs)
+        finally:
+            self.gen.set_state(now)
+
+
+@dataclass
+class _Copied:
+    """A copy (`.to(device)`, `.to(dtype)`: aten._to_copy) of a tensor whose fills wait: its
+    values are the source's fills, run on a fresh tensor shaped as the source, then copied."""
+
+    ref: StorageWeakRef  # the copy's storage
+    view: tuple
+    source: tuple  # the source's view (dtype, device, offset 0, size, stride)
+    fills: list[_Pending]
+
+    def run(self) -> bool:
+        out = _revive(self.ref, self.view)
+        if out is None:
+            return False
+        dtype, device, _, size, stride = self.source
+        with torch._C.DisableTorchFunction(), no_dispatch():
+            tmp = torch.empty_strided(size, stride, dtype=dtype, device=device)
+            for f in self.fills:
+                f.fill(tmp)
+            out.copy_(tmp)  # what _to_copy does after its empty_like
+        return True
+
+
+def _view(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.device, t.storage_offset(), tuple(t.shape), t.stride())
+
+
+def _revive(ref: StorageWeakRef, view: tuple) -> torch.Tensor | None:
+    """The tensor a pending record fills, on its storage; None where the storage is gone."""
+    if ref.expired():
+        return None
+    dtype, device, offset, size, stride = view
+    with torch._C.DisableTorchFunction(), no_dispatch():
+        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
 
 
 class _Defer(TorchDispatchMode):
@@ -144,7 +184,7 @@ class _Defer(TorchDispatchMode):
     def __init__(self, memo: dict[tuple, torch.Tensor]) -> None:
         super().__init__()
         self.memo = memo
-        self.pending: dict[int, list[_Pending]] = {}  # by storage, in the order the fills ran
+        self.pending: dict[int, list[_Pending | _Copied]] = {}  # by storage, in the order the fills ran
         self.deferred = self.ran = self.dropped = 0
 
     def run_pending(self, storage: int) -> None:
@@ -159,6 +199,8 @@ class _Defer(TorchDispatchMode):
             return self._dispatch(func, args, kwargs or {})
 
     def _dispatch(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if func is _aten._to_copy.default and self.pending and (out := self._copy(args[0], kwargs)) is not None:
+            return out
         if self.pending:
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             if (func in OVERWRITES or func in FILLS) and tensors and _whole(tensors[0]):
@@ -181,12 +223,23 @@ class _Defer(TorchDispatchMode):
         if after is None:  # not seen in the warm-up (another seed, another shape): it runs now
             return func(*args, **kwargs)
         g.set_state(after)
-        view = (t.dtype, t.device, t.storage_offset(), tuple(t.shape), t.stride())
         self.pending.setdefault(_storage(t), []).append(
-            _Pending(StorageWeakRef(t.untyped_storage()), view, func, args[1:], kwargs, g, before)
+            _Pending(StorageWeakRef(t.untyped_storage()), _view(t), func, args[1:], kwargs, g, before)
         )
         self.deferred += 1
         return t
+
+    def _copy(self, src: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """`.to(device)` / `.to(dtype)` of a tensor whose fills all wait and cover it whole
+        (a model built on the CPU, then moved): the copy waits too (`_Copied`). None: it runs."""
+        fills = self.pending.get(_storage(src))
+        if not fills or not _whole(src) or not all(isinstance(f, _Pending) and f.view == _view(src) for f in fills):
+            return None
+        out = _aten.empty_like.default(src, **{k: v for k, v in kwargs.items() if k != "non_blocking"})
+        record = _Copied(StorageWeakRef(out.untyped_storage()), _view(out), _view(src), list(fills))  # type: ignore[arg-type]
+        self.pending.setdefault(_storage(out), []).append(record)
+        self.deferred += 1
+        return out
 
 
 _T = torch.Tensor

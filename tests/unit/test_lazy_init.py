@@ -199,3 +199,27 @@ def test_reads_past_the_dispatcher_get_the_plain_builds_values(tmp_path) -> None
     saved = torch.load(tmp_path / "init.pt", weights_only=True)
     for k, v in ref.state_dict().items():
         assert torch.equal(saved[k], v), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_model_moved_after_its_build_waits_through_the_copy(dtype: torch.dtype) -> None:
+    """`Net().to(device)` (a CPU stand-in: `.to(dtype)`, the same aten._to_copy): the copy's
+    values are the fills' copied; swapped away, neither the fills nor the copy run."""
+    ref = build()[0].to(dtype)
+    lz = LazyInit()
+    lz.record()
+    build()[0].to(dtype)
+    lz.loop_starts()
+    lz.defer()
+    net = build()[0].to(dtype)
+    moved = net.extra.detach()  # kept: its copy runs at the end
+    norm = net.fc.weight.float().norm()  # read now: its copy runs now
+    swap_in(net, ref)
+    lz.finish()
+    assert torch.equal(moved, ref.extra.detach()) and torch.equal(norm, ref.fc.weight.float().norm())
+    assert lz.figures["ran"] <= 3, lz.figures  # the two read, and trunc_normal_'s at its erfinv_
+    lz.defer()
+    net = build()[0].to(dtype)
+    lz.finish()
+    for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)

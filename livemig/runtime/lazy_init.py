@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -272,6 +273,7 @@ class LazyInit:
         self.memo: dict[tuple, torch.Tensor] = {}
         self._mode: _Record | _Defer | None = None
         self._raw: _RawReads | None = None  # beside a deferral
+        self._owner = 0  # the thread whose mode stacks hold ours (the function's)
         self.figures: dict[str, float] = {}  # the last deferral's: fills deferred, run, dropped; seconds run
 
     def enter(self, role: str, joining: Any) -> None:
@@ -314,6 +316,9 @@ class LazyInit:
         mode = self._mode
         if mode is None:
             return
+        if threading.get_ident() != self._owner:  # the modes are the pushing thread's: a pull behind them would clobber
+            raise RuntimeError("livemig bug: the claimed entry's deferred fills were finished off the thread that "
+                               "entered the function; run with LIVEMIG_LAZY_INIT=0 and report it")  # fmt: skip
         self._pop()
         if not isinstance(mode, _Defer):
             return
@@ -329,7 +334,7 @@ class LazyInit:
 
     def _push(self, mode: _Record | _Defer) -> None:
         mode.__enter__()
-        self._mode = mode
+        self._mode, self._owner = mode, threading.get_ident()
 
     def _pop(self) -> None:
         """Our modes leave their stacks, also where the function pushed its own above them."""

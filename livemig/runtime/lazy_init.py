@@ -75,6 +75,13 @@ def _generator(t: torch.Tensor, kwargs: dict[str, Any]) -> torch.Generator | Non
     return None  # another device: its fills run as they are
 
 
+def _fill_generator(func: Any, args: tuple, kwargs: dict[str, Any]) -> torch.Generator | None:
+    """The generator a random fill draws from; None for any other op (or a device we skip)."""
+    if func not in FILLS or not isinstance(args[0], torch.Tensor):
+        return None
+    return _generator(args[0], kwargs)
+
+
 def _key(func: Any, args: tuple, kwargs: dict[str, Any], state: torch.Tensor) -> tuple:
     t = args[0]
     rest = tuple(repr(a) for a in args[1:])
@@ -103,9 +110,7 @@ class _Record(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func not in FILLS or not isinstance(args[0], torch.Tensor):
-            return func(*args, **kwargs)
-        g = _generator(args[0], kwargs)
+        g = _fill_generator(func, args, kwargs)
         if g is None:
             return func(*args, **kwargs)
         before = g.get_state()
@@ -213,12 +218,10 @@ class _Defer(TorchDispatchMode):
                 for t in tensors:
                     if _storage(t) in self.pending:
                         self.run_pending(_storage(t))
-        if func not in FILLS or not isinstance(args[0], torch.Tensor):
-            return func(*args, **kwargs)
-        t = args[0]
-        g = _generator(t, kwargs)
+        g = _fill_generator(func, args, kwargs)
         if g is None:
             return func(*args, **kwargs)
+        t = args[0]
         before = g.get_state()
         after = self.memo.get(_key(func, args, kwargs, before))
         if after is None:  # not seen in the warm-up (another seed, another shape): it runs now

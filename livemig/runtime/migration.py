@@ -118,9 +118,7 @@ class Migration:
                 snap = unflatten(skel, [x.clone() for x in tensors])  # training goes on: serve a copy
                 step = self.e.committed + 1
                 rt.serving.publish(m.generation, want, lambda: (step, snap))
-                self.out = Outgoing(m.generation, step, want)
-                if self.e.reducer is not None:
-                    self.e.reducer.keep(AVG_KEEP + 1)  # serve averages straight from the buckets
+                self._serve_from(m.generation, step, want)
                 log.info("migration: snapshot served", extra={"step": step, "generation": m.generation,
                                                               "item": want})  # fmt: skip
         elif (rank := m.rank_of(self.e.incarnation)) is not None:
@@ -133,13 +131,18 @@ class Migration:
         rt = self.e.runtime
         rt.serving.wanted.discard(items.UPDATES)
         if self.out.gen != g:  # else: updates are served already, from out.step
-            self.out = Outgoing(g, self.e.committed + 1, items.UPDATES)
-            if self.e.reducer is not None:
-                self.e.reducer.keep(AVG_KEEP + 1)  # serve averages straight from the buckets
+            self._serve_from(g, self.e.committed + 1, items.UPDATES)
         start = self.out.step
         assert start is not None
         rt.serving.publish(g, items.UPDATES, lambda: (start, {}))
         log.info("migration: updates served to a follower", extra={"step": start, "generation": g})
+
+    def _serve_from(self, g: int, step: int, item: str) -> None:
+        """From now on this worker serves generation g's spare every update from `step` on
+        (after a snapshot of that boundary, or to a follower that holds the state)."""
+        self.out = Outgoing(g, step, item)
+        if self.e.reducer is not None:
+            self.e.reducer.keep(AVG_KEEP + 1)  # serve averages straight from the buckets
 
     def refuse_stale(self, server: Any) -> None:
         """An update a spare asks for that this worker no longer keeps (or never served) is
@@ -289,13 +292,18 @@ class Migration:
             log.warning("migration: the follower could not reach the leaving worker's step; loading its snapshot",
                         extra={"step": fol.step, "needed": start - 1})  # fmt: skip
             return None
-        e.committed = fol.step
-        e.loaded_step = fol.step + 1
+        e.loaded_step = e.committed + 1  # replay_update advanced committed with the follower's step
         e.stream_info = {"stream_s": time.monotonic() - t0, "bytes": 0, "source": "follower", "follower": True}
-        rec = {"incarnation": e.incarnation, "loaded": e.loaded_step, "resyncs": 0, **e.stream_info}
-        rt = e.runtime
-        rt.put(rt.keys.catchup(g), {**rec, "applied": e.committed, "time": time.time()})
+        rec = self._loaded(g, 0)
         log.info("migration: a follower takes the rank, no snapshot", extra={"step": e.committed, "start": start})
+        return rec
+
+    def _loaded(self, g: int, resyncs: int) -> dict:
+        """The catch-up's start, for the coordinator (stream_info set): what was loaded, from
+        where, and the step applied so far."""
+        e = self.e
+        rec = {"incarnation": e.incarnation, "loaded": e.loaded_step, "resyncs": resyncs, **e.stream_info}
+        e.runtime.put(e.runtime.keys.catchup(g), {**rec, "applied": e.committed, "time": time.time()})
         return rec
 
     def migrate_in(self) -> None:
@@ -352,9 +360,7 @@ class Migration:
             self.e.committed, self.e.loaded_step = got.step - 1, got.step
             self.e.stream_info = {"stream_s": time.monotonic() - t0, "bytes": got.nbytes, "source": addr}
             self.e.faults.stall_after_snapshot(group_at)  # a test fault (spare-hang:during=snapshot), before we report
-            rec = {"incarnation": self.e.incarnation, "loaded": got.step, "resyncs": resyncs, **self.e.stream_info}
-            rt.put(rt.keys.catchup(g), {**rec, "applied": self.e.committed, "time": time.time()})
-            return rec
+            return self._loaded(g, resyncs)
 
         def newer(resyncs: int) -> tuple[dict, bool]:
             """After falling behind: a newer snapshot, or (the switch was voted meanwhile and the

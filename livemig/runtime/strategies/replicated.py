@@ -214,7 +214,16 @@ class Replicated(Strategy):
     def serve(self, m: Membership) -> None:
         h = self.h
         srv = h.runtime.server
-        if srv is None or m.resume_step is None or h.pull.committed_step() != m.resume_step - 1:
+        if srv is None or m.resume_step is None:
+            return
+        # The left neighbour's local state of boundary resume-2, which its replacement replays
+        # step resume-1 from: served also by a survivor that missed that step's commit (it
+        # fetched the average and commits on resuming), since this rank is its only mirror.
+        left, s = (h.rank - buddy_stride(h.world_size)) % h.world_size, m.resume_step
+        blob = h.st.mirrored.get(s - 2)
+        if blob is not None:
+            srv.publish(m.generation, items.local(left), lambda: (s, {"blob": blob}))
+        if h.pull.committed_step() != s - 1:
             return
         # Parameters and optimizer as of our last commit; for the spare's replay of that
         # step (runtime/loop.py), the parameters before it and the boundary before it.
@@ -235,10 +244,6 @@ class Replicated(Strategy):
                 {"extra": {k: v.state_dict() for k, v in h.reg.extra.items()}, "hparams": h.reg.hparams(), **rest},
             ),
         )
-        left = (h.rank - buddy_stride(h.world_size)) % h.world_size
-        if st.mirrored.get(h.committed - 1) is not None:  # the left neighbour's local state
-            blob = st.mirrored[h.committed - 1]
-            srv.publish(m.generation, items.local(left), lambda: (h.committed + 1, {"blob": blob}))
         h.faults.corrupt_next_serve(srv)
         self.serve_step(m)
 

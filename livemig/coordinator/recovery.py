@@ -168,6 +168,8 @@ def plan(view: View, policy: Policy) -> Plan:
         short = [r for r, c in holding.items() if c == resume - 2 and reports[str(r)].get("avg_step") != resume - 1]
         if short:
             return Plan("fail", reason=f"rank(s) {short} lack the gradient slices of step {resume - 1}")
+        if mode == "fsdp2":  # one step behind, it commits that step from its own shards in its catch-up,
+            sources = sorted(holding)  # before it serves: the only mirror of a lost rank's shard may be there
     # the replay starts at boundary resume-2; after a load of boundary resume-1 there is none
     # (each rank's own state of it is its part of the checkpoint: runtime/pull.py); FSDP2
     # mirrors each boundary as it ends and a spare starts from resume-1 (runtime/strategies/fsdp2.py)

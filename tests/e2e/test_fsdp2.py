@@ -91,8 +91,11 @@ def test_a_kill_inside_each_collective_of_the_step_is_exact(tmp_path, hsdp_refer
 
 def test_a_kill_after_the_commit_vote_is_finished_by_the_survivors_and_exact(tmp_path, stateless_reference):
     """Rank 2 dies right after its commit vote completed: the survivors commit the step (or
-    finish it from their shards in the recovery) and the spare starts after it."""
-    run, ranks = _run(tmp_path, ("kill:rank=2:step=6:during=before_commit",), job="vote", extra=("--stateless",))
+    finish it from their shards in the recovery) and the spare starts after it. Rank 0, the only
+    replica of rank 2's shard, loses the vote's result: it finishes the step from its own shards
+    in its catch-up and serves the spare that shard (a source, though a step behind)."""
+    faults = ("kill:rank=2:step=6:during=before_commit", "drop_avg:rank=0:step=6")
+    run, ranks = _run(tmp_path, faults, job="vote", extra=("--stateless",))
     _assert_exact(run, ranks, stateless_reference, recoveries=1)
 
 

@@ -142,6 +142,14 @@ def test_fsdp2_never_shrinks():
     assert p.action == "wait" and "fsdp2" in p.no_shrink
 
 
+def test_an_fsdp2_rank_a_step_behind_is_a_source():
+    """It commits that step from its own shards in its catch-up, before serving: the lost rank's
+    shard mirror may live only there."""
+    m = membership(4, [2])
+    p = plan(view(m, reports(m, {0: 9, 1: 9, 3: 8}), sig=FSDP_PLAIN, sp=spares("a")), policy())
+    assert p.action == "claim" and p.resume == 10 and p.sources == (0, 1, 3)
+
+
 def test_a_rank_carried_by_a_live_survivor_is_not_vacant():
     m = membership(4, [1], carried={3: 2})
     p = plan(view(m, reports(m, {}), sp=spares("a")), policy())

@@ -184,7 +184,7 @@ def refusal(rep: dict) -> str:
 
 def judge(rep: dict, values: str, ref: dict, ref_values: str, world: int, steps: int) -> tuple[str, str]:
     """(verdict, detail) of one job against its reference (see the module doc)."""
-    from livemig.cli.run import shrunk_bound
+    from livemig.cli.run import shrunk_bound, zero1_shrunk_exact
 
     refused = refusal(rep)
     if refused:
@@ -204,11 +204,7 @@ def judge(rep: dict, values: str, ref: dict, ref_values: str, world: int, steps:
     bound = shrunk_bound(ref_values, values, world)
     if bound is None:
         return "failed", "shrunk, and a rank's final values are missing: not compared"
-    z, zref = rep.get("zero1") or {}, ref.get("zero1") or {}
-    if (rep["shrunk"].get("carried") and z and z.get("state_digest") == zref.get("state_digest")
-            and z.get("mirrors_exact") and bound["max_rel"] == 0):  # fmt: skip
-        # a ZeRO-1 job that ends shrunk mirrors other shards than at full width (its rank
-        # digests hold the mirrors): the model, every shard by index and every rank's values
+    if zero1_shrunk_exact(rep, ref, bound):
         return "exact", ""
     if bound["within"]:
         return "within", f"{bound['max_rel']:.1e}"

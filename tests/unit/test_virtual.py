@@ -105,3 +105,21 @@ def test_the_gpu_paths_shrunk_bound_compares_every_rank_and_says_when_values_are
     b = shrunk_bound(str(ref), str(run), 2)
     assert b is not None and not b["within"] and abs(b["max_rel"] - 1e-5) < 1e-9, b
     assert shrunk_bound(str(ref), str(run), 3) is None  # rank 2's values missing: not compared
+
+
+def test_a_zero1_job_that_ended_shrunk_is_exact_by_its_shards_not_its_rank_digests():
+    """cli/run.py zero1_shrunk_exact: --verify (and the matrix) call a ZeRO-1 job that ended
+    shrunk exact when every shard by index, each mirror and every rank's values are the
+    fault-free run's; the rank digests differ by construction (other mirrors on other ranks)."""
+    from livemig.cli.run import zero1_shrunk_exact
+
+    ref = {"zero1": {"state_digest": "abc", "mirrors_exact": True}}
+    rep = {"shrunk": {"carried": {"2": 0}}, "zero1": {"state_digest": "abc", "mirrors_exact": True}}
+    equal = {"within": True, "max_rel": 0.0, "bound": 1e-6, "ranks": 3}
+    assert zero1_shrunk_exact(rep, ref, equal)
+    assert not zero1_shrunk_exact(rep, ref, {**equal, "max_rel": 1e-9})  # a rank's values moved
+    assert not zero1_shrunk_exact(rep, ref, None)  # values missing: not compared
+    assert not zero1_shrunk_exact({**rep, "zero1": {"state_digest": "abd", "mirrors_exact": True}}, ref, equal)
+    assert not zero1_shrunk_exact({**rep, "zero1": {"state_digest": "abc", "mirrors_exact": False}}, ref, equal)
+    assert not zero1_shrunk_exact({**rep, "shrunk": {"carried": {}}}, ref, equal)  # grown back: digests say
+    assert not zero1_shrunk_exact({"shrunk": rep["shrunk"]}, ref, equal)  # not a ZeRO-1 job

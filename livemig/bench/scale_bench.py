@@ -247,10 +247,13 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, 
         client.close()
 
 
-def group_build(world: int, timeout_s: float = 300.0) -> dict[str, Any]:
+def group_build(world: int, timeout_s: float = 300.0, lazy: bool = False) -> dict[str, Any]:
     """One real gloo group of `world` ranks on this machine: processes forked from one
     that imported torch (so no rank pays the import), connected to one TCPStore, started
-    together once all are connected; an allreduce checks the group works."""
+    together once all are connected; an allreduce checks the group works. `lazy`: gloo's
+    lazy connection (TORCH_GLOO_LAZY_INIT=1), where a pair connects on its first use, so a
+    rank connects to the peers its collectives talk to, not to all N-1: the build is then
+    mostly the first collective's, which is timed with it."""
 
     import torch
     import torch.distributed as dist
@@ -264,6 +267,8 @@ def group_build(world: int, timeout_s: float = 300.0) -> dict[str, Any]:
             code = 1
             try:
                 torch.set_num_threads(1)
+                if lazy:
+                    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
                 st = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=to)
                 st.set(f"up{r}", "1")
                 st.wait(["go"])
@@ -272,7 +277,8 @@ def group_build(world: int, timeout_s: float = 300.0) -> dict[str, Any]:
                 t1 = time.time()
                 x = torch.ones(1)
                 pg.allreduce([x]).wait()
-                st.set(f"t{r}", f"{t0} {t1} {x.item()}")
+                t2 = time.time()
+                st.set(f"t{r}", f"{t0} {t1} {x.item()} {t2}")
                 st.wait(["end"])
                 code = 0
             finally:
@@ -292,26 +298,41 @@ def group_build(world: int, timeout_s: float = 300.0) -> dict[str, Any]:
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
-    per = sorted(b - a for a, b, _ in rows)
-    wall = max(b for _, b, _ in rows) - go
-    return {"world": world, "build_wall_s": wall, "per_rank_median_s": per[len(per) // 2],
-            "allreduce_ok": all(c == world for _, _, c in rows), "pairs": world * (world - 1) // 2,
+    per = sorted(b - a for a, b, _, _ in rows)
+    wall = max(b for _, b, _, _ in rows) - go
+    first = max(e for _, _, _, e in rows) - go  # the build and the first allreduce, every rank done
+    return {"world": world, "lazy": lazy, "build_wall_s": wall, "per_rank_median_s": per[len(per) // 2],
+            "build_and_first_allreduce_s": first,
+            "allreduce_ok": all(c == world for _, _, c, _ in rows), "pairs": world * (world - 1) // 2,
             "cpu_ms_per_connection": 1e3 * wall * (os.cpu_count() or 1) / (world * (world - 1))}  # fmt: skip
 
 
 def _print_group_builds(builds: list[dict[str, Any]], largest: int) -> None:
+    """Both connection modes side by side, and the model of a rebuild at `largest` ranks
+    (docs/benchmarks.md, "The group build at scale")."""
     cores = os.cpu_count() or 1
-    print(f"\ngloo group build: one real group per world size, every rank a process on this {cores}-core machine")
-    print(f"{'world':>6} {'build wall s':>13} {'per-rank s':>11} {'connections':>12} {'CPU ms/conn':>12}  allreduce")
+    print(
+        f"\ngloo group build: one real group per world size and mode, every rank a process on this {cores}-core "
+        "machine (full: every pair connects at the build; lazy: TORCH_GLOO_LAZY_INIT=1, a pair on first use)"
+    )
+    print(f"{'world':>6} {'mode':>5} {'build wall s':>13} {'+1st allreduce s':>17} {'per-rank s':>11} "
+          f"{'pairs':>8} {'CPU ms/pair':>12}  allreduce")  # fmt: skip
     for b in builds:
-        print(f"{b['world']:>6} {b['build_wall_s']:>13.3f} {b['per_rank_median_s']:>11.3f} {b['pairs']:>12} "
+        print(f"{b['world']:>6} {'lazy' if b.get('lazy') else 'full':>5} {b['build_wall_s']:>13.3f} "
+              f"{b['build_and_first_allreduce_s']:>17.3f} {b['per_rank_median_s']:>11.3f} {b['pairs']:>8} "
               f"{b['cpu_ms_per_connection']:>12.3f}  {'ok' if b['allreduce_ok'] else 'FAILED'}")  # fmt: skip
-    c = builds[-1]["cpu_ms_per_connection"] / 1e3
-    print(f"extrapolated to {largest} ranks (a full mesh: each rank connects to every other and reads every other's "
-          f"address from the one store):\n  per rank, on its own CPU: {largest - 1} connections x {c * 1e3:.3f} ms "
-          f"= {(largest - 1) * c:.1f} s; the store serves {largest * (largest - 1):,} address reads per build. "
-          f"Measured here up to {builds[-1]['world']} ranks sharing {cores} cores; "
-          f"not measured at {largest}.")  # fmt: skip
+    full = [b for b in builds if not b.get("lazy")] or builds
+    c = full[-1]["cpu_ms_per_connection"] / 1e3
+    n = largest
+    print(f"model at {n:,} ranks (measured here up to {full[-1]['world']} ranks sharing {cores} cores; not measured "
+          f"at {n:,}):\n"
+          f"  full re-initialisation, full mesh (livemig's gloo group per generation today): each rank {n - 1:,} "
+          f"connections x {c * 1e3:.3f} ms = {(n - 1) * c:.1f} s on its own CPU; the one store serves "
+          f"{n * (n - 1):,} address reads\n"
+          f"  full re-initialisation, lazy pairs: each rank connects to the peers its collectives use "
+          f"(gloo's ring allreduce: its 2 neighbours), 2 address reads, {2 * n:,} in all\n"
+          f"  delta of one rank (only the joiner's pairs rebuilt): the joiner {n - 1:,} connections in a full mesh "
+          f"({(n - 1) * c:.1f} s), a few in a ring; each survivor one")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -359,7 +380,8 @@ def run(a: argparse.Namespace) -> int:
                 p50, mx, dec = (r.get(k) or float("nan") for k in keys)
                 print(f"{r['ranks']:>6} {r['watchers_seen']:>4}/{r['watchers']:<4} {p50:>7.3f} {mx:>7.3f} "
                       f"{dec * 1e3:>10.2f} {r['fanout_mb_per_change']:>16.1f}")  # fmt: skip
-    builds = [group_build(w) for w in (int(x) for x in a.group_build.split(",") if x.strip())]
+    sizes = [int(x) for x in a.group_build.split(",") if x.strip()]
+    builds = [group_build(w, lazy=lazy) for w in sizes for lazy in (False, True)]
     if builds:
         _print_group_builds(builds, max(int(x) for x in a.ranks.split(",")))
     if a.json:

@@ -28,8 +28,10 @@ def test_bench_scale(tmp_path):
     rows = res["rows"]
     assert [x["ranks"] for x in rows] == [4, 16]
     assert all(x["watchers_seen"] == 4 and x["delivery_max_s"] is not None for x in rows), r.stdout
-    assert [b["world"] for b in res["group_builds"]] == [4, 8] and all(b["allreduce_ok"] for b in res["group_builds"])
-    assert "extrapolated to 16 ranks" in r.stdout
+    builds = res["group_builds"]
+    assert [(b["world"], b["lazy"]) for b in builds] == [(4, False), (4, True), (8, False), (8, True)], builds
+    assert all(b["allreduce_ok"] and b["build_and_first_allreduce_s"] >= b["build_wall_s"] for b in builds), builds
+    assert "model at 16 ranks" in r.stdout and "lazy" in r.stdout
     assert all(0 < x["coordinator_total_s"] < 10 and 0 < x["seen_total_s"] < 10 for x in rows)
     assert all(x["progress_writes_per_s"] > 0 and x["coordinator_cpu_per_s"] >= 0 for x in rows)
 

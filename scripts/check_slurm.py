@@ -331,8 +331,12 @@ def _stopped(cl: Cluster, d: str, client, keys, what: str) -> dict:  # noqa: ANN
 
 
 def _start_requeued(cl: Cluster, jid: str) -> None:
-    # Slurm holds a requeued job until now + cred_expire (120 s by default) + 1: start it now
+    # Slurm holds a requeued job until now + cred_expire (120 s by default) + 1: start it now, but
+    # not within the second its old credential was revoked: slurmd compares whole seconds and kills a
+    # job whose credential is no newer than the revocation ("Killing non-startable batch JobId=5: Job
+    # credential revoked", JobState=FAILED; seen once in CI when the start landed 0.2 s after it)
     wait_for(lambda: cl.job_state(jid)[0] == "PENDING", "the job to be pending again after its requeue", 60)
+    time.sleep(2.0)
     cl.run("scontrol", "update", f"JobId={jid}", "StartTime=now")
     try:
         wait_for(lambda: cl.job_state(jid)[0] == "RUNNING", "the requeued job to run", 120)

@@ -345,17 +345,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="members whose watch of the table is timed at the recovery's commit (default 32)")  # fmt: skip
     p.add_argument("--group-build", default="16,64,128",
                    help="world sizes of a real gloo group build, forked ranks on this machine ('' : none)")  # fmt: skip
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="recoveries measured per rank count; the fastest is kept, all are listed (default 1)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="CI's guard: --steady-s 0.5 --watchers 4 --group-build '' --repeat 3"
+    )
     p.add_argument("--json")
 
 
+GUARD_RATIO = 1.3  # issue 54: 2,000 ranks within 1.3x of 1,000 (not met yet: the table is O(N))
+
+
+def measure_best(etcd: str, n: int, repeat: int, progress_hz: float, steady_s: float,
+                 watchers: int) -> dict[str, Any]:  # fmt: skip
+    """The fastest of `repeat` recoveries at n ranks (a noisy shared machine only ever adds
+    time), with every total listed."""
+    got = [measure(etcd, n, progress_hz, steady_s, watchers) for _ in range(max(1, repeat))]
+    best = min(got, key=lambda r: r["coordinator_total_s"])
+    return {**best, "totals_s": [r["coordinator_total_s"] for r in got]}
+
+
 def run(a: argparse.Namespace) -> int:
+    if a.quick:
+        a.steady_s, a.watchers, a.group_build, a.repeat = 0.5, 4, "", max(a.repeat, 3)
     cluster = None if a.etcd else EtcdCluster(1).start()
     etcd = a.etcd or cluster.endpoints
     rows = []
     try:
         for n in [int(x) for x in a.ranks.split(",")]:
             print(f"  {n} ranks ...", flush=True)
-            rows.append(measure(etcd, n, a.progress_hz, a.steady_s, a.watchers))
+            rows.append(measure_best(etcd, n, a.repeat, a.progress_hz, a.steady_s, a.watchers))
     finally:
         if cluster:
             cluster.stop()
@@ -384,7 +407,12 @@ def run(a: argparse.Namespace) -> int:
     builds = [group_build(w, lazy=lazy) for w in sizes for lazy in (False, True)]
     if builds:
         _print_group_builds(builds, max(int(x) for x in a.ranks.split(",")))
+    ratios = {f"{b['ranks']}/{x['ranks']}": b["coordinator_total_s"] / x["coordinator_total_s"]
+              for x, b in zip(rows, rows[1:], strict=False) if x["coordinator_total_s"] > 0}  # fmt: skip
+    for k, v in ratios.items():
+        print(f"fence + claim + commit, {k} ranks: {v:.2f}x (fastest of {a.repeat}; issue 54's guard: "
+              f"<= {GUARD_RATIO} from 1,000 to 2,000)")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"rows": rows, "group_builds": builds}, f, indent=2)
+            json.dump({"rows": rows, "group_builds": builds, "ratios": ratios}, f, indent=2)
     return 0

@@ -107,6 +107,9 @@ def env_seconds(name: str, default: float) -> float:
     return _env_seconds(name, default).total_seconds()
 
 
+SPARE_WAIT_SHARE = 0.8  # the share of the recovery timeout a spare is waited for at most (Timeouts.spare_wait_s)
+
+
 @dataclass(frozen=True)
 class Timeouts:
     """Every limit livemig waits on.
@@ -121,7 +124,7 @@ class Timeouts:
     recovery: a member waits this long for the coordinator to finish a
         recovery before giving up. Default 120 s.
     spare_wait: with no warm spare, the coordinator waits this long for one
-        before failing the job. Default 60 s.
+        before failing the job, at most 0.8 x `recovery` (`spare_wait_s`). Default 60 s.
     etcd_outage: while every etcd endpoint is unreachable, members train on
         in their group (docs/reliability.md, "etcd outages") for at most this
         long; then they stop as fenced. Waits on etcd during an outage end
@@ -141,6 +144,13 @@ class Timeouts:
             v = getattr(self, f.name)
             if isinstance(v, timedelta) and v.total_seconds() <= 0:
                 raise ConfigError(f"timeout {f.name} must be > 0 s, got {v.total_seconds()}")
+
+    @property
+    def spare_wait_s(self) -> float:
+        """The spare wait the coordinator applies: at most 0.8 x the recovery timeout, so that it
+        fails the job saying no spare came before the members, waiting as long for the recovery,
+        give up first and the job ends blaming the coordinator instead."""
+        return min(self.spare_wait.total_seconds(), SPARE_WAIT_SHARE * self.recovery.total_seconds())
 
     @property
     def lease_ttl_s(self) -> int:

@@ -79,7 +79,9 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
         lines.append("no final state: no rank finished the job")
     if rep.get("faults_not_fired"):
         lines.append(f"planned fault(s) that never fired (the run ended first): {', '.join(rep['faults_not_fired'])}")
-    if reference is not None:
+    if reference is not None and not rep.get("rank_digests"):
+        lines.append("bit-identical: not compared: no rank finished the job")
+    elif reference is not None:
         same = rep.get("bit_identical", reference == rep["state_digest"])
         differ = rep.get("ranks_differing", [])
         where = f"; rank(s) {differ} differ from the same rank of the fault-free run" if differ else ""
@@ -255,6 +257,11 @@ def cmd_run(a: argparse.Namespace) -> int:
         collective=timedelta(seconds=a.collective_timeout) if a.collective_timeout else t.collective,
         spare_wait=timedelta(seconds=a.spare_wait) if a.spare_wait else t.spare_wait,
     )
+    if t.spare_wait_s < t.spare_wait.total_seconds():
+        print(f"livemig: warning: --spare-wait/LIVEMIG_SPARE_WAIT {t.spare_wait.total_seconds():g}s is not below "
+              f"LIVEMIG_RECOVERY_TIMEOUT {t.recovery.total_seconds():g}s: a spare is waited for "
+              f"{t.spare_wait_s:g}s, so the job fails saying no spare came before its members give up",
+              file=sys.stderr)  # fmt: skip
     if (a.nproc is None) == (a.nproc_per_node is None):
         raise ConfigError("give --nproc N (one node) or --nnodes NN --nproc-per-node P")
     if a.nproc is not None and a.nnodes != 1:

@@ -398,7 +398,7 @@ class Coordinator:
         self._apply(s, plan(view, self._policy()), since)
 
     def _policy(self) -> Policy:
-        return Policy(self.timeouts.recovery.total_seconds(), self.timeouts.spare_wait.total_seconds(), self.shrink,
+        return Policy(self.timeouts.recovery.total_seconds(), self.timeouts.spare_wait_s, self.shrink,
                       self.cold.forced, self.job)  # fmt: skip
 
     def _apply(self, s: Snapshot, p: Plan, since: float) -> None:

@@ -537,3 +537,14 @@ def test_a_follow_spares_status_reads_in_a_few_words():
     assert follow_text({"state": "warm", "reason": "more than 4 steps behind the job at step 9"}) == (
         "warm (more than 4 steps behind the job at step 9)"
     )
+
+
+def test_the_spare_wait_ends_before_the_members_recovery_wait():
+    """A spare wait not below the recovery timeout would let the members give up first: the job
+    then failed 'waited Ns for the coordinator …' with 'no surviving member holds the training
+    state', not with the spare it lacked. The coordinator waits at most 0.8 x the recovery
+    timeout."""
+    t = Timeouts(recovery=timedelta(seconds=25), spare_wait=timedelta(seconds=60))
+    assert t.spare_wait_s == 20.0
+    assert Timeouts().spare_wait_s == 60.0  # the defaults (120 s, 60 s) are kept as they are
+    assert Timeouts(recovery=timedelta(seconds=60)).spare_wait_s == 48.0

@@ -79,8 +79,8 @@ def print_summary(rep: dict[str, Any], reference: str | None = None) -> None:
         lines.append("no final state: no rank finished the job")
     if rep.get("faults_not_fired"):
         lines.append(f"planned fault(s) that never fired (the run ended first): {', '.join(rep['faults_not_fired'])}")
-    if reference is not None and not rep.get("rank_digests"):
-        lines.append("bit-identical: not compared: no rank finished the job")
+    if reference is not None and (rep.get("result") or {}).get("state") == "failed":
+        lines.append("bit-identical: not compared: the job failed")
     elif reference is not None:
         same = rep.get("bit_identical", reference == rep["state_digest"])
         differ = rep.get("ranks_differing", [])

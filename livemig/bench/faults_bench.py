@@ -237,31 +237,47 @@ PORT = os.path.join(ROOT, "examples", "ddp_port.py")
 SEQ_STEPS = 60
 
 
-def _sequence(seed: int) -> tuple[int, list[str], str]:
-    """One seeded sequence of failures and migrations: (world size, fault plan, description).
-    Up to three events, 9-13 steps apart (the next lands once the last is resolved, whatever the
-    spares' warm-up), among: a kill, a hang (SIGSTOP: found by its lease), a planned
-    migration, kills of two ranks on consecutive steps, a kill of the spare claimed by the
-    recovery a kill started, as it pulls the state. Only what the spares can serve: a second
-    rank killed inside that recovery would take a rank's local state with its mirror (both
-    ranks of the pair are neighbours in a world of 2 or 3), which no live path recovers."""
+def _sequence(seed: int) -> tuple[int, list[str], str, list[str]]:
+    """One seeded sequence of failures and migrations: (world size, fault plan, description,
+    extra script arguments). Plain data parallel, or ZeRO-1 (`--sharding zero1`) in about a
+    third of the seeds. Up to three events, 9-13 steps apart (the next lands once the last is
+    resolved, whatever the spares' warm-up), among: a kill, a kill inside the step's allreduce, a
+    kill after the average with the killed rank's mirror losing the average (one survivor a step
+    behind, the lost rank's local state on it: the split the matrix's quick row once hung on), a
+    hang (SIGSTOP: found by its lease), a planned migration, kills of two ranks on consecutive
+    steps, a kill of the spare claimed by the recovery a kill started, as it pulls the state. Only
+    what the spares can serve: a second rank killed inside that recovery would take a rank's local
+    state with its mirror (both ranks of the pair are neighbours in a world of 2 or 3), which no
+    live path recovers; a rank carries at most one in-process fault (faults.parse_plan)."""
     import random
 
     rnd = random.Random(seed)
     nproc = rnd.choice((2, 3))
+    extra = ["--sharding", "zero1"] if rnd.random() < 0.35 else []
     faults, what, step = [], [], rnd.randint(4, 10)
+    inproc: set[int] = set()
     while step < SEQ_STEPS - 8 and len(what) < 3:
-        kind = rnd.choice(("kill", "kill", "hang", "migrate", "migrate", "consecutive", "in-recovery"))
+        kind = rnd.choice(("kill", "kill", "hang", "migrate", "migrate", "consecutive", "in-recovery",
+                           "in-collective", "split-commit"))  # fmt: skip
         r, other = rnd.sample(range(nproc), 2)
+        mirror = (r + 1) % nproc
+        if (kind == "in-collective" and r in inproc) or (kind == "split-commit" and {r, mirror} & inproc):
+            kind = "kill"
         if kind == "consecutive":
             faults += [f"kill:rank={r}:step={step}", f"kill:rank={other}:step={step + 1}"]
         elif kind == "in-recovery":  # the spare claimed for r killed as it pulls r's state: another takes r
             faults += [f"kill:rank={r}:step={step}", f"spare-kill:step={step}:during=stream"]
+        elif kind == "in-collective":
+            faults.append(f"kill:rank={r}:step={step}:during=allreduce")
+            inproc.add(r)
+        elif kind == "split-commit":
+            faults += [f"kill:rank={r}:step={step}:during=before_commit", f"drop_avg:rank={mirror}:step={step}"]
+            inproc |= {r, mirror}
         else:
             faults.append(f"{kind}:rank={r}:step={step}")
         what.append(f"{kind}@{step}")
         step += rnd.randint(9, 13)
-    return nproc, faults, " ".join(what)
+    return nproc, faults, ("zero1: " if extra else "") + " ".join(what), extra
 
 
 def _sequence_landed(rep: dict) -> str:
@@ -271,17 +287,18 @@ def _sequence_landed(rep: dict) -> str:
 
 
 def sequences_grid(seeds: int = 20) -> list[Case]:
-    """Seeded random sequences (`--grid sequences --seeds N`) of kills, hangs and planned
-    migrations on examples/ddp_port.py (per-rank seed, accumulation, clipping, a hand-set
-    lr, a prefetched batch under local=), each checked bit-identical with the fault-free
-    run; one spare per event that uses one."""
+    """Seeded random sequences (`--grid sequences --seeds N`) of kills (between steps, inside
+    the allreduce, after it with the mirror a step behind), hangs and planned migrations on
+    examples/ddp_port.py (per-rank seed, accumulation, clipping, a hand-set lr, a prefetched
+    batch under local=), plain or ZeRO-1, each checked bit-identical with the fault-free run;
+    one spare per event that uses one."""
     args = ["--steps", str(SEQ_STEPS), "--step-ms", "20"]
     cases = []
     for seed in range(seeds):
-        nproc, faults, what = _sequence(seed)
+        nproc, faults, what, extra = _sequence(seed)
         spares = len(faults)  # each fault takes at most one spare (an aborted migration gives its back)
         cases.append(Case(f"sequence-{seed}", what, nproc, spares, faults, recoveries=(0, len(faults)),
-                          script=PORT, args=args, check=_sequence_landed))  # fmt: skip
+                          script=PORT, args=[*args, *extra], check=_sequence_landed))  # fmt: skip
     return cases
 
 

@@ -95,9 +95,8 @@ class ChildWatch:
                     self.spares_warm[k[len(self.agent.keys.spares_prefix) :]] = rec.get("warm_at", time.time())
 
     def is_member(self, c: Child, by_key: dict) -> bool:
-        raw = by_key.get(self.agent.keys.membership)
-        m = Membership.from_bytes(raw.value if raw else None)
-        return m.rank_of(c.incarnation) is not None
+        m = Membership.from_kvs(by_key, self.agent.keys)
+        return m.rank_of(c.incarnation, c.rank) is not None
 
     def reap(self) -> None:
         """Report a child that died to etcd at once: the fast detection path."""

@@ -105,8 +105,7 @@ class Drain:
             log.error("drain not done within the grace; stopping", extra={"grace_s": self.grace_s})
             la.say(f"livemig: node {la.node_rank}: drain not done within {self.grace_s:.0f}s; stopping the job")
             raise KeyboardInterrupt()
-        raw = by_key.get(la.keys.membership)
-        m = Membership.from_bytes(raw.value if raw else None)
+        m = Membership.from_kvs(by_key, la.keys)
         if self.sent_at is None:
             mine = {c.incarnation for c in la.children if c.role in (Role.WORKER, Role.SPARE) and c.proc.poll() is None}
             self.ranks = {r: mem.incarnation for r, mem in m.members.items() if mem.incarnation in mine}

@@ -56,8 +56,7 @@ class EventLog:
         if mark == self._mark:
             return self._write()
         self._mark = mark
-        raw = by_key.get(self.keys.membership)
-        m = Membership.from_bytes(raw.value if raw else None)
+        m = Membership.from_kvs(by_key, self.keys)
         self._tables[m.generation] = m
         new = []
         for ev in events_of(by_key, self.keys):

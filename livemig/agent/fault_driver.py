@@ -106,8 +106,7 @@ class FaultDriver:
             self.agent.client.delete(key)
 
     def _holder(self, rank: int, by_key: dict) -> Child | None:
-        raw = by_key.get(self.agent.keys.membership)
-        m = Membership.from_bytes(raw.value if raw else None)
+        m = Membership.from_kvs(by_key, self.agent.keys)
         mem = m.members.get(rank)
         return next((c for c in self.agent.children if mem and c.incarnation == mem.incarnation), None)
 
@@ -381,8 +380,7 @@ class FaultDriver:
         """The spare claimed by the recovery in flight, else a spare in standby. Never one a
         committed generation holds: it has a rank now (killing it would be a kill of that
         rank, and of the mirror a later recovery may need)."""
-        raw = by_key.get(self.agent.keys.membership)
-        m = Membership.from_bytes(raw.value if raw else None)
+        m = Membership.from_kvs(by_key, self.agent.keys)
         claimed = {mem.incarnation for mem in in_flight_spares(self.agent.keys, by_key, m)}
         members = {mem.incarnation for mem in m.members.values()}
         live = [c for c in self.agent.children if c.role == Role.SPARE and c.proc.poll() is None]

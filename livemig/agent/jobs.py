@@ -200,7 +200,6 @@ def require_live_job(client: EtcdClient, job: str) -> None:
         raise ConfigError(
             f"job {job} is not in this etcd: is it running, under that name? (livemig status --job {job})"
         )
-    raw = next((kv.value for kv in kvs if kv.key == keys.membership), None)
-    m = Membership.from_bytes(raw)
+    m = Membership.from_kvs({kv.key: kv for kv in kvs}, keys)
     if m.state in (GenState.DONE, GenState.FAILED):
         raise ConfigError(f"job {job} has ended ({m.state}): there is nothing to act on")

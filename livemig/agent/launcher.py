@@ -486,8 +486,7 @@ class Launcher:
     def processes(self) -> list[dict[str, Any]]:
         """Every process this agent started; a spare that took a rank has that rank (the
         last table it saw)."""
-        raw = self._by_key.get(self.keys.membership)
-        m = Membership.from_bytes(raw.value if raw else None)
+        m = Membership.from_kvs(self._by_key, self.keys)
         return [{"name": c.name, "role": c.role, "rank": c.rank if c.rank is not None else m.rank_of(c.incarnation),
                  "incarnation": c.incarnation, "pid": c.proc.pid, "exit_code": c.proc.returncode, "log": c.log_path}
                 for c in self.children]  # fmt: skip

@@ -114,8 +114,7 @@ class JobMetrics:
     def figures(self) -> dict[str, Any]:
         by_key = self.snapshot()
         keys = self.keys
-        raw = by_key.get(keys.membership)
-        m = Membership.from_bytes(raw.value if raw else None)
+        m = Membership.from_kvs(by_key, keys)
         world = m.world_size
         members = Counter(mem.host or "unknown" for mem in m.members.values())
         spares: Counter[str] = Counter()

@@ -164,7 +164,7 @@ def attach_node(client: EtcdClient, keys: JobKeys, cfg: Any, host: str, incarnat
     lease: its loss is the node's. Returns (the lease keeper, run id, node rank).
     incarnations: this agent's processes, which decide whether a re-attach is due."""
     from livemig.rdzv.lease import LeaseKeeper
-    from livemig.rdzv.membership import Membership, new_incarnation
+    from livemig.rdzv.membership import Rendezvous, new_incarnation
 
     info = {"host": host, "pid": os.getpid(), "agent": new_incarnation("agent")}
     box: dict[str, Any] = {}
@@ -173,8 +173,7 @@ def attach_node(client: EtcdClient, keys: JobKeys, cfg: Any, host: str, incarnat
         """Only while the node still holds ranks: a node whose ranks were replaced while it was
         cut off stays gone (its processes learn they are fenced and stop), and only where the
         key is absent (a CAS: never over another agent's)."""
-        raw = client.get(keys.membership)
-        m = Membership.from_bytes(raw.value if raw else None)
+        m = Rendezvous(client, keys.job).read()
         mine = incarnations()
         if m.members and not any(mem.incarnation in mine for mem in m.members.values()):
             log.warning("this node's ranks were replaced while it was away; not re-attaching its node key",

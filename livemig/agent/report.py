@@ -27,7 +27,7 @@ from typing import Any
 from livemig.coordinator.timeline import PHASES, measurements, read_events
 from livemig.rdzv.client import EtcdClient, conform
 from livemig.rdzv.keys import JobKeys
-from livemig.rdzv.membership import Membership
+from livemig.rdzv.membership import Membership, Rendezvous
 
 _NUM = (int, float)
 # Recovery kinds: one set for the report's recoveries and migrations, the events and the metrics'
@@ -103,8 +103,7 @@ def build(client: EtcdClient, job: str, world_size: int, wall_s: float,
     replicated = {r: f.get("digests", {}).get("replicated", f["digest"]) for r, f in finals.items()}
     events = read_events(client, keys)
     result = client.get(keys.result)
-    raw = client.get(keys.membership)
-    table = Membership.from_bytes(raw.value if raw else None)
+    table = Rendezvous(client, keys.job).read()
     meas = measurements(events)
     recs, migs = recoveries(events, commits, median_step, meas), migrations(events, commits, median_step, meas)
     return {

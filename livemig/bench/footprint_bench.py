@@ -22,7 +22,7 @@ from typing import Any
 from livemig.rdzv.client import EtcdClient, encode
 from livemig.rdzv.embedded import EtcdCluster
 from livemig.rdzv.keys import JobKeys
-from livemig.rdzv.membership import GenState, Membership
+from livemig.rdzv.membership import GenState, Membership, Rendezvous
 
 SIG = [["w", "float32", [4]]]
 BATCH = 60  # puts per transaction (etcd's default limit is 128 ops)
@@ -61,7 +61,7 @@ class SimJob:
             kv = self.client.get(self.keys.membership)
             m = Membership.from_bytes(kv.value if kv else None)
             if pred(m):
-                return m
+                return Rendezvous(self.client, self.job).read()  # the rows too
             time.sleep(0.005)
         raise TimeoutError(f"the coordinator did not reach {what} within {self.timeout:.0f}s")
 

@@ -99,7 +99,7 @@ def collect(client: EtcdClient, job: str) -> dict[str, Any]:
     if not kvs:
         raise ConfigError(f"no job {job!r} in etcd at {client.describe()}: check the name (--job), or --etcd")
     by_key = {kv.key: kv for kv in kvs}
-    m = Membership.from_bytes(by_key[keys.membership].value if keys.membership in by_key else None)
+    m = Membership.from_kvs(by_key, keys)
     members = []
     for rank in sorted(m.members):
         mem = m.members[rank]

@@ -19,6 +19,7 @@ job's signature (coordinator/sharding.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,7 +116,7 @@ class Plan:
     refuse: tuple[tuple[str, str], ...] = ()
     no_shrink: str = ""
     kind: str = "failure"
-    table: dict[int, Member] | None = None
+    table: Mapping[int, Member] | None = None
     carried: dict[int, int] | None = None
     suspects: tuple[tuple[int, str], ...] = ()
     request: dict | None = None

@@ -9,6 +9,7 @@ garbage: a pass must never fail on it again and again (docs/reliability.md).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -83,6 +84,7 @@ class Decoded:
 
     def __init__(self) -> None:
         self.values: dict[str, tuple[int, Any]] = {}
+        self.table: tuple[tuple, Membership] | None = None  # (stamp of head and rows, the table)
 
     def get(self, kv: KV, decode_fn: Any) -> Any:
         hit = self.values.get(kv.key)
@@ -95,10 +97,6 @@ class Decoded:
     def forget_gone(self, live: dict[str, KV]) -> None:
         if len(self.values) > 2 * len(live) + 1000:
             self.values = {k: v for k, v in self.values.items() if k in live}
-
-
-def _table(key: str, raw: bytes) -> Membership:
-    return Membership.from_bytes(raw)
 
 
 def node_of(reg: dict) -> int | None:
@@ -115,9 +113,24 @@ class Snapshot:
         self.keys = rdzv.keys
         self._cache = cache if cache is not None else Decoded()
         self._cache.forget_gone(self.kv)
-        raw = self.kv.get(self.keys.membership)
-        self.m = self._cache.get(raw, _table) if raw else Membership.from_bytes(None)
         self._under: dict[str, list[str]] | None = None
+        self.m = self._table()
+
+    def _table(self) -> Membership:
+        """The head and the rows as one table, assembled again only when one of them changed
+        (a pass at 10,000 ranks would otherwise decode every row 5 times a second)."""
+        head = self.kv.get(self.keys.membership)
+        if head is None:
+            return Membership.from_bytes(None)
+        rows = [self.kv[k] for k in self.keys_under(self.keys.roster_prefix)]
+        stamp = (head.mod_revision, len(rows), max((kv.mod_revision for kv in rows), default=0))
+        if self._cache.table is not None and self._cache.table[0] == stamp:
+            return self._cache.table[1]
+        pre = len(self.keys.roster_prefix)
+        m = Membership.assemble(head.value, [(int(kv.key[pre:]), kv.value) for kv in rows if kv.key[pre:].isdigit()],
+                                check=False)  # fmt: skip
+        self._cache.table = (stamp, m)
+        return m
 
     def get(self, key: str) -> Any:
         kv = self.kv.get(key)
@@ -140,7 +153,7 @@ class Snapshot:
             return self._under.get(prefix, []) + [k for p in deeper for k in self._under[p]]
         return [k for k in self.kv if k.startswith(prefix)]
 
-    def dead(self, members: dict[int, Member], grace: bool = False) -> list[int]:
+    def dead(self, members: Mapping[int, Member], grace: bool = False) -> list[int]:
         """The ranks of `members` that alive() calls dead, without its key building and
         lookups for the many that registered as themselves (a pass's largest cost at
         10,000 ranks); any other goes through alive() itself."""
@@ -161,7 +174,7 @@ class Snapshot:
                 out.append(r)
         return out
 
-    def registered(self, members: dict[int, Member]) -> dict[int, Member]:
+    def registered(self, members: Mapping[int, Member]) -> dict[int, Member]:
         """`members` with the address, host and pid each live holder registered under its
         rank. A claimed spare's are known only once it registers (after its pull, or at
         a migration's switch): a table that carries on without them leaves a later

@@ -451,6 +451,12 @@ class EtcdClient:
             self._wrote(_txn_revision(resps))
         return ok, resps
 
+    def read_txn(self, compare: list, reads: list) -> tuple[bool, list]:
+        """Range reads (`txn_ops.get`) taken together at one revision, only if `compare` holds:
+        (ok, one list of (value, meta) per read). Counted as no write."""
+        ok, resps = self.call("read transaction", lambda: self._raw.transaction(compare, reads, []))
+        return ok, resps
+
     # -- leases --------------------------------------------------------------------------
     def grant(self, ttl_s: int) -> int:
         return self.call("lease grant", lambda: self._raw.lease(ttl_s).id)

@@ -31,8 +31,17 @@ class JobKeys:
 
     @property
     def membership(self) -> str:
-        """msgpack table of generation, state, members by rank (one value)."""
+        """The member table's head: generation, state, world size, the rows' count and digest
+        (the members themselves are rows: `row`)."""
         return self.prefix + "membership"
+
+    @property
+    def roster_prefix(self) -> str:
+        return self.prefix + "roster/"
+
+    def row(self, rank: int) -> str:
+        """The member table's row of `rank`, versioned by generation (rdzv/roster.py)."""
+        return f"{self.roster_prefix}{rank}"
 
     @property
     def members_prefix(self) -> str:

@@ -17,18 +17,21 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from livemig.config import ENV_HOST, Role, Timeouts
+from livemig.config import ENV_HOST, Timeouts
 from livemig.errors import CorruptStateError, FencedError, StaleGenerationError
-from livemig.rdzv.client import EtcdClient, decode, encode
+from livemig.rdzv import roster
+from livemig.rdzv.client import EtcdClient, decode, encode, prefix_end
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.lease import LeaseKeeper
+from livemig.rdzv.roster import Member
 
 log = logging.getLogger("livemig.rdzv.membership")
+_READ_TRIES = 5
 
 
 def new_incarnation(role: str, host: str | None = None) -> str:
@@ -67,63 +70,22 @@ class GenState(StrEnum):
     MIGRATING = "migrating"
 
 
-@dataclass
-class Member:
-    rank: int
-    incarnation: str
-    host: str = ""
-    pid: int = 0
-    addr: str = ""  # state-transfer endpoint, tcp://host:port
-    role: str = Role.WORKER  # or Role.SPARE for a claimed spare
-    spare_id: str = ""
-    node: int | None = None  # node rank of the agent that started it (None: a standby host's spare)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Member:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+def _runs(ranks: list[int]) -> Any:
+    """A list of ranks as [first, last] runs when that is shorter (every holding rank of a
+    10,000-rank job is two numbers, not 10,000): the head stays small whatever N is."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return {"runs": runs} if 2 * len(runs) < len(ranks) else list(ranks)
 
 
-_ROLES: list[str] = [Role.WORKER, Role.SPARE]
-
-
-def _pack_members(members: dict[int, Member]) -> dict:
-    """The table's members, compact: one value holds every rank, and etcd refuses a request
-    over 1.5 MiB. Rows of values (no field names), hosts once in a table, and the parts of
-    the incarnation and the address that repeat the host left out: ~45 bytes a rank instead
-    of ~135 (10,000 ranks with real host names: tests/rdzv/test_membership.py)."""
-    hosts: dict[str, int] = {}
-    rows = []
-    for r in sorted(members):
-        m = members[r]
-        h = hosts.setdefault(m.host, len(hosts))
-        mid = f"-{m.host}-"
-        pre, sep, suf = m.incarnation.partition(mid)
-        inc: Any = [_ROLES.index(pre) if pre in _ROLES else pre, suf] if sep and m.host else m.incarnation
-        at = f"tcp://{m.host}:"
-        port = m.addr[len(at) :]
-        addr: Any = int(port) if m.host and m.addr.startswith(at) and port.isdigit() and port[0] != "0" else m.addr
-        role: Any = _ROLES.index(m.role) if m.role in _ROLES else m.role
-        rows.append([int(r), inc, h, m.pid, addr, role, m.spare_id, m.node])
-    return {"v": 2, "hosts": list(hosts), "rows": rows}
-
-
-def _unpack_members(raw: Any) -> dict[int, Member]:
-    if not (isinstance(raw, dict) and raw.get("v") == 2):  # the plain form: {rank: {field: value}}
-        return {int(r): Member.from_dict(m) for r, m in raw.items()}
-    hosts = raw["hosts"]
-    out = {}
-    for rank, inc, h, pid, addr, role, spare_id, node in raw["rows"]:
-        host = hosts[h]
-        if isinstance(inc, list):
-            pre = _ROLES[inc[0]] if isinstance(inc[0], int) else inc[0]
-            inc = f"{pre}-{host}-{inc[1]}"
-        if isinstance(addr, int):
-            addr = f"tcp://{host}:{addr}"
-        role = _ROLES[role] if isinstance(role, int) else role
-        if not all(isinstance(x, str) for x in (inc, host, addr, role, spare_id)) or not isinstance(pid, int):
-            raise ValueError(f"member row of rank {rank} has a field of the wrong type")
-        out[int(rank)] = Member(int(rank), inc, host, pid, addr, role, spare_id, node)
-    return out
+def _unruns(raw: Any) -> list[int]:
+    if isinstance(raw, dict):
+        return [r for a, b in raw["runs"] for r in range(int(a), int(b) + 1)]
+    return [int(r) for r in raw or []]
 
 
 @dataclass
@@ -131,7 +93,9 @@ class Membership:
     generation: int = 0
     state: str = GenState.FORMING.value
     world_size: int = 0
-    members: dict[int, Member] = field(default_factory=dict)
+    # by rank: a plain dict where the coordinator builds a table, a Roster where one was read
+    # (rdzv/roster.py: the rows live under their own keys, not in the head)
+    members: MutableMapping[int, Member] = field(default_factory=dict)
     store: str = ""  # host:port of the TCPStore the group of this generation builds from
     resume_step: int | None = None
     sources: list[int] = field(default_factory=list)  # ranks holding the boundary state
@@ -153,6 +117,9 @@ class Membership:
     # the job is stopping (runtime/stop.py): {"reason", "time"}; the members vote inside a step's
     # collective, checkpoint its boundary and leave; DONE with it set is a stop, not the end
     stop: dict = field(default_factory=dict)
+    # the table's rows as the head states them (set by the writer): how many, and their digest
+    # (roster.digest), which a reader of every row checks to know it saw one table
+    rows: dict = field(default_factory=dict)
 
     @property
     def trains(self) -> bool:
@@ -176,27 +143,66 @@ class Membership:
         return sorted(self.members).index(rank) if self.carried else rank
 
     def to_bytes(self) -> bytes:
-        # asdict() would first copy every Member into a dict only to be packed again
-        d = {f: (_pack_members(self.members) if f == "members" else getattr(self, f))
-             for f in self.__dataclass_fields__}  # fmt: skip
+        """The head: every field but the members, which are rows of their own (JobKeys.row);
+        rank lists as runs, so its size does not grow with the world."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "members"}
+        d["sources"] = _runs(self.sources)
         return encode(d)
 
     @classmethod
-    def from_bytes(cls, raw: bytes | None) -> Membership:
+    def from_bytes(cls, raw: bytes | None, members: MutableMapping[int, Member] | None = None) -> Membership:
+        """The head alone (its `members` empty, or `members` where the caller read them)."""
         if not raw:
             return cls()
         try:
             d = decode(raw)
-            d["members"] = _unpack_members(d.get("members", {}))
+            d.pop("members", None)
+            d["sources"] = _unruns(d.get("sources"))
             d["carried"] = {int(k): int(v) for k, v in (d.get("carried") or {}).items()}
-            return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+            m = cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+            if not isinstance(m.generation, int) or not isinstance(m.rows, dict):
+                raise TypeError("generation or rows")
         except Exception as exc:  # noqa: BLE001 - msgpack, a missing field, a wrong type
             raise CorruptStateError(
                 f"the job's membership table in etcd is not a valid record ({type(exc).__name__}): its state is "
                 "corrupt and nothing can be decided from it; this run ends, start a new one"
             ) from None
+        if members is not None:
+            m.members = members
+        return m
 
-    def rank_of(self, incarnation: str) -> int | None:
+    @classmethod
+    def assemble(cls, head: bytes | None, rows: Iterable[tuple[int, bytes]], check: bool = True) -> Membership:
+        """Head and every row, as read together (one transaction, or a watch's cache of the job):
+        the whole table. check: the rows' count and digest must be the head's (they are when
+        the reads were atomic; a watch cache between a staged batch and its head may not be)."""
+        m = cls.from_bytes(head)
+        if not head:
+            return m
+        members, packed = roster.assemble(m.generation, rows)
+        if check and m.rows and (len(packed) != m.rows.get("n") or roster.digest(packed) != m.rows.get("digest")):
+            raise CorruptStateError(
+                f"the job's member rows in etcd do not match its head of generation {m.generation} "
+                f"({len(packed)} rows, the head says {m.rows.get('n')}): its state is corrupt; this run ends, "
+                "start a new one"
+            )
+        m.members = roster.Roster(members)
+        return m
+
+    @classmethod
+    def from_kvs(cls, by_key: Mapping[str, Any], keys: JobKeys) -> Membership:
+        """The table from a cache of the job's keys (an agent's or a command's watch of the job)."""
+        head = by_key.get(keys.membership)
+        pre = keys.roster_prefix
+        rows = [(int(k[len(pre):]), kv.value) for k, kv in by_key.items()
+                if k.startswith(pre) and k[len(pre):].isdigit()]  # fmt: skip
+        return cls.assemble(head.value if head is not None else None, rows, check=False)
+
+    def rank_of(self, incarnation: str, hint: int | None = None) -> int | None:
+        """The rank `incarnation` holds. hint: the rank it probably holds (its own last rank),
+        checked first, so that a member of a lazily read table reads one row, not all."""
+        if hint is not None and hint in self.members and self.members[hint].incarnation == incarnation:
+            return hint
         for r, m in self.members.items():
             if m.incarnation == incarnation:
                 return r
@@ -214,9 +220,72 @@ class Rendezvous:
 
     # -- reads ---------------------------------------------------------------------
     def read(self) -> Membership:
-        """The current membership; generation 0 means the job has not formed."""
+        """The current membership, every row, read in one transaction; generation 0 means the
+        job has not formed."""
+        t = self.t
+        for attempt in range(_READ_TRIES):
+            rows = t.get(self.keys.roster_prefix, prefix_end(self.keys.roster_prefix))
+            _, resps = self.client.read_txn([], [t.get(self.keys.membership), rows])
+            head = resps[0][0][0] if resps[0] else None
+            try:
+                return Membership.assemble(head, self._ranked(resps[1]))
+            except CorruptStateError:
+                # rows of the current generation rewritten in batches (an update of more rows
+                # than one transaction holds) read between two batches: the head follows
+                if attempt == _READ_TRIES - 1:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def _ranked(self, kvs: list) -> list[tuple[int, bytes]]:
+        pre = self.keys.roster_prefix
+        out = []
+        for value, meta in kvs:
+            k = meta.key.decode() if isinstance(meta.key, bytes) else meta.key
+            if k[len(pre) :].isdigit():
+                out.append((int(k[len(pre) :]), value))
+        return out
+
+    def read_head(self) -> Membership:
+        """The head alone, its members read on demand (`rows_loader`)."""
         kv = self.client.get(self.keys.membership)
-        return Membership.from_bytes(kv.value if kv else None)
+        m = Membership.from_bytes(kv.value if kv else None)
+        return self.lazy(m)
+
+    def lazy(
+        self, m: Membership, incarnation: str | None = None, on_fenced: Callable[[], None] | None = None
+    ) -> Membership:
+        """`m` (a head) with its members read from etcd when first used: the rows a member uses.
+        on_fenced: called before a refused read raises (the process learns it is fenced first)."""
+
+        def load(ranks: list[int] | None) -> dict[int, Member]:
+            try:
+                return self.read_rows(m.generation, ranks, incarnation)
+            except FencedError:
+                if on_fenced is not None:
+                    on_fenced()
+                raise
+
+        m.members = roster.Roster(loader=load)
+        return m
+
+    def read_rows(self, generation: int, ranks: list[int] | None, incarnation: str | None = None) -> dict[int, Member]:
+        """The rows of `ranks` (None: every row) as generation `generation` has them. With
+        `incarnation`: refused (FencedError) once it is fenced, so a replaced process cannot
+        act on a table it is no longer part of. A row changed twice since `generation`:
+        StaleGenerationError (the reader is behind; it re-reads the head)."""
+        t = self.t
+        if ranks is None or len(ranks) > roster.TXN_OPS:
+            ops = [t.get(self.keys.roster_prefix, prefix_end(self.keys.roster_prefix))]
+        else:
+            ops = [t.get(self.keys.row(r)) for r in ranks]
+        compare = [self.not_fenced(incarnation)] if incarnation else []
+        ok, resps = self.client.read_txn(compare, ops)
+        if not ok:
+            raise FencedError(f"incarnation {incarnation} is fenced: it was replaced in the job and must stop")
+        kvs = [kv for r in resps for kv in r]
+        members, _ = roster.assemble(generation, self._ranked(kvs))
+        return members if ranks is None else {r: members[r] for r in ranks if r in members}
 
     def generation(self) -> int:
         kv = self.client.get(self.keys.generation)
@@ -235,6 +304,48 @@ class Rendezvous:
         return self.t.version(self.keys.fenced(incarnation)) == 0
 
     # -- coordinator writes ------------------------------------------------------------------
+    def _stored_rows(self) -> dict[int, list]:
+        """Every row's stored versions (the writer diffs against them, junk of an abandoned
+        staging included)."""
+        kvs, _ = self.client.get_prefix(self.keys.roster_prefix)
+        pre = self.keys.roster_prefix
+        out: dict[int, list] = {}
+        for kv in kvs:
+            if kv.key[len(pre) :].isdigit():
+                try:
+                    out[int(kv.key[len(pre) :])] = roster.decode_versions(kv.value)
+                except Exception:  # noqa: BLE001 - a corrupt row is rewritten whole
+                    out[int(kv.key[len(pre) :])] = [[-1, "corrupt"]]
+        return out
+
+    def _row_writes(self, tag: int, new: Membership) -> list[Any]:
+        """The puts that make readers of `tag` see `new`'s members and readers of earlier
+        generations what they saw; sets the head's row count and digest."""
+        stored = self._stored_rows()
+        want = roster.rows_of(new.members)
+        ops = []
+        for r in sorted(set(stored) | set(want)):
+            v = roster.planned(stored.get(r), tag, want.get(r))
+            if v is not None:
+                ops.append(self.t.put(self.keys.row(r), roster.encode_versions(v)))
+        new.rows = {"n": len(want), "digest": roster.digest(want)}
+        return ops
+
+    def _write(self, compare: list[Any], rows: list[Any], head_ops: list[Any], extra: list[Any]) -> bool:
+        """`rows`, then the head's transaction. Rows that do not fit one transaction with the
+        head are staged first in batches, each compared as the head is (`compare`): tagged
+        with the generation being written, they stay invisible until the head lands."""
+        room = max(0, roster.TXN_OPS - len(head_ops) - len(extra))
+        staged, last = (rows[: len(rows) - room], rows[len(rows) - room :]) if len(rows) > room else ([], rows)
+        for i in range(0, len(staged), roster.TXN_OPS):
+            ok, _ = self.client.txn(compare, staged[i : i + roster.TXN_OPS])
+            if not ok:
+                return False
+        if staged:
+            log.info("member rows staged", extra={"rows": len(staged)})
+        ok, _ = self.client.txn(compare, [*last, *head_ops, *extra])
+        return ok
+
     def commit_change(
         self,
         expected: int,
@@ -243,7 +354,8 @@ class Rendezvous:
         guard: Iterable[Any] = (),
         extra: Iterable[Any] = (),
     ) -> bool:
-        """Generation `expected` -> `expected + 1`, the new table and fences, atomically.
+        """Generation `expected` -> `expected + 1`: the head, the rows that change and the fences,
+        atomically (docs/protocol.md, "The member table").
 
         guard: more compares (the leader check); extra: more puts. Returns
         False if someone else changed the generation first (re-read and retry).
@@ -253,37 +365,37 @@ class Rendezvous:
         new.fenced = fence
         new.updated = now = time.time()
         new.nonce = uuid.uuid4().hex
-        ops = [
-            self.t.put(self.keys.generation, str(expected + 1)),
-            self.t.put(self.keys.membership, new.to_bytes()),
-        ]
-        for inc in fence:
-            ops.append(
-                self.t.put(
-                    self.keys.fenced(inc),
-                    encode({"generation": expected + 1, "time": now, "reason": new.reason}),
-                )
-            )
-        ok, _ = self.client.txn([self.gen_is(expected), *guard], ops + list(extra))
+        compare = [self.gen_is(expected), *guard]
+        rows = self._row_writes(expected + 1, new)
+        record = encode({"generation": expected + 1, "time": now, "reason": new.reason})
+        fences = [self.t.put(self.keys.fenced(inc), record) for inc in fence]
+        head = [self.t.put(self.keys.generation, str(expected + 1)), self.t.put(self.keys.membership, new.to_bytes())]
+        # fences that do not fit are staged with the rows: a fence is never lifted, and only a
+        # process the leader decided is lost is fenced, so fencing it early changes no outcome
+        ok = self._write(compare, [*rows, *fences], head, list(extra))
         if not ok:
             # A retry after a lost reply sees its own write as a failed compare.
-            ok = self.read().nonce == new.nonce
+            ok = self._head_nonce() == new.nonce
         if ok:
             log.info(
                 "generation committed",
-                extra={"generation": expected + 1, "state": new.state, "fenced": fence},
+                extra={"generation": expected + 1, "state": new.state, "fenced": fence, "rows": len(rows)},
             )
         return ok
 
+    def _head_nonce(self) -> str:
+        kv = self.client.get(self.keys.membership)
+        return Membership.from_bytes(kv.value if kv else None).nonce
+
     def update(self, m: Membership, guard: Iterable[Any] = (), extra: Iterable[Any] = ()) -> bool:
-        """Rewrite the table of the *current* generation (state transitions)."""
+        """Rewrite the table of the *current* generation (state transitions): the head and the
+        rows that changed."""
         m.updated = time.time()
         m.nonce = uuid.uuid4().hex
-        ok, _ = self.client.txn(
-            [self.gen_is(m.generation), *guard],
-            [self.t.put(self.keys.membership, m.to_bytes()), *extra],
-        )
-        return ok or self.read().nonce == m.nonce
+        rows = self._row_writes(m.generation, m)
+        ok = self._write([self.gen_is(m.generation), *guard], rows,
+                         [self.t.put(self.keys.membership, m.to_bytes())], list(extra))  # fmt: skip
+        return ok or self._head_nonce() == m.nonce
 
     # -- fenced writes of members ----------------------------------------------------------
     def check(self, generation: int, incarnation: str) -> None:

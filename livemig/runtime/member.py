@@ -112,7 +112,7 @@ class MemberRuntime:
         self.server: StateServer | None = None
         self.store: Any = None  # rank 0's c10d store for the first generation (register)
         kv, rev = self.client.get_with_revision(self.keys.membership)
-        self.m = Membership.from_bytes(kv.value if kv else None)
+        self.m = self._lazy(kv.value if kv else None)
         self._watch = PrefixWatch(self.client, self.keys.membership, self._on_membership, rev + 1)
         # `livemig inject wedge|break` asks this process (keys.inject_self): taken at a boundary
         self.injected: str | None = None
@@ -145,10 +145,17 @@ class MemberRuntime:
     def _on_membership(self, events: list) -> None:
         for e in events:
             if e.kind == "put":
-                m = Membership.from_bytes(e.value)
+                m = self._lazy(e.value)
                 with self._cond:
                     self.m = m
                     self._cond.notify_all()
+
+    def _lazy(self, head: bytes | None) -> Membership:
+        """The head this member watches; the rows it uses (its own, a source's) are read when
+        first used, refused once this process is fenced (rdzv/roster.py)."""
+        m = Membership.from_bytes(head)
+        return self.rdzv.lazy(m, self.incarnation, on_fenced=lambda: self.mark_fenced(
+            f"fenced in generation {m.generation} (a read of the member table was refused)"))  # fmt: skip
 
     def _on_inject(self, key: str, events: list) -> None:
         for e in events:
@@ -329,7 +336,7 @@ class MemberRuntime:
                     return m  # our group goes on (an aborted migration)
                 self._wait_change(m)  # the coordinator resolves the migration first
                 continue
-            if m.rank_of(self.incarnation) is None:  # DONE included: the job finished without us
+            if m.rank_of(self.incarnation, self.rank) is None:  # DONE included: the job finished without us
                 if self.rdzv.is_fenced(self.incarnation):
                     self.mark_fenced(f"fenced in generation {m.generation}")
                     self.check_fenced()
@@ -342,7 +349,7 @@ class MemberRuntime:
                 return m
             if m.state == GenState.RECOVERING:
                 if m.generation not in reported:
-                    rank = m.rank_of(self.incarnation)
+                    rank = m.rank_of(self.incarnation, self.rank)
                     assert rank is not None  # a member of m: the branch above returned or raised otherwise
                     self.put(self.keys.report(m.generation, rank), {
                         "incarnation": self.incarnation, "committed": member.committed_step(),
@@ -364,7 +371,7 @@ class MemberRuntime:
         )
 
     def _build(self, m: Membership, member: Callbacks) -> None:
-        g, rank = m.generation, m.rank_of(self.incarnation)
+        g, rank = m.generation, m.rank_of(self.incarnation, self.rank)
         assert rank is not None
         if self.rank != rank or self.keeper is None:
             self.register(rank)

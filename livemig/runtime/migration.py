@@ -121,7 +121,7 @@ class Migration:
                 self._serve_from(m.generation, step, want)
                 log.info("migration: snapshot served", extra={"step": step, "generation": m.generation,
                                                               "item": want})  # fmt: skip
-        elif (rank := m.rank_of(self.e.incarnation)) is not None:
+        elif (rank := m.rank_of(self.e.incarnation, rt.rank)) is not None:
             rt.prebuild(m, rank)
 
     def serve_updates(self, g: int) -> None:
@@ -231,7 +231,7 @@ class Migration:
 
     def _switch(self, g: int, t: int) -> None:
         rt = self.e.runtime
-        rank = rt.m.rank_of(self.e.incarnation) if rt.m.generation == g else None
+        rank = rt.m.rank_of(self.e.incarnation, rt.rank) if rt.m.generation == g else None
         if rank is None:  # the migration was resolved otherwise meanwhile (a failure): recovery decides
             return
         rt.switch_to(g)

@@ -245,7 +245,7 @@ class Zero1(Replicated):
         generation abandoned before its commit changes nothing."""
         h, z = self.h, self.shards
         need = z.stage(m.carried)
-        me = m.rank_of(h.incarnation)
+        me = m.rank_of(h.incarnation, h.rank)
         for s in need:
             where, part = h.pull.pull_any(m, items.zshard(s), ranks=[r for r in m.members if r != me])
             if part.step != h.committed + 1:

@@ -244,9 +244,9 @@ def trains_with_spares(client, keys, spares: int) -> None:  # noqa: ANN001
 
 
 def table(client, keys):  # noqa: ANN001, ANN201
-    from livemig.rdzv.membership import Membership
+    from livemig.rdzv.membership import Rendezvous
 
-    return Membership.from_bytes(client.get(keys.membership).value)
+    return Rendezvous(client, keys.job).read()
 
 
 def node_agent(client, keys, k: int) -> int:  # noqa: ANN001

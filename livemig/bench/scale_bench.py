@@ -98,18 +98,19 @@ class _Progress(threading.Thread):
 
 
 class _Watchers:
-    """`k` members' view of the membership table: each its own etcd connection and watch.
-    A watcher notes when each new table arrived and keeps the bytes; it does not decode
-    there: a real member decodes on its own CPU, and 32 decodes of a 10,000-rank table in
-    this one process (GIL-bound, ~1.4 s each under the bench's load) took the 2 cores from
-    the coordinator and etcd it measures. The arrivals are matched to the commit by their
-    revision afterwards, and one uncontended decode of that table is added to each."""
+    """`k` members' view of the membership, each its own etcd connection and a watch of the
+    head, as runtime/member.py has it: on a change a member receives the head (small, the
+    same size at any N) and reads the one row it needs, its own (rank i for watcher i). A
+    watcher notes when each head arrived and the bytes it received for it (the head, its
+    row); the decode of the head is timed afterwards, once, and added to each arrival."""
 
     def __init__(self, etcd: str, keys: JobKeys, k: int) -> None:
         from livemig.rdzv.watch import PrefixWatch
 
+        self.keys = keys
         self.clients = [EtcdClient(etcd, timedelta(seconds=30)) for _ in range(k)]
         self.got: list[dict[int, float]] = [{} for _ in range(k)]  # mod revision -> arrival time
+        self.bytes: list[dict[int, int]] = [{} for _ in range(k)]  # mod revision -> bytes received for it
         self.raw: dict[int, bytes] = {}
         self.watches = []
         for i, c in enumerate(self.clients):
@@ -122,10 +123,12 @@ class _Watchers:
             if ev.value:
                 self.got[i].setdefault(ev.mod_revision, now)
                 self.raw.setdefault(ev.mod_revision, ev.value)
+                row = self.clients[i].get(self.keys.row(i))  # its own row: is it still a member?
+                self.bytes[i][ev.mod_revision] = len(ev.value) + (len(row.value) if row is not None else 0)
 
-    def seen(self, g: int, timeout: float = 60) -> tuple[list[float], float]:
+    def seen(self, g: int, timeout: float = 60) -> tuple[list[float], float, float]:
         """When each watcher had generation g COMMITTED in hand (arrival plus the decode),
-        and that decode's time."""
+        that decode's time, and the mean bytes a watcher received for that change."""
         deadline = time.monotonic() + timeout
         rev, looked = None, set()
         while time.monotonic() < deadline:
@@ -134,18 +137,19 @@ class _Watchers:
                 m = Membership.from_bytes(self.raw[r])
                 if rev is None and m.state == GenState.COMMITTED and m.generation == g:
                     rev = r
-            if rev is not None and all(rev in got for got in self.got):
+            if rev is not None and all(rev in got for got in self.got) and all(rev in b for b in self.bytes):
                 break
             time.sleep(0.05)
         if rev is None:
-            return [], float("nan")
+            return [], float("nan"), float("nan")
         decode = []
         for _ in range(3):
             t0 = time.perf_counter()
             Membership.from_bytes(self.raw[rev])
             decode.append(time.perf_counter() - t0)
         dec = sorted(decode)[1]
-        return [got[rev] + dec for got in self.got if rev in got], dec
+        got = [b[rev] for b in self.bytes if rev in b]
+        return [got_[rev] + dec for got_ in self.got if rev in got_], dec, sum(got) / max(1, len(got))
 
     def close(self) -> None:
         for w in self.watches:
@@ -201,25 +205,28 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, 
                                                                     "avg_step": 10}))
                                         for r in range(n - 1)])  # fmt: skip
         m, t_claimed = wait_until(client, keys, lambda m: m.state == GenState.BUILDING, coord)
-        ready = [(keys.ready(2, r), encode({"incarnation": m.members[r].incarnation, "time": time.time()}))
-                 for r in range(n)]  # fmt: skip
+        holder = [*inc[:victim], spare_inc, *inc[victim + 1 :]]  # the claimed spare took the victim's rank
+        ready = [(keys.ready(2, r), encode({"incarnation": holder[r], "time": time.time()})) for r in range(n)]
         client.put(keys.member(victim), encode({"incarnation": spare_inc, "host": "sim", "pid": 0, "rank": victim,
                                                 "addr": "tcp://sim:0", "state": "running"}), lease)  # fmt: skip
         t_ready = _put_many(client, ready)
         m, t_commit = wait_until(client, keys, lambda m: m.state == GenState.COMMITTED and m.generation == 2, coord)
-        table_bytes = len(client.get(keys.membership).value)
+        head_bytes = len(client.get(keys.membership).value)
+        rows, _ = client.get_prefix(keys.roster_prefix)
+        table_bytes = head_bytes + sum(len(kv.value) for kv in rows)
         delivery: dict[str, Any] = {}
         if watch is not None:  # the commit reaching members: latency to k of them, bytes to all n
             # from the coordinator's own record of the commit (written right after its transaction)
             ref = min([e["time"] for e in read_events(client, keys) if e["phase"] == "commit"
                        and e.get("generation") == 2] + [t_commit])  # fmt: skip
-            at_watchers, dec = watch.seen(2)
+            at_watchers, dec, per_member = watch.seen(2)
             seen = sorted(t - ref for t in at_watchers)
             delivery = {"watchers": len(watch.clients), "watchers_seen": len(seen),
                         "delivery_p50_s": seen[len(seen) // 2] if seen else None,
                         "delivery_max_s": seen[-1] if seen else None,
                         "table_decode_s": dec,
-                        "fanout_mb_per_change": table_bytes * n / 2**20}  # fmt: skip
+                        "bytes_per_member_per_change": per_member,
+                        "fanout_mb_per_change": per_member * n / 2**20}  # fmt: skip
         progress.stop.set()
         progress.join(timeout=30)
         # Each phase ends at the coordinator's own record of it (the event goes in the same
@@ -233,7 +240,7 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, 
             "ranks": n, "fence_s": fence, "agree_claim_s": claim, "commit_s": commit,
             "coordinator_total_s": fence + claim + commit, "seen_total_s": seen,
             "members_report_s": t_reported - t_fenced,
-            "members_ready_s": t_ready - t_claimed, "table_bytes": table_bytes,
+            "members_ready_s": t_ready - t_claimed, "table_bytes": table_bytes, "head_bytes": head_bytes,
             "progress_writes_per_s": progress.writes_per_s, "coordinator_cpu_per_s": coord_cpu, **delivery,
         }  # fmt: skip
     finally:
@@ -395,14 +402,16 @@ def run(a: argparse.Namespace) -> int:
               f"{r['table_bytes'] / 1024:>9.1f} {r['progress_writes_per_s']:>11.0f} "
               f"{r['coordinator_cpu_per_s']:>12.3f}")  # fmt: skip
     if any("watchers" in r for r in rows):
-        print("\nthe commit reaching members' watches (each its own connection, decoding the table)")
-        print(f"{'ranks':>6} {'watchers':>9} {'p50 s':>7} {'max s':>7} {'decode ms':>10} {'MB to all ranks':>16}")
+        print("\nthe commit reaching members' watches (each its own connection: the head, then its own row)")
+        print(f"{'ranks':>6} {'watchers':>9} {'p50 s':>7} {'max s':>7} {'decode ms':>10} {'B/member':>9} "
+              f"{'MB to all ranks':>16}")  # fmt: skip
         for r in rows:
             if "watchers" in r:
                 keys = ("delivery_p50_s", "delivery_max_s", "table_decode_s")
                 p50, mx, dec = (r.get(k) or float("nan") for k in keys)
                 print(f"{r['ranks']:>6} {r['watchers_seen']:>4}/{r['watchers']:<4} {p50:>7.3f} {mx:>7.3f} "
-                      f"{dec * 1e3:>10.2f} {r['fanout_mb_per_change']:>16.1f}")  # fmt: skip
+                      f"{dec * 1e3:>10.2f} {r['bytes_per_member_per_change']:>9.0f} "
+                      f"{r['fanout_mb_per_change']:>16.3f}")  # fmt: skip
     sizes = [int(x) for x in a.group_build.split(",") if x.strip()]
     builds = [group_build(w, lazy=lazy) for w in sizes for lazy in (False, True)]
     if builds:

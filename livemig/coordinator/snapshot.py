@@ -85,6 +85,7 @@ class Decoded:
     def __init__(self) -> None:
         self.values: dict[str, tuple[int, Any]] = {}
         self.table: tuple[tuple, Membership] | None = None  # (stamp of head and rows, the table)
+        self.rows: dict = {}  # the member rows, decoded once per change (roster.assemble)
 
     def get(self, kv: KV, decode_fn: Any) -> Any:
         hit = self.values.get(kv.key)
@@ -128,7 +129,7 @@ class Snapshot:
             return self._cache.table[1]
         pre = len(self.keys.roster_prefix)
         m = Membership.assemble(head.value, [(int(kv.key[pre:]), kv.value) for kv in rows if kv.key[pre:].isdigit()],
-                                check=False)  # fmt: skip
+                                check=False, cache=self._cache.rows)  # fmt: skip
         self._cache.table = (stamp, m)
         return m
 

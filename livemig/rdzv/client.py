@@ -152,7 +152,7 @@ class KV:
     lease: int
 
 
-def _txn_revision(resps: list) -> int:
+def txn_revision(resps: list) -> int:
     """The revision a transaction's writes made (every operation's header carries it)."""
     for r in resps:
         which = r.WhichOneof("response") if hasattr(r, "WhichOneof") else None
@@ -448,8 +448,17 @@ class EtcdClient:
         if not (success if ok else failure):
             self.unknown_writes -= 1  # the branch taken had no operation: nothing written
         else:
-            self._wrote(_txn_revision(resps))
+            self._wrote(txn_revision(resps))
         return ok, resps
+
+    def modified_since(self, prefix: str, revision: int) -> int:
+        """How many keys under `prefix` were written after `revision` (a count, no values)."""
+
+        def op() -> int:
+            resp = self._raw.get_prefix_response(prefix, count_only=True, min_mod_revision=revision + 1)
+            return int(resp.count)
+
+        return self.call(f"count {prefix}*", op)
 
     def read_txn(self, compare: list, reads: list) -> tuple[bool, list]:
         """Range reads (`txn_ops.get`) taken together at one revision, only if `compare` holds:

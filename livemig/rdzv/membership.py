@@ -25,7 +25,7 @@ from typing import Any
 from livemig.config import ENV_HOST, Timeouts
 from livemig.errors import CorruptStateError, FencedError, StaleGenerationError
 from livemig.rdzv import roster
-from livemig.rdzv.client import EtcdClient, decode, encode, prefix_end
+from livemig.rdzv.client import EtcdClient, decode, encode, prefix_end, txn_revision
 from livemig.rdzv.keys import JobKeys
 from livemig.rdzv.lease import LeaseKeeper
 from livemig.rdzv.roster import Member
@@ -172,14 +172,16 @@ class Membership:
         return m
 
     @classmethod
-    def assemble(cls, head: bytes | None, rows: Iterable[tuple[int, bytes]], check: bool = True) -> Membership:
+    def assemble(
+        cls, head: bytes | None, rows: Iterable[tuple[int, bytes]], check: bool = True, cache: dict | None = None
+    ) -> Membership:
         """Head and every row, as read together (one transaction, or a watch's cache of the job):
         the whole table. check: the rows' count and digest must be the head's (they are when
         the reads were atomic; a watch cache between a staged batch and its head may not be)."""
         m = cls.from_bytes(head)
         if not head:
             return m
-        members, packed = roster.assemble(m.generation, rows)
+        members, packed = roster.assemble(m.generation, rows, cache)
         if check and m.rows and (len(packed) != m.rows.get("n") or roster.digest(packed) != m.rows.get("digest")):
             raise CorruptStateError(
                 f"the job's member rows in etcd do not match its head of generation {m.generation} "
@@ -217,6 +219,9 @@ class Rendezvous:
         self.keys = JobKeys(job)
         self.timeouts = timeouts or Timeouts.from_env()
         self.t = client.txn_ops
+        self.rows = roster.RowWriter(
+            self._stored_rows, lambda rev: client.modified_since(self.keys.roster_prefix, rev)
+        )  # what this process, when it leads, last stored
 
     # -- reads ---------------------------------------------------------------------
     def read(self) -> Membership:
@@ -304,10 +309,10 @@ class Rendezvous:
         return self.t.version(self.keys.fenced(incarnation)) == 0
 
     # -- coordinator writes ------------------------------------------------------------------
-    def _stored_rows(self) -> dict[int, list]:
+    def _stored_rows(self) -> tuple[dict[int, list], int]:
         """Every row's stored versions (the writer diffs against them, junk of an abandoned
-        staging included)."""
-        kvs, _ = self.client.get_prefix(self.keys.roster_prefix)
+        staging included), and the revision they were read at."""
+        kvs, rev = self.client.get_prefix(self.keys.roster_prefix)
         pre = self.keys.roster_prefix
         out: dict[int, list] = {}
         for kv in kvs:
@@ -316,35 +321,29 @@ class Rendezvous:
                     out[int(kv.key[len(pre) :])] = roster.decode_versions(kv.value)
                 except Exception:  # noqa: BLE001 - a corrupt row is rewritten whole
                     out[int(kv.key[len(pre) :])] = [[-1, "corrupt"]]
-        return out
+        return out, rev
 
-    def _row_writes(self, tag: int, new: Membership) -> list[Any]:
-        """The puts that make readers of `tag` see `new`'s members and readers of earlier
-        generations what they saw; sets the head's row count and digest."""
-        stored = self._stored_rows()
-        want = roster.rows_of(new.members)
-        ops = []
-        for r in sorted(set(stored) | set(want)):
-            v = roster.planned(stored.get(r), tag, want.get(r))
-            if v is not None:
-                ops.append(self.t.put(self.keys.row(r), roster.encode_versions(v)))
-        new.rows = {"n": len(want), "digest": roster.digest(want)}
-        return ops
+    def _row_writes(self, tag: int, new: Membership) -> tuple[dict[int, list], list[Any]]:
+        """The rows that make readers of `tag` see `new`'s members and readers of earlier
+        generations what they saw, as versions and as puts; sets the head's row count and digest."""
+        writes, new.rows = self.rows.plan(tag, new.members)
+        return writes, [self.t.put(self.keys.row(r), roster.encode_versions(v)) for r, v in sorted(writes.items())]
 
-    def _write(self, compare: list[Any], rows: list[Any], head_ops: list[Any], extra: list[Any]) -> bool:
-        """`rows`, then the head's transaction. Rows that do not fit one transaction with the
-        head are staged first in batches, each compared as the head is (`compare`): tagged
-        with the generation being written, they stay invisible until the head lands."""
+    def _write(self, compare: list[Any], rows: list[Any], head_ops: list[Any], extra: list[Any]) -> tuple[bool, int]:
+        """`rows`, then the head's transaction: (whether it landed, the revision it made). Rows
+        that do not fit one transaction with the head are staged first in batches, each
+        compared as the head is (`compare`): tagged with the generation being written, they
+        stay invisible until the head lands."""
         room = max(0, roster.TXN_OPS - len(head_ops) - len(extra))
         staged, last = (rows[: len(rows) - room], rows[len(rows) - room :]) if len(rows) > room else ([], rows)
         for i in range(0, len(staged), roster.TXN_OPS):
             ok, _ = self.client.txn(compare, staged[i : i + roster.TXN_OPS])
             if not ok:
-                return False
+                return False, 0
         if staged:
             log.info("member rows staged", extra={"rows": len(staged)})
-        ok, _ = self.client.txn(compare, [*last, *head_ops, *extra])
-        return ok
+        ok, resps = self.client.txn(compare, [*last, *head_ops, *extra])
+        return ok, txn_revision(resps) if ok else 0
 
     def commit_change(
         self,
@@ -366,16 +365,13 @@ class Rendezvous:
         new.updated = now = time.time()
         new.nonce = uuid.uuid4().hex
         compare = [self.gen_is(expected), *guard]
-        rows = self._row_writes(expected + 1, new)
+        writes, rows = self._row_writes(expected + 1, new)
         record = encode({"generation": expected + 1, "time": now, "reason": new.reason})
         fences = [self.t.put(self.keys.fenced(inc), record) for inc in fence]
         head = [self.t.put(self.keys.generation, str(expected + 1)), self.t.put(self.keys.membership, new.to_bytes())]
         # fences that do not fit are staged with the rows: a fence is never lifted, and only a
         # process the leader decided is lost is fenced, so fencing it early changes no outcome
-        ok = self._write(compare, [*rows, *fences], head, list(extra))
-        if not ok:
-            # A retry after a lost reply sees its own write as a failed compare.
-            ok = self._head_nonce() == new.nonce
+        ok = self._wrote(writes, lambda: self._write(compare, [*rows, *fences], head, list(extra)), new.nonce)
         if ok:
             log.info(
                 "generation committed",
@@ -392,10 +388,28 @@ class Rendezvous:
         rows that changed."""
         m.updated = time.time()
         m.nonce = uuid.uuid4().hex
-        rows = self._row_writes(m.generation, m)
-        ok = self._write([self.gen_is(m.generation), *guard], rows,
-                         [self.t.put(self.keys.membership, m.to_bytes())], list(extra))  # fmt: skip
-        return ok or self._head_nonce() == m.nonce
+        writes, rows = self._row_writes(m.generation, m)
+        head = [self.t.put(self.keys.membership, m.to_bytes())]
+        return self._wrote(writes, lambda: self._write([self.gen_is(m.generation), *guard], rows, head, list(extra)),
+                           m.nonce)  # fmt: skip
+
+    def _wrote(self, writes: dict[int, list], write: Callable[[], tuple[bool, int]], nonce: str) -> bool:
+        """Run `write`; keep the writer's record of the rows only when they are known stored, and
+        at which revision (a staging cut short, another leader's change, a lost reply, an
+        error: they are read again)."""
+        try:
+            ok, rev = write()
+            if not ok:
+                # A retry after a lost reply sees its own write as a failed compare.
+                ok, rev = self._head_nonce() == nonce, 0
+        except BaseException:
+            self.rows.forget()
+            raise
+        if ok:
+            self.rows.wrote(writes, rev)
+        else:
+            self.rows.forget()
+        return ok
 
     # -- fenced writes of members ----------------------------------------------------------
     def check(self, generation: int, incarnation: str) -> None:

@@ -223,19 +223,98 @@ def rows_of(members: Mapping[int, Member]) -> dict[int, list]:
     return {int(r): pack_row(m) for r, m in members.items()}
 
 
-def assemble(generation: int, raw_rows: Iterable[tuple[int, bytes]]) -> tuple[dict[int, Member], dict[int, list]]:
+class RowWriter:
+    """What the leader last stored, so that a change costs what it changes: the stored versions
+    of every row (read once, then kept from its own writes, which are the only writes of rows
+    while it leads) and each rank's packed row and hash by the member it packed. Forgotten on
+    any write whose outcome is not known to be its own (a failed compare, an error): the next
+    change reads the rows again, junk of an abandoned staging included."""
+
+    def __init__(
+        self, read_stored: Callable[[], tuple[dict[int, Versions], int]], modified_since: Callable[[int], int]
+    ) -> None:
+        self._read_stored = read_stored
+        self._modified_since = modified_since
+        self._stored: dict[int, Versions] | None = None
+        self._rev = 0  # the etcd revision at which _stored was the rows' value
+        self._packed: dict[int, tuple[Member, list, int]] = {}
+
+    def forget(self) -> None:
+        self._stored = None
+
+    def _row(self, rank: int, m: Member) -> tuple[list, int]:
+        hit = self._packed.get(rank)
+        if hit is not None and hit[0] == m:
+            return hit[1], hit[2]
+        row = pack_row(m)
+        h = row_hash(rank, row)
+        self._packed[rank] = (m, row, h)
+        return row, h
+
+    def plan(self, tag: int, members: Mapping[int, Member]) -> tuple[dict[int, Versions], dict]:
+        """The rows to write for readers of `tag` to see `members` ({rank: versions}), and the
+        head's `rows` record (count, digest)."""
+        if self._stored is not None and self._modified_since(self._rev):
+            self._stored = None  # another leader wrote rows since (this process led before, then lost it)
+        if self._stored is None:
+            self._stored, self._rev = self._read_stored()
+        stored = self._stored
+        writes: dict[int, Versions] = {}
+        total = 0
+        for r, m in members.items():
+            row, h = self._row(int(r), m)
+            total += h
+            v = planned(stored.get(int(r)), tag, row)
+            if v is not None:
+                writes[int(r)] = v
+        for r in stored.keys() - set(members):
+            v = planned(stored[r], tag, None)
+            if v is not None:
+                writes[r] = v
+        return writes, {"n": len(members), "digest": total & _MASK}
+
+    def wrote(self, writes: Mapping[int, Versions], revision: int) -> None:
+        """`writes` are stored, the last of them at `revision` (0: not known: read again)."""
+        if self._stored is not None and revision > 0:
+            self._stored.update(writes)
+            self._rev = revision
+        else:
+            self._stored = None
+
+
+RowCache = dict  # rank -> (stored value, its versions, {tag: Member}): rows decoded once per change
+
+
+def assemble(
+    generation: int, raw_rows: Iterable[tuple[int, bytes]], cache: RowCache | None = None
+) -> tuple[dict[int, Member], dict[int, list]]:
     """Every member of `generation` from the stored rows (rank, value): the members and their
     packed rows (for the digest). A row no version of which is visible means the table moved
-    on while it was read: StaleGenerationError. A value that is not a row: CorruptStateError."""
+    on while it was read: StaleGenerationError. A value that is not a row: CorruptStateError.
+    cache: kept by a reader that assembles again and again (the coordinator's passes), so that
+    only the rows that changed are decoded."""
     members: dict[int, Member] = {}
     packed: dict[int, list] = {}
     for rank, raw in raw_rows:
         try:
-            ok, row = visible(decode_versions(raw), generation)
+            hit = cache.get(rank) if cache is not None else None
+            if hit is None or hit[0] != raw:
+                by_tag: dict[int, Member] = {}
+                hit = (raw, decode_versions(raw), by_tag)
+                if cache is not None:
+                    cache[rank] = hit
+            ok, row = False, None
+            tag = -1
+            for t, r in hit[1]:
+                if t <= generation:
+                    ok, row, tag = True, r, t
             if not ok:
                 raise StaleGenerationError(f"member row {rank} changed after generation {generation}: re-read")
             if row is not None:
-                members[rank] = unpack_row(rank, row)
+                m = hit[2].get(tag)
+                if m is None:
+                    m = hit[2][tag] = unpack_row(rank, row)
+                members[rank] = m
                 packed[rank] = row
         except StaleGenerationError:
             raise

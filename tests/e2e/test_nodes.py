@@ -17,7 +17,7 @@ import pytest
 from livemig.errors import EtcdUnavailableError
 from livemig.rdzv.client import EtcdClient, decode
 from livemig.rdzv.keys import JobKeys
-from livemig.rdzv.membership import Membership
+from livemig.rdzv.membership import Rendezvous
 from tests.e2e.conftest import REPO, reference_of
 from tests.e2e.test_exact_state import STATEFUL
 
@@ -131,14 +131,14 @@ def _node_loss(tmp_path, procs, hosts, references, per_node: int, args: tuple[st
     client = EtcdClient(etcd)
     keys = JobKeys(job)
     deadline = _until_step_10_with_warm_spares(client, keys, per_node, outs=tmp_path)
-    m = Membership.from_bytes(client.get(keys.membership).value)
+    m = Rendezvous(client, keys.job).read()
     hosts_of = {r: mem.host for r, mem in m.members.items()}
     want = {r: hosts.addrs[1 + r // per_node] for r in range(world)}
     assert hosts_of == want, hosts_of  # ranks advertise --host; global rank = node rank x per node + i
     if cut:
         hosts.cut(2)
         while time.monotonic() < deadline:  # replaced: a committed generation without host 2
-            m = Membership.from_bytes(client.get(keys.membership).value)
+            m = Rendezvous(client, keys.job).read()
             if m.generation >= 2 and m.state == "committed":
                 break
             time.sleep(0.1)
@@ -155,7 +155,7 @@ def _node_loss(tmp_path, procs, hosts, references, per_node: int, args: tuple[st
     lost = list(range(per_node, world))
     fence = next(e for e in rep["timeline"] if e["phase"] == "fence")
     assert fence["ranks"] == lost, fence
-    m = Membership.from_bytes(client.get(keys.membership).value)
+    m = Rendezvous(client, keys.job).read()
     for r in lost:  # the lost ranks now run on the standby host
         assert m.members[r].host == hosts.addrs[3] and m.members[r].role == "spare", m.members
     assert rep["nodes"] == [{"node_rank": 0, "host": hosts.addrs[1], "ranks": list(range(per_node))},
@@ -369,7 +369,7 @@ def test_sigterm_to_a_nodes_agent_drains_its_ranks_onto_a_spare_and_the_job_goes
     assert rep["steps_completed"] == STEPS and rep["rank_digests"] == ref.report["rank_digests"], rep["result"]
     (rec,) = rep["recoveries"]
     assert rec["rank"] == 1 and rec["spares"], rec
-    m = Membership.from_bytes(client.get(keys.membership).value)
+    m = Rendezvous(client, keys.job).read()
     assert m.members[1].host == hosts.addrs[3], m.members
     print(f"drain: agent exit {took:.2f}s after SIGTERM; job pause {rec['downtime_s']}s; phases {rec['phases']}")
 

@@ -452,11 +452,12 @@ class EtcdClient:
         return ok, resps
 
     def modified_since(self, prefix: str, revision: int) -> int:
-        """How many keys under `prefix` were written after `revision` (a count, no values)."""
+        """Whether a key under `prefix` was written after `revision`: 1 or 0 (one key name at
+        most comes back; etcd's count would ignore the revision filter)."""
 
         def op() -> int:
-            resp = self._raw.get_prefix_response(prefix, count_only=True, min_mod_revision=revision + 1)
-            return int(resp.count)
+            resp = self._raw.get_prefix_response(prefix, keys_only=True, limit=1, min_mod_revision=revision + 1)
+            return len(resp.kvs)
 
         return self.call(f"count {prefix}*", op)
 

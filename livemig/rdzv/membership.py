@@ -181,15 +181,20 @@ class Membership:
         m = cls.from_bytes(head)
         if not head:
             return m
-        members, packed = roster.assemble(m.generation, rows, cache)
-        if check and m.rows and (len(packed) != m.rows.get("n") or roster.digest(packed) != m.rows.get("digest")):
+        members, digest = roster.assemble(m.generation, rows, cache)
+        if check and not m.rows_match(len(members), digest):
             raise CorruptStateError(
                 f"the job's member rows in etcd do not match its head of generation {m.generation} "
-                f"({len(packed)} rows, the head says {m.rows.get('n')}): its state is corrupt; this run ends, "
+                f"({len(members)} rows, the head says {m.rows.get('n')}): its state is corrupt; this run ends, "
                 "start a new one"
             )
         m.members = roster.Roster(members)
         return m
+
+    def rows_match(self, n: int, digest: int) -> bool:
+        """Whether `n` rows of that digest are the rows this head states (a head of before the
+        rows were counted states none: anything matches)."""
+        return not self.rows or (n == self.rows.get("n") and digest == self.rows.get("digest"))
 
     @classmethod
     def from_kvs(cls, by_key: Mapping[str, Any], keys: JobKeys) -> Membership:

@@ -244,7 +244,7 @@ class RowWriter:
 
     def _row(self, rank: int, m: Member) -> tuple[list, int]:
         hit = self._packed.get(rank)
-        if hit is not None and hit[0] == m:
+        if hit is not None and (hit[0] is m or hit[0] == m):
             return hit[1], hit[2]
         row = pack_row(m)
         h = row_hash(rank, row)
@@ -282,40 +282,39 @@ class RowWriter:
             self._stored = None
 
 
-RowCache = dict  # rank -> (stored value, its versions, {tag: Member}): rows decoded once per change
+RowCache = dict  # rank -> (stored value, its versions, {tag: (Member, row hash)}): rows decoded once per change
 
 
 def assemble(
     generation: int, raw_rows: Iterable[tuple[int, bytes]], cache: RowCache | None = None
-) -> tuple[dict[int, Member], dict[int, list]]:
-    """Every member of `generation` from the stored rows (rank, value): the members and their
-    packed rows (for the digest). A row no version of which is visible means the table moved
-    on while it was read: StaleGenerationError. A value that is not a row: CorruptStateError.
+) -> tuple[dict[int, Member], int]:
+    """Every member of `generation` from the stored rows (rank, value): the members and the
+    digest of their rows. A row no version of which is visible means the table moved on while
+    it was read: StaleGenerationError. A value that is not a row: CorruptStateError.
     cache: kept by a reader that assembles again and again (the coordinator's passes), so that
-    only the rows that changed are decoded."""
+    only the rows that changed are decoded and hashed."""
     members: dict[int, Member] = {}
-    packed: dict[int, list] = {}
+    total = 0
     for rank, raw in raw_rows:
         try:
             hit = cache.get(rank) if cache is not None else None
             if hit is None or hit[0] != raw:
-                by_tag: dict[int, Member] = {}
+                by_tag: dict[int, tuple[Member, int]] = {}
                 hit = (raw, decode_versions(raw), by_tag)
                 if cache is not None:
                     cache[rank] = hit
-            ok, row = False, None
-            tag = -1
+            ok, row, tag = False, None, -1
             for t, r in hit[1]:
                 if t <= generation:
                     ok, row, tag = True, r, t
             if not ok:
                 raise StaleGenerationError(f"member row {rank} changed after generation {generation}: re-read")
             if row is not None:
-                m = hit[2].get(tag)
-                if m is None:
-                    m = hit[2][tag] = unpack_row(rank, row)
-                members[rank] = m
-                packed[rank] = row
+                got = hit[2].get(tag)
+                if got is None:
+                    got = hit[2][tag] = (unpack_row(rank, row), row_hash(rank, row))
+                members[rank] = got[0]
+                total += got[1]
         except StaleGenerationError:
             raise
         except Exception as exc:  # noqa: BLE001 - msgpack, a wrong shape or type
@@ -323,4 +322,4 @@ def assemble(
                 f"the job's member row of rank {rank} in etcd is not a valid record ({type(exc).__name__}): its "
                 "state is corrupt and nothing can be decided from it; this run ends, start a new one"
             ) from None
-    return members, packed
+    return members, total & _MASK

@@ -2,9 +2,9 @@
 
 The generation number (key `generation`, decimal) is the fencing token.
 It changes only in a transaction that compares its current value, and the
-same transaction writes the new member table (one msgpack value, so even a
-table for thousands of ranks stays within etcd's 128-op / 1.5 MiB limits)
-and the fenced incarnations. Every state-changing call of a worker or spare
+same transaction writes the new member table's head, the rows that changed
+(rdzv/roster.py: rows beyond one transaction are staged before it, invisible
+until the head lands) and the fenced incarnations. Every state-changing call of a worker or spare
 presents (generation, incarnation); a stale generation or a fenced
 incarnation makes the transaction's compare fail and the caller gets
 `FencedError` / `StaleGenerationError`.

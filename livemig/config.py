@@ -124,7 +124,7 @@ class Timeouts:
     recovery: a member waits this long for the coordinator to finish a
         recovery before giving up. Default 120 s.
     spare_wait: with no warm spare, the coordinator waits this long for one
-        before failing the job, at most 0.8 x `recovery` (`spare_wait_s`). Default 60 s.
+        before failing the job, at most `SPARE_WAIT_SHARE` (0.8) x `recovery` (`spare_wait_s`). Default 60 s.
     etcd_outage: while every etcd endpoint is unreachable, members train on
         in their group (docs/reliability.md, "etcd outages") for at most this
         long; then they stop as fenced. Waits on etcd during an outage end
@@ -147,7 +147,7 @@ class Timeouts:
 
     @property
     def spare_wait_s(self) -> float:
-        """The spare wait the coordinator applies: at most 0.8 x the recovery timeout, so that it
+        """The spare wait the coordinator applies: at most SPARE_WAIT_SHARE x the recovery timeout, so that it
         fails the job saying no spare came before the members, waiting as long for the recovery,
         give up first and the job ends blaming the coordinator instead."""
         return min(self.spare_wait.total_seconds(), SPARE_WAIT_SHARE * self.recovery.total_seconds())
@@ -401,6 +401,16 @@ def buddy_stride(world: int, stride: int | None = None) -> int:
         raw = os.environ.get(ENV_BUDDY_STRIDE, "")
         stride = int(raw) if raw.isdigit() else 1
     return stride if 0 < stride < world and world % stride == 0 else 1
+
+
+def buddy_of(rank: int, world: int) -> int:
+    """The rank that mirrors `rank`'s local state and shard (its right neighbour)."""
+    return (rank + buddy_stride(world)) % world
+
+
+def left_of(rank: int, world: int) -> int:
+    """The rank whose local state and shard `rank` mirrors (its left neighbour)."""
+    return (rank - buddy_stride(world)) % world
 
 
 def zero1_layout(world: int, carried: dict[int, int] | None = None, stride: int = 1,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from livemig.comm.group import CollectiveAborted
-from livemig.config import Role, buddy_stride
+from livemig.config import Role, buddy_of
 from livemig.errors import RecoveryError, TransferError
 from livemig.rdzv.membership import Membership
 from livemig.runtime.control import Activate
@@ -187,7 +187,7 @@ class StatePull:
         """This rank's own local state (buffers, local=) from its mirror on the buddy rank, as
         served for resume step `step`; the mirror holds boundary `step - back` (the plain path's
         replay starts a step earlier than FSDP2's take-over)."""
-        buddy = (self.h.rank + buddy_stride(self.h.world_size)) % self.h.world_size
+        buddy = buddy_of(self.h.rank, self.h.world_size)
         where, part = self.pull_any(m, items.local(self.h.rank), ranks=[buddy])
         if part.step != step:
             raise RecoveryError(f"the local state of rank {self.h.rank} on rank {buddy} is of boundary "

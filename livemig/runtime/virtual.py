@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from livemig.comm.group import CollectiveAborted, wait_all
-from livemig.config import ENV_SHRINK_DROP, buddy_stride
+from livemig.config import ENV_SHRINK_DROP, buddy_of
 from livemig.data import seed_step, step_seed
 from livemig.errors import RecoveryError
 from livemig.state import unpack
@@ -338,7 +338,7 @@ class VirtualRanks:
         e = self.e
         blob = e.reg.pack_local() if e.reg.has_local else None
         self.states[v] = (step, blob)
-        if blob is not None and (v + buddy_stride(e.world_size)) % e.world_size == e.rank:
+        if blob is not None and buddy_of(v, e.world_size) == e.rank:
             e.st.mirrored[step] = blob  # its buddy's mirror slot: served to a spare that takes it back (grow)
             e.st.mirrored.pop(step - 3, None)
         if own is not None:

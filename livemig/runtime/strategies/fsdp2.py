@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from livemig.comm import torch_group
 from livemig.comm.group import CollectiveAborted, allreduce_sum, device_of, ring_exchange
-from livemig.config import SHARDING_ENTRY, buddy_stride
+from livemig.config import SHARDING_ENTRY, buddy_of
 from livemig.errors import ConfigError, RecoveryError
 from livemig.runtime.control import Activate
 from livemig.runtime.fsdp2_mesh import shard_of, shard_peers
@@ -213,7 +213,7 @@ class Fsdp2(Strategy):
         h = self.h
         t0 = time.monotonic()
         peers = [r for r in shard_peers(h.rank, self.owner.shape) if r in m.sources]
-        buddy, left = (h.rank + buddy_stride(h.world_size)) % h.world_size, self.shards.left()
+        buddy, left = buddy_of(h.rank, h.world_size), self.shards.left()
         if peers:  # HSDP: a replica of the same shard
             addr, got = h.pull.pull_any(m, items.STATE, ranks=peers)
         elif self.owner.want_mirror and buddy in m.sources:  # its mirror, on the right neighbour

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from livemig.comm.group import ring_exchange
-from livemig.config import buddy_stride
+from livemig.config import left_of
 from livemig.errors import ConfigError, RecoveryError
 from livemig.runtime.fsdp2_mirror import ShardMirror, shard_digest
 from livemig.runtime.step_state import LocalBlob
@@ -171,7 +171,7 @@ class Shards:
     def left(self) -> int:
         """The rank whose shard (and local state) this rank mirrors (its right neighbour mirrors ours)."""
         h = self.h
-        return (h.rank - buddy_stride(h.world_size)) % h.world_size
+        return left_of(h.rank, h.world_size)
 
     def own(self) -> dict[str, Any]:
         reg = self.h.reg

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from livemig.comm.group import CollectiveAborted, allreduce_sum
-from livemig.config import Role, buddy_stride
+from livemig.config import Role, left_of
 from livemig.device import training_device
 from livemig.errors import RecoveryError
 from livemig.runtime.start_sync import sync_start
@@ -219,7 +219,7 @@ class Replicated(Strategy):
         # The left neighbour's local state of boundary resume-2, which its replacement replays
         # step resume-1 from: served also by a survivor that missed that step's commit (it
         # fetched the average and commits on resuming), since this rank is its only mirror.
-        left, s = (h.rank - buddy_stride(h.world_size)) % h.world_size, m.resume_step
+        left, s = left_of(h.rank, h.world_size), m.resume_step
         blob = h.st.mirrored.get(s - 2)
         if blob is not None:
             srv.publish(m.generation, items.local(left), lambda: (s, {"blob": blob}))

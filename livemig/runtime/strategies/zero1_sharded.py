@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from livemig.comm.group import CollectiveAborted, allreduce_mean, allreduce_sum, broadcast_tensors
-from livemig.config import SHARDING_ENTRY, buddy_stride
+from livemig.config import SHARDING_ENTRY, left_of
 from livemig.device import training_device
 from livemig.errors import RecoveryError
 from livemig.rdzv.membership import GenState
@@ -497,7 +497,7 @@ class Zero1Parts(Parts):
         z, h = self.shards, self.h
         z.own.load(mine["shard"])
         if z.mirror is not None:
-            z.mirror.load(section_of((h.rank - buddy_stride(h.world_size)) % h.world_size, "shard"))
+            z.mirror.load(section_of(left_of(h.rank, h.world_size), "shard"))
 
     def load_resharded(self, world: int, section_of: Callable[[int, str], Any]) -> None:
         """The shards re-split over this world size (comm/zero1.py)."""

@@ -498,6 +498,9 @@ def main() -> int:
                     print(f.read()[-1500:], file=sys.stderr)
             except OSError:
                 pass
+        # the jobs' own output too: a requeued job that never trained said why only there
+        for out in sorted(f for f in os.listdir(d) if f.endswith(".out")):
+            print(f"--- {out} (tail)\n{_tail(d, out[: -len('.out')], 3000)}", file=sys.stderr)
         return 1
     finally:
         cl.stop()

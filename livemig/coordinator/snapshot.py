@@ -16,6 +16,7 @@ from typing import Any
 from livemig.config import Role
 from livemig.rdzv import roster
 from livemig.rdzv.client import KV, decode
+from livemig.rdzv.keys import row_rank
 from livemig.rdzv.membership import Member, Membership, Rendezvous
 
 log = logging.getLogger("livemig.coordinator")
@@ -129,8 +130,8 @@ class Snapshot:
             return Membership.from_bytes(None)
         if self._cache.table is not None and self._cache.table[0] == head.mod_revision:
             return self._cache.table[1]
-        pre = len(self.keys.roster_prefix)
-        rows = [(int(k[pre:]), self.kv[k].value) for k in self.keys_under(self.keys.roster_prefix) if k[pre:].isdigit()]
+        rows = [(r, self.kv[k].value) for k in self.keys_under(self.keys.roster_prefix)
+                if (r := row_rank(self.keys, k)) is not None]  # fmt: skip
         m = Membership.from_bytes(head.value)
         members, digest = roster.assemble(m.generation, rows, self._cache.rows)
         m.members = roster.Roster(members)

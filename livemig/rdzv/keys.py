@@ -258,3 +258,10 @@ class JobKeys:
     def result(self) -> str:
         """Final outcome written by the coordinator (done / failed + reason)."""
         return self.prefix + "result"
+
+
+def row_rank(keys: JobKeys, key: str) -> int | None:
+    """The rank a `JobKeys.row` key names (None: not a row key). Not a JobKeys method: every
+    method of JobKeys builds a key."""
+    tail = key[len(keys.roster_prefix) :] if key.startswith(keys.roster_prefix) else ""
+    return int(tail) if tail.isdigit() else None

@@ -26,7 +26,7 @@ from livemig.config import ENV_HOST, Timeouts
 from livemig.errors import CorruptStateError, FencedError, StaleGenerationError
 from livemig.rdzv import roster
 from livemig.rdzv.client import EtcdClient, decode, encode, prefix_end, txn_revision
-from livemig.rdzv.keys import JobKeys
+from livemig.rdzv.keys import JobKeys, row_rank
 from livemig.rdzv.lease import LeaseKeeper
 from livemig.rdzv.roster import Member
 
@@ -150,8 +150,8 @@ class Membership:
         return encode(d)
 
     @classmethod
-    def from_bytes(cls, raw: bytes | None, members: MutableMapping[int, Member] | None = None) -> Membership:
-        """The head alone (its `members` empty, or `members` where the caller read them)."""
+    def from_bytes(cls, raw: bytes | None) -> Membership:
+        """The head alone (its `members` empty: the rows are read with it, `assemble`, or lazily)."""
         if not raw:
             return cls()
         try:
@@ -162,14 +162,12 @@ class Membership:
             m = cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
             if not isinstance(m.generation, int) or not isinstance(m.rows, dict):
                 raise TypeError("generation or rows")
+            return m
         except Exception as exc:  # noqa: BLE001 - msgpack, a missing field, a wrong type
             raise CorruptStateError(
                 f"the job's membership table in etcd is not a valid record ({type(exc).__name__}): its state is "
                 "corrupt and nothing can be decided from it; this run ends, start a new one"
             ) from None
-        if members is not None:
-            m.members = members
-        return m
 
     @classmethod
     def assemble(
@@ -200,9 +198,7 @@ class Membership:
     def from_kvs(cls, by_key: Mapping[str, Any], keys: JobKeys) -> Membership:
         """The table from a cache of the job's keys (an agent's or a command's watch of the job)."""
         head = by_key.get(keys.membership)
-        pre = keys.roster_prefix
-        rows = [(int(k[len(pre):]), kv.value) for k, kv in by_key.items()
-                if k.startswith(pre) and k[len(pre):].isdigit()]  # fmt: skip
+        rows = [(r, kv.value) for k, kv in by_key.items() if (r := row_rank(keys, k)) is not None]
         return cls.assemble(head.value if head is not None else None, rows, check=False)
 
     def rank_of(self, incarnation: str, hint: int | None = None) -> int | None:
@@ -248,16 +244,16 @@ class Rendezvous:
         raise AssertionError("unreachable")
 
     def _ranked(self, kvs: list) -> list[tuple[int, bytes]]:
-        pre = self.keys.roster_prefix
+        """(rank, value) of the row keys among a read transaction's (value, meta) results."""
         out = []
         for value, meta in kvs:
-            k = meta.key.decode() if isinstance(meta.key, bytes) else meta.key
-            if k[len(pre) :].isdigit():
-                out.append((int(k[len(pre) :]), value))
+            r = row_rank(self.keys, meta.key.decode() if isinstance(meta.key, bytes) else meta.key)
+            if r is not None:
+                out.append((r, value))
         return out
 
     def read_head(self) -> Membership:
-        """The head alone, its members read on demand (`rows_loader`)."""
+        """The head alone, its members read when first used (`lazy`)."""
         kv = self.client.get(self.keys.membership)
         m = Membership.from_bytes(kv.value if kv else None)
         return self.lazy(m)
@@ -318,14 +314,14 @@ class Rendezvous:
         """Every row's stored versions (the writer diffs against them, junk of an abandoned
         staging included), and the revision they were read at."""
         kvs, rev = self.client.get_prefix(self.keys.roster_prefix)
-        pre = self.keys.roster_prefix
         out: dict[int, list] = {}
         for kv in kvs:
-            if kv.key[len(pre) :].isdigit():
+            r = row_rank(self.keys, kv.key)
+            if r is not None:
                 try:
-                    out[int(kv.key[len(pre) :])] = roster.decode_versions(kv.value)
+                    out[r] = roster.decode_versions(kv.value)
                 except Exception:  # noqa: BLE001 - a corrupt row is rewritten whole
-                    out[int(kv.key[len(pre) :])] = [[-1, "corrupt"]]
+                    out[r] = [[-1, "corrupt"]]
         return out, rev
 
     def _row_writes(self, tag: int, new: Membership) -> tuple[dict[int, list], list[Any]]:

@@ -103,24 +103,28 @@ def encode_versions(v: Versions) -> bytes:
     return msgpack.packb(v, use_bin_type=True)
 
 
-def visible(v: Versions, generation: int) -> tuple[bool, Any]:
-    """The row a reader of `generation` sees: (True, row or None for "no member"), or (False,
-    None) when every version is newer (the row changed twice since: the reader is stale)."""
+def newest(v: Versions, generation: int) -> tuple[int, Any] | None:
+    """The version a reader of `generation` sees, (tag, row or None for "no member"); None
+    when every version is newer (the row changed twice since: the reader is stale)."""
     best = None
     for tag, row in v:
         if tag <= generation:
-            best = (True, row)
-    return best if best is not None else (False, None)
+            best = (tag, row)
+    return best
+
+
+def visible(v: Versions, generation: int) -> tuple[bool, Any]:
+    """`newest` as (seen, row): (False, None) for a stale reader."""
+    got = newest(v, generation)
+    return (True, got[1]) if got is not None else (False, None)
 
 
 def planned(v: Versions | None, tag: int, row: list | None) -> Versions | None:
     """The versions to store so that readers of `tag` see `row` and readers of earlier
     generations what they saw: the newest version tagged < tag kept as the base. None: the
     stored value is already right (no write)."""
-    base = None
-    for t, r in v or []:
-        if t < tag:
-            base = [t, r]
+    got = newest(v or [], tag - 1)
+    base = list(got) if got is not None else None
     if base is not None and base[1] == row:
         want = [base]
     elif base is None and row is None:
@@ -163,10 +167,6 @@ class Roster(MutableMapping[int, Member]):
         self._loader = loader
         self._absent: set[int] = set()
         self._singles = 0
-
-    @property
-    def loaded(self) -> bool:
-        return self._loader is None
 
     def _load_all(self) -> None:
         if self._loader is not None:
@@ -213,10 +213,6 @@ class Roster(MutableMapping[int, Member]):
 
     def __repr__(self) -> str:
         return f"Roster({self._rows!r}{', lazy' if self._loader else ''})"
-
-    def cached(self, rank: int) -> Member | None:
-        """The row if already read, without reading."""
-        return self._rows.get(rank)
 
 
 def rows_of(members: Mapping[int, Member]) -> dict[int, list]:
@@ -303,12 +299,10 @@ def assemble(
                 hit = (raw, decode_versions(raw), by_tag)
                 if cache is not None:
                     cache[rank] = hit
-            ok, row, tag = False, None, -1
-            for t, r in hit[1]:
-                if t <= generation:
-                    ok, row, tag = True, r, t
-            if not ok:
+            seen = newest(hit[1], generation)
+            if seen is None:
                 raise StaleGenerationError(f"member row {rank} changed after generation {generation}: re-read")
+            tag, row = seen
             if row is not None:
                 got = hit[2].get(tag)
                 if got is None:

@@ -173,12 +173,13 @@ class Checks:
         the most reports that did not report themselves are replaced, else the higher of
         those named most. Failures that name nobody
         rebuild the group with the same members, at most MAX_REBUILDS times for one step;
-        then the job fails with the collective's error. None if nothing is decided."""
+        then the job fails with the collective's error. None if nothing is decided. Only
+        records that carry a flag are read (Snapshot.flagged_progress): the others name nobody."""
         m = s.m
         reports: dict[int, tuple[bool, list[int], dict]] = {}
-        for r, mem in m.members.items():
-            p = s.get(self.keys.progress(r)) or {}
-            if p.get("incarnation") != mem.incarnation or p.get("group") != m.group_gen:
+        for r, p in sorted(s.flagged_progress().items()):
+            mem = m.members.get(r)
+            if mem is None or p.get("incarnation") != mem.incarnation or p.get("group") != m.group_gen:
                 continue
             failed = isinstance(p.get("failed_step"), int)
             named = [x for x in p.get("unreachable") or [] if isinstance(x, int) and x in m.members and x != r]
@@ -221,14 +222,15 @@ class Checks:
         is stuck in an older step's, that rank is suspected, as if its agent had seen
         it die; the recovery then fences it and its agent kills it. A rank inside
         `ctx.busy()` is never suspected. The wait is measured on this coordinator's
-        clock from what each member reported (`waited_s`), so host clocks do not matter."""
+        clock from what each member reported (`waited_s`), so host clocks do not matter.
+        Only records that carry a flag are read until someone waits (Snapshot.flagged_progress)."""
         m = s.m
-        prog = {r: s.get(self.keys.progress(r)) or {} for r in m.members}
+        flagged = {r: p for r, p in s.flagged_progress().items() if r in m.members}
         now = time.monotonic()
-        for r, p in prog.items():  # a rank is given the whole hang timeout again after a busy pause
+        for r, p in flagged.items():  # a rank is given the whole hang timeout again after a busy pause
             if p.get("busy"):
                 self._busy_seen[(m.generation, r)] = now
-        waiting = {r: p for r, p in prog.items() if isinstance(p.get("waiting_step"), int)
+        waiting = {r: p for r, p in sorted(flagged.items()) if isinstance(p.get("waiting_step"), int)
                    and p.get("incarnation") == m.members[r].incarnation}  # fmt: skip
         if not waiting or len(waiting) == len(m.members) and len({p["waiting_step"] for p in waiting.values()}) == 1:
             return None
@@ -242,6 +244,7 @@ class Checks:
             started.append(self._waits[key])
         limit = max(as_number(waiting[r].get("hang_timeout"), 5.0) for r in waiters)
         waited = now - max(started)
+        prog = {r: flagged.get(r) or s.get(self.keys.progress(r)) or {} for r in m.members}
         suspects = [r for r in m.members if r not in waiters and not prog[r].get("busy")
                     and now - self._busy_seen.get((m.generation, r), -1e18) >= limit]  # fmt: skip
         if not suspects or waited < limit:

@@ -109,6 +109,7 @@ class Coordinator:
         self._lease_dead: dict[tuple[int, str], float] = {}  # (generation, incarnation) -> lease first seen gone
         self._in_grace = False
         self._measured: set[int] = set()  # generations whose `measured` event is written
+        self._pruned: tuple[int, Membership] | None = None  # (pass, table) of a prune that found nothing
         # --min-nproc / --shrink-wait: train on the survivors with no spare (runtime/virtual.py)
         self.shrink = ShrinkPolicy(world_size)
 
@@ -453,7 +454,7 @@ class Coordinator:
             info = safe_decode(kv.key, kv.value) or {}
             return not info.get("follow"), kv.create_revision
 
-        for kv in sorted((kv for k, kv in s.kv.items() if k.startswith(self.keys.spares_prefix)), key=order):
+        for kv in sorted((s.kv[k] for k in s.keys_under(self.keys.spares_prefix)), key=order):
             sid = kv.key[len(self.keys.spares_prefix) :]
             info = safe_decode(kv.key, kv.value)
             if not info or "incarnation" not in info:
@@ -466,7 +467,7 @@ class Coordinator:
         return tuple(out)
 
     def _any_spare(self, s: Snapshot) -> bool:
-        return any(k.startswith(self.keys.spares_prefix) for k in s.kv)
+        return bool(s.keys_under(self.keys.spares_prefix))
 
     def _request_fresh(self, s: Snapshot, ranks: list[int], since: float, why: str) -> None:
         """Ask the agents, once per generation, for a fresh process for each of `ranks` (each
@@ -547,8 +548,15 @@ class Coordinator:
                         extra={"generation": m.generation, "carried": carried, "physical": len(members)})  # fmt: skip
 
     def _prune(self, s: Snapshot) -> None:
-        """Remove what finished generations left behind (coordinator/prune.py)."""
+        """Remove what finished generations left behind (coordinator/prune.py). A pass that
+        found nothing to prune is not repeated while the table and the folders it reads stay
+        as they were (it reads every member of the table)."""
+        k = self.keys
+        read = (k.recoveries_prefix, k.timeline_prefix, k.suspects_prefix, k.assignments_prefix, k.members_prefix)
+        if self._pruned is not None and self._pruned[1] is s.m and s.unchanged_since(read, self._pruned[0]):
+            return
         ops = stale_ops(s, self.keys)
+        self._pruned = None if ops else (s.pass_no, s.m)
         if ops and self.writes.record(*ops):
             log.info("pruned", extra={"generation": s.m.generation, "ops": len(ops)})
 

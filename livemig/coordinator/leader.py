@@ -62,6 +62,9 @@ class Leader:
         self._floor = 0
         self._full_at = -1e18
         self._woken = False  # this pass answers a change (not the 0.2 s timer)
+        # the last pass's keys came from the mirrors: this pass's changed keys are what the
+        # mirrors collected since (Snapshot keeps what it derived up to date from them alone)
+        self._continuous = False
 
     def lost(self, reason: str) -> None:
         """The election's callback: the lease behind the leader key is gone."""
@@ -102,18 +105,20 @@ class Leader:
         # Two mirrors: the job's control keys, whose changes wake a pass, and the members'
         # progress records on a connection of their own (its own gRPC stream and thread), so
         # a burst of 10,000 of them never stands between a pass and a report or a registration.
-        mirror = PrefixMirror(self.client, self.keys.prefix, self._on_change, range_end=self.keys.control_end)
+        mirror = PrefixMirror(self.client, self.keys.prefix, self._on_change, range_end=self.keys.control_end,
+                              track_changes=True)  # fmt: skip
         progress_client = EtcdClient(self.client.endpoints, self.client.timeout, self.client.security)
         try:
-            self._progress = PrefixMirror(progress_client, self.keys.progress_prefix)
+            self._progress = PrefixMirror(progress_client, self.keys.progress_prefix, track_changes=True)
+            self._continuous = False
             while not self.stop.is_set():
                 try:
-                    kvs = self._read(mirror)
+                    kvs, changes = self._read(mirror)
                 except EtcdUnavailableError as exc:  # failover in progress; the lease decides leadership
                     log.warning("etcd unavailable; retrying", extra={"err": str(exc)})
                     continue
                 started = time.monotonic()
-                snap = Snapshot(kvs, self.rdzv, self._decoded)
+                snap = Snapshot(kvs, self.rdzv, self._decoded, changes)
                 if snap.m.state in (GenState.DONE, GenState.FAILED) and snap.get(self.keys.result):
                     return snap.m.state
                 lk = snap.kv.get(self.keys.leader)
@@ -152,19 +157,23 @@ class Leader:
         checks need)."""
         self.wake.set()
 
-    def _read(self, mirror: PrefixMirror) -> dict:
+    def _read(self, mirror: PrefixMirror) -> tuple[dict, set[str] | None]:
         """The job's keys for one pass: the control keys from the watch-fed mirror once it
         holds this coordinator's own writes (their revision, from etcd's answers; its next
         pass must see them), else from etcd itself: after a write whose revision is unknown
         (a failed call), when the mirror does not reach the revision within MIRROR_WAIT_S,
         when it lags the last full read, and about every FULL_READ_S (a safety net); the
-        progress records from their own mirror (the coordinator never writes them)."""
+        progress records from their own mirror (the coordinator never writes them). With them,
+        the keys changed since the last pass's read: None where that is not known (a full read
+        now or then, a read that failed in between)."""
         now = time.monotonic()
-        kvs, rev = mirror.by_key()
+        continuous, self._continuous = self._continuous, False  # until this read is done
+        kvs, rev, changes = mirror.by_key_changes()
         deadline = now + MIRROR_WAIT_S
         while rev < self.client.write_revision and time.monotonic() < deadline:
             time.sleep(0.002)  # the watch delivers our own write in about a millisecond
-            kvs, rev = mirror.by_key()
+            kvs, rev, more = mirror.by_key_changes()
+            changes = None if changes is None or more is None else changes | more
         fresh = rev >= max(self._floor, self.client.write_revision)
         # The safety net's read (~0.25 s at 10,000 ranks) waits for a pass of the timer, not
         # one that answers a change (a fault), unless changes have kept coming for 3 x as long.
@@ -179,6 +188,12 @@ class Leader:
             self._floor = max((kv.mod_revision for kv in got), default=0)
             self._full_at = now
             self.reads["full"] += 1
+            changes = None
         if self._progress is not None:
-            kvs.update(self._progress.by_key()[0])
-        return kvs
+            progress, _, more = self._progress.by_key_changes()
+            kvs.update(progress)
+            changes = None if changes is None or more is None else changes | more
+        if not continuous:
+            changes = None
+        self._continuous = True
+        return kvs, changes

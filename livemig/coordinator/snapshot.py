@@ -9,7 +9,7 @@ garbage: a pass must never fail on it again and again (docs/reliability.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -78,16 +78,33 @@ def safe_decode(key: str, raw: bytes) -> Any:
     return value
 
 
+def _folder(key: str) -> str:
+    return key[: key.rfind("/") + 1]
+
+
 class Decoded:
-    """Decoded values across passes, by key and mod revision: a pass decodes only the
-    keys that changed since the last one (at 10,000 ranks a pass otherwise decoded
-    every registration and progress record, and the member table, 5 times a second).
-    Values are shared between passes: the coordinator never mutates what it reads."""
+    """What passes derive from the job's keys, kept from pass to pass and updated by each
+    pass's changed keys alone: the decoded values (by key and mod revision), the member table,
+    the keys by folder, and memos of whole results (Snapshot.under, dead, registered, the
+    progress records that carry a flag). At 10,000 ranks a pass otherwise decoded and indexed
+    every key of the job (~60,000) and checked every member 5 times a second: a pass cost
+    grew with N, and so did each recovery phase, which waits for one or two passes.
+    Values are shared between passes: the coordinator never mutates what it reads.
+
+    Each pass is numbered (`passes`); a memo holds the pass it was made in and is reused while
+    no folder it read was touched since (`changed_since`). A pass whose changed keys are not
+    known (a full read, the first pass) rebuilds the index and drops every memo."""
 
     def __init__(self) -> None:
         self.values: dict[str, tuple[int, Any]] = {}
         self.table: tuple[int, Membership] | None = None  # (the head's mod revision, the table)
         self.rows: dict = {}  # the member rows, decoded once per change (roster.assemble)
+        self.passes = 0
+        self.rebuilt = 0  # the last pass that indexed every key anew
+        self.folders: dict[str, dict[str, None]] = {}  # keys by parent folder, in the mirror's order
+        self.touched: dict[str, int] = {}  # folder -> the last pass that changed a key in it
+        self.changed: dict[str, list[str]] = {}  # this pass's changed keys by folder
+        self.memo: dict[Any, tuple] = {}  # (what, args) -> (pass made, ...)
 
     def get(self, kv: KV, decode_fn: Any) -> Any:
         hit = self.values.get(kv.key)
@@ -101,6 +118,34 @@ class Decoded:
         if len(self.values) > 2 * len(live) + 1000:
             self.values = {k: v for k, v in self.values.items() if k in live}
 
+    def begin(self, kvs: dict[str, KV], changes: set[str] | None) -> None:
+        """A new pass over `kvs`; `changes`: the keys that differ from the last pass's (None:
+        not known, everything is indexed again)."""
+        self.passes += 1
+        self.changed = {}
+        if changes is None or len(self.touched) > 10_000:  # folders of long-pruned generations
+            self.rebuilt = self.passes
+            self.folders, self.touched, self.memo = {}, {}, {}
+            for k in kvs:
+                self.folders.setdefault(_folder(k), {})[k] = None
+            return
+        for k in sorted(changes):  # keys new in one pass: in a fixed order
+            f = _folder(k)
+            if k in kvs:
+                self.folders.setdefault(f, {})[k] = None  # a changed value keeps its place
+            elif (keys := self.folders.get(f)) is not None:
+                keys.pop(k, None)
+                if not keys:
+                    del self.folders[f]
+            self.touched[f] = self.passes
+            self.changed.setdefault(f, []).append(k)
+
+    def changed_since(self, prefixes: tuple[str, ...], made: int) -> bool:
+        """Whether a key under any of `prefixes` (folders, ending in '/') changed after pass `made`."""
+        if self.rebuilt > made:
+            return True
+        return any(at > made and f.startswith(prefixes) for f, at in self.touched.items())
+
 
 def node_of(reg: dict) -> int | None:
     """The node rank a registration names (None: a spare of a standby host, or older records)."""
@@ -109,15 +154,35 @@ def node_of(reg: dict) -> int | None:
 
 
 class Snapshot:
-    """All keys of the job at one revision, with typed accessors."""
+    """All keys of the job at one revision, with typed accessors. `changes`: the keys that
+    differ from the last Snapshot made with the same `cache` (the coordinator's mirrors collect
+    them); None when not known: what the cache derived is then made anew (see Decoded)."""
 
-    def __init__(self, kvs: list[KV] | dict[str, KV], rdzv: Rendezvous, cache: Decoded | None = None) -> None:
+    def __init__(self, kvs: list[KV] | dict[str, KV], rdzv: Rendezvous, cache: Decoded | None = None,
+                 changes: set[str] | None = None) -> None:  # fmt: skip
         self.kv = kvs if isinstance(kvs, dict) else {kv.key: kv for kv in kvs}
         self.keys = rdzv.keys
         self._cache = cache if cache is not None else Decoded()
+        self._cache.begin(self.kv, changes)
         self._cache.forget_gone(self.kv)
-        self._under: dict[str, list[str]] | None = None
         self.m = self._table()
+
+    @property
+    def pass_no(self) -> int:
+        """This pass's number: a memo of the caller's made now is valid while `unchanged_since`."""
+        return self._cache.passes
+
+    def unchanged_since(self, prefixes: tuple[str, ...], made: int) -> bool:
+        """No key under `prefixes` (folders) changed after pass `made` (see Decoded)."""
+        return not self._cache.changed_since(prefixes, made)
+
+    def _memo(self, what: Any, prefixes: tuple[str, ...], *same: Any) -> Any:
+        """A memo made in an earlier pass with the same `same` (compared by identity), valid
+        while no key under `prefixes` changed since; None if there is none."""
+        hit = self._cache.memo.get(what)
+        if hit is None or len(hit) != len(same) + 2 or any(a is not b for a, b in zip(hit[2:], same, strict=True)):
+            return None
+        return hit[1] if self.unchanged_since(prefixes, hit[0]) else None
 
     def _table(self) -> Membership:
         """The head and the rows as one table, assembled again only when the head changed
@@ -130,8 +195,8 @@ class Snapshot:
             return Membership.from_bytes(None)
         if self._cache.table is not None and self._cache.table[0] == head.mod_revision:
             return self._cache.table[1]
-        rows = [(r, self.kv[k].value) for k in self.keys_under(self.keys.roster_prefix)
-                if (r := row_rank(self.keys, k)) is not None]  # fmt: skip
+        rows = sorted((r, self.kv[k].value) for k in self.keys_under(self.keys.roster_prefix)
+                      if (r := row_rank(self.keys, k)) is not None)  # fmt: skip
         m = Membership.from_bytes(head.value)
         members, digest = roster.assemble(m.generation, rows, self._cache.rows)
         m.members = roster.Roster(members)
@@ -144,26 +209,79 @@ class Snapshot:
         return self._cache.get(kv, safe_decode) if kv else None
 
     def under(self, prefix: str) -> dict[str, Any]:
-        out = {k[len(prefix) :]: self._cache.get(self.kv[k], safe_decode) for k in self.keys_under(prefix)}
-        return {k: v for k, v in out.items() if isinstance(v, dict)}
+        """The records under the folder `prefix` that decode to a dict, by the rest of their
+        key: made once and then updated by the changed keys alone while passes come one after
+        another (a report or ready folder of 10,000 ranks is read by every pass of a recovery)."""
+        c = self._cache
+        hit = c.memo.get(("under", prefix))
+        if hit is not None and hit[0] >= c.rebuilt and not c.changed_since((prefix,), hit[0]):
+            out = hit[1]
+        elif hit is not None and hit[0] == c.passes - 1 and c.rebuilt < c.passes:
+            out = hit[1]
+            for f, keys in c.changed.items():
+                if f.startswith(prefix):
+                    for k in keys:
+                        v = self.get(k)
+                        if isinstance(v, dict):
+                            out[k[len(prefix) :]] = v
+                        else:
+                            out.pop(k[len(prefix) :], None)
+        else:
+            out = {k[len(prefix) :]: self._cache.get(self.kv[k], safe_decode) for k in self.keys_under(prefix)}
+            out = {k: v for k, v in out.items() if isinstance(v, dict)}
+        c.memo[("under", prefix)] = (c.passes, out)
+        return dict(out)
 
     def keys_under(self, prefix: str) -> list[str]:
-        """Keys under `prefix`, from an index by the keys' parent folder built once per
-        pass (a scan of every key per call was the pass's cost at 10,000 ranks; so was
-        the scan for a folder with no keys, such as errors/ in a healthy job)."""
-        if self._under is None:
-            self._under = {}
-            for k in self.kv:
-                self._under.setdefault(k[: k.rfind("/") + 1], []).append(k)
+        """Keys under `prefix`, from the index by parent folder that each pass updates with its
+        changed keys (a scan of every key per call, then an index built per pass, were a pass's
+        largest costs at 10,000 ranks)."""
+        folders = self._cache.folders
         if prefix.endswith("/"):
-            deeper = [p for p in self._under if p != prefix and p.startswith(prefix)]
-            return self._under.get(prefix, []) + [k for p in deeper for k in self._under[p]]
+            deeper = [p for p in folders if p != prefix and p.startswith(prefix)]
+            return [*folders.get(prefix, ()), *(k for p in deeper for k in folders[p])]
         return [k for k in self.kv if k.startswith(prefix)]
+
+    def flagged_progress(self) -> dict[int, dict]:
+        """The progress records, by rank, that carry something the checks act on (a failed or
+        long-waited collective, unreachable peers, a busy pause): the few the hang and link
+        checks need to read, kept up to date from the changed records alone."""
+        c = self._cache
+        pp = self.keys.progress_prefix
+        hit = c.memo.get("flagged")
+        if hit is not None and hit[0] == c.passes - 1 and c.rebuilt < c.passes:
+            out = hit[1]
+            keys: Iterable[str] = c.changed.get(pp, ())
+        else:
+            out, keys = {}, c.folders.get(pp, {})
+        for k in keys:
+            rest = k[len(pp) :]
+            if not rest.isdigit():
+                continue
+            p = self.get(k)
+            if isinstance(p, dict) and ("failed_step" in p or "waiting_step" in p or p.get("unreachable")
+                                        or p.get("busy")):  # fmt: skip
+                out[int(rest)] = p
+            else:
+                out.pop(int(rest), None)
+        c.memo["flagged"] = (c.passes, out)
+        return dict(out)
 
     def dead(self, members: Mapping[int, Member], grace: bool = False) -> list[int]:
         """The ranks of `members` that alive() calls dead, without its key building and
         lookups for the many that registered as themselves (a pass's largest cost at
-        10,000 ranks); any other goes through alive() itself."""
+        10,000 ranks); any other goes through alive() itself. Kept from pass to pass while
+        neither the table nor a registration, suspect, fence or spare key changed."""
+        k = self.keys
+        watched = (k.members_prefix, k.suspects_prefix, k.fenced_prefix, k.spares_prefix)
+        hit = self._memo("dead", watched, members, grace)
+        if hit is not None:
+            return list(hit)
+        out = self._dead(members, grace)
+        self._cache.memo["dead"] = (self.pass_no, out, members, grace)
+        return list(out)
+
+    def _dead(self, members: Mapping[int, Member], grace: bool) -> list[int]:
         sp, fp = self.keys.suspects_prefix, self.keys.fenced_prefix
         suspects = {k[len(sp) :] for k in self.keys_under(sp) if self.get(k) is not None}
         fenced = {k[len(fp) :] for k in self.keys_under(fp)}
@@ -185,7 +303,10 @@ class Snapshot:
         """`members` with the address, host and pid each live holder registered under its
         rank. A claimed spare's are known only once it registers (after its pull, or at
         a migration's switch): a table that carries on without them leaves a later
-        recovery with no address to pull from."""
+        recovery with no address to pull from. Kept from pass to pass like `dead`."""
+        hit = self._memo("registered", (self.keys.members_prefix,), members)
+        if hit is not None:
+            return dict(hit)
         out = {}
         for r, mem in members.items():
             reg = self.get(self.keys.member(r)) or {}
@@ -194,7 +315,8 @@ class Snapshot:
                 if got != (mem.addr, mem.host, mem.pid, mem.node):  # the same object where nothing changed:
                     mem = replace(mem, addr=got[0], host=got[1], pid=got[2], node=got[3])  # 10,000 copies a pass
             out[r] = mem
-        return out
+        self._cache.memo["registered"] = (self.pass_no, out, members)
+        return dict(out)
 
     def alive(self, rank: int, member: Member, grace: bool = False) -> bool:
         """grace: a missing registration is not a death (the coordinator itself just

@@ -50,6 +50,7 @@ class PrefixWatch:
         start_revision: int | None = None,
         on_resync: Callable[[], None] | None = None,
         range_end: str | None = None,
+        track_changes: bool = False,
     ) -> None:
         self.client = client
         self.prefix = prefix
@@ -138,7 +139,9 @@ class PrefixMirror:
 
     revision: the newest mod revision applied (a lower bound of how current it is).
     on_change(events) runs after each batch is applied ([] after a full re-read).
-    range_end: mirror [prefix, range_end) instead of every key under prefix."""
+    range_end: mirror [prefix, range_end) instead of every key under prefix.
+    track_changes: also collect the keys changed since the last `by_key_changes` (one reader:
+    the coordinator's passes, which update what they derived from the keys by these alone)."""
 
     def __init__(
         self,
@@ -146,12 +149,15 @@ class PrefixMirror:
         prefix: str,
         on_change: Callable[[list[WatchEvent]], None] | None = None,
         range_end: str | None = None,
+        track_changes: bool = False,
     ) -> None:
         self.client = client
         self.prefix = prefix
         self.range_end = range_end
         self.on_change = on_change
         self._lock = threading.Lock()
+        self._track = track_changes
+        self._changed: set[str] | None = None  # None: everything may have changed (a full read)
         kvs, rev = self._read()
         self._kv: dict[str, KV] = {kv.key: kv for kv in kvs}
         self.revision = max((kv.mod_revision for kv in kvs), default=0)
@@ -171,6 +177,8 @@ class PrefixMirror:
                 else:
                     self._kv.pop(e.key, None)
                 self.revision = max(self.revision, e.mod_revision)
+            if self._track and self._changed is not None:
+                self._changed.update(e.key for e in events)
         if self.on_change is not None:
             self.on_change(events)
 
@@ -179,6 +187,7 @@ class PrefixMirror:
         with self._lock:
             self._kv = {kv.key: kv for kv in kvs}
             self.revision = max([self.revision, *(kv.mod_revision for kv in kvs)])
+            self._changed = None
         if self.on_change is not None:
             self.on_change([])
 
@@ -190,6 +199,13 @@ class PrefixMirror:
         """A copy of the mirror by key (one dict copy: no list and no dict to rebuild)."""
         with self._lock:
             return dict(self._kv), self.revision
+
+    def by_key_changes(self) -> tuple[dict[str, KV], int, set[str] | None]:
+        """`by_key` and the keys changed since the last call (None: since the mirror was read
+        whole, or for the first call): taken at once, so the copy is the last one's plus them."""
+        with self._lock:
+            changed, self._changed = self._changed, set() if self._track else None
+            return dict(self._kv), self.revision, changed
 
     def cancel(self) -> None:
         self._watch.cancel()

@@ -98,7 +98,7 @@ class Decoded:
     def __init__(self) -> None:
         self.values: dict[str, tuple[int, Any]] = {}
         self.table: tuple[int, Membership] | None = None  # (the head's mod revision, the table)
-        self.rows: dict = {}  # the member rows, decoded once per change (roster.assemble)
+        self.rows = roster.Assembler()  # the member rows, re-read only where they changed
         self.passes = 0
         self.rebuilt = 0  # the last pass that indexed every key anew
         self.folders: dict[str, dict[str, None]] = {}  # keys by parent folder, in the mirror's order
@@ -165,6 +165,7 @@ class Snapshot:
         self._cache = cache if cache is not None else Decoded()
         self._cache.begin(self.kv, changes)
         self._cache.forget_gone(self.kv)
+        self._rows_stored()
         self.m = self._table()
 
     @property
@@ -184,21 +185,33 @@ class Snapshot:
             return None
         return hit[1] if self.unchanged_since(prefixes, hit[0]) else None
 
+    def _rows_stored(self) -> None:
+        """Tell the table's assembler which rows changed in this pass (every row after a
+        full read)."""
+        c, rp = self._cache, self.keys.roster_prefix
+        keys: Iterable[str] = c.changed.get(rp, ())
+        if c.rebuilt == c.passes:
+            c.rows.reset()
+            keys = c.folders.get(rp, {})
+        for k in keys:
+            r = row_rank(self.keys, k)
+            if r is not None:
+                kv = self.kv.get(k)
+                c.rows.stored(r, kv.value if kv is not None else None)
+
     def _table(self) -> Membership:
         """The head and the rows as one table, assembled again only when the head changed
-        (every change of visible rows writes the head) and only the changed rows decoded: a
-        pass at 10,000 ranks would otherwise decode every row 5 times a second. A table whose
-        rows do not yet match the head's digest (a mirror between the events of one write) is
-        used, not kept: the next pass assembles it again."""
+        (every change of visible rows writes the head) and then only from the rows that
+        changed (roster.Assembler): a pass at 10,000 ranks would otherwise decode every row 5
+        times a second. A table whose rows do not yet match the head's digest (a mirror between
+        the events of one write) is used, not kept: the next pass assembles it again."""
         head = self.kv.get(self.keys.membership)
         if head is None:
             return Membership.from_bytes(None)
         if self._cache.table is not None and self._cache.table[0] == head.mod_revision:
             return self._cache.table[1]
-        rows = sorted((r, self.kv[k].value) for k in self.keys_under(self.keys.roster_prefix)
-                      if (r := row_rank(self.keys, k)) is not None)  # fmt: skip
         m = Membership.from_bytes(head.value)
-        members, digest = roster.assemble(m.generation, rows, self._cache.rows)
+        members, digest = self._cache.rows.assemble(m.generation)
         m.members = roster.Roster(members)
         if m.rows_match(len(members), digest):
             self._cache.table = (head.mod_revision, m)

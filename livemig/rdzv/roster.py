@@ -281,39 +281,115 @@ class RowWriter:
 RowCache = dict  # rank -> (stored value, its versions, {tag: (Member, row hash)}): rows decoded once per change
 
 
+def _visible_member(
+    rank: int, raw: bytes, generation: int, cache: RowCache | None
+) -> tuple[Member | None, int, int | None]:
+    """Row `rank` as a reader of `generation` sees it: (its member or None, its hash, the
+    lowest tag of a version not yet visible or None). Errors as `assemble` says."""
+    try:
+        hit = cache.get(rank) if cache is not None else None
+        if hit is None or hit[0] != raw:
+            by_tag: dict[int, tuple[Member, int]] = {}
+            hit = (raw, decode_versions(raw), by_tag)
+            if cache is not None:
+                cache[rank] = hit
+        seen = newest(hit[1], generation)
+        if seen is None:
+            raise StaleGenerationError(f"member row {rank} changed after generation {generation}: re-read")
+        later = min((t for t, _ in hit[1] if t > generation), default=None)
+        tag, row = seen
+        if row is None:
+            return None, 0, later
+        got = hit[2].get(tag)
+        if got is None:
+            got = hit[2][tag] = (unpack_row(rank, row), row_hash(rank, row))
+        return got[0], got[1], later
+    except StaleGenerationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - msgpack, a wrong shape or type
+        raise CorruptStateError(
+            f"the job's member row of rank {rank} in etcd is not a valid record ({type(exc).__name__}): its "
+            "state is corrupt and nothing can be decided from it; this run ends, start a new one"
+        ) from None
+
+
 def assemble(
     generation: int, raw_rows: Iterable[tuple[int, bytes]], cache: RowCache | None = None
 ) -> tuple[dict[int, Member], int]:
     """Every member of `generation` from the stored rows (rank, value): the members and the
     digest of their rows. A row no version of which is visible means the table moved on while
     it was read: StaleGenerationError. A value that is not a row: CorruptStateError.
-    cache: kept by a reader that assembles again and again (the coordinator's passes), so that
-    only the rows that changed are decoded and hashed."""
+    cache: kept by a reader that assembles again and again, so that only the rows that
+    changed are decoded and hashed."""
     members: dict[int, Member] = {}
     total = 0
     for rank, raw in raw_rows:
-        try:
-            hit = cache.get(rank) if cache is not None else None
-            if hit is None or hit[0] != raw:
-                by_tag: dict[int, tuple[Member, int]] = {}
-                hit = (raw, decode_versions(raw), by_tag)
-                if cache is not None:
-                    cache[rank] = hit
-            seen = newest(hit[1], generation)
-            if seen is None:
-                raise StaleGenerationError(f"member row {rank} changed after generation {generation}: re-read")
-            tag, row = seen
-            if row is not None:
-                got = hit[2].get(tag)
-                if got is None:
-                    got = hit[2][tag] = (unpack_row(rank, row), row_hash(rank, row))
-                members[rank] = got[0]
-                total += got[1]
-        except StaleGenerationError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - msgpack, a wrong shape or type
-            raise CorruptStateError(
-                f"the job's member row of rank {rank} in etcd is not a valid record ({type(exc).__name__}): its "
-                "state is corrupt and nothing can be decided from it; this run ends, start a new one"
-            ) from None
+        member, h, _ = _visible_member(rank, raw, generation, cache)
+        if member is not None:
+            members[rank] = member
+            total += h
     return members, total & _MASK
+
+
+class Assembler:
+    """The table a reader that follows every change (the coordinator's passes) assembles again
+    at each new head from the rows whose visible version may differ from the last assembly's:
+    rows stored anew since (`stored`), and rows holding a version tagged after the last
+    assembly's generation and at most the new one (staged rows made visible by the head). Any
+    other row's newest version <= the new generation is the one it had: the same member. At
+    10,000 ranks a whole assembly was ~20 ms of each of a recovery's three head changes."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything: the next `assemble` reads every row `stored` since."""
+        self.raw: dict[int, bytes] = {}
+        self.cache: RowCache = {}
+        self.members: dict[int, Member] = {}
+        self.hashes: dict[int, int] = {}
+        self.total = 0
+        self.generation: int | None = None
+        self.pending: dict[int, int] = {}  # rank -> the lowest tag of a version not yet visible
+        self.dirty: set[int] = set()
+
+    def stored(self, rank: int, raw: bytes | None) -> None:
+        """Row `rank`'s stored value now (None: deleted)."""
+        if raw is None:
+            self.raw.pop(rank, None)
+        else:
+            self.raw[rank] = raw
+        self.dirty.add(rank)
+
+    def assemble(self, generation: int) -> tuple[dict[int, Member], int]:
+        """As module `assemble` over every stored row, from the rows that may differ alone."""
+        if self.generation is None or generation < self.generation:
+            again: Iterable[int] = sorted(self.raw)
+            self.members, self.hashes, self.total, self.pending = {}, {}, 0, {}
+        else:
+            again = self.dirty | {r for r, t in self.pending.items() if t <= generation}
+        self.generation = None  # until this assembly is complete: an error leaves it to start over
+        added = False
+        for r in again:
+            self.total -= self.hashes.pop(r, 0)
+            self.pending.pop(r, None)
+            raw = self.raw.get(r)
+            if raw is None:
+                self.cache.pop(r, None)
+                self.members.pop(r, None)
+                continue
+            member, h, later = _visible_member(r, raw, generation, self.cache)
+            if later is not None:
+                self.pending[r] = later
+            if member is None:
+                self.members.pop(r, None)
+                continue
+            added = added or r not in self.members
+            self.members[r] = member  # an existing rank keeps its place
+            self.hashes[r] = h
+            self.total += h
+        if added:
+            self.members = dict(sorted(self.members.items()))
+        self.dirty = set()
+        self.generation = generation
+        return dict(self.members), self.total & _MASK

@@ -106,7 +106,9 @@ def test_through_outage_gives_up_after_its_budget(own_etcd):
         t0 = time.monotonic()
         with pytest.raises(EtcdUnavailableError):
             through_outage(lambda: client.get("/x"), 2.0, "test")
-        assert 2.0 <= time.monotonic() - t0 < 6.0
+        # at least the budget; the upper bound only proves it gave up (not the test's timeout):
+        # on a loaded machine the last 1 s call returns seconds late (6 s failed under stress.sh)
+        assert 2.0 <= time.monotonic() - t0 < 20.0
     finally:
         own_etcd.resume()
 

@@ -189,15 +189,17 @@ def test_a_pass_kept_up_to_date_by_changed_keys_answers_as_one_made_anew():
     rev = [0]
 
     def value() -> object:
-        return rnd.choice([{"incarnation": rnd.choice(["sp", f"i{rnd.randrange(n)}"]), "host": "h", "pid": 1, "addr": "a2",
-                            "committed": 3, "step": 4, "time": 1.0},
+        inc = rnd.choice(["sp", f"i{rnd.randrange(n)}"])
+        return rnd.choice([{"incarnation": inc, "host": "h", "pid": 1, "addr": "a2", "committed": 3, "step": 4,
+                            "time": 1.0},
                            {"step": 5, "incarnation": "i1", "waiting_step": 6, "group": 0, "time": 2.0},
                            {"step": 5, "incarnation": "i2", "busy": True, "time": 2.0},
                            {"step": 5, "unreachable": [1], "time": 2.0}, {"step": 5, "time": 2.0}, b"\xc1",
                            {"x": 1}])  # fmt: skip
 
     folders = [keys.members_prefix, keys.suspects_prefix, keys.fenced_prefix, keys.spares_prefix,
-               keys.recovery_prefix(2) + "report/", keys.recovery_prefix(2) + "ready/", keys.progress_prefix]  # fmt: skip
+               keys.recovery_prefix(2) + "report/", keys.recovery_prefix(2) + "ready/",
+               keys.progress_prefix]  # fmt: skip
     incs = [mem.incarnation for mem in members.values()]
     names = {keys.suspects_prefix: [*incs, "x/y"], keys.fenced_prefix: incs, keys.spares_prefix: ["s0", "s1"]}
     cache = S.Decoded()
@@ -229,6 +231,52 @@ def test_a_pass_kept_up_to_date_by_changed_keys_answers_as_one_made_anew():
         assert kept.registered(members) == anew.registered(members), step
         assert kept.flagged_progress() == anew.flagged_progress(), step
         changes = None if step % 37 == 36 else set()  # now and then a full read
+
+
+def test_the_table_assembled_from_the_changed_rows_is_the_table_assembled_whole():
+    """roster.Assembler (the coordinator's table at each head) re-reads only the rows stored
+    anew and those holding a version that the new generation makes visible: after any sequence
+    of row writes (a base and a staged version, a removed member, junk tagged ahead), deletes
+    and generation steps, it returns what assembling every row gives, members in rank order,
+    digest and errors included."""
+    import random
+
+    from livemig.errors import StaleGenerationError
+    from livemig.rdzv import roster
+    from livemig.rdzv.membership import Member
+
+    rnd = random.Random(11)
+    rows: dict[int, bytes] = {}
+    a = roster.Assembler()
+    g = 1
+    for step in range(2000):
+        for _ in range(rnd.randrange(0, 4)):
+            r = rnd.randrange(16)
+            if rnd.random() < 0.15:
+                rows.pop(r, None)
+            else:
+                tags = sorted(rnd.sample(range(max(0, g - 2), g + 3), rnd.choice([1, 2])))
+                member = [None if rnd.random() < 0.2 else Member(r, f"i{rnd.randrange(3)}", "h", r, "a") for _ in tags]
+                rows[r] = roster.encode_versions(
+                    [[t, m and roster.pack_row(m)] for t, m in zip(tags, member, strict=True)]
+                )
+            a.stored(r, rows.get(r))
+        if rnd.random() < 0.3:
+            g += rnd.choice([1, 1, 2])
+        try:
+            want = roster.assemble(g, sorted(rows.items()))
+        except StaleGenerationError:
+            try:
+                a.assemble(g)
+            except StaleGenerationError:
+                continue
+            raise AssertionError(f"step {step}: the whole assembly is stale, the kept one is not") from None
+        got = a.assemble(g)
+        assert got == want and list(got[0]) == list(want[0]), step
+        if step % 300 == 299:
+            a.reset()
+            for r, raw in rows.items():
+                a.stored(r, raw)
 
 
 def test_dead_agrees_with_alive_member_by_member():

@@ -7,10 +7,13 @@ One member is then declared dead (the agent's suspect record) and we time
 the coordinator's part of the recovery: detect -> fence, reports -> agree +
 claim a spare, all ready -> commit.
 
-Progress traffic (`--progress-hz`, default 1: every rank writes its progress
-record once a second, a 1 s step) runs in a thread of its own from formation
-to the end, as members' per-step writes would; the coordinator's CPU time per
-second of steady state (progress on, no recovery) is read from /proc.
+Progress traffic (`--progress-hz`, default 1: a 1 s step) runs in a thread of
+its own from formation to the end, as members' per-step writes would, each
+rank keeping to the job's budget as members do (config.progress_budget: at
+most budget / N records a second each, 2,000 / N by default); the coordinator's
+CPU time per second of steady state (progress on, no recovery) is read from
+/proc, and etcd's own counters (its /metrics: keys put, raft proposals) give
+the writes per second etcd took in that steady state.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from datetime import timedelta
 from typing import Any
 
 from livemig.bench import proc_cpu_s
+from livemig.config import Timeouts, progress_budget
 from livemig.coordinator.timeline import read_events
 from livemig.rdzv.client import EtcdClient, encode
 from livemig.rdzv.embedded import EtcdCluster, free_port
@@ -68,6 +73,36 @@ def wait_until(client: EtcdClient, keys: JobKeys, pred: Any, coord: subprocess.P
     raise TimeoutError(f"coordinator did not reach the expected state within {timeout}s")
 
 
+def etcd_counters(etcd: str) -> dict[str, float]:
+    """etcd's counters of keys put and raft proposals committed (its /metrics, on the client
+    URL), and the lease keep-alive messages it received."""
+    names = {"etcd_mvcc_put_total": "puts", "etcd_server_proposals_committed_total": "proposals"}
+    out = {"puts": 0.0, "proposals": 0.0, "keepalives": 0.0}
+    with urllib.request.urlopen(etcd.split(",")[0] + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            name, _, value = line.rpartition(" ")
+            if name in names:
+                out[names[name]] = float(value)
+            elif name.startswith('grpc_server_msg_received_total{grpc_method="LeaseKeepAlive"'):
+                out["keepalives"] = float(value)
+    return out
+
+
+def keepalive_proposals(client: EtcdClient, etcd: str, leases: int = 100) -> tuple[int, float]:
+    """A member's lease keep-alive is answered by etcd's leader without a raft proposal: renew
+    `leases` leases once each and count etcd's proposals meanwhile (keep-alives, proposals)."""
+    ids = [client.grant(60) for _ in range(leases)]
+    try:
+        before = etcd_counters(etcd)
+        for lease in ids:
+            client.keepalive_once(lease)
+        after = etcd_counters(etcd)
+    finally:
+        for lease in ids:
+            client.revoke(lease)
+    return int(after["keepalives"] - before["keepalives"]), after["proposals"] - before["proposals"]
+
+
 class _Progress(threading.Thread):
     """Every rank's progress record, `hz` times a second, in batched transactions (the
     members' per-step writes); `writes_per_s` is what it achieved."""
@@ -81,16 +116,23 @@ class _Progress(threading.Thread):
         self.t0 = time.monotonic()
 
     def run(self) -> None:
+        """Each round writes every rank's record once, its batches spread over the round (as
+        members' writes spread over time), so a steady-state window of any length sees the rate."""
         step = 0
         while not self.stop.is_set() and self.hz > 0:
             start = time.monotonic()
             step += 1
             now = time.time()
-            _put_many(self.client, [(self.keys.progress(r), encode({"step": step, "time": now, "incarnation": inc,
-                                                                     "generation": 1, "avg_step": 1.0 / self.hz}))
-                                    for r, inc in enumerate(self.incs)])  # fmt: skip
-            self.writes += len(self.incs)
-            self.stop.wait(max(0.0, 1.0 / self.hz - (time.monotonic() - start)))
+            items = [(self.keys.progress(r), encode({"step": step, "time": now, "incarnation": inc, "generation": 1,
+                                                     "avg_step": 1.0 / self.hz}))
+                     for r, inc in enumerate(self.incs)]  # fmt: skip
+            batches = range(0, len(items), BATCH)
+            for i, at in enumerate(batches):
+                _put_many(self.client, items[at : at + BATCH])
+                self.writes += len(items[at : at + BATCH])
+                slot = start + (i + 1) / (self.hz * len(batches))
+                if self.stop.wait(max(0.0, slot - time.monotonic())):
+                    return
 
     @property
     def writes_per_s(self) -> float:
@@ -182,11 +224,15 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, 
         m, _ = wait_until(client, keys, lambda m: m.generation == 1, coord)
         _put_many(client, [(keys.ready(1, r), encode({"incarnation": inc[r], "time": time.time()})) for r in range(n)])
         wait_until(client, keys, lambda m: m.state == GenState.COMMITTED, coord)
-        progress = _Progress(etcd, keys, inc, progress_hz)
+        # each simulated member keeps to the job's budget, as runtime/progress.py does
+        progress = _Progress(etcd, keys, inc, min(progress_hz, progress_budget() / n))
         progress.start()
-        cpu0, w0 = proc_cpu_s(coord.pid), time.monotonic()
+        time.sleep(min(1.0, steady_s))  # the first progress batches land before the steady state is measured
+        cpu0, w0, etcd0 = proc_cpu_s(coord.pid), time.monotonic(), etcd_counters(etcd)
         time.sleep(steady_s)  # steady state: progress traffic, no recovery
-        coord_cpu = (proc_cpu_s(coord.pid) - cpu0) / (time.monotonic() - w0)
+        etcd1, span = etcd_counters(etcd), time.monotonic() - w0
+        coord_cpu = (proc_cpu_s(coord.pid) - cpu0) / span
+        steady = {f"etcd_{k}_per_s": (etcd1[k] - etcd0[k]) / span for k in ("puts", "proposals")}
         spare_inc = f"sim-{job}-spare"
         client.put(keys.spare("s0"), encode({"incarnation": spare_inc, "state": "warm", "signature": SIG,
                                              "host": "sim", "pid": 0}), lease)  # fmt: skip
@@ -244,7 +290,8 @@ def measure(etcd: str, n: int, progress_hz: float = 1.0, steady_s: float = 5.0, 
             "members_report_s": t_reported - t_fenced,
             "members_ready_s": t_ready - t_claimed, "table_bytes": table_bytes, "head_bytes": head_bytes,
             "rows_written": rows_written,
-            "progress_writes_per_s": progress.writes_per_s, "coordinator_cpu_per_s": coord_cpu, **delivery,
+            "progress_writes_per_s": progress.writes_per_s, "coordinator_cpu_per_s": coord_cpu, **steady,
+            **delivery,
         }  # fmt: skip
     finally:
         if progress is not None:
@@ -389,6 +436,11 @@ def run(a: argparse.Namespace) -> int:
         for n in [int(x) for x in a.ranks.split(",")]:
             print(f"  {n} ranks ...", flush=True)
             rows.append(measure_best(etcd, n, a.repeat, a.progress_hz, a.steady_s, a.watchers))
+        client = EtcdClient(etcd, timedelta(seconds=30))
+        try:
+            kept_alive, proposals = keepalive_proposals(client, etcd)
+        finally:
+            client.close()
     finally:
         if cluster:
             cluster.stop()
@@ -397,13 +449,22 @@ def run(a: argparse.Namespace) -> int:
         "coordinator's record of it, 'seen': when the bench's member-like poll had the change)"
     )
     print(f"{'ranks':>6} {'fence':>7} {'agree+claim':>12} {'commit':>7} {'total':>7} {'seen':>7} "
-          f"{'(members report':>15} {'ready)':>7} {'table KB':>9} {'progress/s':>11} {'coord CPU/s':>12}")  # fmt: skip
+          f"{'(members report':>15} {'ready)':>7} {'table KB':>9} {'progress/s':>11} {'coord CPU/s':>12} "
+          f"{'etcd puts/s':>12}")  # fmt: skip
     for r in rows:
         print(f"{r['ranks']:>6} {r['fence_s']:>7.3f} {r['agree_claim_s']:>12.3f} {r['commit_s']:>7.3f} "
               f"{r['coordinator_total_s']:>7.3f} {r['seen_total_s']:>7.3f} {r['members_report_s']:>15.3f} "
               f"{r['members_ready_s']:>7.3f} "
               f"{r['table_bytes'] / 1024:>9.1f} {r['progress_writes_per_s']:>11.0f} "
-              f"{r['coordinator_cpu_per_s']:>12.3f}")  # fmt: skip
+              f"{r['coordinator_cpu_per_s']:>12.3f} {r['etcd_puts_per_s']:>12.0f}")  # fmt: skip
+    ttl = Timeouts.from_env().lease_ttl_s
+    budget = progress_budget()
+    print(f"\netcd in steady state (no recovery): 'etcd puts/s' is what etcd counted (its /metrics), the members'\n"
+          f"progress records at most {budget:,.0f} a second whatever N (LIVEMIG_PROGRESS_BUDGET). Each member's\n"
+          f"lease is renewed every TTL/3 = {ttl / 3:.2f} s: N x {3 / ttl:.1f} keep-alives a second, which etcd's\n"
+          f"leader answers without a raft proposal (measured now: {kept_alive} keep-alives, {proposals:.0f} "
+          f"proposals). At 100,000 ranks: <= {budget:,.0f} puts/s and {100_000 * 3 / ttl:,.0f} "
+          "keep-alives/s.")  # fmt: skip
     if any("watchers" in r for r in rows):
         print("\nthe commit reaching members' watches (each its own connection: the head, then its own row)")
         print(f"{'ranks':>6} {'watchers':>9} {'p50 s':>7} {'max s':>7} {'decode ms':>10} {'B/member':>9} "

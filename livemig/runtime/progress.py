@@ -21,17 +21,22 @@ if TYPE_CHECKING:
     from livemig.rdzv.membership import Membership
 
 log = logging.getLogger("livemig.member")
-COMPUTE_KEPT = 8  # steps of compute times in each progress record: the coordinator may be this far behind
+COMPUTE_KEPT = 8  # steps of compute times a record repeats from before the last one written (a pass may miss one)
+COMPUTE_MAX = 256  # and at most this many in all: the steps since the last written record, at scale
 # the fields a progress record may carry besides the commit's own arguments: a user metric of one
 # of these names is kept as user_<name> (Progress.commit)
 _OWN = frozenset({"compute_recent", "note", "step_s", "busy", "waiting_step", "waited_s", "hang_timeout",
                   "group", "unreachable", "failed_step", "error"})  # fmt: skip
 
 
+_FIRST = "_first"  # marks a member's first commit in a group, in the queue only: never written
+
+
 def _urgent(item: dict) -> bool:
-    """A failed collective, a long wait or a busy flag: the coordinator acts on these (a
-    recovery, the hang check), so they go out at once, outside the progress budget."""
-    return "failed_step" in item or "waiting_step" in item or "busy" in item
+    """A failed collective, a long wait, a busy flag or a member's first commit in a new group:
+    the coordinator acts on these (a recovery, the hang check, the recovery's measure), so they
+    go out at once, outside the progress budget."""
+    return "failed_step" in item or "waiting_step" in item or "busy" in item or _FIRST in item
 
 
 class Progress:
@@ -60,6 +65,7 @@ class Progress:
         self._around: list | None = None
         self._waiting: tuple[int, float, bool] | None = None  # (step, since, reported) in a collective
         self._busy = False
+        self._written_step = -1  # the step of the last record written (the progress thread's)
         threading.Thread(target=self._loop, daemon=True, name="livemig-progress").start()
 
     def commit(self, step: int, metrics: dict[str, float] | None = None, **info: Any) -> None:
@@ -68,7 +74,8 @@ class Progress:
         value under user_<name>, never replacing the field."""
         gen = self._where()[1]
         now = time.time()
-        if self._around is None or self._around[0] != gen:
+        first = self._around is None or self._around[0] != gen
+        if first:
             prev = self._last_item
             before = round(sorted(self._step_times)[len(self._step_times) // 2], 6) if self._step_times else None
             self._around = [gen, [prev["step"], prev["time"]] if prev else None, [step, now], before]
@@ -76,19 +83,23 @@ class Progress:
             self._step_times = [*self._step_times[-19:], now - self._last_item["time"]]
         item = {"step": step, "time": now, "incarnation": self.incarnation, **info}
         item = {**{(f"user_{k}" if k in item or k in _OWN else k): v for k, v in (metrics or {}).items()}, **item}
-        if self._compute_recent is not None and "compute_s" in info:  # the straggler hook judges each step
-            self._compute_recent = [*self._compute_recent[-(COMPUTE_KEPT - 1) :], [step, round(info["compute_s"], 6)]]
+        if self._compute_recent is not None and "compute_s" in info:  # the straggler hook judges each step:
+            since = self._written_step - COMPUTE_KEPT  # every step since the last record written goes out
+            kept = [p for p in self._compute_recent if p[0] > since][-(COMPUTE_MAX - 1) :]
+            self._compute_recent = [*kept, [step, round(info["compute_s"], 6)]]
             item["compute_recent"] = self._compute_recent
         item["note"] = self._around
         if self._metrics:
             if self._step_times:
                 item["step_s"] = round(sorted(self._step_times)[len(self._step_times) // 2], 6)
         self._last_item = item
-        self._queue(item)
+        self._queue({**item, _FIRST: True} if first else item)
 
     def _queue(self, item: dict) -> None:
         try:
-            self._q.get_nowait()
+            old = self._q.get_nowait()
+            if _FIRST in old and _FIRST not in item:  # a newer record replaces it: as urgent
+                item = {**item, _FIRST: True}
         except queue.Empty:
             pass
         self._q.put_nowait(item)
@@ -192,8 +203,12 @@ class Progress:
                 except queue.Empty:
                     break
                 rest = next_at - time.monotonic()
+            if _FIRST in item:
+                item = {k: v for k, v in item.items() if k != _FIRST}
             try:
                 self._write(item)
+                if isinstance(item.get("step"), int):
+                    self._written_step = item["step"]
             except Exception:  # noqa: BLE001 - progress is advisory
                 log.debug("progress write failed", exc_info=True)
             next_at = time.monotonic() + max(self._where()[2].world_size, 1) / self._budget

@@ -54,6 +54,8 @@ def test_a_change_of_the_member_table_costs_what_it_changes_at_1000_and_2000_ran
     assert small["head_bytes"] < 1024 and big["head_bytes"] < 1024, (small["head_bytes"], big["head_bytes"])
     ratio = res["ratios"]["2000/1000"]
     assert ratio <= 3.5, f"fence + claim + commit: {ratio:.2f}x from 1,000 to 2,000 ranks\n{r.stdout}"
+    # steady state: etcd's own count of puts keeps to the members' progress budget whatever N
+    assert big["etcd_puts_per_s"] <= 1.25 * 2000, f"{big['etcd_puts_per_s']:.0f} puts/s at 2,000 ranks\n{r.stdout}"
 
 
 def test_bench_transfer(tmp_path):

@@ -400,6 +400,54 @@ def test_a_failure_report_goes_out_at_once_outside_the_progress_budget(monkeypat
         stop.set()
 
 
+def test_a_sampled_member_sends_its_first_commit_in_a_group_at_once_and_every_steps_compute_time(monkeypatch):
+    """At scale a member writes one record per world / budget seconds (here 1 s): its first
+    commit in a new group still goes out at once (it measures the recovery), never as a
+    field of the record, and the records written carry the compute time of every step since
+    the last one written (the straggler hook judges windows of consecutive steps)."""
+    import threading
+    import time
+    import types
+
+    from livemig.runtime.progress import Progress
+
+    monkeypatch.setenv("LIVEMIG_PROGRESS_BUDGET", "4")
+    monkeypatch.setenv("LIVEMIG_STRAGGLER_FACTOR", "1.5")
+    writes: list[tuple[float, dict]] = []
+    wrote = threading.Event()
+    stop = threading.Event()
+    gen = [1]
+
+    def write(item: dict) -> None:
+        if not stop.is_set():
+            writes.append((time.monotonic(), item))
+            wrote.set()
+
+    rt = Progress("inc", write, lambda: (0, gen[0], types.SimpleNamespace(world_size=4)))
+    try:
+        step = 0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.6:  # ~3 writes at one a second
+            rt.commit(step, compute_s=0.001 * step)
+            step += 1
+            time.sleep(0.01)
+        assert 2 <= len(writes) <= 4, len(writes)
+        seen = sorted({p[0] for _, item in writes for p in item["compute_recent"]})
+        assert seen == list(range(seen[0], writes[-1][1]["step"] + 1)) and seen[0] == 0, seen  # no step missed
+        assert all("_first" not in item for _, item in writes)
+        wrote.clear()
+        assert wrote.wait(3)  # the last commit of group 1 is written: the next may go out a second later
+        wrote.clear()
+        n = len(writes)
+        gen[0] = 2  # a new group: its first commit is not held back by the budget
+        at = time.monotonic()
+        rt.commit(step, compute_s=0.001)
+        assert wrote.wait(5)
+        assert time.monotonic() - at < 0.5 and writes[n][1]["note"][0] == 2, writes[n:]
+    finally:
+        stop.set()
+
+
 def test_link_attribution_rule():
     """Who a round of link reports (reporter -> peers it cannot reach) replaces."""
     from livemig.coordinator.checks import link_victims

@@ -110,6 +110,7 @@ class Coordinator:
         self._in_grace = False
         self._measured: set[int] = set()  # generations whose `measured` event is written
         self._pruned: tuple[int, Membership] | None = None  # (pass, table) of a prune that found nothing
+        self._notes: tuple[int, Membership, dict[int, list]] | None = None  # _measure's, by pass and table
         # --min-nproc / --shrink-wait: train on the survivors with no spare (runtime/virtual.py)
         self.shrink = ShrinkPolicy(world_size)
 
@@ -232,12 +233,22 @@ class Coordinator:
         if any(k.endswith("-measured") for k in s.keys_under(mine)):  # written before a takeover
             self._measured.add(m.generation)
             return
-        notes = {}
-        for r in m.members:
-            rec = s.get(self.keys.progress(r))
+        # the notes kept from the last pass, updated from the records that changed since (all of
+        # them read again for a new table or after a full read): O(N) once, not every pass
+        kept = self._notes
+        changed = s.progress_changed(kept[0]) if kept is not None and kept[1] is m else None
+        notes: dict[int, list] = kept[2] if kept is not None and changed is not None else {}
+        if changed is None:
+            changed = [(r, s.get(self.keys.progress(r))) for r in m.members]
+        for r, rec in changed:
             note = rec.get("note") if isinstance(rec, dict) else None
-            if isinstance(note, list) and note and note[0] == m.generation:
+            if r in m.members and isinstance(note, list) and note and note[0] == m.generation:
                 notes[r] = [note]
+            else:
+                notes.pop(r, None)
+        self._notes = (s.pass_no, m, notes)
+        if len(notes) < len(m.members):
+            return
         got = measured(notes, len(m.members)).get(m.generation)
         if got is not None:
             self._measured.add(m.generation)
@@ -344,11 +355,9 @@ class Coordinator:
 
     def _phase2(self, s: Snapshot, since: float) -> None:
         m = s.m
-        ready = s.under(self.keys.recovery_prefix(m.generation) + "ready/")
-        ok = all(
-            str(r) in ready and ready[str(r)].get("incarnation") == mem.incarnation for r, mem in m.members.items()
-        )
-        if not ok:
+        folder = self.keys.recovery_prefix(m.generation) + "ready/"
+        ready = s.under(folder)  # kept up to date pass by pass: the last one only copies it
+        if s.count_matching(folder, m.members) < len(m.members):  # counted from the changed records
             if time.monotonic() - since > self.timeouts.recovery.total_seconds():
                 missing = [r for r in m.members if str(r) not in ready]
                 self._fail(m, f"rank(s) {missing} did not build generation {m.generation} within "
@@ -393,7 +402,11 @@ class Coordinator:
         cfg = s.get(self.keys.config) or {}
         self.cold.use_job_config(cfg)
         sig = cfg.get("signature", [])
-        reports = s.under(self.keys.recovery_prefix(m.generation) + "report/")
+        folder = self.keys.recovery_prefix(m.generation) + "report/"
+        reports = s.under(folder)  # kept up to date pass by pass: the last one only copies it
+        waited = time.monotonic() - since
+        if s.count_matching(folder, m.members) < len(m.members) and waited <= self._policy().recovery_s:
+            return  # plan's first answer, counted from the changed reports: wait for the survivors
         view = View(m, reports, sig, stride_of(s.get(self.keys.run)), self._spares(s, sig), self._any_spare(s),
                     time.monotonic() - since, bool(self.cold.dir))  # fmt: skip
         self._apply(s, plan(view, self._policy()), since)

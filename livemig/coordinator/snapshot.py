@@ -177,27 +177,26 @@ class Snapshot:
         """No key under `prefixes` (folders) changed after pass `made` (see Decoded)."""
         return not self._cache.changed_since(prefixes, made)
 
-    def _memo(self, what: Any, prefixes: tuple[str, ...], *same: Any) -> Any:
-        """A memo made in an earlier pass with the same `same` (compared by identity), valid
-        while no key under `prefixes` changed since; None if there is none."""
-        hit = self._cache.memo.get(what)
-        if hit is None or len(hit) != len(same) + 2 or any(a is not b for a, b in zip(hit[2:], same, strict=True)):
-            return None
-        return hit[1] if self.unchanged_since(prefixes, hit[0]) else None
-
     def _rows_stored(self) -> None:
         """Tell the table's assembler which rows changed in this pass (every row after a
         full read)."""
         c, rp = self._cache, self.keys.roster_prefix
         keys: Iterable[str] = c.changed.get(rp, ())
-        if c.rebuilt == c.passes:
-            c.rows.reset()
-            keys = c.folders.get(rp, {})
+        if c.rebuilt == c.passes:  # every row, and the ones no longer there: those that differ are re-read
+            keys = [*c.folders.get(rp, {}), *(self.keys.row(r) for r in c.rows.raw)]
         for k in keys:
             r = row_rank(self.keys, k)
             if r is not None:
                 kv = self.kv.get(k)
                 c.rows.stored(r, kv.value if kv is not None else None)
+
+    def progress_changed(self, made: int) -> list[tuple[int, Any]] | None:
+        """The progress records (rank, record or None: gone) changed in this pass, for a caller
+        that read them all in pass `made`, the last one; None if it must read them all again."""
+        c, pp = self._cache, self.keys.progress_prefix
+        if made != c.passes - 1 or c.rebuilt == c.passes:
+            return None
+        return [(int(k[len(pp) :]), self.get(k)) for k in c.changed.get(pp, ()) if k[len(pp) :].isdigit()]
 
     def _table(self) -> Membership:
         """The head and the rows as one table, assembled again only when the head changed
@@ -255,6 +254,14 @@ class Snapshot:
             return [*folders.get(prefix, ()), *(k for p in deeper for k in folders[p])]
         return [k for k in self.kv if k.startswith(prefix)]
 
+    def folders_under(self, prefix: str) -> list[str]:
+        """The folders (key prefixes ending in '/') under the folder `prefix` that hold keys, itself included."""
+        return [p for p in self._cache.folders if p.startswith(prefix)]
+
+    def keys_in(self, folder: str) -> list[str]:
+        """The keys directly in `folder` (not in a folder below it)."""
+        return list(self._cache.folders.get(folder, ()))
+
     def flagged_progress(self) -> dict[int, dict]:
         """The progress records, by rank, that carry something the checks act on (a failed or
         long-waited collective, unreachable peers, a busy pause): the few the hang and link
@@ -280,19 +287,71 @@ class Snapshot:
         c.memo["flagged"] = (c.passes, out)
         return dict(out)
 
+    def _affected(self, members: Mapping[int, Member], folders: tuple[str, ...], made: int) -> set[int] | None:
+        """The ranks of `members` whose answer may differ from pass `made`'s, the last one: those
+        a changed key under `folders` names (members/<rank>; suspects/ and fenced/<incarnation>;
+        spares/<spare id>). None: not known (a full read, or `made` was not the last pass)."""
+        c, k = self._cache, self.keys
+        if made != c.passes - 1 or c.rebuilt == c.passes:
+            return None
+        changed = [key for f, keys in c.changed.items() if f.startswith(folders) for key in keys]
+        if not changed:
+            return set()
+        by = self._cache.memo.get("by")
+        if by is None or by[0] is not members:  # incarnation and spare id -> ranks, once per table
+            incs: dict[str, list[int]] = {}
+            sids: dict[str, list[int]] = {}
+            for r, mem in members.items():
+                incs.setdefault(mem.incarnation, []).append(r)
+                if mem.spare_id:
+                    sids.setdefault(mem.spare_id, []).append(r)
+            by = self._cache.memo["by"] = (members, incs, sids)
+        out: set[int] = set()
+        for key in changed:
+            if key.startswith(k.members_prefix):
+                rest = key[len(k.members_prefix) :]
+                if rest.isdigit() and int(rest) in members:
+                    out.add(int(rest))
+            elif key.startswith((k.suspects_prefix, k.fenced_prefix)):
+                out.update(by[1].get(key[key.index("/", len(k.prefix)) + 1 :], ()))
+            elif key.startswith(k.spares_prefix):
+                out.update(by[2].get(key[len(k.spares_prefix) :], ()))
+        return out
+
     def dead(self, members: Mapping[int, Member], grace: bool = False) -> list[int]:
         """The ranks of `members` that alive() calls dead, without its key building and
         lookups for the many that registered as themselves (a pass's largest cost at
-        10,000 ranks); any other goes through alive() itself. Kept from pass to pass while
-        neither the table nor a registration, suspect, fence or spare key changed."""
+        10,000 ranks); any other goes through alive() itself. Kept from pass to pass: while
+        neither the table nor a registration, suspect, fence or spare key changed, as it was;
+        else, after the last pass, only the ranks the changed keys name are looked at again."""
         k = self.keys
         watched = (k.members_prefix, k.suspects_prefix, k.fenced_prefix, k.spares_prefix)
-        hit = self._memo("dead", watched, members, grace)
-        if hit is not None:
-            return list(hit)
-        out = self._dead(members, grace)
+        hit = self._cache.memo.get("dead")
+        if hit is not None and hit[2] is members and hit[3] is grace:
+            if not self._cache.changed_since(watched, hit[0]):
+                out = hit[1]
+            elif (again := self._affected(members, watched, hit[0])) is not None:
+                out = hit[1]
+                for r in again:
+                    if self._dead_one(r, members[r], grace):
+                        out.add(r)
+                    else:
+                        out.discard(r)
+            else:
+                out = set(self._dead(members, grace))
+        else:
+            out = set(self._dead(members, grace))
         self._cache.memo["dead"] = (self.pass_no, out, members, grace)
-        return list(out)
+        return [r for r in members if r in out] if out else []
+
+    def _dead_one(self, r: int, mem: Member, grace: bool) -> bool:
+        inc = mem.incarnation
+        if self.get(self.keys.suspect(inc)) is not None or self.keys.fenced(inc) in self.kv:
+            return True
+        reg = self.get(self.keys.member(r))
+        if reg is not None and reg.get("incarnation") == inc:
+            return False
+        return not self.alive(r, mem, grace)
 
     def _dead(self, members: Mapping[int, Member], grace: bool) -> list[int]:
         sp, fp = self.keys.suspects_prefix, self.keys.fenced_prefix
@@ -317,11 +376,17 @@ class Snapshot:
         rank. A claimed spare's are known only once it registers (after its pull, or at
         a migration's switch): a table that carries on without them leaves a later
         recovery with no address to pull from. Kept from pass to pass like `dead`."""
-        hit = self._memo("registered", (self.keys.members_prefix,), members)
-        if hit is not None:
-            return dict(hit)
-        out = {}
-        for r, mem in members.items():
+        watched = (self.keys.members_prefix,)
+        hit = self._cache.memo.get("registered")
+        again: Iterable[int] = members
+        out: dict[int, Member] = {}
+        if hit is not None and hit[2] is members:
+            if not self._cache.changed_since(watched, hit[0]):
+                again, out = (), hit[1]
+            elif (affected := self._affected(members, watched, hit[0])) is not None:
+                again, out = affected, hit[1]
+        for r in again:
+            mem = members[r]
             reg = self.get(self.keys.member(r)) or {}
             if reg.get("incarnation") == mem.incarnation and isinstance(reg.get("addr"), str):
                 got = (reg["addr"], reg.get("host", mem.host), reg.get("pid", mem.pid), node_of(reg))
@@ -330,6 +395,29 @@ class Snapshot:
             out[r] = mem
         self._cache.memo["registered"] = (self.pass_no, out, members)
         return dict(out)
+
+    def count_matching(self, folder: str, members: Mapping[int, Member]) -> int:
+        """How many ranks of `members` have a record `folder`<rank> that names their incarnation
+        (a report, a ready record): what a recovery waits for, counted once and then updated
+        from the changed records alone while passes come one after another."""
+        c = self._cache
+        hit = c.memo.get(("matching", folder))
+        again: Iterable[int] = members
+        out: set[int] = set()
+        if hit is not None and hit[2] is members:
+            if not c.changed_since((folder,), hit[0]):
+                again, out = (), hit[1]
+            elif hit[0] == c.passes - 1 and c.rebuilt < c.passes:
+                rests = (key[len(folder) :] for key in c.changed.get(folder, ()))
+                again, out = [int(x) for x in rests if x.isdigit() and int(x) in members], hit[1]
+        for r in again:
+            v = self.get(folder + str(r))
+            if isinstance(v, dict) and v.get("incarnation") == members[r].incarnation:
+                out.add(r)
+            else:
+                out.discard(r)
+        c.memo[("matching", folder)] = (c.passes, out, members)
+        return len(out)
 
     def alive(self, rank: int, member: Member, grace: bool = False) -> bool:
         """grace: a missing registration is not a death (the coordinator itself just

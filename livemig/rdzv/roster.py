@@ -354,7 +354,9 @@ class Assembler:
         self.dirty: set[int] = set()
 
     def stored(self, rank: int, raw: bytes | None) -> None:
-        """Row `rank`'s stored value now (None: deleted)."""
+        """Row `rank`'s stored value now (None: deleted); the same value as before changes nothing."""
+        if self.raw.get(rank) == raw:
+            return
         if raw is None:
             self.raw.pop(rank, None)
         else:

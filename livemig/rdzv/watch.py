@@ -50,7 +50,6 @@ class PrefixWatch:
         start_revision: int | None = None,
         on_resync: Callable[[], None] | None = None,
         range_end: str | None = None,
-        track_changes: bool = False,
     ) -> None:
         self.client = client
         self.prefix = prefix

@@ -38,12 +38,14 @@ def test_bench_scale(tmp_path):
 
 def test_a_change_of_the_member_table_costs_what_it_changes_at_1000_and_2000_ranks(tmp_path):
     """Issue 54: the member table is a head and per-rank rows, so a recovery writes the rows it
-    changes (the same few at 1,000 and 2,000 ranks), a member receives the same bytes for a
-    change (the head and its own row, within 10 %), and fence + claim + commit stays short of
-    quadratic (fastest of 3 each; measured 1.5-2.6x on a quiet machine, so 3.5x leaves room for
-    a loaded one and still fails at 4x). The 1.3x of GUARD_RATIO is printed, not asserted: the
-    coordinator's passes are still O(N) in Python (docs/benchmarks.md, "The member table as a
-    head and rows")."""
+    changes (the same few at 1,000 and 2,000 ranks) and a member receives the same bytes for a
+    change (the head and its own row, within 10 %); the coordinator's CPU per rank for a
+    recovery does not grow with N (<= 1.3x from 1,000 to 2,000: each report and ready record is
+    handled once, by passes kept up to date by the changed keys; measured 0.97-1.12x quiet, 0.99x
+    under stress-ng --cpu 2); and etcd's own count of puts in steady state keeps to the members'
+    progress budget. The wall-time ratio of fence + claim + commit is printed, not asserted: with
+    a fixed part of a few ms it is 1.5-2.3x quiet and reached 4.0x once under load (the fastest of
+    3 recoveries of ~10 ms; docs/benchmarks.md); CPU time per rank is what a loaded machine keeps."""
     r = bench("scale", "--ranks", "1000,2000", "--quick", "--json", str(tmp_path / "g.json"), timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "g.json").read_text())
@@ -52,9 +54,8 @@ def test_a_change_of_the_member_table_costs_what_it_changes_at_1000_and_2000_ran
     b1, b2 = small["bytes_per_member_per_change"], big["bytes_per_member_per_change"]
     assert abs(b2 - b1) <= 0.1 * b1, f"bytes per member per change {b1:.0f} at 1,000, {b2:.0f} at 2,000"
     assert small["head_bytes"] < 1024 and big["head_bytes"] < 1024, (small["head_bytes"], big["head_bytes"])
-    ratio = res["ratios"]["2000/1000"]
-    assert ratio <= 3.5, f"fence + claim + commit: {ratio:.2f}x from 1,000 to 2,000 ranks\n{r.stdout}"
-    # steady state: etcd's own count of puts keeps to the members' progress budget whatever N
+    per_rank = res["cpu_per_rank_ratios"]["2000/1000"]
+    assert per_rank <= 1.3, f"the coordinator's CPU per rank: {per_rank:.2f}x from 1,000 to 2,000 ranks\n{r.stdout}"
     assert big["etcd_puts_per_s"] <= 1.25 * 2000, f"{big['etcd_puts_per_s']:.0f} puts/s at 2,000 ranks\n{r.stdout}"
 
 

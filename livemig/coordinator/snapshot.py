@@ -123,6 +123,8 @@ class Decoded:
         not known, everything is indexed again)."""
         self.passes += 1
         self.changed = {}
+        if len(self.memo) > 64:  # memos of finished generations' folders: made again if asked
+            self.memo = {}
         if changes is None or len(self.touched) > 10_000:  # folders of long-pruned generations
             self.rebuilt = self.passes
             self.folders, self.touched, self.memo = {}, {}, {}

@@ -142,6 +142,11 @@ class Decoded:
             self.touched[f] = self.passes
             self.changed.setdefault(f, []).append(k)
 
+    def follows(self, made: int) -> bool:
+        """This pass's changed keys are all that differ from pass `made`'s keys: `made` was the
+        last pass and this one is no rebuild (a memo of `made` can be updated from them)."""
+        return made == self.passes - 1 and self.rebuilt < self.passes
+
     def changed_since(self, prefixes: tuple[str, ...], made: int) -> bool:
         """Whether a key under any of `prefixes` (folders, ending in '/') changed after pass `made`."""
         if self.rebuilt > made:
@@ -196,7 +201,7 @@ class Snapshot:
         """The progress records (rank, record or None: gone) changed in this pass, for a caller
         that read them all in pass `made`, the last one; None if it must read them all again."""
         c, pp = self._cache, self.keys.progress_prefix
-        if made != c.passes - 1 or c.rebuilt == c.passes:
+        if not c.follows(made):
             return None
         return [(int(k[len(pp) :]), self.get(k)) for k in c.changed.get(pp, ()) if k[len(pp) :].isdigit()]
 
@@ -228,9 +233,9 @@ class Snapshot:
         another (a report or ready folder of 10,000 ranks is read by every pass of a recovery)."""
         c = self._cache
         hit = c.memo.get(("under", prefix))
-        if hit is not None and hit[0] >= c.rebuilt and not c.changed_since((prefix,), hit[0]):
+        if hit is not None and not c.changed_since((prefix,), hit[0]):
             out = hit[1]
-        elif hit is not None and hit[0] == c.passes - 1 and c.rebuilt < c.passes:
+        elif hit is not None and c.follows(hit[0]):
             out = hit[1]
             for f, keys in c.changed.items():
                 if f.startswith(prefix):
@@ -271,7 +276,7 @@ class Snapshot:
         c = self._cache
         pp = self.keys.progress_prefix
         hit = c.memo.get("flagged")
-        if hit is not None and hit[0] == c.passes - 1 and c.rebuilt < c.passes:
+        if hit is not None and c.follows(hit[0]):
             out = hit[1]
             keys: Iterable[str] = c.changed.get(pp, ())
         else:
@@ -294,7 +299,7 @@ class Snapshot:
         a changed key under `folders` names (members/<rank>; suspects/ and fenced/<incarnation>;
         spares/<spare id>). None: not known (a full read, or `made` was not the last pass)."""
         c, k = self._cache, self.keys
-        if made != c.passes - 1 or c.rebuilt == c.passes:
+        if not c.follows(made):
             return None
         changed = [key for f, keys in c.changed.items() if f.startswith(folders) for key in keys]
         if not changed:
@@ -409,7 +414,7 @@ class Snapshot:
         if hit is not None and hit[2] is members:
             if not c.changed_since((folder,), hit[0]):
                 again, out = (), hit[1]
-            elif hit[0] == c.passes - 1 and c.rebuilt < c.passes:
+            elif c.follows(hit[0]):
                 rests = (key[len(folder) :] for key in c.changed.get(folder, ()))
                 again, out = [int(x) for x in rests if x.isdigit() and int(x) in members], hit[1]
         for r in again:

@@ -170,16 +170,14 @@ class Membership:
             ) from None
 
     @classmethod
-    def assemble(
-        cls, head: bytes | None, rows: Iterable[tuple[int, bytes]], check: bool = True, cache: dict | None = None
-    ) -> Membership:
+    def assemble(cls, head: bytes | None, rows: Iterable[tuple[int, bytes]], check: bool = True) -> Membership:
         """Head and every row, as read together (one transaction, or a watch's cache of the job):
         the whole table. check: the rows' count and digest must be the head's (they are when
         the reads were atomic; a watch cache between a staged batch and its head may not be)."""
         m = cls.from_bytes(head)
         if not head:
             return m
-        members, digest = roster.assemble(m.generation, rows, cache)
+        members, digest = roster.assemble(m.generation, rows)
         if check and not m.rows_match(len(members), digest):
             raise CorruptStateError(
                 f"the job's member rows in etcd do not match its head of generation {m.generation} "

@@ -313,18 +313,15 @@ def _visible_member(
         ) from None
 
 
-def assemble(
-    generation: int, raw_rows: Iterable[tuple[int, bytes]], cache: RowCache | None = None
-) -> tuple[dict[int, Member], int]:
+def assemble(generation: int, raw_rows: Iterable[tuple[int, bytes]]) -> tuple[dict[int, Member], int]:
     """Every member of `generation` from the stored rows (rank, value): the members and the
     digest of their rows. A row no version of which is visible means the table moved on while
-    it was read: StaleGenerationError. A value that is not a row: CorruptStateError.
-    cache: kept by a reader that assembles again and again, so that only the rows that
-    changed are decoded and hashed."""
+    it was read: StaleGenerationError. A value that is not a row: CorruptStateError. A reader
+    that assembles again and again keeps an `Assembler` instead."""
     members: dict[int, Member] = {}
     total = 0
     for rank, raw in raw_rows:
-        member, h, _ = _visible_member(rank, raw, generation, cache)
+        member, h, _ = _visible_member(rank, raw, generation, None)
         if member is not None:
             members[rank] = member
             total += h

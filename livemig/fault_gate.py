@@ -52,15 +52,23 @@ def gate_timeout() -> float:
         raise ConfigError(f"{ENV_GATE_TIMEOUT}={raw!r} is not a number of seconds") from None
 
 
+def onward(f: Fault) -> bool:
+    """Does this fault's target stop at every boundary from step S on until the fault lands
+    (`during=migrated`: it lands at a boundary, whichever step the migration ends at)? The
+    agent answers "go" while the condition does not hold, and "end" once no such fault waits."""
+    return (f.kind in GATED_KINDS and f.phase == "migrated" and f.rank is not None and not f.in_process
+            and f.after == 0)  # fmt: skip
+
+
 def gated(f: Fault) -> bool:
-    """Does this fault stop its target at the boundary after step S?"""
-    return f.kind in GATED_KINDS and not f.in_process and not f.phase and f.after == 0
+    """Does this fault stop its target at the boundary after step S (or, onward, after S or later)?"""
+    return f.kind in GATED_KINDS and not f.in_process and (not f.phase or onward(f)) and f.after == 0
 
 
 def plan_env(faults: list[Fault]) -> str:
     """LIVEMIG_FAULT_PLAN: what a worker needs to gate and to check the plan's steps."""
-    return json.dumps([{"kind": f.kind, "rank": f.rank, "step": f.step, "during": f.during, "gate": gated(f)}
-                       for f in faults])  # fmt: skip
+    return json.dumps([{"kind": f.kind, "rank": f.rank, "step": f.step, "during": f.during, "gate": gated(f),
+                        "onward": onward(f)} for f in faults])  # fmt: skip
 
 
 @dataclass
@@ -117,9 +125,10 @@ class GateServer:
         return out
 
     @staticmethod
-    def release(arr: Arrival) -> None:
+    def release(arr: Arrival, word: bytes = b"go") -> None:
+        """Let the waiting process go on; `end`: and stop at no more onward boundaries."""
         with contextlib.suppress(OSError):
-            arr.conn.sendall(b"go\n")
+            arr.conn.sendall(word + b"\n")
         with contextlib.suppress(OSError):
             arr.conn.close()
 
@@ -142,7 +151,11 @@ class Gate:
             self.plan: list[dict[str, Any]] = json.loads(env.get(ENV_FAULT_PLAN) or "[]")
         except ValueError:
             raise ConfigError(f"{ENV_FAULT_PLAN} is not the JSON livemig run writes") from None
-        self._steps = {(p["rank"], p["step"]) for p in self.plan if p.get("gate")}
+        self._steps = {(p["rank"], p["step"]) for p in self.plan if p.get("gate") and not p.get("onward")}
+        self._onward: dict[int, int] = {}  # rank -> the first step it stops at every boundary from
+        for p in self.plan:
+            if p.get("gate") and p.get("onward"):
+                self._onward[p["rank"]] = min(p["step"], self._onward.get(p["rank"], p["step"]))
 
     def check_total(self, total: int) -> None:
         """A fault the job never reaches measures nothing: refused before step 0."""
@@ -155,7 +168,14 @@ class Gate:
                 )
 
     def wants(self, rank: int, step: int) -> bool:
-        return bool(self.path) and ((rank, step) in self._steps or (None, step) in self._steps)
+        if not self.path:
+            return False
+        return (rank, step) in self._steps or (None, step) in self._steps or step >= self._onward.get(rank, step + 1)
+
+    def only_onward(self, rank: int, step: int) -> bool:
+        """A boundary only an onward fault stops at: answered at once (or the fault lands), so
+        the member is not marked busy for it (two urgent progress records a step)."""
+        return (rank, step) not in self._steps and (None, step) not in self._steps
 
     def wait(self, rank: int, step: int, incarnation: str) -> None:
         """Tell the agent we are at the boundary after `step`; return once it says go."""
@@ -171,7 +191,9 @@ class Gate:
             log.warning("fault gate: no word from the agent; going on",
                         extra={"step": step, "rank": rank, "why": str(exc)})  # fmt: skip
             return
-        if reply.strip() != b"go":
+        if reply.strip() == b"end":  # no onward fault of the plan waits for this rank any more
+            self._onward.pop(rank, None)
+        elif reply.strip() != b"go":
             log.warning("fault gate: the agent closed the gate without a word; going on", extra={"step": step})
             return
         log.info("fault gate passed", extra={"step": step, "rank": rank, "waited_s": round(time.monotonic() - t0, 4)})

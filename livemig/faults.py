@@ -54,7 +54,12 @@ the outage).
   that point, so the group runs ahead of what it can replay; `ahead=K` instead stalls it
   until the group has committed K steps past the snapshot, at most resume= seconds: a
   catch-up of K steps however slow the host's steps are);
-  catchup = a migrating spare loaded its snapshot and caught up with the group).
+  catchup = a migrating spare loaded its snapshot and caught up with the group);
+- migrated: once the job's planned migration has its outcome (done, aborted or
+  rejected) and none is queued or in flight, whenever that was: a plan of
+  `migrate:rank=2:step=12` and `kill:rank=0:step=13:during=migrated` kills rank 0
+  after the migration, however many steps its catch-up takes on a loaded host
+  (a fixed later step would land inside a slow one instead).
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ FSDP_DURING = (
 )  # runtime/strategies/fsdp2.py
 IN_PROCESS_DURING = ("allreduce", "before_commit", "gather", "after_step", "checkpoint", *FSDP_DURING)
 WEDGE_DURING = ("compute", "before_commit")
-PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit", "snapshot", "catchup")
+PHASE_DURING = ("fence", "agree", "claim", "stream", "build", "commit", "snapshot", "catchup", "migrated")
 USAGE = "KIND[:rank=R][:step=S][:during=WHEN][:resume=SECONDS][:factor=N][:member=I][:after=SECONDS][:ahead=K]"
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from livemig.config import ENV_GATE_TIMEOUT, Role
 from livemig.errors import ConfigError, EtcdUnavailableError
-from livemig.fault_gate import Arrival, GateServer, gate_timeout, gated
+from livemig.fault_gate import Arrival, GateServer, gate_timeout, gated, onward
 from livemig.faults import Fault
 from livemig.rdzv.client import EtcdClient, conform, encode
 from livemig.rdzv.keys import JobKeys
@@ -116,6 +116,9 @@ class FaultDriver:
             self._arrived += self.gate.take()
         for f in list(self.pending):
             step = step_reached(self.agent.keys, f, by_key)
+            if onward(f):
+                self._onward(f, by_key, step, now)
+                continue
             if gated(f) and f.step not in self._gates_passed:
                 # At the gate: the target stopped after committing S (livemig/fault_gate.py).
                 # Without a gate of ours (a process another agent started), once it is past S.
@@ -188,16 +191,47 @@ class FaultDriver:
                     continue
                 target.stopped = want_stopped
 
+    def _onward(self, f: Fault, by_key: dict, step: int, now: float) -> None:
+        """A fault that lands at the first boundary from step S on at which the job's planned
+        migration is over (`during=migrated`): its target stops at each such boundary and goes
+        on at once while the migration runs, so the group (and the migration's switch vote)
+        never waits for it; a target another agent started is hit once past S, ungated."""
+        assert self.gate is not None
+        arrs = [a for a in self._arrived if a.step >= f.step and a.rank == f.rank]
+        if not migration_settled(self.agent.keys, by_key):
+            for a in arrs:
+                self._arrived.remove(a)
+                self.gate.release(a)
+            return
+        for a in arrs[:-1]:
+            self._arrived.remove(a)
+            self.gate.release(a)
+        arr = arrs[-1] if arrs else None
+        if arr is None and (step <= f.step or self._holder(f.rank, by_key) is not None):  # type: ignore[arg-type]
+            return  # ours: it stops at its next boundary
+        if arr is not None and not self._followers_current(f, now):
+            return  # --follow: held at the gate until the followers hold its step
+        holder = None
+        if arr is not None:
+            self._arrived.remove(arr)
+            holder = next((c for c in self.agent.children if c.incarnation == arr.incarnation), None)
+        if self.inject(f, by_key, arr.step if arr is not None else step, holder):
+            self.pending.remove(f)
+        if arr is not None:
+            self.gate.release(arr)
+
     def _release_gates(self, by_key: dict, now: float) -> None:
-        """Answer the gates no pending fault waits on, and a migration's gate once the
-        coordinator took its request (a spare claimed, or the request refused)."""
+        """Answer the gates no pending fault waits on ("end" where no onward fault waits for
+        that rank either), and a migration's gate once the coordinator took its request (a
+        spare claimed, or the request refused)."""
         if self.gate is None:
             return
         waiting = {(f.rank, f.step) for f in self.pending if gated(f) and f.step not in self._gates_passed}
+        ahead = {f.rank for f in self.pending if onward(f)}
         for arr in list(self._arrived):
             if (arr.rank, arr.step) not in waiting and (None, arr.step) not in waiting:
                 self._arrived.remove(arr)
-                self.gate.release(arr)
+                self.gate.release(arr, b"go" if arr.rank in ahead else b"end")
         for entry in list(self._held):
             arr, until, f = entry
             if self._migration_started(by_key, self._migration_ids.get(id(f), "")) or now >= until:
@@ -421,6 +455,8 @@ def _time_of(kv: Any) -> float:
 
 def phase_reached(keys: JobKeys, f: Fault, by_key: dict, since: float) -> bool:
     """Has a recovery after `since` reached the fault's phase (see livemig/faults.py)?"""
+    if f.phase == "migrated":
+        return migration_settled(keys, by_key)
     want = {"stream": "claim", "build": "ready"}.get(f.phase, f.phase)
     rec = keys.recoveries_prefix
     for k, kv in by_key.items():
@@ -434,6 +470,16 @@ def phase_reached(keys: JobKeys, f: Fault, by_key: dict, since: float) -> bool:
         elif k.startswith(keys.timeline_prefix) and k.endswith(f"-{want}") and _time_of(kv) >= since:
             return True
     return False
+
+
+def migration_settled(keys: JobKeys, by_key: dict) -> bool:
+    """The job's planned migration has its outcome and no other is queued or in flight: the
+    coordinator writes the result in the transaction that ends one (commit, abort, a failure
+    during it, a refusal), and a queued request or a MIGRATING table means one is not over."""
+    if keys.migrate_request in by_key or keys.migrate_result not in by_key:
+        return False
+    raw = by_key.get(keys.membership)
+    return Membership.from_bytes(raw.value if raw else None).state != GenState.MIGRATING
 
 
 def record_fault(client: EtcdClient, keys: JobKeys, kind: str, rank: int | None, step: int,

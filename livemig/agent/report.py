@@ -394,12 +394,18 @@ def migrations(events: list[dict], commits: list[tuple[int, float]], median_step
                 cur["switch_step"] = ev.get("step")
             elif ev["phase"] == "abort":
                 cur["aborted"] = ev.get("reason", "")
+            elif ev["phase"] == "ended":  # a failure during the migration ended it (moved or not)
+                if ev.get("state") == "done":
+                    cur["ended_by_failure"] = ev.get("reason", "")
+                else:
+                    cur["aborted"] = ev.get("reason", "")
     at = dict(commits)
     for cur in by_gen.values():
         t = cur.pop("t")
         seq = [(k, t[k]) for k in ("request", "claim", "stream", "catchup", "switch", "commit") if k in t]
         cur["phases"] = {name: round(max(0.0, b - a), 4) for (_, a), (name, b) in zip(seq, seq[1:], strict=False)}
-        cur["outcome"] = "aborted" if "aborted" in cur else ("done" if "commit" in t else "incomplete")
+        done = "commit" in t or "ended_by_failure" in cur
+        cur["outcome"] = "aborted" if "aborted" in cur else ("done" if done else "incomplete")
         step = cur.get("switch_step")
         m = (meas or {}).get(cur["generation"])
         if m is not None and m["before"] is not None and cur["outcome"] == "done":  # the one definition

@@ -154,6 +154,9 @@ class Migrations:
                 "time": time.time(),
             }
             more.append(Put(self.keys.migrate_result, res))
+            # The report's outcome of this migration (agent/report.py) reads the timeline: without
+            # an event it said "incomplete" for one a failure ended, moved or not.
+            more.append(self.timeline.op(m.generation, "ended", state=res["state"], reason=res["reason"], rank=rank))
             return Plan("fence", ranks=tuple(sorted(set(lost))), table=table, extra=tuple(more))
         if mig.get("phase") == "catchup":
             cu = s.get(self.keys.catchup(g))

@@ -101,12 +101,15 @@ class SelfFaults:
         agent-side fault for this step, then a `livemig inject wedge|break` taken."""
         ctx = self._ctx
         if self.gate.wants(ctx.rank, step) and ctx.runtime is not None and not ctx.warming_up:
-            # Marked busy, so the coordinator does not take the wait for the agent for a hang.
-            ctx.runtime.report.set_busy(True)
-            try:
+            if self.gate.only_onward(ctx.rank, step):
                 self.gate.wait(ctx.rank, step, ctx.incarnation)
-            finally:
-                ctx.runtime.report.set_busy(False)
+            else:
+                # Marked busy, so the coordinator does not take the wait for the agent for a hang.
+                ctx.runtime.report.set_busy(True)
+                try:
+                    self.gate.wait(ctx.rank, step, ctx.incarnation)
+                finally:
+                    ctx.runtime.report.set_busy(False)
         if ctx.runtime is not None and ctx.runtime.injected is not None:
             self._take_injected(step)
 

@@ -45,7 +45,7 @@ def test_a_kill_a_migration_and_a_shrink_through_reconfigure_read_the_fault_free
     dump = tmp_path / "dump"
     dump.mkdir()
     run = livemig_run(tmp_path, 3, spares=2, job="rcplain", script=SHRINK_SCRIPT, env=RECONFIGURE,
-                      faults=("kill:rank=1:step=6", "migrate:rank=0:step=12", "kill:rank=2:step=20"),
+                      faults=("kill:rank=1:step=6", "migrate:rank=0:step=12", "kill:rank=2:step=20:during=migrated"),
                       extra=("--min-nproc", "2", "--shrink-wait", "0.5"),
                       workload=["--steps", str(steps), "--dump", str(dump)])  # fmt: skip
     assert run.rc == 0, explain(run)
@@ -79,7 +79,7 @@ def test_hsdp_through_a_migration_and_a_kill_on_reconfigured_groups_is_exact(tmp
     out = tmp_path / "out"
     out.mkdir()
     run = livemig_run(tmp_path, 4, spares=2, job="rchsdp", script=FSDP_PORT, env=RECONFIGURE, timeout=300,
-                      faults=("migrate:rank=1:step=3", "kill:rank=0:step=11"),
+                      faults=("migrate:rank=1:step=3", "kill:rank=0:step=11:during=migrated"),
                       workload=["--steps", str(steps), "--step-ms", "150", "--out", str(out)])  # fmt: skip
     assert run.rc == 0, explain(run)
     assert run.report["steps_completed"] == steps and run.report["replicas_identical"], explain(run)

@@ -53,7 +53,7 @@ def test_an_epoch_loop_with_a_distributed_sampler_recovers_exactly(tmp_path, ref
 
     out = tmp_path / "live"
     out.mkdir()
-    faults = ("kill:rank=0:step=11", "migrate:rank=1:step=15", "kill:rank=1:step=20")
+    faults = ("kill:rank=0:step=11", "migrate:rank=1:step=15", "kill:rank=1:step=20:during=migrated")
     run = livemig_run(tmp_path, 2, spares=3, faults=faults, script=EPOCHS, job="live",
                       workload=["--out", str(out)], env={"EPOCHS_SLEEP": "0.05"})  # fmt: skip
     _same(run, ref, out)

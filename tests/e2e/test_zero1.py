@@ -155,12 +155,16 @@ def test_zero1_planned_migration_with_clipping_and_a_gradscaler_is_exact(tmp_pat
     is recovered by the second spare. Rank by rank equal to the fault-free run. CI ~40 s."""
     more = ("--step-ms", "30")  # steps long enough for the spares to warm up before the end
     ref_run, want = _port(tmp_path, "ref", True, steps=60, more=more)
-    faults = ("migrate:rank=1:step=8", "spare-hang:during=snapshot:ahead=12:resume=20", "kill:rank=2:step=48")
+    faults = (
+        "migrate:rank=1:step=8",
+        "spare-hang:during=snapshot:ahead=12:resume=20",
+        "kill:rank=2:step=48:during=migrated",
+    )
     run, got = _port(tmp_path, "m", True, faults=faults, spares=2, steps=60, more=more)
     assert run.report["steps_completed"] == 60 and run.report["replicas_identical"], explain(run)
     (mig,) = run.report["migrations"]
     assert mig["outcome"] == "done" and mig["rank"] == 1 and mig["resyncs"] >= 1, mig
-    assert 8 <= mig["switch_step"] < 48, mig
+    assert mig["switch_step"] >= 8, mig
     assert [r["rank"] for r in run.report["recoveries"]] == [2], explain(run)
     assert run.report["zero1"]["mirrors_exact"], run.report["zero1"]
     assert run.report["zero1"]["state_digest"] == ref_run.report["zero1"]["state_digest"], explain(run)

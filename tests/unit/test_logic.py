@@ -715,3 +715,51 @@ def test_the_spare_wait_ends_before_the_members_recovery_wait():
     assert t.spare_wait_s == 20.0
     assert Timeouts().spare_wait_s == 60.0  # the defaults (120 s, 60 s) are kept as they are
     assert Timeouts(recovery=timedelta(seconds=60)).spare_wait_s == 48.0
+
+
+def test_a_fault_during_migrated_lands_once_the_migration_has_its_outcome():
+    """`during=migrated` is a condition, not a step: it waits while a migration is queued or
+    in flight (MIGRATING), and holds once its outcome is written, whatever step that was."""
+    from livemig.agent.fault_driver import migration_settled, phase_reached
+    from livemig.rdzv.client import KV, encode
+    from livemig.rdzv.keys import JobKeys
+    from livemig.rdzv.membership import GenState, Membership
+
+    keys = JobKeys("j")
+    f = parse_fault("kill:rank=0:step=13:during=migrated")
+    assert f.phase == "migrated" and not f.in_process
+
+    def kvs(state: GenState, request: bool, result: bool) -> dict:
+        out = {keys.membership: KV(keys.membership, Membership(state=state, world_size=2).to_bytes(), 1, 1, 1, 0)}
+        if request:
+            out[keys.migrate_request] = KV(keys.migrate_request, encode({"id": "a", "rank": 1}), 2, 2, 1, 0)
+        if result:
+            out[keys.migrate_result] = KV(keys.migrate_result, encode({"id": "a", "state": "done"}), 3, 3, 1, 0)
+        return out
+
+    assert not migration_settled(keys, kvs(GenState.COMMITTED, True, False))  # queued
+    assert not migration_settled(keys, kvs(GenState.MIGRATING, False, False))  # in flight
+    assert not migration_settled(keys, kvs(GenState.MIGRATING, False, True))  # an older outcome, one in flight
+    assert not migration_settled(keys, kvs(GenState.COMMITTED, True, True))  # an older outcome, one queued
+    assert not migration_settled(keys, kvs(GenState.COMMITTED, False, False))  # none asked yet
+    assert migration_settled(keys, kvs(GenState.COMMITTED, False, True))
+    assert migration_settled(keys, kvs(GenState.RECOVERING, False, True))  # ended by a failure
+    assert phase_reached(keys, f, kvs(GenState.COMMITTED, False, True), since=1e12)  # not a matter of time
+
+
+def test_a_migration_a_failure_ended_is_reported_done_or_aborted_not_incomplete():
+    """The coordinator's failure-during-migration path writes an 'ended' event with the
+    outcome it wrote to migrate_result; the report took only 'commit' or 'abort' before and
+    called such a migration 'incomplete'."""
+    from livemig.agent.report import migrations
+
+    def ev(phase: str, t: float, **kw: object) -> dict:
+        return {"phase": phase, "generation": 5, "time": t, **kw}
+
+    base = [ev("request", 1.0, rank=1), ev("claim", 1.1, spares=["s"]), ev("stream", 1.5, bytes=10)]
+    aborted = migrations([*base, ev("ended", 2.0, state="aborted", reason="a failure during the migration")], [],
+                         0.1)  # fmt: skip
+    assert aborted[0]["outcome"] == "aborted" and "failure" in aborted[0]["aborted"]
+    moved = migrations([*base, ev("ended", 2.0, state="done", reason="a failure during the migration")], [], 0.1)
+    assert moved[0]["outcome"] == "done"
+    assert migrations(base, [], 0.1)[0]["outcome"] == "incomplete"

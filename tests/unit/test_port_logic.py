@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -170,5 +171,33 @@ def test_fault_gate_holds_the_rank_until_the_agent_answers():
         server.release(arrivals[0])
         assert done.wait(5)
         t.join(5)
+    finally:
+        server.close()
+
+
+def test_an_onward_gate_stops_its_rank_at_every_boundary_from_its_step_until_the_agent_says_end():
+    """`during=migrated`: the target stops at each boundary from S on (the agent answers at once
+    while the migration runs, or lands the fault), and stops no more once told "end"."""
+    f = parse_fault("kill:rank=0:step=5:during=migrated")
+    assert gated(f) and not gated(parse_fault("kill:rank=0:step=5:during=commit"))
+    server = GateServer(lambda: None)
+    try:
+        gate = Gate({"LIVEMIG_FAULT_GATE": server.path, "LIVEMIG_FAULT_PLAN": plan_env([f])})
+        assert not gate.wants(0, 4) and gate.wants(0, 5) and gate.wants(0, 9) and not gate.wants(1, 9)
+        assert gate.only_onward(0, 9)
+        for word, step in ((b"go", 6), (b"end", 7)):
+            t = threading.Thread(target=gate.wait, args=(0, step, "inc"))
+            t.start()
+            arrivals = []
+            for _ in range(500):
+                arrivals += server.take()
+                if arrivals:
+                    break
+                time.sleep(0.01)
+            assert [(a.rank, a.step) for a in arrivals] == [(0, step)]
+            server.release(arrivals[0], word)
+            t.join(5)
+            assert not t.is_alive()
+        assert not gate.wants(0, 8), "told 'end', the rank stops at no more boundaries"
     finally:
         server.close()

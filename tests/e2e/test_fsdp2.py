@@ -174,8 +174,8 @@ def test_a_planned_migration_then_a_kill_of_the_rank_it_mirrors_is_exact(tmp_pat
     extra = () if mesh == "hsdp" else ("--replicate", "1", "--stateless")
     nproc = 4 if mesh == "hsdp" else 3
     ref = reference_of(references, nproc, PORT, _work("{out}", *extra))
-    run, ranks = _run(tmp_path, ("migrate:rank=1:step=3", "kill:rank=0:step=11:during=migrated"), spares=2, nproc=nproc, job=mesh,
-                      extra=(*extra, "--step-ms", "150"))  # fmt: skip
+    faults = ("migrate:rank=1:step=3", "kill:rank=0:step=11:during=migrated")
+    run, ranks = _run(tmp_path, faults, spares=2, nproc=nproc, job=mesh, extra=(*extra, "--step-ms", "150"))
     _assert_exact(run, ranks, (ref.report, rank_files(ref.out)), recoveries=1)
     mig = _migration(run)
     assert mig["outcome"] == "done" and mig["switch_step"] >= 4 and mig["resyncs"] == 0, mig

@@ -28,6 +28,7 @@ from livemig.rdzv.writes import put_if_absent
 log = logging.getLogger("livemig.coordinator")
 FULL_READ_S = 5.0  # a pass reads etcd itself at least this often, whatever the mirror says
 PASS_REST_MAX_S = 0.1  # the most a pass rests after itself (as long as it took), for the watch to keep up
+FLOOD_EVENTS = 16  # control-key events during one pass that make it a flood: only then does the next wait
 MIRROR_WAIT_S = 0.5  # how long a pass waits for the mirror to hold the coordinator's own writes
 
 
@@ -53,6 +54,7 @@ class Leader:
         self.driver = driver
         self.id = election.candidate
         self.wake = threading.Event()
+        self.events = 0  # control-key events the watch delivered (counted by its thread)
         self.stop = threading.Event()
         # passes read a watch-fed mirror of the job's keys (_read); counted in the log at the end
         self.reads = {"mirror": 0, "full": 0}
@@ -117,7 +119,7 @@ class Leader:
                 except EtcdUnavailableError as exc:  # failover in progress; the lease decides leadership
                     log.warning("etcd unavailable; retrying", extra={"err": str(exc)})
                     continue
-                started = time.monotonic()
+                started, events = time.monotonic(), self.events
                 snap = Snapshot(kvs, self.rdzv, self._decoded, changes)
                 if snap.m.state in (GenState.DONE, GenState.FAILED) and snap.get(self.keys.result):
                     return snap.m.state
@@ -134,11 +136,13 @@ class Leader:
                 except Exception:  # noqa: BLE001 - a bad pass (odd input, etcd failover) must not end the job
                     log.exception("coordinator pass failed; retrying")
                     time.sleep(0.1)
-                # Changes came in during the pass: rest as long as it took (at most
+                # A flood came in during the pass: rest as long as it took (at most
                 # PASS_REST_MAX_S) before the next. In a flood (10,000 reports) passes otherwise
                 # ran back to back and the watch thread, which must take the GIL back for every
-                # response, fell a second behind etcd. A lone change (a fault) is met at once.
-                if self.wake.is_set():
+                # response, fell a second behind etcd. A few changes (a fault landing during a
+                # long pass) are met at once: resting for them made a fault at 4,000 ranks wait
+                # a whole pass more before its fence.
+                if self.wake.is_set() and self.events - events >= FLOOD_EVENTS:
                     self.stop.wait(min(time.monotonic() - started, PASS_REST_MAX_S))
                 self._woken = self.wake.wait(0.2)
                 self.wake.clear()
@@ -155,6 +159,7 @@ class Leader:
         """Wake a pass for a change of the control keys (members' per-step progress is not
         among them: the passes run every 0.2 s anyway, which is all the hang and straggler
         checks need)."""
+        self.events += len(events)  # one writer (the watch thread); the pass only reads it
         self.wake.set()
 
     def _read(self, mirror: PrefixMirror) -> tuple[dict, set[str] | None]:

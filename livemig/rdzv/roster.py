@@ -234,9 +234,14 @@ class RowWriter:
         self._stored: dict[int, Versions] | None = None
         self._rev = 0  # the etcd revision at which _stored was the rows' value
         self._packed: dict[int, tuple[Member, list, int]] = {}
+        # rank -> (member, its stored versions) found in need of no write: a single version of
+        # that member's row, tagged below any later change's tag, stays right for every later
+        # tag while neither object changes (identity), so planning costs what changed
+        self._clean: dict[int, tuple[Member, Versions, int]] = {}
 
     def forget(self) -> None:
         self._stored = None
+        self._clean = {}
 
     def _row(self, rank: int, m: Member) -> tuple[list, int]:
         hit = self._packed.get(rank)
@@ -257,12 +262,21 @@ class RowWriter:
         stored = self._stored
         writes: dict[int, Versions] = {}
         total = 0
+        clean = self._clean
         for r, m in members.items():
-            row, h = self._row(int(r), m)
+            r = int(r)
+            hit = clean.get(r)
+            v0 = stored.get(r)
+            if hit is not None and hit[0] is m and hit[1] is v0 and v0 is not None and v0[0][0] < tag:
+                total += hit[2]
+                continue
+            row, h = self._row(r, m)
             total += h
-            v = planned(stored.get(int(r)), tag, row)
+            v = planned(v0, tag, row)
             if v is not None:
-                writes[int(r)] = v
+                writes[r] = v
+            elif v0 is not None and len(v0) == 1 and v0[0][0] < tag:
+                clean[r] = (m, v0, h)
         for r in stored.keys() - set(members):
             v = planned(stored[r], tag, None)
             if v is not None:

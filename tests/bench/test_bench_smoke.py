@@ -39,24 +39,35 @@ def test_bench_scale(tmp_path):
 def test_a_change_of_the_member_table_costs_what_it_changes_at_1000_and_2000_ranks(tmp_path):
     """Issue 54: the member table is a head and per-rank rows, so a recovery writes the rows it
     changes (the same few at 1,000 and 2,000 ranks) and a member receives the same bytes for a
-    change (the head and its own row, within 10 %); the coordinator's CPU per rank for a
-    recovery does not grow with N (<= 1.3x from 1,000 to 2,000: each report and ready record is
-    handled once, by passes kept up to date by the changed keys; measured 0.97-1.12x quiet, 0.99x
-    under stress-ng --cpu 2); and etcd's own count of puts in steady state keeps to the members'
-    progress budget. The wall-time ratio of fence + claim + commit is printed, not asserted: with
-    a fixed part of a few ms it is 1.5-2.3x quiet and reached 4.0x once under load (the fastest of
-    3 recoveries of ~10 ms; docs/benchmarks.md); CPU time per rank is what a loaded machine keeps."""
-    r = bench("scale", "--ranks", "1000,2000", "--quick", "--json", str(tmp_path / "g.json"), timeout=400)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads((tmp_path / "g.json").read_text())
+    change (the head and its own row, within 10 %); fence + claim + commit at 2,000 ranks is
+    within 1.3x of 1,000 (each report and ready record handled once, as it arrives, by passes
+    kept up to date by the changed keys: 0.53-1.22x in 8 quiet runs, docs/benchmarks.md); the
+    coordinator's CPU per rank for a recovery does not grow with N (<= 1.3x); and etcd's own
+    count of puts in steady state keeps to the members' progress budget. The wall-time ratio is
+    of the fastest of 3 recoveries of ~10-20 ms, interleaved: under stress-ng --cpu 2 one run in
+    four went past 1.3x (2.6x), so a ratio over it is measured once more and fails only when the
+    second run is over it too (the code before this guard: 1.4-2.3x quiet, every run)."""
+
+    def run(name: str) -> tuple[dict, str]:
+        r = bench("scale", "--ranks", "1000,2000", "--quick", "--json", str(tmp_path / name), timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads((tmp_path / name).read_text()), r.stdout
+
+    res, out = run("g.json")
     small, big = res["rows"]
     assert small["rows_written"] == big["rows_written"] <= 2, (small["rows_written"], big["rows_written"])
     b1, b2 = small["bytes_per_member_per_change"], big["bytes_per_member_per_change"]
     assert abs(b2 - b1) <= 0.1 * b1, f"bytes per member per change {b1:.0f} at 1,000, {b2:.0f} at 2,000"
     assert small["head_bytes"] < 1024 and big["head_bytes"] < 1024, (small["head_bytes"], big["head_bytes"])
     per_rank = res["cpu_per_rank_ratios"]["2000/1000"]
-    assert per_rank <= 1.3, f"the coordinator's CPU per rank: {per_rank:.2f}x from 1,000 to 2,000 ranks\n{r.stdout}"
-    assert big["etcd_puts_per_s"] <= 1.25 * 2000, f"{big['etcd_puts_per_s']:.0f} puts/s at 2,000 ranks\n{r.stdout}"
+    assert per_rank <= 1.3, f"the coordinator's CPU per rank: {per_rank:.2f}x from 1,000 to 2,000 ranks\n{out}"
+    assert big["etcd_puts_per_s"] <= 1.25 * 2000, f"{big['etcd_puts_per_s']:.0f} puts/s at 2,000 ranks\n{out}"
+    wall = res["ratios"]["2000/1000"]
+    if wall > 1.3:
+        again, out2 = run("g2.json")
+        wall2 = again["ratios"]["2000/1000"]
+        assert wall2 <= 1.3, (f"fence + claim + commit: {wall:.2f}x, then {wall2:.2f}x from 1,000 to 2,000 ranks "
+                              f"(<= 1.3x)\n{out}\n{out2}")  # fmt: skip
 
 
 def test_bench_transfer(tmp_path):

@@ -285,6 +285,53 @@ def test_the_table_assembled_from_the_changed_rows_is_the_table_assembled_whole(
                 a.stored(r, raw)
 
 
+def test_the_rows_a_kept_writer_plans_are_those_a_new_one_plans():
+    """roster.RowWriter keeps, across changes, each rank found in need of no write (member and
+    stored versions, by identity) and skips it while both stay: after any sequence of tables
+    (members kept as the same objects, replaced by equal or different ones, removed, added),
+    older objects back, writes landed or lost, and tags that advance or repeat, it plans the writes and the head's
+    count and digest a writer made anew over the same stored rows plans."""
+    import random
+
+    from livemig.rdzv import roster
+    from livemig.rdzv.membership import Member
+
+    rnd = random.Random(5)
+    store: dict[int, list] = {}
+    rev = [0]
+    kept = roster.RowWriter(lambda: ({r: v for r, v in store.items()}, rev[0]), lambda _rev: 0)
+    members: dict[int, Member] = {r: Member(r, f"i{r}", "h", r, "a") for r in range(12)}
+    history: dict[int, list[Member]] = {}
+    tag = 1
+    for step in range(1500):
+        members = dict(members)
+        for _ in range(rnd.randrange(0, 4)):
+            r = rnd.randrange(16)
+            x = rnd.random()
+            if x < 0.15:
+                members.pop(r, None)
+            elif x < 0.3 and history.get(r):  # an older object back (a migration's abort restores its table)
+                members[r] = rnd.choice(history[r])
+            elif x < 0.45 and r in members:  # an equal member, another object
+                old = members[r]
+                members[r] = Member(r, old.incarnation, old.host, old.pid, old.addr)
+            else:
+                members[r] = Member(r, f"i{rnd.randrange(4)}", "h", r, "a")
+        for r, m in members.items():
+            history.setdefault(r, []).append(m)
+        tag += rnd.choice([0, 1, 1, 2])
+        fresh = roster.RowWriter(lambda: ({r: v for r, v in store.items()}, rev[0]), lambda _rev: 0)
+        want = fresh.plan(tag, members)
+        got = kept.plan(tag, members)
+        assert got == want, step
+        if rnd.random() < 0.1:
+            kept.forget()  # a write whose outcome is not known
+        elif got[0]:
+            store.update(got[0])
+            rev[0] += 1
+            kept.wrote(got[0], rev[0])
+
+
 def test_dead_agrees_with_alive_member_by_member():
     """Snapshot.dead (the pass's fast loop) must call dead exactly the ranks alive() does:
     registered as itself, suspected, fenced, unregistered (with and without the outage

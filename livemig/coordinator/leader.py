@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Protocol
 
-from livemig.coordinator.snapshot import Decoded, Snapshot
+from livemig.coordinator.snapshot import Decoded, Joined, Snapshot
 from livemig.errors import CorruptStateError, EtcdUnavailableError, NotLeaderError
 from livemig.rdzv.client import EtcdClient, encode
 from livemig.rdzv.election import LeaderElection
@@ -108,10 +108,10 @@ class Leader:
         # progress records on a connection of their own (its own gRPC stream and thread), so
         # a burst of 10,000 of them never stands between a pass and a report or a registration.
         mirror = PrefixMirror(self.client, self.keys.prefix, self._on_change, range_end=self.keys.control_end,
-                              track_changes=True)  # fmt: skip
+                              track_changes=True, lend=True)  # fmt: skip
         progress_client = EtcdClient(self.client.endpoints, self.client.timeout, self.client.security)
         try:
-            self._progress = PrefixMirror(progress_client, self.keys.progress_prefix, track_changes=True)
+            self._progress = PrefixMirror(progress_client, self.keys.progress_prefix, track_changes=True, lend=True)
             self._continuous = False
             while not self.stop.is_set():
                 try:
@@ -162,7 +162,7 @@ class Leader:
         self.events += len(events)  # one writer (the watch thread); the pass only reads it
         self.wake.set()
 
-    def _read(self, mirror: PrefixMirror) -> tuple[dict, set[str] | None]:
+    def _read(self, mirror: PrefixMirror) -> tuple[Joined, set[str] | None]:
         """The job's keys for one pass: the control keys from the watch-fed mirror once it
         holds this coordinator's own writes (their revision, from etcd's answers; its next
         pass must see them), else from etcd itself: after a write whose revision is unknown
@@ -173,11 +173,11 @@ class Leader:
         now or then, a read that failed in between)."""
         now = time.monotonic()
         continuous, self._continuous = self._continuous, False  # until this read is done
-        kvs, rev, changes = mirror.by_key_changes()
+        kvs, rev, changes = mirror.view_changes()  # the mirror's own dict: read only, this pass
         deadline = now + MIRROR_WAIT_S
         while rev < self.client.write_revision and time.monotonic() < deadline:
             time.sleep(0.002)  # the watch delivers our own write in about a millisecond
-            kvs, rev, more = mirror.by_key_changes()
+            kvs, rev, more = mirror.view_changes()
             changes = None if changes is None or more is None else changes | more
         fresh = rev >= max(self._floor, self.client.write_revision)
         # The safety net's read (~0.25 s at 10,000 ranks) waits for a pass of the timer, not
@@ -194,11 +194,11 @@ class Leader:
             self._full_at = now
             self.reads["full"] += 1
             changes = None
+        progress: dict = {}
         if self._progress is not None:
-            progress, _, more = self._progress.by_key_changes()
-            kvs.update(progress)
+            progress, _, more = self._progress.view_changes()
             changes = None if changes is None or more is None else changes | more
         if not continuous:
             changes = None
         self._continuous = True
-        return kvs, changes
+        return Joined(kvs, progress), changes

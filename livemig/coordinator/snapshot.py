@@ -9,7 +9,7 @@ garbage: a pass must never fail on it again and again (docs/reliability.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -114,11 +114,11 @@ class Decoded:
         self.values[kv.key] = (kv.mod_revision, value)
         return value
 
-    def forget_gone(self, live: dict[str, KV]) -> None:
+    def forget_gone(self, live: Mapping[str, KV]) -> None:
         if len(self.values) > 2 * len(live) + 1000:
             self.values = {k: v for k, v in self.values.items() if k in live}
 
-    def begin(self, kvs: dict[str, KV], changes: set[str] | None) -> None:
+    def begin(self, kvs: Mapping[str, KV], changes: set[str] | None) -> None:
         """A new pass over `kvs`; `changes`: the keys that differ from the last pass's (None:
         not known, everything is indexed again)."""
         self.passes += 1
@@ -154,6 +154,36 @@ class Decoded:
         return any(at > made and f.startswith(prefixes) for f, at in self.touched.items())
 
 
+class Joined(Mapping[str, KV]):
+    """The control keys and the progress records of one pass as one read-only mapping, without
+    merging them into a new dict (the mirrors lend their own dicts: PrefixMirror(lend=True));
+    the two hold disjoint keys. `get` is the hot path: one or two dict lookups."""
+
+    __slots__ = ("control", "progress")
+
+    def __init__(self, control: dict[str, KV], progress: dict[str, KV]) -> None:
+        self.control = control
+        self.progress = progress
+
+    def get(self, key: str, default: Any = None) -> Any:
+        kv = self.control.get(key)
+        return kv if kv is not None else self.progress.get(key, default)
+
+    def __getitem__(self, key: str) -> KV:
+        kv = self.control.get(key)
+        return kv if kv is not None else self.progress[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.control or key in self.progress
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.control
+        yield from self.progress
+
+    def __len__(self) -> int:
+        return len(self.control) + len(self.progress)
+
+
 def node_of(reg: dict) -> int | None:
     """The node rank a registration names (None: a spare of a standby host, or older records)."""
     n = reg.get("node")
@@ -165,9 +195,9 @@ class Snapshot:
     differ from the last Snapshot made with the same `cache` (the coordinator's mirrors collect
     them); None when not known: what the cache derived is then made anew (see Decoded)."""
 
-    def __init__(self, kvs: list[KV] | dict[str, KV], rdzv: Rendezvous, cache: Decoded | None = None,
+    def __init__(self, kvs: list[KV] | Mapping[str, KV], rdzv: Rendezvous, cache: Decoded | None = None,
                  changes: set[str] | None = None) -> None:  # fmt: skip
-        self.kv = kvs if isinstance(kvs, dict) else {kv.key: kv for kv in kvs}
+        self.kv: Mapping[str, KV] = {kv.key: kv for kv in kvs} if isinstance(kvs, list) else kvs
         self.keys = rdzv.keys
         self._cache = cache if cache is not None else Decoded()
         self._cache.begin(self.kv, changes)

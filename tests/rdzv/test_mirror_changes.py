@@ -44,3 +44,34 @@ def test_a_mirror_reports_the_keys_changed_since_its_last_read_and_none_after_a_
     finally:
         mirror.cancel()
         client.close()
+
+
+def test_a_lending_mirror_leaves_the_dict_it_lent_as_it_was_until_the_next_view(etcd):
+    """PrefixMirror(lend=True) hands its one reader its own dict (no copy a pass): events that
+    arrive meanwhile wait, the dict the reader holds does not change under it, and the next
+    view applies them, with the changed keys and a revision that covers them; a reload makes a
+    new dict and leaves the lent one alone."""
+    client = EtcdClient(etcd.endpoints, timedelta(seconds=5))
+    client.put("/l/a", b"1")
+    mirror = PrefixMirror(client, "/l/", track_changes=True, lend=True)
+    try:
+        kvs, rev, changes = mirror.view_changes()
+        assert set(kvs) == {"/l/a"} and changes is None
+        client.put("/l/a", b"2")
+        client.put("/l/b", b"1")
+        client.delete("/l/a")
+        client.put("/l/c", b"1")
+        wrote = client.write_revision
+        _until(lambda: mirror.revision >= wrote)
+        assert set(kvs) == {"/l/a"} and kvs["/l/a"].value == b"1", "the lent dict changed under its reader"
+        again, rev2, changes = mirror.view_changes()
+        assert again is kvs and set(again) == {"/l/b", "/l/c"} and rev2 >= wrote
+        assert changes == {"/l/a", "/l/b", "/l/c"}
+        copy, _ = mirror.by_key()
+        assert copy == again and copy is not again
+        mirror._reload()
+        fresh, _, changes = mirror.view_changes()
+        assert fresh is not kvs and set(fresh) == {"/l/b", "/l/c"} and changes is None
+    finally:
+        mirror.cancel()
+        client.close()

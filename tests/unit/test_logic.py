@@ -204,6 +204,8 @@ def test_a_pass_kept_up_to_date_by_changed_keys_answers_as_one_made_anew():
     names = {keys.suspects_prefix: [*incs, "x/y"], keys.fenced_prefix: incs, keys.spares_prefix: ["s0", "s1"]}
     cache = S.Decoded()
     changes: set | None = None
+    lent_control: dict = {}
+    lent_progress: dict = {}
     for step in range(300):
         for _ in range(rnd.randrange(0, 6)):
             folder = rnd.choice(folders)
@@ -221,7 +223,14 @@ def test_a_pass_kept_up_to_date_by_changed_keys_answers_as_one_made_anew():
                 kvs[k] = KV(k, v if isinstance(v, bytes) else encode(v), rev[0], 1, 1, 0)
             if changes is not None:
                 changes.add(k)
-        kept = S.Snapshot(dict(kvs), rdzv, cache, changes)
+        # the kept pass reads the mirrors' own dicts (lent, changed in place between passes, as
+        # PrefixMirror(lend=True) does) joined, not merged; the new one a plain copy
+        for k in {*lent_control, *lent_progress} - kvs.keys():
+            lent_control.pop(k, None)
+            lent_progress.pop(k, None)
+        for k, kv in kvs.items():
+            (lent_progress if k.startswith(keys.progress_prefix) else lent_control)[k] = kv
+        kept = S.Snapshot(S.Joined(lent_control, lent_progress), rdzv, cache, changes)
         anew = S.Snapshot(dict(kvs), rdzv)
         for prefix in (*folders, keys.recoveries_prefix, keys.prefix):
             assert sorted(kept.keys_under(prefix)) == sorted(anew.keys_under(prefix)), (step, prefix)

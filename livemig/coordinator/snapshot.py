@@ -184,6 +184,16 @@ class Joined(Mapping[str, KV]):
         return len(self.control) + len(self.progress)
 
 
+def changed_members(before: Mapping[int, Member], after: Mapping[int, Member]) -> set[int]:
+    """The ranks of `after` whose member is not the very object `before` holds (new ranks
+    included): what a table assembled from changed rows changed (roster.Assembler keeps the
+    member objects of rows it did not re-read), compared by identity at dict speed."""
+    b = (before.loaded_rows() if isinstance(before, roster.Roster) else None) or before
+    a = (after.loaded_rows() if isinstance(after, roster.Roster) else None) or after
+    get = b.get
+    return {r for r, m in a.items() if get(r) is not m}
+
+
 def node_of(reg: dict) -> int | None:
     """The node rank a registration names (None: a spare of a standby host, or older records)."""
     n = reg.get("node")
@@ -334,15 +344,7 @@ class Snapshot:
         changed = [key for f, keys in c.changed.items() if f.startswith(folders) for key in keys]
         if not changed:
             return set()
-        by = self._cache.memo.get("by")
-        if by is None or by[0] is not members:  # incarnation and spare id -> ranks, once per table
-            incs: dict[str, list[int]] = {}
-            sids: dict[str, list[int]] = {}
-            for r, mem in members.items():
-                incs.setdefault(mem.incarnation, []).append(r)
-                if mem.spare_id:
-                    sids.setdefault(mem.spare_id, []).append(r)
-            by = self._cache.memo["by"] = (members, incs, sids)
+        by = self._by(members)
         out: set[int] = set()
         for key in changed:
             if key.startswith(k.members_prefix):
@@ -350,10 +352,31 @@ class Snapshot:
                 if rest.isdigit() and int(rest) in members:
                     out.add(int(rest))
             elif key.startswith((k.suspects_prefix, k.fenced_prefix)):
-                out.update(by[1].get(key[key.index("/", len(k.prefix)) + 1 :], ()))
+                out.update(by[0].get(key[key.index("/", len(k.prefix)) + 1 :], ()))
             elif key.startswith(k.spares_prefix):
-                out.update(by[2].get(key[len(k.spares_prefix) :], ()))
-        return out
+                out.update(by[1].get(key[len(k.spares_prefix) :], ()))
+        return {r for r in out if r in members}
+
+    def _by(self, members: Mapping[int, Member]) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
+        """Incarnation and spare id -> ranks, for `_affected`: made once, then carried from table
+        to table by adding the ranks whose member is a new object (`changed_members`); entries
+        of members gone stay (a superset: `_affected` keeps only ranks of the table), until
+        they outnumber the table, when it is made anew."""
+        hit = self._cache.memo.get("by")
+        if hit is not None and hit[0] is members:
+            return hit[1], hit[2]
+        diff = None if hit is None or hit[3] > 2 * len(members) + 1000 else changed_members(hit[0], members)
+        incs: dict[str, set[int]] = {} if diff is None else hit[1]  # type: ignore[index]
+        sids: dict[str, set[int]] = {} if diff is None else hit[2]  # type: ignore[index]
+        size = 0 if diff is None else hit[3]  # type: ignore[index]
+        for r in members if diff is None else diff:
+            mem = members[r]
+            incs.setdefault(mem.incarnation, set()).add(r)
+            size += 1
+            if mem.spare_id:
+                sids.setdefault(mem.spare_id, set()).add(r)
+        self._cache.memo["by"] = (members, incs, sids, size)
+        return incs, sids
 
     def dead(self, members: Mapping[int, Member], grace: bool = False) -> list[int]:
         """The ranks of `members` that alive() calls dead, without its key building and
@@ -364,19 +387,22 @@ class Snapshot:
         k = self.keys
         watched = (k.members_prefix, k.suspects_prefix, k.fenced_prefix, k.spares_prefix)
         hit = self._cache.memo.get("dead")
-        if hit is not None and hit[2] is members and hit[3] is grace:
-            if not self._cache.changed_since(watched, hit[0]):
+        out: set[int] | None = None
+        if hit is not None and hit[3] is grace:
+            again: set[int] | None = set()
+            if self._cache.changed_since(watched, hit[0]):
+                again = self._affected(members, watched, hit[0])
+            if again is not None:
                 out = hit[1]
-            elif (again := self._affected(members, watched, hit[0])) is not None:
-                out = hit[1]
+                if hit[2] is not members:  # a new table: its ranks with a new member object too
+                    again |= changed_members(hit[2], members)
+                    out = {r for r in out if r in members}
                 for r in again:
                     if self._dead_one(r, members[r], grace):
                         out.add(r)
                     else:
                         out.discard(r)
-            else:
-                out = set(self._dead(members, grace))
-        else:
+        if out is None:
             out = set(self._dead(members, grace))
         self._cache.memo["dead"] = (self.pass_no, out, members, grace)
         return [r for r in members if r in out] if out else []
@@ -439,7 +465,9 @@ class Snapshot:
         from the changed records alone while passes come one after another."""
         c = self._cache
         hit = c.memo.get(("matching", folder))
-        again: Iterable[int] = members
+        # counted anew: the ranks with a record (a recovery's first pass has few), not every member
+        present = (key[len(folder) :] for key in self.keys_under(folder))
+        again: Iterable[int] = [int(x) for x in present if x.isdigit() and int(x) in members]
         out: set[int] = set()
         if hit is not None and hit[2] is members:
             if not c.changed_since((folder,), hit[0]):

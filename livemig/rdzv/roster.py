@@ -214,6 +214,11 @@ class Roster(MutableMapping[int, Member]):
     def __repr__(self) -> str:
         return f"Roster({self._rows!r}{', lazy' if self._loader else ''})"
 
+    def loaded_rows(self) -> dict[int, Member] | None:
+        """The rows as a plain dict (read only) when all are held, for loops that compare
+        tables at dict speed; None for a lazy roster."""
+        return self._rows if self._loader is None else None
+
 
 def rows_of(members: Mapping[int, Member]) -> dict[int, list]:
     return {int(r): pack_row(m) for r, m in members.items()}

@@ -169,8 +169,11 @@ def test_a_pass_decodes_only_what_changed_and_under_matches_a_scan():
 def test_a_pass_kept_up_to_date_by_changed_keys_answers_as_one_made_anew():
     """The coordinator's passes update what they derived (the folder index, `under`, `dead`,
     `registered`, the flagged progress records) from each pass's changed keys alone: after
-    any sequence of puts, re-puts, garbage and deletes, every answer equals a Snapshot made
-    from the same keys with nothing kept; a pass whose changes are not known (None) starts over."""
+    any sequence of puts, re-puts, garbage and deletes, and of new tables (a member replaced, a
+    rank gone, an older member object back, the same members in a new object: `dead` and the
+    incarnation index are carried across tables by member identity), every answer equals a
+    Snapshot made from the same keys with nothing kept; a pass whose changes are not known
+    (None) starts over. The kept one reads lent dicts joined (snapshot.Joined), as passes do."""
     import random
     from unittest import mock
 
@@ -206,7 +209,8 @@ def test_a_pass_kept_up_to_date_by_changed_keys_answers_as_one_made_anew():
     changes: set | None = None
     lent_control: dict = {}
     lent_progress: dict = {}
-    for step in range(300):
+    gone: dict = {}
+    for step in range(1200):
         for _ in range(rnd.randrange(0, 6)):
             folder = rnd.choice(folders)
             k = folder + rnd.choice(names.get(folder, [*map(str, range(n)), "x/y"]))
@@ -216,7 +220,8 @@ def test_a_pass_kept_up_to_date_by_changed_keys_answers_as_one_made_anew():
             else:  # a registration mostly as the table's member, so that a suspicion or fence decides
                 v = value()
                 name = k[len(keys.members_prefix) :]
-                if k.startswith(keys.members_prefix) and name.isdigit() and int(name) < n - 1 and rnd.random() < 0.8:
+                ours = name.isdigit() and int(name) < n - 1 and int(name) in members  # not the claimed spare
+                if k.startswith(keys.members_prefix) and ours and rnd.random() < 0.8:
                     v = {"incarnation": members[int(name)].incarnation, "host": "h", "pid": 1, "addr": "a3"}
                 elif k.startswith(keys.spares_prefix) and rnd.random() < 0.5:
                     v = {"incarnation": "sp", "state": "warm"}  # the claimed spare's own record
@@ -241,10 +246,20 @@ def test_a_pass_kept_up_to_date_by_changed_keys_answers_as_one_made_anew():
         assert kept.flagged_progress() == anew.flagged_progress(), step
         for folder in folders[4:6]:  # the reports and ready records a recovery counts
             assert kept.count_matching(folder, members) == anew.count_matching(folder, members), (step, folder)
-        if step % 50 == 49:  # a new table: one member replaced by another process
+        if step % 7 == 6:  # a new table (the others' member objects kept, as roster.Assembler does):
             r = rnd.randrange(n - 1)
-            members = {**members, r: Member(r, f"i{r}-{step}", "h", r, "a")}
-            incs.append(members[r].incarnation)
+            x = rnd.random()
+            if x < 0.5:  # one member replaced by another process
+                members = {**members, r: Member(r, f"i{r}-{step}", "h", r, "a")}
+                incs.append(members[r].incarnation)
+            elif x < 0.7 and r in members:  # a rank gone (a shrink)
+                members = {q: m for q, m in members.items() if q != r}
+            elif x < 0.85 and r in gone:  # an older member object back (an abort restores its table)
+                members = {**members, r: gone[r]}
+            else:  # the same members, a new table object
+                members = dict(members)
+            for q, m in members.items():
+                gone.setdefault(q, m)
         changes = None if step % 37 == 36 else set()  # now and then a full read
 
 

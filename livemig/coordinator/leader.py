@@ -27,6 +27,7 @@ from livemig.rdzv.writes import put_if_absent
 
 log = logging.getLogger("livemig.coordinator")
 FULL_READ_S = 5.0  # a pass reads etcd itself at least this often, whatever the mirror says
+FULL_READ_SHARE = 0.05  # ... or less often: the safety net's reads take at most this share of the time
 PASS_REST_MAX_S = 0.1  # the most a pass rests after itself (as long as it took), for the watch to keep up
 FLOOD_EVENTS = 16  # control-key events during one pass that make it a flood: only then does the next wait
 MIRROR_WAIT_S = 0.5  # how long a pass waits for the mirror to hold the coordinator's own writes
@@ -63,6 +64,7 @@ class Leader:
         self._progress: PrefixMirror | None = None  # members' progress records, while leading
         self._floor = 0
         self._full_at = -1e18
+        self._full_every = FULL_READ_S  # grows with what a full read costs (100,000 ranks: ~0.5 s)
         self._woken = False  # this pass answers a change (not the 0.2 s timer)
         # the last pass's keys came from the mirrors: this pass's changed keys are what the
         # mirrors collected since (Snapshot keeps what it derived up to date from them alone)
@@ -167,7 +169,8 @@ class Leader:
         holds this coordinator's own writes (their revision, from etcd's answers; its next
         pass must see them), else from etcd itself: after a write whose revision is unknown
         (a failed call), when the mirror does not reach the revision within MIRROR_WAIT_S,
-        when it lags the last full read, and about every FULL_READ_S (a safety net); the
+        when it lags the last full read, and about every FULL_READ_S (a safety net, less often
+        where a read costs more than FULL_READ_SHARE of that); the
         progress records from their own mirror (the coordinator never writes them). With them,
         the keys changed since the last pass's read: None where that is not known (a full read
         now or then, a read that failed in between)."""
@@ -183,15 +186,19 @@ class Leader:
         # The safety net's read (~0.25 s at 10,000 ranks) waits for a pass of the timer, not
         # one that answers a change (a fault), unless changes have kept coming for 3 x as long.
         since = now - self._full_at
-        due = since >= FULL_READ_S and (not self._woken or since >= 3 * FULL_READ_S)
+        due = since >= self._full_every and (not self._woken or since >= 3 * self._full_every)
         if self.client.unknown_writes == self._unknown_seen and fresh and not due:
             self.reads["mirror"] += 1
         else:
             self._unknown_seen = self.client.unknown_writes
+            t0 = time.monotonic()
             got, _ = self.client.get_range(self.keys.prefix, self.keys.control_end)
             kvs = {kv.key: kv for kv in got}
             self._floor = max((kv.mod_revision for kv in got), default=0)
             self._full_at = now
+            # the next safety-net read no sooner than its cost allows (the pass's rebuild after
+            # it is of the same order): 5 s up to ~10,000 ranks, ~10 s per 0.5 s read beyond
+            self._full_every = max(FULL_READ_S, (time.monotonic() - t0) / FULL_READ_SHARE)
             self.reads["full"] += 1
             changes = None
         progress: dict = {}

@@ -192,8 +192,8 @@ class PrefixMirror:
         if self.on_change is not None:
             self.on_change(events)
 
-    def _put(self, events: list[WatchEvent]) -> None:
-        kv = self._kv
+    def _put(self, events: list[WatchEvent], into: dict[str, KV] | None = None) -> None:
+        kv = self._kv if into is None else into
         for e in events:
             if e.kind == "put":
                 kv[e.key] = KV(e.key, e.value, e.mod_revision, e.create_revision, e.version, e.lease)
@@ -220,14 +220,20 @@ class PrefixMirror:
 
     def kvs(self) -> tuple[list[KV], int]:
         with self._lock:
-            self._settle()
-            return list(self._kv.values()), self.revision
+            if not self._queued:
+                return list(self._kv.values()), self.revision
+        kv, rev = self.by_key()
+        return list(kv.values()), rev
 
     def by_key(self) -> tuple[dict[str, KV], int]:
-        """A copy of the mirror by key (one dict copy: no list and no dict to rebuild)."""
+        """A copy of the mirror by key (one dict copy: no list and no dict to rebuild). A
+        lending mirror's queued events go into the copy, not into the dict its reader holds
+        (this may be another thread)."""
         with self._lock:
-            self._settle()
-            return dict(self._kv), self.revision
+            out = dict(self._kv)
+            if self._queued:
+                self._put(self._queued, into=out)
+            return out, self.revision
 
     def view_changes(self) -> tuple[dict[str, KV], int, set[str] | None]:
         """(lend) `by_key_changes` without the copy: the mirror's own dict, which its one reader
@@ -242,9 +248,11 @@ class PrefixMirror:
         """`by_key` and the keys changed since the last call (None: since the mirror was read
         whole, or for the first call): taken at once, so the copy is the last one's plus them."""
         with self._lock:
-            self._settle()
+            out = dict(self._kv)
+            if self._queued:
+                self._put(self._queued, into=out)
             changed, self._changed = self._changed, set() if self._track else None
-            return dict(self._kv), self.revision, changed
+            return out, self.revision, changed
 
     def cancel(self) -> None:
         self._watch.cancel()

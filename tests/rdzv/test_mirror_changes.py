@@ -64,6 +64,8 @@ def test_a_lending_mirror_leaves_the_dict_it_lent_as_it_was_until_the_next_view(
         wrote = client.write_revision
         _until(lambda: mirror.revision >= wrote)
         assert set(kvs) == {"/l/a"} and kvs["/l/a"].value == b"1", "the lent dict changed under its reader"
+        copy, _ = mirror.by_key()  # another reader's copy holds the queued events; the lent dict still not
+        assert set(copy) == {"/l/b", "/l/c"} and set(kvs) == {"/l/a"}
         again, rev2, changes = mirror.view_changes()
         assert again is kvs and set(again) == {"/l/b", "/l/c"} and rev2 >= wrote
         assert changes == {"/l/a", "/l/b", "/l/c"}

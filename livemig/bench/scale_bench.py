@@ -418,7 +418,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json")
 
 
-GUARD_RATIO = 1.3  # issue 54: 2,000 ranks within 1.3x of 1,000 (tests/bench/test_bench_smoke.py guards it)
+GUARD_RATIO = 1.3  # issue 54: 2,000 ranks within 1.3x of 1,000 (CI asserts it of CPU per rank; wall time printed)
 
 
 def best_of(got: list[dict[str, Any]]) -> dict[str, Any]:

@@ -230,10 +230,14 @@ class PrefixMirror:
         lending mirror's queued events go into the copy, not into the dict its reader holds
         (this may be another thread)."""
         with self._lock:
-            out = dict(self._kv)
-            if self._queued:
-                self._put(self._queued, into=out)
-            return out, self.revision
+            return self._copy(), self.revision
+
+    def _copy(self) -> dict[str, KV]:
+        """(under the lock) the mirror by key, queued events applied to the copy only."""
+        out = dict(self._kv)
+        if self._queued:
+            self._put(self._queued, into=out)
+        return out
 
     def view_changes(self) -> tuple[dict[str, KV], int, set[str] | None]:
         """(lend) `by_key_changes` without the copy: the mirror's own dict, which its one reader
@@ -248,9 +252,7 @@ class PrefixMirror:
         """`by_key` and the keys changed since the last call (None: since the mirror was read
         whole, or for the first call): taken at once, so the copy is the last one's plus them."""
         with self._lock:
-            out = dict(self._kv)
-            if self._queued:
-                self._put(self._queued, into=out)
+            out = self._copy()
             changed, self._changed = self._changed, set() if self._track else None
             return out, self.revision, changed
 

@@ -64,6 +64,7 @@ ENV_VERIFIERS = "LIVEMIG_TRANSFER_VERIFIERS"
 ENV_REDUCE = "LIVEMIG_ZERO1_REDUCE"  # "allreduce" (default on gloo) or "reduce_scatter" (default on nccl)
 ENV_KEEP_RUNS = "LIVEMIG_KEEP_RUNS"  # run log directories kept under the state dir (default 20)
 ENV_JOIN_TIMEOUT = "LIVEMIG_JOIN_TIMEOUT"  # every node of a run joins within this, s (default 300)
+ENV_LAUNCH_ID = "LIVEMIG_LAUNCH_ID"  # `livemig run --launch-id`'s default (agent/nodes.py join_run)
 ENV_FENCED_KILL_S = "LIVEMIG_FENCED_KILL_S"  # an agent kills a fenced child still running after this, s (default 5)
 ENV_KILLED_WAIT_S = "LIVEMIG_KILLED_WAIT_S"  # an ending agent waits this long for a SIGKILLed child, s (default 5)
 ENV_LOG_LEVEL = "LIVEMIG_LOG_LEVEL"

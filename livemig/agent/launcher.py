@@ -225,6 +225,15 @@ class Launcher:
             self.say(f"livemig: metrics of job {cfg.job} on http://{host}:{self.metrics.port}/metrics")
         self._join(host, fresh=early)
         claim_job_file(cfg.job, self.etcd, security=self.security)
+        ended = None if early else self.client.get(self.keys.result)
+        if ended is not None:
+            # the run this agent joined ended while it joined (a replacement pod starting as the
+            # job finishes): nothing to run; supervise() reads the result and exits with it
+            state = (conform(ended.value, {"state": (str,)}) or {}).get("state", "?")
+            who = f"node {self.node_rank}" if self.node_rank >= 0 else "this node"
+            self.say(f"livemig: job {cfg.job}'s run {self.run_id} ended ({state}) before {who} joined it: "
+                     "nothing to start")  # fmt: skip
+            return
         if not early and formed(self.client, self.keys):
             # A node joining a run that already trains (a replacement pod of an Indexed Job, a
             # restarted node): its node rank's ranks run elsewhere now, so it brings standby
@@ -309,12 +318,18 @@ class Launcher:
 
     def _join(self, host: str, fresh: bool = False) -> None:
         """Create or join the job's run and take a node rank (nodes.attach_node)."""
-        from livemig.agent.nodes import attach_node
+        from livemig.agent.nodes import RunEnded, attach_node
 
         assert self.client is not None
-        self.node_keeper, self.run_id, self.node_rank = attach_node(
-            self.client, self.keys, self.cfg, host, lambda: {c.incarnation for c in self.children}, self.say, fresh
-        )
+        try:
+            mine = lambda: {c.incarnation for c in self.children}  # noqa: E731
+            self.node_keeper, self.run_id, self.node_rank = attach_node(
+                self.client, self.keys, self.cfg, host, mine, self.say, fresh
+            )
+        except RunEnded as exc:  # start() reads the run's result and starts nothing
+            self.run_id = exc.run_id
+            self.node_rank = self.cfg.node_rank if self.cfg.node_rank is not None else -1
+            return
         if self.cfg.nnodes > 1 and not self._metrics_env:  # the run's first agent serves metrics: so do
             kv = self.client.get(self.keys.run)  # this node's members publish the figures it reads
             rec = conform(kv.value, {}, {"metrics": (bool,)}) if kv else None

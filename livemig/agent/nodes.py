@@ -78,19 +78,35 @@ def formed(client: EtcdClient, keys: JobKeys) -> bool:
     return Membership.from_bytes(raw.value if raw else None).trains
 
 
+class RunEnded(Exception):
+    """The run this agent's launch started finished (done) before the agent joined it."""
+
+    def __init__(self, run_id: str, launch: str) -> None:
+        super().__init__(f"run {run_id} of launch {launch} finished")
+        self.run_id = run_id
+
+
 def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int, signature: str,
              node_rank: int | None, node_info: dict[str, Any], lease: int,
              fresh: bool = False, metrics: bool = False,
-             checkpoint: dict[str, str] | None = None) -> tuple[str, int]:  # fmt: skip
+             checkpoint: dict[str, str] | None = None, launch: str = "") -> tuple[str, int]:  # fmt: skip
     """Create or join the job's run and take a node rank: (run id, node rank). fresh: the
     agent's own new etcd, where the job's processes may already be writing: nothing stale
     to remove (removing it would take their election and secret away). metrics: the run
     record says the job's metrics are on, so that `livemig-spare start` turns them on in
     its spares too (a claimed spare is a member); checkpoint: the run's checkpoint settings
-    (as environment), which such spares write their parts with once they take a rank."""
+    (as environment), which such spares write their parts with once they take a rank.
+    launch: --launch-id, kept in the run record; an agent of the same launch finding that run
+    finished (a Kubernetes replacement pod starting as the job ends) raises RunEnded instead
+    of starting a new run nobody else joins. A stopped or failed run is not finished: the
+    launch's new pods (a job stopped at a checkpoint, a Job's retries) start a new run."""
     want = {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "signature": signature}
     for _ in range(20):  # a few rounds of lost races, never more
         kv = client.get(keys.run)
+        if kv is not None and launch and (decode(kv.value) or {}).get("launch") == launch:
+            res = client.get(keys.result)
+            if res is not None and (decode(res.value) or {}).get("state") == "done":
+                raise RunEnded((decode(kv.value) or {}).get("run_id", "?"), launch)
         if kv is None or not _run_live(client, keys):
             # Remove what an ended run (or a run that never formed) left, then create ours:
             # two transactions (etcd refuses a put inside a range deleted by the same txn).
@@ -99,7 +115,8 @@ def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int
             run_id = uuid.uuid4().hex[:12]
             k = 0 if node_rank is None else node_rank
             rec = {"run_id": run_id, **want, "created": time.time(), **({"metrics": True} if metrics else {}),
-                   **({"checkpoint": checkpoint} if checkpoint else {})}  # fmt: skip
+                   **({"checkpoint": checkpoint} if checkpoint else {}),
+                   **({"launch": launch} if launch else {})}  # fmt: skip
             if put_if_absent(client, keys.run, rec, also=[Put(keys.node(k), {**node_info, "run_id": run_id}, lease)]):
                 log.info("run created", extra={"run": run_id, "node_rank": k})
                 return run_id, k
@@ -136,9 +153,12 @@ def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int
 
 
 def wait_nodes(client: EtcdClient, keys: JobKeys, nnodes: int, run_id: str, timeout: float) -> dict[int, dict]:
-    """Block until every node rank of the run is held; one line naming the missing ones."""
+    """Block until every node rank of the run is held, or the run ended (its result written:
+    the caller reads it, nothing is left to wait for); one line naming the missing ones."""
     deadline = time.monotonic() + timeout
     while True:
+        if client.get(keys.result) is not None:
+            return {}
         kvs, _ = client.get_prefix(keys.nodes_prefix)
         nodes = {}
         for kv in kvs:
@@ -199,11 +219,19 @@ def attach_node(client: EtcdClient, keys: JobKeys, cfg: Any, host: str, incarnat
             time.sleep(0.5)
     keeper = LeaseKeeper(client, cfg.timeouts.lease_ttl_s, name="node",
                          outage_budget_s=cfg.timeouts.etcd_outage.total_seconds(), reattach=reattach)  # fmt: skip
-    box["run"], box["rank"] = join_run(client, keys, cfg.nnodes, cfg.nproc_per_node,
-                                       script_signature(cfg.script, cfg.args), cfg.node_rank, info,
-                                       keeper.lease_id, fresh, cfg.metrics_port is not None,
-                                       cfg.checkpoint.to_env() if cfg.checkpoint is not None else None)  # fmt: skip
-    if cfg.nnodes > 1:
+    try:
+        box["run"], box["rank"] = join_run(client, keys, cfg.nnodes, cfg.nproc_per_node,
+                                           script_signature(cfg.script, cfg.args), cfg.node_rank, info,
+                                           keeper.lease_id, fresh, cfg.metrics_port is not None,
+                                           cfg.checkpoint.to_env() if cfg.checkpoint is not None else None,
+                                           cfg.launch_id)  # fmt: skip
+    except BaseException:
+        keeper.stop(revoke=True)
+        raise
+    # A run that already trains does not wait for every node: a node it lost runs on spares
+    # now, and one whose agent ended with the run never comes back (a replacement pod
+    # starting as the job finishes would wait out the join timeout for it, then fail).
+    if cfg.nnodes > 1 and not formed(client, keys):
         say(f"livemig: job {cfg.job}: node {box['rank']} of {cfg.nnodes} joined run {box['run']}; "
             "waiting for the other nodes")  # fmt: skip
         wait_nodes(client, keys, cfg.nnodes, box["run"], cfg.join_timeout)

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from livemig.config import ENV_JOIN_TIMEOUT, Timeouts, on_error_policy, validate_job_name
+from livemig.config import ENV_JOIN_TIMEOUT, ENV_LAUNCH_ID, Timeouts, on_error_policy, validate_job_name
 from livemig.errors import ConfigError
 from livemig.faults import Fault
 
@@ -47,6 +47,9 @@ class RunConfig:
     shrink_wait: float | None = None  # --shrink-wait: s to wait for a warm spare first (default 5)
     on_sigterm: str = "stop"  # --on-sigterm: drain (hand this node's ranks to the job, agent/drain.py) or stop
     drain_grace: float = 25.0  # --drain-grace: s a drain may take before the job is stopped as before
+    # --launch-id: the launcher's one identity for every agent it starts (a Kubernetes Job's uid):
+    # an agent of that launch arriving after its run finished exits 0 instead of starting a new run
+    launch_id: str = field(default_factory=lambda: os.environ.get(ENV_LAUNCH_ID, ""))
     # how long to wait for every node of the run to join, s
     join_timeout: float = field(default_factory=lambda: float(os.environ.get(ENV_JOIN_TIMEOUT, "") or 300))
 

@@ -72,6 +72,10 @@ def test_kubernetes_jobs_survive_a_lost_pod_and_use_only_what_livemig_reads():
     workers = jobs["livemig-gpt"]["spec"]
     assert "backoffLimit" not in workers and workers["backoffLimitPerIndex"] >= 1, workers
     assert workers["podReplacementPolicy"] == "Failed", workers
+    # every pod of the Job carries its uid as the launch: a replacement arriving as the job ends exits 0
+    env = {e["name"]: e for e in workers["template"]["spec"]["containers"][0]["env"]}
+    uid = env["LIVEMIG_LAUNCH_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert uid == "metadata.labels['batch.kubernetes.io/controller-uid']", uid
     assert not [d for _, d in _docs() if d["kind"] == "Deployment"]  # it restarted spares for ever
     for name, d in [*jobs.items()]:
         pod = d["spec"]["template"]["spec"]

@@ -94,7 +94,12 @@ def procs() -> Iterator[Procs]:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Every test under tests/e2e/ and tests/faults/ runs real jobs: marked `e2e`."""
+    """Every test under tests/e2e/ and tests/faults/ runs real jobs: marked `e2e`. A test
+    marked `alone` (a timing guard a test beside it spoils) is skipped where xdist runs tests
+    side by side: `pytest -n 0 -m alone` runs it, as .ci/run does after the suite."""
+    beside = int(getattr(config, "workerinput", {}).get("workercount", 1)) > 1  # an xdist worker with a peer
     for item in items:
         if {"e2e", "faults"} & set(item.path.parent.parts[-1:]):
             item.add_marker(pytest.mark.e2e)
+        if beside and item.get_closest_marker("alone"):
+            item.add_marker(pytest.mark.skip(reason="runs alone: `python -m pytest -n 0 -m alone` (.ci/run does)"))

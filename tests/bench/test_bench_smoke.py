@@ -62,9 +62,31 @@ def test_a_change_of_the_member_table_costs_what_it_changes_at_1000_and_2000_ran
     per_rank = res["cpu_per_rank_ratios"]["2000/1000"]
     assert per_rank <= 1.3, f"the coordinator's CPU per rank: {per_rank:.2f}x from 1,000 to 2,000 ranks\n{out}"
     assert big["etcd_puts_per_s"] <= 1.25 * 2000, f"{big['etcd_puts_per_s']:.0f} puts/s at 2,000 ranks\n{out}"
-    # The wall-time ratio is printed, not asserted: in CI's suite (another test beside it) it
-    # was 1.74x, then 1.84x on totals of 0.010 vs 0.018 s, while quiet runs give 0.53-1.22x.
+    # The wall-time ratio is printed here and asserted by the test below, run alone: in CI's
+    # suite (another test beside it) it was 1.74x, then 1.84x, while quiet runs give 0.53-1.22x.
     print(f"fence + claim + commit, 2,000 / 1,000 ranks: {res['ratios']['2000/1000']:.2f}x")
+
+
+@pytest.mark.alone
+def test_fence_claim_and_commit_at_2000_ranks_take_within_1_3x_of_1000(tmp_path):
+    """Issue 54's guard, literally: `bench scale --ranks 1000,2000 --quick`, fence + claim +
+    commit at 2,000 ranks within 1.3x of 1,000 (the fastest of 3 recoveries each, interleaved).
+    Marked `alone`: a test beside it on CI's two cores doubled the ratio (totals of ~10-20 ms),
+    so the suite under -n 2 skips it and `.ci/run` runs it afterwards with nothing beside it
+    (`pytest -n 0 -m alone`). A ratio over 1.3x is measured again, up to three runs in all, and
+    fails only when every run is over: the code before this guard was over in every run
+    (1.4-2.3x quiet)."""
+    seen = []
+    for i in range(3):
+        r = bench("scale", "--ranks", "1000,2000", "--quick", "--json", str(tmp_path / f"a{i}.json"), timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+        ratio = json.loads((tmp_path / f"a{i}.json").read_text())["ratios"]["2000/1000"]
+        seen.append(round(ratio, 2))
+        print(f"fence + claim + commit, 2,000 / 1,000 ranks: {ratio:.2f}x (run {i + 1})")
+        if ratio <= 1.3:
+            return
+    raise AssertionError(f"fence + claim + commit at 2,000 ranks over 1.3x that at 1,000 in every run: {seen}\n"
+                         f"{r.stdout[-2000:]}")  # fmt: skip
 
 
 def test_bench_transfer(tmp_path):

@@ -188,6 +188,10 @@ ENV_SPARE_ID = "LIVEMIG_SPARE_ID"
 ENV_INCARNATION = "LIVEMIG_INCARNATION"
 ENV_HOST = "LIVEMIG_HOST"  # address peers reach this process at (default 127.0.0.1)
 ENV_NODE_RANK = "LIVEMIG_NODE_RANK"  # the node rank of the agent that started this process
+# --node-leases: workers register under their agent's node lease (one keep-alive per node, not
+# per rank); the agent writes the lease id to this file (again after an etcd outage re-attach)
+ENV_NODE_LEASES = "LIVEMIG_NODE_LEASES"  # "1": `livemig run --node-leases`' default
+ENV_NODE_LEASE_FILE = "LIVEMIG_NODE_LEASE_FILE"
 ENV_BUDDY_STRIDE = "LIVEMIG_BUDDY_STRIDE"  # a rank's mirror (local state, ZeRO-1 shard) is rank + this
 ENV_BACKEND = "LIVEMIG_BACKEND"  # "gloo" or "nccl" (default: livemig/device.py default_backend)
 # how a generation's groups are formed: "swap" (default) or "reconfigure" (comm/communicator.py)

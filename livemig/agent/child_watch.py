@@ -7,6 +7,7 @@ agent/launcher.py's Launcher, which owns the children, the client and the keys.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import time
@@ -16,9 +17,12 @@ from livemig.agent.children import fenced_too_long, kill_group, report_death
 from livemig.config import Role
 from livemig.rdzv.client import conform
 from livemig.rdzv.membership import Membership
+from livemig.rdzv.writes import delete_if_unchanged
 
 if TYPE_CHECKING:
     from livemig.agent.children import Agent, Child
+
+log = logging.getLogger("livemig.agent.child_watch")
 
 FINE_TICK_S = 0.02  # the agent's tick while a fault plan runs (step triggers, SIGSTOP duty cycles)
 IDLE_TICK_S = 0.25  # its tick otherwise: fence kills, progress lines, the job's end
@@ -85,6 +89,8 @@ class ChildWatch:
         self._progress_cache: dict[str, tuple[int, dict | None]] = {}  # key -> (mod revision, record)
         self._last_print = -1
         self._t_print = 0.0  # the wall time of the last printed step's commit (its record's)
+        self._stopped: dict[str, float] = {}  # --node-leases: incarnation -> when first seen stopped
+        self._dropped: set[str] = set()  # --node-leases: incarnations whose registration this agent deleted
 
     def note_warm_spares(self, by_key: dict) -> None:
         """When each spare of the job first reported warm (the report's `spares_warm`)."""
@@ -111,8 +117,47 @@ class ChildWatch:
             if c.died_at is None:
                 c.died_at = time.time()
             report_death(self.agent.client, self.agent.keys, c.incarnation, c.name, code, c.died_at)
+            self.drop_registration(c)  # in an etcd outage it raises: both are tried again once etcd answers
             c.reported = True
             self.agent.faults.died(c, code)  # an in-process kill of the fault plan landed
+
+    def drop_registration(self, c: Child) -> None:
+        """--node-leases: a worker's key lives under this agent's lease, so its death or stop
+        does not end it: delete it here (what its own lease's expiry did), only while it is
+        still that worker's (a replacement's key under the same rank stays)."""
+        if not self.agent.node_lease_file or c.role != Role.WORKER or c.rank is None or c.incarnation in self._dropped:
+            return
+        client, key = self.agent.client, self.agent.keys.member(c.rank)
+        assert client is not None
+        kv = client.get(key)
+        if kv is not None and (conform(kv.value, {"incarnation": (str,)}) or {}).get("incarnation") == c.incarnation:
+            delete_if_unchanged(client, kv)
+            log.warning("registration dropped", extra={"child": c.name, "rank": c.rank})
+        self._dropped.add(c.incarnation)
+
+    def stopped(self) -> None:
+        """--node-leases: a worker stopped (SIGSTOP: its state T in /proc) for a lease TTL loses
+        its registration, as its own lease expired under the stop before: the recovery
+        starts as soon as it did without node leases."""
+        if not self.agent.node_lease_file:
+            return
+        now = time.monotonic()
+        ttl = self.agent.cfg.timeouts.lease_ttl_s
+        for c in self.agent.children:
+            if c.role != Role.WORKER or c.proc.poll() is not None or c.incarnation in self._dropped:
+                continue
+            if self.agent.faults.slowing(c):
+                self._stopped.pop(c.incarnation, None)
+                continue
+            try:
+                with open(f"/proc/{c.proc.pid}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state not in (b"T", b"t"):
+                self._stopped.pop(c.incarnation, None)
+            elif now - self._stopped.setdefault(c.incarnation, now) >= ttl:
+                self.drop_registration(c)
 
     def cannot_form(self, by_key: dict) -> str:
         """Why the job can never start ('' while it can): one of our workers exited before

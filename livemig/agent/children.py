@@ -93,6 +93,7 @@ class Agent(Protocol):
     faults: Any
     watch: Any
     spares_started: bool
+    node_lease_file: str
 
     def say(self, msg: str) -> None: ...
 

@@ -66,6 +66,10 @@ class FaultDriver:
             record_fault(self.agent.client, self.agent.keys, *self._unrecorded[0])
             self._unrecorded.pop(0)
 
+    def slowing(self, c: Child) -> bool:
+        """Under a `slow` fault: stopped and resumed in short cycles, a slow process, not a hang."""
+        return any(t is c for t, _, _ in self._slow)
+
     def stopped_by_plan(self, c: Child) -> bool:
         """Stopped by the plan (a SIGSTOP with its SIGCONT due, or cut off from etcd by a
         partition): a fence it cannot see yet is no sign of a wedge."""

@@ -47,6 +47,7 @@ from livemig.config import (
     ENV_MAX_RESTARTS,
     ENV_METRICS,
     ENV_MIN_NPROC,
+    ENV_NODE_LEASE_FILE,
     ENV_NODE_RANK,
     ENV_ON_ERROR,
     ENV_PARENT_PID,
@@ -91,6 +92,8 @@ class Launcher:
         self._outage = False  # etcd unreachable at the last look
         self._by_key: dict = {}  # the last snapshot of the job's keys (faults due during an outage)
         self.node_keeper: Any = None  # this agent's lease: holds its node key
+        # --node-leases: where the workers read that lease's id (rdzv/lease.py NodeLease)
+        self.node_lease_file = os.path.join(self.logdir, "node-lease") if cfg.node_leases else ""
         self.node_rank = 0
         self.run_id = ""
         # etcd credentials of this run: the embedded etcd's own, else the environment's
@@ -287,6 +290,8 @@ class Launcher:
                             ENV_ETCD: self.cluster.endpoints_on(self.partition.etcd_ip)})  # fmt: skip
             else:
                 env.update(self.net_env)
+            if self.node_lease_file:
+                env[ENV_NODE_LEASE_FILE] = self.node_lease_file
             self._spawn(f"worker-{r}", Role.WORKER, argv, env, rank=r)
 
     def _resume_path(self) -> str:
@@ -323,17 +328,27 @@ class Launcher:
         assert self.client is not None
         try:
             mine = lambda: {c.incarnation for c in self.children}  # noqa: E731
+            follow = self._node_lease_moved if self.node_lease_file else None
             self.node_keeper, self.run_id, self.node_rank = attach_node(
-                self.client, self.keys, self.cfg, host, mine, self.say, fresh
+                self.client, self.keys, self.cfg, host, mine, self.say, fresh, follow
             )
         except RunEnded as exc:  # start() reads the run's result and starts nothing
             self.run_id = exc.run_id
             self.node_rank = self.cfg.node_rank if self.cfg.node_rank is not None else -1
             return
+        if self.node_lease_file:
+            self._node_lease_moved(self.node_keeper.lease_id)
         if self.cfg.nnodes > 1 and not self._metrics_env:  # the run's first agent serves metrics: so do
             kv = self.client.get(self.keys.run)  # this node's members publish the figures it reads
             rec = conform(kv.value, {}, {"metrics": (bool,)}) if kv else None
             self._metrics_env = bool((rec or {}).get("metrics"))
+
+    def _node_lease_moved(self, lease: int) -> None:
+        """--node-leases: the lease this node's workers register under (its first, or the one an
+        etcd outage re-attach granted: each worker puts its key again under it)."""
+        from livemig.rdzv.lease import write_node_lease
+
+        write_node_lease(self.node_lease_file, lease)
 
     def spawn_spares(self, count: int | None = None, name: str = "spare") -> None:
         """--spares (or `count`) warm spares on this node, named <name>-<i>."""
@@ -404,6 +419,7 @@ class Launcher:
         while time.monotonic() < deadline:
             try:
                 self.watch.reap()
+                self.watch.stopped()
                 if self._mirror is None:
                     self._mirror = PrefixMirror(self.client, self.keys.prefix, on_change)
                 mirror = self._mirror

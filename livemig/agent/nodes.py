@@ -178,11 +178,13 @@ def wait_nodes(client: EtcdClient, keys: JobKeys, nnodes: int, run_id: str, time
 
 
 def attach_node(client: EtcdClient, keys: JobKeys, cfg: Any, host: str, incarnations: Callable[[], set[str]],
-                say: Callable[[str], None], fresh: bool = False) -> tuple[Any, str, int]:  # fmt: skip
+                say: Callable[[str], None], fresh: bool = False,
+                on_reattach: Callable[[int], None] | None = None) -> tuple[Any, str, int]:  # fmt: skip
     """An agent's entry into its job: wait for etcd (up to cfg.join_timeout), create or join
     the run, take a node rank, wait for every node. The node key lives under the agent's
     lease: its loss is the node's. Returns (the lease keeper, run id, node rank).
-    incarnations: this agent's processes, which decide whether a re-attach is due."""
+    incarnations: this agent's processes, which decide whether a re-attach is due;
+    on_reattach: told the new lease after one (--node-leases: the workers' keys follow it)."""
     from livemig.rdzv.lease import LeaseKeeper
     from livemig.rdzv.membership import Rendezvous, new_incarnation
 
@@ -200,6 +202,8 @@ def attach_node(client: EtcdClient, keys: JobKeys, cfg: Any, host: str, incarnat
                         extra={"node_rank": box["rank"]})  # fmt: skip
             return
         put_if_absent(client, keys.node(box["rank"]), {**info, "run_id": box["run"]}, lease)
+        if on_reattach is not None:
+            on_reattach(lease)
 
     # etcd may come up with the agents (a batch script, a pod): wait for it up to the join timeout
     deadline = time.monotonic() + cfg.join_timeout

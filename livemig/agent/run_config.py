@@ -8,7 +8,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from livemig.config import ENV_JOIN_TIMEOUT, ENV_LAUNCH_ID, Timeouts, on_error_policy, validate_job_name
+from livemig.config import (
+    ENV_JOIN_TIMEOUT,
+    ENV_LAUNCH_ID,
+    ENV_NODE_LEASES,
+    Timeouts,
+    on_error_policy,
+    validate_job_name,
+)
 from livemig.errors import ConfigError
 from livemig.faults import Fault
 
@@ -47,6 +54,8 @@ class RunConfig:
     shrink_wait: float | None = None  # --shrink-wait: s to wait for a warm spare first (default 5)
     on_sigterm: str = "stop"  # --on-sigterm: drain (hand this node's ranks to the job, agent/drain.py) or stop
     drain_grace: float = 25.0  # --drain-grace: s a drain may take before the job is stopped as before
+    # --node-leases: this node's workers register under the agent's lease (one keep-alive per node)
+    node_leases: bool = field(default_factory=lambda: os.environ.get(ENV_NODE_LEASES, "") == "1")
     # --launch-id: the launcher's one identity for every agent it starts (a Kubernetes Job's uid):
     # an agent of that launch arriving after its run finished exits 0 instead of starting a new run
     launch_id: str = field(default_factory=lambda: os.environ.get(ENV_LAUNCH_ID, ""))

@@ -51,6 +51,7 @@ class StandbyAgent:
     exit code (a signal as a shell reports it: 128 + n), else 0."""
 
     faults = _NoPlan()
+    node_lease_file = ""  # its spares keep leases of their own (--node-leases is the workers')
 
     def __init__(self, client: EtcdClient, keys: JobKeys, children: list[Child], grace_s: float = 10.0) -> None:
         self.client = client

@@ -480,6 +480,7 @@ def run(a: argparse.Namespace) -> int:
           f"lease is renewed every TTL/3 = {ttl / 3:.2f} s: N x {3 / ttl:.1f} keep-alives a second, which etcd's\n"
           f"leader answers without a raft proposal (measured now: {kept_alive} keep-alives, {proposals:.0f} "
           f"proposals). At 100,000 ranks: <= {budget:,.0f} puts/s and {100_000 * 3 / ttl:,.0f} "
+          f"keep-alives/s;\nwith --node-leases (one lease a node, 8 ranks a node): {100_000 / 8 * 3 / ttl:,.0f} "
           "keep-alives/s.")  # fmt: skip
     if any("watchers" in r for r in rows):
         print("\nthe commit reaching members' watches (each its own connection: the head, then its own row)")

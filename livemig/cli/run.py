@@ -131,6 +131,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nnodes", type=int, default=1, help="nodes of the job: one agent each, same command (default 1)")
     p.add_argument("--nproc-per-node", type=int, help="workers on each node (global rank = node rank x this + i)")
     p.add_argument("--node-rank", default="auto", help="this node's rank, or auto: the first free one (default)")
+    p.add_argument("--node-leases", action="store_true", default=None,
+                   help="this node's workers register under the agent's lease: one keep-alive per node at etcd's "
+                        "leader instead of one per rank (large jobs; default $LIVEMIG_NODE_LEASES=1; "
+                        "docs/reliability.md)")  # fmt: skip
     p.add_argument("--launch-id", default=None, metavar="ID",
                    help="one identity for every agent one launch starts (a Kubernetes Job's uid; default "
                         "$LIVEMIG_LAUNCH_ID): an agent of it arriving after its run finished exits 0 with the run "
@@ -295,7 +299,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                     resume_from=a.resume_from, max_restarts=a.max_restarts, recovery=a.recovery,
                     min_nproc=a.min_nproc, shrink_wait=a.shrink_wait,
                     on_sigterm=a.on_sigterm or sigterm_default(), drain_grace=a.drain_grace,
-                    **({"launch_id": a.launch_id} if a.launch_id is not None else {}))  # fmt: skip
+                    **({"launch_id": a.launch_id} if a.launch_id is not None else {}),
+                    **({"node_leases": True} if a.node_leases else {}))  # fmt: skip
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cfg.nproc_per_node + cfg.spares > OVERSUBSCRIBE * cores:
         print(f"livemig: warning: {cfg.nproc_per_node} workers and {cfg.spares} spare(s) on {cores} core(s) of this "

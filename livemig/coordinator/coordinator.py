@@ -55,7 +55,7 @@ from livemig.coordinator.snapshot import Snapshot, as_number, node_of, safe_deco
 from livemig.coordinator.store_host import StoreHost
 from livemig.coordinator.timeline import Timeline, measured
 from livemig.errors import LivemigError
-from livemig.rdzv.client import EtcdClient, conform
+from livemig.rdzv.client import EtcdClient, conform, decode
 from livemig.rdzv.election import LeaderElection
 from livemig.rdzv.membership import GenState, Member, Membership, Rendezvous, new_incarnation
 from livemig.rdzv.writes import Claim, Delete, Op, Put, Writes
@@ -349,7 +349,11 @@ class Coordinator:
             return
         for r in dead:  # revoke: the fenced process learns it within one keep-alive
             kv = s.kv.get(self.keys.member(r))
-            if kv is not None and kv.lease:
+            if kv is None or not kv.lease:
+                continue
+            if (decode(kv.value) or {}).get("lease") == "node":  # the node's processes share it (--node-leases):
+                self.writes.drop(kv)  # its key goes; the process learns its fence from the member table
+            else:
                 self.writes.revoke(kv.lease)
         log.warning("fenced", extra={"generation": g, "ranks": dead})
 

@@ -19,6 +19,7 @@ client's own timeout: no failed call either) counts as an outage.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -145,3 +146,103 @@ class LeaseKeeper:
             self.client.revoke(lease)
         except EtcdUnavailableError:
             pass  # unreachable: it expires after its TTL
+
+
+def read_node_lease(path: str, timeout_s: float) -> int:
+    """The node lease id its agent wrote to `path` (--node-leases), waiting up to timeout_s for
+    it: a single node's workers start before the agent has its etcd and its lease."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+            if raw.isdigit():
+                return int(raw)
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no node lease in {path} after {timeout_s:.0f}s: is this node's agent running "
+                               "(livemig run --node-leases)?")  # fmt: skip
+        time.sleep(0.05)
+
+
+def write_node_lease(path: str, lease_id: int) -> None:
+    """Atomically: a worker reading it sees the old id or the new one, never half of one."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(lease_id))
+    os.replace(tmp, path)
+
+
+class NodeLease:
+    """A registration under the node agent's lease instead of a lease of the process's own
+    (--node-leases: one keep-alive per node, not per rank, at etcd's leader). It has a
+    LeaseKeeper's face for its owner; its thread sends nothing to etcd: the agent keeps the
+    lease alive, and after an etcd outage that outlived it writes the new lease's id to the
+    file, where this registration sees it and puts its key again (`reattach`, a fenced write:
+    a process fenced meanwhile learns it there, as with a lease of its own). The agent also
+    deletes the key when the process dies or stays stopped for a TTL (what the lease's
+    expiry did), and the coordinator deletes it at a fence instead of revoking the lease the
+    node's other processes share (the fenced process learns of its fence from the member
+    table)."""
+
+    POLL_S = 0.25  # a local stat(); a re-attach is seen within it
+
+    def __init__(self, client: EtcdClient, key: str, value: bytes, lease_id: int, path: str,
+                 reattach: Callable[[int], None], on_lost: Callable[[str], None] | None = None) -> None:  # fmt: skip
+        self.client = client
+        self.key = key
+        self.value = value
+        self.lease_id = lease_id
+        self.path = path
+        self.reattach = reattach
+        self.on_lost = on_lost
+        self.lost = threading.Event()
+        self.lost_reason = ""
+        self.outages = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="livemig-node-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        seen = None
+        while not self._stop.wait(self.POLL_S):
+            try:
+                st = os.stat(self.path)
+                if (st.st_mtime_ns, st.st_ino) == seen:
+                    continue
+                with open(self.path) as f:
+                    raw = f.read().strip()
+            except OSError:
+                continue
+            if not raw.isdigit():
+                continue
+            if int(raw) == self.lease_id:
+                seen = (st.st_mtime_ns, st.st_ino)
+                continue
+            try:
+                self.reattach(int(raw))
+            except EtcdUnavailableError:
+                continue  # etcd went away again: the next poll tries again
+            except Exception as exc:  # noqa: BLE001 - FencedError: replaced meanwhile
+                if not self._stop.is_set():
+                    self.lost_reason = f"could not re-register under the node's new lease: {exc}"
+                    self.lost.set()
+                    if self.on_lost is not None:
+                        self.on_lost(self.lost_reason)
+                return
+            self.lease_id, seen = int(raw), (st.st_mtime_ns, st.st_ino)
+            self.outages += 1
+            log.warning("re-registered under the node's new lease", extra={"key": self.key, "lease": int(raw)})
+
+    def stop(self, revoke: bool = True) -> None:
+        """revoke: drop the key (only while it is still ours, as put); else leave it to the
+        agent (a process that exits has its key deleted by the agent that reaps it)."""
+        self._stop.set()
+        if not revoke:
+            return
+        t = self.client.txn_ops
+        try:
+            self.client.txn([t.value(self.key) == self.value], [t.delete(self.key)])
+        except EtcdUnavailableError:
+            pass  # the agent deletes it when this process exits

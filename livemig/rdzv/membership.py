@@ -27,7 +27,7 @@ from livemig.errors import CorruptStateError, FencedError, StaleGenerationError
 from livemig.rdzv import roster
 from livemig.rdzv.client import EtcdClient, decode, encode, prefix_end, txn_revision
 from livemig.rdzv.keys import JobKeys, row_rank
-from livemig.rdzv.lease import LeaseKeeper
+from livemig.rdzv.lease import LeaseKeeper, NodeLease, read_node_lease
 from livemig.rdzv.roster import Member
 
 log = logging.getLogger("livemig.rdzv.membership")
@@ -438,12 +438,21 @@ class Rendezvous:
         incarnation: str,
         on_lost: Callable[[str], None] | None = None,
         ttl_s: int | None = None,
-    ) -> LeaseKeeper:
+        node_lease_file: str | None = None,
+    ) -> LeaseKeeper | NodeLease:
         """Put `value` at `key` under a kept-alive lease; refused if fenced.
 
         The registration rides through an etcd outage up to the outage budget:
         if its lease expired meanwhile, `value` (the same dict: owners keep it
-        current) is put again under a new lease, unless we were fenced."""
+        current) is put again under a new lease, unless we were fenced.
+        node_lease_file: put it under the node agent's lease instead (--node-leases;
+        rdzv/lease.py NodeLease), whose id the agent wrote there."""
+        if node_lease_file:
+            raw = encode(value)
+            lease = read_node_lease(node_lease_file, self.timeouts.recovery.total_seconds())
+            self.fenced_put(None, incarnation, key, raw, lease=lease)
+            return NodeLease(self.client, key, raw, lease, node_lease_file,
+                             lambda new: self.fenced_put(None, incarnation, key, raw, lease=new), on_lost)  # fmt: skip
 
         def reattach(lease: int) -> None:
             self.fenced_put(None, incarnation, key, encode(value), lease=lease)

@@ -114,6 +114,11 @@ class Writes:
         """End a fenced process's lease: it learns it is fenced within one keep-alive."""
         self.client.revoke(lease)
 
+    def drop(self, kv: Any) -> None:
+        """Delete a fenced process's registration held under a shared lease (--node-leases),
+        only as read: a replacement that registered under the key meanwhile keeps its own."""
+        delete_if_unchanged(self.client, kv)
+
     def _claim_compares(self, claims: Sequence[Claim]) -> list:
         t = self.client.txn_ops
         out = []
@@ -148,3 +153,11 @@ def delete_prefix_if(client: EtcdClient, prefix: str, key: str, kv: Any) -> bool
     t = client.txn_ops
     compare = [t.version(key) == 0] if kv is None else [t.mod(key) == kv.mod_revision]
     return client.txn(compare, txn_ops(client, [Delete(prefix, prefix=True)]))[0]
+
+
+def delete_if_unchanged(client: EtcdClient, kv: Any) -> bool:
+    """Delete kv's key only at the mod revision it was read at (a registration under a shared
+    lease: whoever put the key since keeps it)."""
+    t = client.txn_ops
+    ok, _ = client.txn([t.mod(kv.key) == kv.mod_revision], [t.delete(kv.key)])
+    return ok

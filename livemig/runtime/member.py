@@ -33,6 +33,7 @@ from livemig.config import (
     ENV_ETCD,
     ENV_HOST,
     ENV_JOB,
+    ENV_NODE_LEASE_FILE,
     ENV_SHRINK_DROP,
     Timeouts,
     node_host,
@@ -41,7 +42,7 @@ from livemig.config import (
 from livemig.device import default_backend
 from livemig.errors import ConfigError, EtcdUnavailableError, FencedError, RecoveryError
 from livemig.rdzv.client import EtcdClient, conform, encode, through_outage
-from livemig.rdzv.lease import LeaseKeeper
+from livemig.rdzv.lease import LeaseKeeper, NodeLease
 from livemig.rdzv.membership import GenState, Membership, Rendezvous
 from livemig.rdzv.watch import PrefixWatch, wait_for
 from livemig.runtime.progress import Progress
@@ -107,8 +108,8 @@ class MemberRuntime:
         # a shrunk group's full-width gloo group: rank -> this process's endpoint (its own rank and
         # those it carries), so a shrunk step reduces as the fault-free group does ({}: none)
         self.full: dict[int, Any] = {}
-        self.keeper: LeaseKeeper | None = None
-        self.spare_keeper: LeaseKeeper | None = None  # a spare's registration while in standby
+        self.keeper: LeaseKeeper | NodeLease | None = None
+        self.spare_keeper: LeaseKeeper | NodeLease | None = None  # a spare's registration while in standby
         self.server: StateServer | None = None
         self.store: Any = None  # rank 0's c10d store for the first generation (register)
         kv, rev = self.client.get_with_revision(self.keys.membership)
@@ -287,10 +288,14 @@ class MemberRuntime:
                 self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
                                            timeout=self.timeouts.collective)  # fmt: skip
             info["store"] = f"{self.host}:{self.store.port}"
+        node_lease = os.environ.get(ENV_NODE_LEASE_FILE) or None  # --node-leases: the agent's lease, shared
+        if node_lease:
+            info["lease"] = "node"  # the coordinator deletes the key at a fence instead of revoking the lease
         if self.keeper is not None:
             self.keeper.stop(revoke=True)
         try:
-            self.keeper = self.rdzv.register(self.keys.member(rank), info, self.incarnation, self.on_lost)
+            self.keeper = self.rdzv.register(self.keys.member(rank), info, self.incarnation, self.on_lost,
+                                             node_lease_file=node_lease)  # fmt: skip
         except FencedError as exc:
             self.mark_fenced(str(exc))
             raise

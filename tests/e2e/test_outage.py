@@ -22,12 +22,12 @@ def reference(stateful_reference):
     return stateful_reference(2, ARGS, STEPS)
 
 
-def _outage_run(tmp_path, faults):
+def outage_run(tmp_path, faults, env: dict | None = None):
     return run_script(tmp_path, 2, spares=1, faults=faults, args=ARGS, job="o", steps=STEPS,
-                env={"STATEFUL_STEP_SLEEP": "0.1"})  # fmt: skip
+                      env={"STATEFUL_STEP_SLEEP": "0.1", **(env or {})})  # fmt: skip
 
 
-def _assert_same_state(run, ranks, reference):
+def assert_same_state(run, ranks, reference):
     ref_report, ref_ranks = reference
     assert run.rc == 0, explain(run)
     assert run.report["steps_completed"] == STEPS, explain(run)
@@ -36,8 +36,8 @@ def _assert_same_state(run, ranks, reference):
 
 
 def test_training_goes_on_through_an_etcd_outage(tmp_path, reference):
-    run, ranks = _outage_run(tmp_path, (OUTAGE,))
-    _assert_same_state(run, ranks, reference)
+    run, ranks = outage_run(tmp_path, (OUTAGE,))
+    assert_same_state(run, ranks, reference)
     (outage,) = run.report["etcd_outages"]
     assert outage["seconds"] >= 3 * TTL
     assert outage["steps_committed"] >= 10, outage  # the group trained on while etcd was stopped
@@ -51,8 +51,8 @@ def test_training_goes_on_through_an_etcd_outage(tmp_path, reference):
 def test_a_worker_killed_during_an_outage_is_recovered_once_etcd_is_back(tmp_path, reference):
     # armed at rank 1's step 7: rank 1's progress of step 8 may still be on its way to etcd when
     # any rank's step 8 stops etcd (then the kill would arm only after the outage)
-    run, ranks = _outage_run(tmp_path, (OUTAGE, "kill:rank=1:step=7:after=2"))
-    _assert_same_state(run, ranks, reference)
+    run, ranks = outage_run(tmp_path, (OUTAGE, "kill:rank=1:step=7:after=2"))
+    assert_same_state(run, ranks, reference)
     (outage,) = run.report["etcd_outages"]
     kill = next(f for f in run.report["faults_injected"] if f["kind"] == "kill")
     assert outage["start"] < kill["time"] < outage["end"], run.report["faults_injected"]

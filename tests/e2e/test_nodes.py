@@ -111,18 +111,20 @@ def hosts():
 
 
 def _node_loss(tmp_path, procs, hosts, references, per_node: int, args: tuple[str, ...] = (),
-               cut: bool = False) -> dict:  # fmt: skip
+               cut: bool = False, node_leases: bool = False) -> dict:  # fmt: skip
     """etcd on host 0, per_node ranks on each of hosts 1 and 2, per_node spares on standby
     host 3; every process of host 2 (agent, workers, coordinator candidate) SIGKILLed at
     step 10, or (cut) host 2's link taken down until its ranks were replaced, then healed.
-    Returns the surviving agent's report, checked against a fault-free run."""
+    node_leases: the agents run with --node-leases (each node's workers' keys under its
+    agent's lease, checked). Returns the surviving agent's report, checked against a
+    fault-free run."""
     work = [*WORK, *args]
     world = 2 * per_node
     # the fault-free reference on one node, its buddies where the two-node job has them
     ref = reference_of(references, world, STATEFUL, work[1:], {"LIVEMIG_BUDDY_STRIDE": str(per_node)})
     etcd = _start_etcd(procs, hosts.wrap(0, []), hosts.addrs[0])
     job = "nodes"
-    agent = ["--nproc-per-node", str(per_node)]
+    agent = ["--nproc-per-node", str(per_node), *(["--node-leases"] if node_leases else [])]
     a1 = _agent(procs, hosts.wrap(1, []), etcd, job, tmp_path, "h1", *agent, "--host", hosts.addrs[1],
                 "--node-rank", "0", report=tmp_path / "r1.json", work=work, hold=True)  # fmt: skip
     a2 = _agent(procs, hosts.wrap(2, []), etcd, job, tmp_path, "h2", *agent, "--host", hosts.addrs[2],
@@ -135,6 +137,10 @@ def _node_loss(tmp_path, procs, hosts, references, per_node: int, args: tuple[st
     hosts_of = {r: mem.host for r, mem in m.members.items()}
     want = {r: hosts.addrs[1 + r // per_node] for r in range(world)}
     assert hosts_of == want, hosts_of  # ranks advertise --host; global rank = node rank x per node + i
+    if node_leases:  # one lease a node: every worker's key is held by its agent's
+        leases = {r: client.get(keys.member(r)).lease for r in range(world)}
+        nodes = {k: client.get(keys.node(k)).lease for k in (0, 1)}
+        assert leases == {r: nodes[r // per_node] for r in range(world)}, (leases, nodes)
     if cut:
         hosts.cut(2)
         while time.monotonic() < deadline:  # replaced: a committed generation without host 2
@@ -186,8 +192,9 @@ def test_a_worker_host_cut_off_is_replaced_and_stops_as_fenced_when_healed(tmp_p
 @needs_netns
 def test_a_node_of_two_zero1_ranks_with_local_state_lost_exactly(tmp_path, procs, hosts, references):
     """Each rank's ZeRO-1 shard and local= state are mirrored on the rank one node further
-    (rank + nproc_per_node), so losing a whole node keeps a copy of each."""
-    _node_loss(tmp_path, procs, hosts, references, 2, ("--sharding", "zero1"))
+    (rank + nproc_per_node), so losing a whole node keeps a copy of each. With --node-leases:
+    the lost node's two workers' keys go with its agent's one lease, one recovery."""
+    _node_loss(tmp_path, procs, hosts, references, 2, ("--sharding", "zero1"), node_leases=True)
 
 
 def test_agents_that_do_not_fit_the_run_are_refused(tmp_path, procs):

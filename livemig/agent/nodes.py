@@ -103,10 +103,11 @@ def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int
     want = {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "signature": signature}
     for _ in range(20):  # a few rounds of lost races, never more
         kv = client.get(keys.run)
-        if kv is not None and launch and (decode(kv.value) or {}).get("launch") == launch:
+        run = (decode(kv.value) or {}) if kv is not None else {}
+        if launch and run.get("launch") == launch:
             res = client.get(keys.result)
             if res is not None and (decode(res.value) or {}).get("state") == "done":
-                raise RunEnded((decode(kv.value) or {}).get("run_id", "?"), launch)
+                raise RunEnded(run.get("run_id", "?"), launch)
         if kv is None or not _run_live(client, keys):
             # Remove what an ended run (or a run that never formed) left, then create ours:
             # two transactions (etcd refuses a put inside a range deleted by the same txn).
@@ -121,7 +122,6 @@ def join_run(client: EtcdClient, keys: JobKeys, nnodes: int, nproc_per_node: int
                 log.info("run created", extra={"run": run_id, "node_rank": k})
                 return run_id, k
             continue
-        run = decode(kv.value) or {}
         for field, value in want.items():
             if run.get(field) != value:
                 raise ConfigError(

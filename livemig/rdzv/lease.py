@@ -148,18 +148,24 @@ class LeaseKeeper:
             pass  # unreachable: it expires after its TTL
 
 
+def _lease_in(path: str) -> int | None:
+    """The lease id in the agent's file, None while there is none (yet) or it cannot be read."""
+    try:
+        with open(path) as f:
+            raw = f.read().strip()
+    except OSError:
+        return None
+    return int(raw) if raw.isdigit() else None
+
+
 def read_node_lease(path: str, timeout_s: float) -> int:
     """The node lease id its agent wrote to `path` (--node-leases), waiting up to timeout_s for
     it: a single node's workers start before the agent has its etcd and its lease."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            with open(path) as f:
-                raw = f.read().strip()
-            if raw.isdigit():
-                return int(raw)
-        except FileNotFoundError:
-            pass
+        lease = _lease_in(path)
+        if lease is not None:
+            return lease
         if time.monotonic() > deadline:
             raise TimeoutError(f"no node lease in {path} after {timeout_s:.0f}s: is this node's agent running "
                                "(livemig run --node-leases)?")  # fmt: skip
@@ -209,19 +215,15 @@ class NodeLease:
         while not self._stop.wait(self.POLL_S):
             try:
                 st = os.stat(self.path)
-                if (st.st_mtime_ns, st.st_ino) == seen:
-                    continue
-                with open(self.path) as f:
-                    raw = f.read().strip()
             except OSError:
                 continue
-            if not raw.isdigit():
+            if (st.st_mtime_ns, st.st_ino) == seen or (lease := _lease_in(self.path)) is None:
                 continue
-            if int(raw) == self.lease_id:
+            if lease == self.lease_id:
                 seen = (st.st_mtime_ns, st.st_ino)
                 continue
             try:
-                self.reattach(int(raw))
+                self.reattach(lease)
             except EtcdUnavailableError:
                 continue  # etcd went away again: the next poll tries again
             except Exception as exc:  # noqa: BLE001 - FencedError: replaced meanwhile
@@ -231,9 +233,9 @@ class NodeLease:
                     if self.on_lost is not None:
                         self.on_lost(self.lost_reason)
                 return
-            self.lease_id, seen = int(raw), (st.st_mtime_ns, st.st_ino)
+            self.lease_id, seen = lease, (st.st_mtime_ns, st.st_ino)
             self.outages += 1
-            log.warning("re-registered under the node's new lease", extra={"key": self.key, "lease": int(raw)})
+            log.warning("re-registered under the node's new lease", extra={"key": self.key, "lease": lease})
 
     def stop(self, revoke: bool = True) -> None:
         """revoke: drop the key (only while it is still ours, as put); else leave it to the

@@ -160,15 +160,19 @@ class Hosts:
         return [int(x) for x in r.stdout.split()]
 
     def kill_all(self, k: int) -> list[int]:
-        """SIGKILL every process of host k at once: agent, workers, spares, coordinator."""
+        """SIGKILL every process of host k at once: agent, workers, spares, coordinator. A
+        machine dies as one: every process is SIGSTOPped before any is killed, else an agent
+        killed after one of its workers could still report that worker's death (one rank
+        fenced first, the node's others a lease TTL later: not the machine loss meant)."""
         import signal
 
         pids = self.pids(k)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
         return pids
 
     def cut(self, k: int) -> None:

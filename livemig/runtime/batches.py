@@ -22,6 +22,8 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+
 from livemig.config import Role
 from livemig.data import ElasticSampler
 from livemig.errors import ConfigError
@@ -133,7 +135,12 @@ class Batches:
                     loader.batch_sampler.place_in_epoch(epoch, k, r, w)
                 else:
                     loader.batch_sampler.place(step, r, w)
-                it = iter(loader)
+                # A new iterator draws its workers' base seed from the global RNG, a warm persistent
+                # loader's reset draws none: the step's random stream (dropout) must not depend on
+                # which one this process has (a spare claimed at step 0 on the loader it warmed in
+                # standby drew nothing where the worker it replaces drew once, and differed).
+                with torch.random.fork_rng(devices=[]):
+                    it = iter(loader)
             try:
                 batch = next(it)
             except StopIteration:

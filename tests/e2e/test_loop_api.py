@@ -91,6 +91,22 @@ def test_char_lm_killed_rank_by_rank_with_loader_workers(tmp_path, references):
     assert spare_log and "using the loader warmed up in standby" in open(spare_log[0]).read()
 
 
+def test_a_rank_lost_inside_the_first_step_with_local_state_recovers_exactly(tmp_path, references):
+    """A rank lost inside step 0 (wedged before its collective: replaced as hung), before any
+    boundary, in a job with rank-local state (loader workers, the per-rank record of the sample
+    ids read): the spare resumes at step 0 with no step to replay. Its local state of boundary
+    -1 is the start, which its own entry built (a spare claimed at step 0 once failed: "no
+    local-state snapshot of boundary -1"), and its step 0 draws the same random numbers as the
+    worker's although its loader, warmed in standby, drew no seed for a new iterator."""
+    ref = reference_of(references, 2, CHAR_LM, CHAR_STEPS)
+    run = livemig_run(tmp_path, 2, spares=1, faults=("wedge:rank=1:step=0",), script=CHAR_LM,
+                      job="c0", workload=CHAR_STEPS)  # fmt: skip
+    assert run.rc == 0 and [r["rank"] for r in run.report["recoveries"]] == [1], explain(run)
+    assert run.report["steps_completed"] == 24
+    assert run.report["rank_digests"] == ref.report["rank_digests"], explain(run)
+    assert [e["resume_step"] for e in run.report["timeline"] if e["phase"] == "agree"] == [0], explain(run)
+
+
 @pytest.mark.parametrize(
     "nproc,fault,args",
     [

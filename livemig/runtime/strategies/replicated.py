@@ -312,6 +312,11 @@ class Replicated(Strategy):
                 avg = part.state["flat"]
                 nbytes += part.nbytes
             h.st.replay = Replay(h.committed, unpack(st["boundary"]), local, st["before"], avg, st["extra"])
+        elif h.committed < 0:
+            # Resumed at step 0 (a rank lost inside the first step): nothing to replay; the
+            # state of boundary -1 is the job's start, which this entry's code before the loop
+            # built as the rank's own, and step 0's collective phase mirrors its local part.
+            h.boundary.keep(h.committed)
         h.stream_info = {"stream_s": time.monotonic() - t0, "bytes": nbytes, "source": addr}
         if follower:
             h.stream_info["follower"] = True

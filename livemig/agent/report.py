@@ -392,6 +392,7 @@ def migrations(events: list[dict], commits: list[tuple[int, float]], median_step
                 cur["lag_at_switch_vote"] = ev.get("lag")
             elif ev["phase"] == "switch":
                 cur["switch_step"] = ev.get("step")
+                cur["resyncs"] = max(int(cur.get("resyncs") or 0), int(ev.get("resyncs") or 0))
             elif ev["phase"] == "abort":
                 cur["aborted"] = ev.get("reason", "")
             elif ev["phase"] == "ended":  # a failure during the migration ended it (moved or not)

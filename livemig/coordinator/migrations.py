@@ -184,7 +184,10 @@ class Migrations:
                           migration=dict(mig, phase="done", switch_step=step))  # fmt: skip
             res = {"id": mig.get("id", ""), "state": "done", "rank": rank, "generation": g, "switch_step": step,
                    "spare": spare.spare_id, "time": time.time()}  # fmt: skip
-            events = [self.timeline.op(g, "switch", at=at, step=step), self.timeline.op(g, "commit"),
+            # every newer snapshot the spare loaded, also after the catch-up was recorded (a
+            # final snapshot taken once the switch was voted)
+            resyncs = as_number(ready.get(str(rank), {}).get("resyncs"))
+            events = [self.timeline.op(g, "switch", at=at, step=step, resyncs=resyncs), self.timeline.op(g, "commit"),
                       Put(self.keys.migrate_result, res)]  # fmt: skip
             if self.writes.update_generation(new, extra=events):
                 log.warning("planned migration done", extra={"generation": g, "rank": rank, "switch_step": step})

@@ -339,19 +339,29 @@ class Migration:
 
         strategy = self.e.strategy
 
-        def group_at(k: int, seconds: float) -> None:
+        def group_at(k: int, seconds: float) -> bool:
             """Until the source serves the average of the k-th step past the snapshot (the
-            group committed it) or has withdrawn it, at most `seconds`."""
+            group committed it) or has withdrawn it, at most `seconds`. False at once when the
+            average of the snapshot's own step is withdrawn: the snapshot is behind the group
+            already (the spare loads a newer one next)."""
             assert self.e.loaded_step is not None  # a snapshot was loaded before the stall (load_snapshot)
+            wait = self.e.timeouts.collective.total_seconds()
+            try:
+                pull(addr, rt.job, secret, g, items.step_avg(self.e.loaded_step), wait)
+            except WithdrawnError:
+                return False
+            except TransferError:
+                pass  # not committed yet: the snapshot is current
             end, item = time.monotonic() + seconds, items.step_avg(self.e.loaded_step + k - 1)
             while time.monotonic() < end and not rt.moved_to_other(g)():
                 try:
-                    pull(addr, rt.job, secret, g, item, self.e.timeouts.collective.total_seconds())
-                    return
+                    pull(addr, rt.job, secret, g, item, wait)
+                    return True
                 except WithdrawnError:
-                    return  # the group is past it already
+                    return True  # the group is past it already
                 except TransferError:
                     time.sleep(0.005)  # not served yet
+            return True
 
         def load_snapshot(item: str, resyncs: int = 0, once: bool = False) -> dict:
             t0 = time.monotonic()
@@ -416,5 +426,5 @@ class Migration:
         rt.register(rank)
         rt.switch_to(g)
         rt.put(rt.keys.ready(g, rank), {"incarnation": self.e.incarnation, "switched": self.e.committed,
-                                        "time": time.time(), **self.e.stream_info})  # fmt: skip
+                                        "time": time.time(), "resyncs": resyncs, **self.e.stream_info})  # fmt: skip
         log.info("migration: switched in", extra={"rank": rank, "generation": g, "step": self.e.committed})

@@ -123,20 +123,26 @@ class SelfFaults:
         self.fault = SelfFault("selfwedge", step + 1, "compute") if kind == "wedge" else SelfFault(
             "selfbreak", step + 1, "allreduce")  # fmt: skip
 
-    def stall_after_snapshot(self, group_at: Callable[[int, float], None]) -> None:
+    def stall_after_snapshot(self, group_at: Callable[[int, float], bool]) -> None:
         """`spare-hang:during=snapshot:resume=S`: a migrating spare stalls S seconds once its
         snapshot is loaded (a starved host), so the group runs ahead of what it can replay;
         with `ahead=K` until `group_at(K, S)` returns (the group committed K steps past the
-        snapshot, or S seconds passed), so the catch-up is K steps long however slow the host's steps are."""
+        snapshot, or S seconds passed), so the catch-up is K steps long however slow the host's
+        steps are. A snapshot the group has left behind already (`group_at` False: on a loaded
+        host the stream took longer than the steps the source keeps) is not stalled on: the
+        fault waits for the newer snapshot the spare loads next."""
         f = self.fault
         if f is not None and f.kind == "selfstall" and f.at == "snapshot":
-            self.fault = None
-            log.warning("test fault: the spare stalls after loading its snapshot",
-                        extra={"seconds": f.seconds, "ahead": f.ahead})  # fmt: skip
             if f.ahead:
-                group_at(f.ahead, f.seconds)
-            else:
-                time.sleep(f.seconds)
+                if not group_at(f.ahead, f.seconds):
+                    log.warning("test fault: the snapshot is behind the group already; the stall waits for the next")
+                    return
+                self.fault = None
+                log.warning("test fault: the spare stalled after loading its snapshot", extra={"ahead": f.ahead})
+                return
+            self.fault = None
+            log.warning("test fault: the spare stalls after loading its snapshot", extra={"seconds": f.seconds})
+            time.sleep(f.seconds)
 
     def corrupt_next_serve(self, server: Any) -> None:
         """`livemig inject corrupt --rank R` (or the plan's `corrupt:rank=R`): the first chunk

@@ -122,7 +122,7 @@ def test_planned_migration_of_a_clipped_run_is_exact(tmp_path, reference, nproc,
     # The spare stalls once its snapshot is loaded until the group is 5 steps past it: a catch-up
     # of several steps however slow a loaded host's steps are, fewer than the 8 averages the
     # leaving rank keeps.
-    faults = ("migrate:rank=0:step=12", "spare-hang:during=snapshot:ahead=5:resume=30")
+    faults = ("migrate:rank=0:step=12", "spare-hang:during=snapshot:ahead=5:resume=120")
     run, ranks = _run(tmp_path, nproc, spares=1, faults=faults, args=args, job="m", step_ms=30)
     assert_same_run(run, ranks, ref)
     loaded, switch = _migration(run)

@@ -157,7 +157,7 @@ def test_zero1_planned_migration_with_clipping_and_a_gradscaler_is_exact(tmp_pat
     ref_run, want = _port(tmp_path, "ref", True, steps=60, more=more)
     faults = (
         "migrate:rank=1:step=8",
-        "spare-hang:during=snapshot:ahead=12:resume=20",
+        "spare-hang:during=snapshot:ahead=12:resume=120",
         "kill:rank=2:step=48:during=migrated",
     )
     run, got = _port(tmp_path, "m", True, faults=faults, spares=2, steps=60, more=more)

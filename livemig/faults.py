@@ -53,7 +53,8 @@ the outage).
   (`spare-hang:during=snapshot:resume=S` stalls the spare S s, default 10, in-process at
   that point, so the group runs ahead of what it can replay; `ahead=K` instead stalls it
   until the group has committed K steps past the snapshot, at most resume= seconds: a
-  catch-up of K steps however slow the host's steps are);
+  catch-up of K steps however slow the host's steps are; a snapshot the group has left
+  behind already is not stalled on: the newer one the spare loads next is);
   catchup = a migrating spare loaded its snapshot and caught up with the group);
 - migrated: once the job's planned migration has its outcome (done, aborted or
   rejected) and none is queued or in flight, whenever that was: a plan of

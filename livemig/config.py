@@ -200,6 +200,9 @@ ENV_COMM = "LIVEMIG_COMM"
 ENV_NCCL_EXACT = "LIVEMIG_NCCL_EXACT"
 ENV_ZERO1_MIRROR = "LIVEMIG_ZERO1_MIRROR"  # "0": no mirror of ZeRO-1 shards (benchmarks; a lost shard is fatal)
 ENV_FSDP2_MIRROR = "LIVEMIG_FSDP2_MIRROR"  # 0: no mirror of each FSDP2 shard (default: on for plain FSDP)
+# "0": a spare in standby warms its FSDP2 code on a mesh of one instead of the job's mesh shape
+# (runtime/fsdp2_mesh.py, "A spare's warm-up on the job's mesh"; default 1)
+ENV_SPARE_MESH = "LIVEMIG_SPARE_MESH"
 # "0": every worker and spare is a fresh `python SCRIPT` instead of a fork of the agent's zygote,
 # which imported torch once (agent/zygote.py; default 1)
 ENV_PREFORK = "LIVEMIG_PREFORK"

@@ -274,6 +274,9 @@ def add_downtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--widths", default="", help="with --follow: model widths to sweep, e.g. 1024,2048 (default --width)"
     )
+    p.add_argument("--spare-mesh-ab", action="store_true",
+                   help="with --sharding fsdp2: the kill and the migration also with LIVEMIG_SPARE_MESH=0 (the "
+                   "spare warmed on a mesh of one), side by side, and their ratios")  # fmt: skip
 
 
 def run_downtime(a: argparse.Namespace) -> int:

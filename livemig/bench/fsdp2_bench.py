@@ -22,6 +22,7 @@ from livemig.bench.downtime_bench import ROOT, ratio_line, run_ddp, run_livemig,
 LM = os.path.join(ROOT, "examples", "fsdp2_lm.py")
 BASELINE = os.path.join(ROOT, "examples", "fsdp2_baseline.py")
 MIRROR_ON = {"LIVEMIG_FSDP2_MIRROR": "1"}
+SPARE_MESH_OFF = {"LIVEMIG_SPARE_MESH": "0"}
 
 
 def _workload(a: argparse.Namespace, overhead: bool = False) -> list[str]:
@@ -100,13 +101,18 @@ def run_downtime(a: argparse.Namespace) -> int:
         # a planned migration of rank 1 at --fail-at: its pause is the downtime column (issue 52 item 5)
         "migration": lambda: run_livemig(a, "migrate", w, script=LM),
     }
+    if getattr(a, "spare_mesh_ab", False):  # the spare's warm-up on a mesh of one, as before (fsdp2_mesh.py)
+        approaches["livemig_mesh1"] = lambda: run_livemig(a, True, w, SPARE_MESH_OFF, script=LM)
+        approaches["migration_mesh1"] = lambda: run_livemig(a, "migrate", w, SPARE_MESH_OFF, script=LM)
     samples: dict[str, list[dict]] = {k: [] for k in approaches}
     for r in range(a.repeat):
         for name, fn in approaches.items():
             print(f"  round {r + 1}/{a.repeat}: {name} ...", flush=True)
             samples[name].append(fn())
+    pairs = [("livemig", "fault_free"), ("restart_dcp", "torch_fsdp2"), ("migration", "fault_free")]
+    pairs += [(x, "fault_free") for x in ("livemig_mesh1", "migration_mesh1") if x in samples]
     for i in range(a.repeat):
-        for faulted, free in (("livemig", "fault_free"), ("restart_dcp", "torch_fsdp2"), ("migration", "fault_free")):
+        for faulted, free in pairs:
             row, ref = samples[faulted][i], samples[free][i]
             row["lost_s"] = row["wall_s"] - ref["wall_s"]
             row["bit_identical"] = bool(row["digest"]) and row["digest"] == ref["digest"]
@@ -118,7 +124,12 @@ def run_downtime(a: argparse.Namespace) -> int:
     if summary["restart_dcp"]["downtime_s"] and summary["livemig"]["downtime_s"] is not None:
         ratio = summary["livemig"]["downtime_s"] / summary["restart_dcp"]["downtime_s"]
         print(f"livemig downtime / restart downtime: {ratio:.3f}")
-    for name in ("livemig", "migration"):
+    for warm, one in (("livemig", "livemig_mesh1"), ("migration", "migration_mesh1")):
+        if one in samples:  # the spare warmed on the job's mesh against one warmed on a mesh of one
+            num, den = ([x["downtime_s"] or 0.0 for x in samples[k]] for k in (warm, one))
+            line, _ = ratio_line(f"{warm}: job's mesh / mesh of one", num, den)
+            print(line)
+    for name in [x for x in ("livemig", "migration", "livemig_mesh1", "migration_mesh1") if x in samples]:
         phases = {k: statistics.median([x["phases"].get(k, 0.0) for x in samples[name]])
                   for k in (samples[name][0].get("phases") or {})}  # fmt: skip
         if phases:

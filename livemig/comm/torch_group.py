@@ -450,6 +450,88 @@ class SwappableGroup(dist.ProcessGroup):
         return run()
 
 
+class _Loopback:
+    """The inner backend of a spare's standby world at the job's size (`install_standby`):
+    every collective completes at once, as if every peer held what this rank holds (a
+    gather repeats the input, a reduce-scatter keeps this rank's chunk, a reduction leaves
+    the tensor as it is). The user's loop body then runs its DTensor code on the job's mesh
+    shape with no peer, which fills DTensor's sharding-propagation caches for that shape
+    (runtime/fsdp2_mesh.py); the values are thrown away with the warm-up."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Done:
+        return _Done(list(tensors))
+
+    allreduce_coalesced = allreduce
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> _Done:
+        return _Done(list(tensors))
+
+    reduce = allreduce
+
+    def barrier(self, opts: Any = None) -> _Done:
+        return _Done([])
+
+    def monitored_barrier(self, *a: Any, **k: Any) -> None:
+        return None
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> _Done:
+        with torch.no_grad():
+            for outs, inp in zip(outputs, inputs, strict=True):
+                for o in outs:
+                    o.copy_(inp)
+        return _Done([t for outs in outputs for t in outs])
+
+    allgather_coalesced = allgather
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> _Done:
+        """At the root every rank's input is this rank's; elsewhere (no outputs) nothing lands."""
+        with torch.no_grad():
+            for outs, inp in zip(outputs, inputs, strict=False):
+                for o in outs:
+                    o.copy_(inp)
+        return _Done([t for outs in outputs for t in outs])
+
+    def _allgather_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> _Done:
+        with torch.no_grad():
+            for chunk in out.chunk(self.size):
+                chunk.copy_(inp.reshape(chunk.shape))
+        return _Done([out])
+
+    def _reduce_scatter_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> _Done:
+        with torch.no_grad():
+            out.copy_(inp.chunk(self.size)[self.rank].reshape(out.shape))
+        return _Done([out])
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> _Done:
+        with torch.no_grad():
+            for o, parts in zip(outputs, inputs, strict=True):
+                o.copy_(parts[self.rank])
+        return _Done(list(outputs))
+
+    def alltoall_base(self, out: torch.Tensor, inp: torch.Tensor, *a: Any) -> _Done:
+        with torch.no_grad():
+            out.copy_(inp.reshape(out.shape))
+        return _Done([out])
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _OUTPUTS:
+            raise AttributeError(name)
+
+        def refused(*a: Any, **k: Any) -> Any:
+            raise RuntimeError(f"torch.distributed {name} has no peer in a spare's warm-up on the job's mesh: "
+                               "guard it with `if not ctx.warming_up:`")  # fmt: skip
+
+        return refused
+
+
+def loopback_inner(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
+    """The inner communicator of every group of a spare's standby world (`_Loopback`)."""
+    return _Loopback(rank, size)
+
+
 def gloo_inner(store: dist.Store, rank: int, size: int, timeout: timedelta) -> Any:
     """The default inner communicator: a gloo backend on `store`."""
     return dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -495,8 +577,8 @@ def install(store: dist.Store, rank: int, world: int, timeout: timedelta,
         default = dist.distributed_c10d._get_default_group()
         if not isinstance(default, SwappableGroup):
             raise RuntimeError("torch.distributed was initialised by someone else: livemig cannot own its groups")
-        if default.size() == world and default.rank() == rank:
-            return default
+        if default.size() == world and default.rank() == rank and not standby_world():
+            return default  # (a standby world is always replaced: its groups have no peers)
         dist.destroy_process_group()
         with _lock:
             _groups.clear()
@@ -512,6 +594,19 @@ def install_unformed(rank: int, world: int, timeout: timedelta) -> SwappableGrou
     return install(dist.HashStore(), rank, world, timeout, inner=_lazy_inner)
 
 
+def install_standby(rank: int, world: int, timeout: timedelta) -> SwappableGroup:
+    """A spare in standby: the job's world size, this process alone in it (`_Loopback`), so
+    the mesh and DTensor code of its warm-up have the job's shape. Replaced by the job's
+    world when the spare is claimed."""
+    return install(dist.HashStore(), rank, world, timeout, inner=loopback_inner)
+
+
+def standby_world() -> bool:
+    """Is the default group a standby world (`install_standby`)?"""
+    g = groups()
+    return bool(g) and isinstance(g[0].inner, _Loopback)
+
+
 def groups() -> list[SwappableGroup]:
     with _lock:
         return list(_groups)
@@ -519,7 +614,7 @@ def groups() -> list[SwappableGroup]:
 
 def active() -> bool:
     """Does this process train over torch groups livemig owns (is there a group to swap)?"""
-    return bool(groups()) and dist.is_initialized() and groups()[0].size() > 1
+    return bool(groups()) and dist.is_initialized() and groups()[0].size() > 1 and not standby_world()
 
 
 def build_inners(store: dist.Store, rank: int, default_inner: Any,

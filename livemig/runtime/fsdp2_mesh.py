@@ -65,6 +65,28 @@ def shard_peers(rank: int, shape: list[int]) -> list[int]:
     return [r for r in range(world) if r != rank and r % s == rank % s]
 
 
+# What a DeviceMesh holds of its process's rank (torch 2.10+): the rest is its value.
+_REBOUND = ("_dim_group_names", "_pg_registry", "_rank", "_coordinate_on_dim", "_flatten_mapping")
+
+
+def rebind_mesh(warm: Any, real: Any) -> bool:
+    """Make `warm` (a mesh equal to `real` by value, built in a standby world as another
+    rank) answer as `real` does: its groups, rank and coordinate. DTensor specs cached during
+    a warm-up hold `warm`; after this they name the real groups. False where this torch's
+    DeviceMesh lacks the fields: DTensor's sharding caches are cleared instead (correct, the
+    warm-up's gain lost)."""
+    if warm == real and all(hasattr(real, a) and hasattr(warm, a) for a in _REBOUND):
+        for a in _REBOUND:
+            setattr(warm, a, getattr(real, a))
+        return True
+    from torch.distributed.tensor import debug
+
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear is not None:
+        clear()
+    return False
+
+
 class MeshHost(Protocol):
     """What the FSDP2 mesh owner uses of its member (api.Engine's fields): who it is, where the
     step is, and joining a recovery when a collective inside the user's code fails."""
@@ -105,6 +127,7 @@ class Fsdp2:
         self.want_mirror = False  # mirror the left neighbour's shard (fsdp2_mirror.py)
         self.mirror: ShardMirror | None = None  # kept across re-entries, as the shards are
         self.units: list[str] = []  # the modules fully_shard wrapped ("" is the root)
+        self.warm: Any = None  # a standby's mesh of the job's shape, until the claim rebinds it
 
     # -- the mesh ---------------------------------------------------------------------------
     def init_device_mesh(self, device_type: str, mesh_shape: tuple[int, ...],
@@ -118,26 +141,68 @@ class Fsdp2:
             raise ConfigError(f"ctx.init_device_mesh: mesh_shape={shape}: expected 1 or 2 positive sizes "
                               "((shard,) for FSDP, (replicate, shard) for HSDP)")  # fmt: skip
         names = tuple(mesh_dim_names) if mesh_dim_names else None
-        # A spare in standby and a local run train as a world of one (sandbox/warmup.py)
-        one = h.role == Role.LOCAL or (h.role == Role.SPARE and h.joining is None)
+        # A spare in standby warms up on the job's mesh shape, alone in it (`warm_shaped`); a
+        # local run, and a spare that cannot, train as a world of one (sandbox/warmup.py)
+        standby = h.role == Role.SPARE and h.joining is None
+        one = h.role == Role.LOCAL or standby
         if not one and math.prod(shape) != h.world_size:
             raise ConfigError(f"ctx.init_device_mesh({shape}): the mesh has {math.prod(shape)} ranks but the job "
                               f"has {h.world_size}: make the sizes multiply to --nproc")  # fmt: skip
-        key = (device_type, shape, names, one)
+        shaped = standby and self._may_warm_shaped(shape)
+        key = (device_type, shape, names, "shaped" if shaped else one)
         if self.mesh is not None and self._key == key:
             return self.mesh  # entered again: the same mesh object, its groups swapped underneath
-        world, rank = (1, 0) if one else (h.world_size, h.rank)
-        torch_group.install_unformed(rank, world, h.timeouts.collective)
-        abort = h.runtime.moved_on if (h.runtime is not None and not one) else None
-        torch_group.set_guard(abort, h.timeouts.collective, before=self._before_collective,
-                              on_wait=self.waiting if abort is not None else None)  # fmt: skip
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.mesh = init_device_mesh(device_type, (1,) * len(shape) if one else shape, mesh_dim_names=names)
+        if shaped:
+            torch_group.install_standby(0, h.world_size, h.timeouts.collective)
+            torch_group.set_guard(None, h.timeouts.collective, before=self._before_collective)
+            self.mesh = self.warm = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        else:
+            world, rank = (1, 0) if one else (h.world_size, h.rank)
+            torch_group.install_unformed(rank, world, h.timeouts.collective)
+            abort = h.runtime.moved_on if (h.runtime is not None and not one) else None
+            torch_group.set_guard(abort, h.timeouts.collective, before=self._before_collective,
+                                  on_wait=self.waiting if abort is not None else None)  # fmt: skip
+            self.mesh = init_device_mesh(device_type, (1,) * len(shape) if one else shape, mesh_dim_names=names)
+            if not one and self.warm is not None:
+                self._rebind_warm(self.mesh)
         if len(shape) == 2:
             self.mesh.get_group(0).role = "replicate"
         self.shape, self._key = list(shape), key
         return self.mesh
+
+    # -- a spare's warm-up on the job's mesh ------------------------------------------------
+    # DTensor's first use of each (op, input specs) runs its sharding propagation, cached by
+    # value: the mesh's ranks, shape, device type and dimension names, not the local rank
+    # (docs/benchmarks.md, "Where an FSDP2 recovery's and migration's time goes"). A spare that
+    # warmed up on a mesh of one missed every entry of the job's mesh, and its first step in
+    # the group paid them inside the survivors' wait (clip + optimizer step: 0.3-0.9 s). So a
+    # spare in standby installs the job's world alone (comm/torch_group.py install_standby:
+    # collectives loop back) as rank 0 and builds the job's mesh shape: the warm-up fills the
+    # caches for it. A hit hands back specs holding that warm mesh object, whose groups and
+    # coordinate are rank 0's, and the spare is claimed as another rank: at the claim the warm
+    # object takes the real mesh's rank-dependent fields (`_rebind_warm`), so every cached
+    # spec names the claimed rank's groups. Where that cannot be done (a torch whose DeviceMesh
+    # lacks the fields), the caches are cleared instead: correct, and the warm-up's gain lost.
+    def _may_warm_shaped(self, shape: tuple[int, ...]) -> bool:
+        """Warm up on the job's mesh shape? Not when turned off ($LIVEMIG_SPARE_MESH=0), for a
+        job of one, or when the function created groups of its own before the mesh (a
+        standby world would replace them)."""
+        from livemig.config import ENV_SPARE_MESH
+
+        if os.environ.get(ENV_SPARE_MESH, "1").strip().lower() in ("0", "false", "no"):
+            return False
+        world = self.h.world_size
+        return world > 1 and math.prod(shape) == world and len(torch_group.groups()) <= 1
+
+    def _rebind_warm(self, real: Any) -> None:
+        """The claim: the warm mesh object becomes the claimed rank's (see above)."""
+        warm, self.warm = self.warm, None
+        if rebind_mesh(warm, real):
+            log.info("the warm-up's mesh rebound to the claimed rank", extra={"rank": self.h.rank})
+        else:
+            log.info("the warm-up's mesh could not be rebound: DTensor's caches cleared", extra={"rank": self.h.rank})
 
     def waiting(self, begins: bool) -> None:
         """A wait inside FSDP2's collectives: the hang detection's input, as the plain path's

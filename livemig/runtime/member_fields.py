@@ -104,6 +104,7 @@ class MemberFields:
     @property
     def warming_up(self) -> bool:
         """True while a spare runs its sandboxed warm-up iterations (as rank 0 of a world
-        of one; nothing survives them): guard side effects with
+        of one, or with FSDP2 alone in a world of the job's size: runtime/fsdp2_mesh.py;
+        nothing survives them): guard side effects with
         `if not ctx.warming_up and ctx.rank == 0:`."""
         return self.sandbox.active

@@ -100,7 +100,8 @@ class PreLoop:
         if one and dist.is_initialized() and not torch_group.groups():
             return  # a local script that initialised torch.distributed itself: its groups
         rank, world = (0, 1) if one else (h.rank, h.world_size)
-        torch_group.install_unformed(rank, world, h.timeouts.collective)
+        if not (one and torch_group.standby_world()):  # a standby's world of the job's shape stays (fsdp2_mesh.py)
+            torch_group.install_unformed(rank, world, h.timeouts.collective)
         if not one and h.runtime is not None and torch_group.GUARD.should_abort is None:
             # a wait in user code's collectives is the hang detection's input, as FSDP2's are
             torch_group.set_guard(h.runtime.moved_on, h.timeouts.collective, on_wait=h.fsdp2.waiting)

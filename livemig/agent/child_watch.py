@@ -85,6 +85,7 @@ class ChildWatch:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self._fenced_seen: dict[str, float] = {}  # incarnation -> when its fence was first seen
+        self._killed: set[str] = set()  # incarnations kill_fenced SIGKILLed (said once)
         self.spares_warm: dict[str, float] = {}  # spare id -> when it first reported warm (wall time)
         self._progress_cache: dict[str, tuple[int, dict | None]] = {}  # key -> (mod revision, record)
         self._last_print = -1
@@ -192,7 +193,9 @@ class ChildWatch:
                 self._fenced_seen.pop(c.incarnation, None)  # stopped by a fault plan: its clock starts once resumed
                 continue
             if fenced_too_long(self._fenced_seen, c.incarnation):
-                kill_group(c.proc.pid, c.name)
+                # killed once, said once: it stays unreaped (poll) for a pass or more after SIGKILL
+                kill_group(c.proc.pid, c.name, say=c.incarnation not in self._killed)
+                self._killed.add(c.incarnation)
 
     def forget_fenced(self, by_key: dict) -> None:
         """A fence key exists to refuse a zombie's writes; once this agent has reaped the

@@ -50,8 +50,9 @@ def killed_wait_s() -> float:
     return env_seconds(ENV_KILLED_WAIT_S, KILLED_WAIT_S)
 
 
-def kill_group(pid: int, name: str) -> None:
-    log.warning("fenced child still running: killed", extra={"child": name})
+def kill_group(pid: int, name: str, say: bool = True) -> None:
+    if say:
+        log.warning("fenced child still running: killed", extra={"child": name})
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -478,21 +478,14 @@ class _Loopback:
         return None
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> _Done:
-        with torch.no_grad():
-            for outs, inp in zip(outputs, inputs, strict=True):
-                for o in outs:
-                    o.copy_(inp)
-        return _Done([t for outs in outputs for t in outs])
-
-    allgather_coalesced = allgather
-
-    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> _Done:
-        """At the root every rank's input is this rank's; elsewhere (no outputs) nothing lands."""
+        """Every rank's input is this rank's. Also `gather`: a non-root has no outputs, and nothing lands."""
         with torch.no_grad():
             for outs, inp in zip(outputs, inputs, strict=False):
                 for o in outs:
                     o.copy_(inp)
         return _Done([t for outs in outputs for t in outs])
+
+    allgather_coalesced = gather = allgather
 
     def _allgather_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> _Done:
         with torch.no_grad():

@@ -49,16 +49,18 @@ def test_a_run_with_a_follower_and_no_fault_equals_the_fault_free_run(tmp_path, 
 
 def test_a_follower_stopped_for_3_s_drops_to_warm_without_slowing_training_and_a_kill_stays_exact(
         tmp_path, reference):  # noqa: F811  # fmt: skip
-    """SIGSTOP the follower for 2 s once it follows (20 steps: more than --follow-lag behind):
-    training goes on at its pace (the feed is pulled, never pushed), the follower drops to warm
-    standby, and the kill after it is recovered by streaming, exactly."""
+    """SIGSTOP the follower for 2 s once it follows (~20 steps, more than --follow-lag 2 behind;
+    with the default lag of 4 a loaded CI host, ~0.5 s steps, trained only 4 steps meanwhile and
+    the follower never dropped): training goes on at its pace (the feed is pulled, never pushed),
+    the follower drops to warm standby, and the kill after it is recovered by streaming, exactly."""
     ref = reference(3, tuple(AMP))
     feeder = feeder_rank(FOLLOWER, [0, 1, 2])
     victim = next(r for r in (2, 1) if r != feeder)
     out = tmp_path / "out-fs"
     out.mkdir()
     # --lease-ttl 6: the stopped spare outlives its stop (the suite's 2 s would fence it)
-    run = livemig_run(tmp_path, 3, spares=1, script=PORT, job="fs", extra=("--follow", "1", "--lease-ttl", "6"),
+    opts = ("--follow", "1", "--follow-lag", "2", "--lease-ttl", "6")
+    run = livemig_run(tmp_path, 3, spares=1, script=PORT, job="fs", extra=opts,
                       faults=("spare-hang:step=6:resume=2", f"kill:rank={victim}:step=38"),
                       workload=port_work(tuple(AMP), 100, str(out)))  # fmt: skip
     assert_same_run(run, rank_files(out), ref)

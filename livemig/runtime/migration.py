@@ -341,8 +341,8 @@ class Migration:
 
         def group_at(k: int, seconds: float) -> bool:
             """Until the source serves the average of the k-th step past the snapshot (the
-            group committed it) or has withdrawn it, at most `seconds`. False at once when the
-            average of the snapshot's own step is withdrawn: the snapshot is behind the group
+            group committed it), at most `seconds`. False when it or the snapshot's own
+            step's average is withdrawn: the snapshot is behind the group
             already (the spare loads a newer one next)."""
             assert self.e.loaded_step is not None  # a snapshot was loaded before the stall (load_snapshot)
             wait = self.e.timeouts.collective.total_seconds()
@@ -358,7 +358,7 @@ class Migration:
                     pull(addr, rt.job, secret, g, item, wait)
                     return True
                 except WithdrawnError:
-                    return True  # the group is past it already
+                    return False  # more than the kept averages past it: this snapshot is behind too
                 except TransferError:
                     time.sleep(0.005)  # not served yet
             return True

@@ -31,7 +31,7 @@ import torch
 
 from livemig.comm import torch_group
 from livemig.comm.group import CollectiveAborted
-from livemig.config import ENV_FSDP2_MIRROR, Role
+from livemig.config import ENV_FSDP2_MIRROR, ENV_SPARE_MESH, Role
 from livemig.errors import ConfigError
 from livemig.runtime.control import Activate
 from livemig.runtime.fsdp2_mirror import ShardMirror
@@ -141,7 +141,7 @@ class Fsdp2:
             raise ConfigError(f"ctx.init_device_mesh: mesh_shape={shape}: expected 1 or 2 positive sizes "
                               "((shard,) for FSDP, (replicate, shard) for HSDP)")  # fmt: skip
         names = tuple(mesh_dim_names) if mesh_dim_names else None
-        # A spare in standby warms up on the job's mesh shape, alone in it (`warm_shaped`); a
+        # A spare in standby warms up on the job's mesh shape, alone in it (`_may_warm_shaped`); a
         # local run, and a spare that cannot, train as a world of one (sandbox/warmup.py)
         standby = h.role == Role.SPARE and h.joining is None
         one = h.role == Role.LOCAL or standby
@@ -189,8 +189,6 @@ class Fsdp2:
         """Warm up on the job's mesh shape? Not when turned off ($LIVEMIG_SPARE_MESH=0), for a
         job of one, or when the function created groups of its own before the mesh (a
         standby world would replace them)."""
-        from livemig.config import ENV_SPARE_MESH
-
         if os.environ.get(ENV_SPARE_MESH, "1").strip().lower() in ("0", "false", "no"):
             return False
         world = self.h.world_size
